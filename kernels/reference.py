@@ -1,0 +1,167 @@
+"""Torch reference implementations of the paged-KV operations.
+
+They define the semantics the Triton kernels must reproduce, and they are what
+the executor runs on CPU. Shapes (one layer of the pool):
+
+- ``query``: ``[T, H, D]``, the packed new tokens of every sequence in the step.
+- ``key_cache`` / ``value_cache``: ``[num_blocks, block_size, KVH, D]``.
+- ``meta.block_tables``: ``[S, max_blocks]`` int32, physical block per logical block.
+- ``meta.query_start_loc``: ``[S + 1]`` int32, offsets of each sequence's tokens in ``query``.
+- ``meta.seq_lens``: ``[S]`` int32, context length after this step (cached + new).
+
+A sequence's new tokens are the last ``q_len`` positions of its context, so
+context already in the cache is ``seq_len - q_len`` (a prefill chunk or a
+decode token on top of earlier context).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(slots=True)
+class _Group:
+    """Sequences padded together: decodes (q_len 1) or prefill chunks."""
+
+    token_index: torch.Tensor  # [S_g, Q_g] index into the packed tokens
+    token_valid: torch.Tensor  # [S_g, Q_g] bool
+    slots: torch.Tensor  # [S_g, L_g] flat slot of each key position
+    mask: torch.Tensor  # [S_g, 1, Q_g, L_g] bool, True where attention is allowed
+
+
+@dataclass(slots=True)
+class PagedMetadata:
+    """Per-step attention inputs, shared by every layer of the forward pass.
+
+    The torch path derives its gather indices and masks once per step (not once
+    per layer) and caches them in ``groups``.
+    """
+
+    block_tables: torch.Tensor
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_size: int
+    slot_mapping: torch.Tensor  # [T] int64 flat slot of each new token
+    groups: list[_Group] | None = field(default=None)
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.seq_lens.shape[0])
+
+
+def slot_mapping_for(
+    block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_size: int
+) -> torch.Tensor:
+    """Flat cache slot (``block * block_size + offset``) of every packed token."""
+    q_lens = (query_start_loc[1:] - query_start_loc[:-1]).long()
+    seq_of_token = torch.repeat_interleave(torch.arange(len(q_lens)), q_lens)
+    first_pos = (seq_lens.long() - q_lens)[seq_of_token]
+    offset_in_seq = torch.arange(int(q_lens.sum())) - query_start_loc[:-1].long()[seq_of_token]
+    pos = first_pos + offset_in_seq
+    blocks = block_tables.long()[seq_of_token, pos // block_size]
+    return blocks * block_size + pos % block_size
+
+
+def make_metadata(
+    block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_size: int
+) -> PagedMetadata:
+    return PagedMetadata(
+        block_tables=block_tables,
+        query_start_loc=query_start_loc,
+        seq_lens=seq_lens,
+        block_size=block_size,
+        slot_mapping=slot_mapping_for(block_tables, query_start_loc, seq_lens, block_size),
+    )
+
+
+def _build_group(meta: PagedMetadata, seqs: torch.Tensor) -> _Group:
+    starts = meta.query_start_loc[:-1].long()[seqs]
+    q_lens = (meta.query_start_loc[1:] - meta.query_start_loc[:-1]).long()[seqs]
+    ctx = meta.seq_lens.long()[seqs]
+    q_max, l_max = int(q_lens.max()), int(ctx.max())
+    qi = torch.arange(q_max)
+    token_valid = qi[None, :] < q_lens[:, None]
+    token_index = torch.where(token_valid, starts[:, None] + qi[None, :], 0)
+    pos = torch.arange(l_max)
+    bt = meta.block_tables.long()[seqs]
+    blocks = bt[:, (pos // meta.block_size).clamp(max=bt.shape[1] - 1)]
+    slots = blocks * meta.block_size + pos % meta.block_size
+    # Query i of a sequence sits at position ctx - q_len + i and sees keys up to it.
+    q_pos = (ctx - q_lens)[:, None] + qi[None, :]
+    mask = pos[None, None, :] <= q_pos[:, :, None]
+    # Padded query rows would see nothing (NaN in softmax): let them see key 0.
+    mask = mask | (~token_valid[:, :, None] & (pos == 0)[None, None, :])
+    return _Group(token_index, token_valid, slots, mask[:, None])
+
+
+def _groups(meta: PagedMetadata) -> list[_Group]:
+    if meta.groups is None:
+        q_lens = meta.query_start_loc[1:] - meta.query_start_loc[:-1]
+        decode = q_lens == 1
+        meta.groups = [
+            _build_group(meta, seqs)
+            for seqs in (torch.nonzero(decode).flatten(), torch.nonzero(~decode).flatten())
+            if len(seqs)
+        ]
+    return meta.groups
+
+
+def reshape_and_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Scatter new K/V ``[T, KVH, D]`` into the cache slots; slots < 0 are skipped."""
+    slots = slot_mapping.long()
+    keep = slots >= 0
+    if not bool(keep.all()):
+        key, value, slots = key[keep], value[keep], slots[keep]
+    kvh, d = key_cache.shape[-2:]
+    key_cache.view(-1, kvh, d).index_copy_(0, slots, key.to(key_cache.dtype))
+    value_cache.view(-1, kvh, d).index_copy_(0, slots, value.to(value_cache.dtype))
+
+
+def paged_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    meta: PagedMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of each sequence's new tokens over its paged context.
+
+    Vectorised across sequences: decode tokens and prefill chunks form two
+    padded groups, each one batched ``scaled_dot_product_attention`` call.
+    """
+    heads, dim = query.shape[1:]
+    kvh = key_cache.shape[-2]
+    flat_k = key_cache.view(-1, kvh, dim)
+    flat_v = value_cache.view(-1, kvh, dim)
+    out = torch.empty_like(query)
+    for g in _groups(meta):
+        q = query[g.token_index].transpose(1, 2)  # [S, H, Q, D]
+        k = flat_k[g.slots].transpose(1, 2).to(query.dtype)  # [S, KVH, L, D]
+        v = flat_v[g.slots].transpose(1, 2).to(query.dtype)
+        o = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=g.mask, scale=scale, enable_gqa=heads != kvh
+        )
+        o = o.transpose(1, 2)  # [S, Q, H, D]
+        out[g.token_index[g.token_valid]] = o[g.token_valid]
+    return out
+
+
+def copy_blocks(
+    src_cache: torch.Tensor, dst_cache: torch.Tensor, src_blocks: torch.Tensor, dst_blocks: torch.Tensor
+) -> None:
+    """Copy whole blocks between pools laid out ``[layers, num_blocks, ...]``.
+
+    Source and destination may be the same pool (copy-on-write,
+    defragmentation) or live on different devices (swap to or from host memory).
+    """
+    src_idx = src_blocks.long().to(src_cache.device)
+    dst_idx = dst_blocks.long().to(dst_cache.device)
+    dst_cache.index_copy_(1, dst_idx, src_cache.index_select(1, src_idx).to(dst_cache.device))
