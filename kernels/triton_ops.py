@@ -558,7 +558,10 @@ def _reshape_and_cache_kernel(
     HEAD_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
 ):
-    """Grid ``(T,)``: write token ``t``'s K and V (all KV heads) to its slot."""
+    """Grid ``(T,)``: write token ``t``'s K and V (all KV heads) to its slot.
+
+    K/V already have the cache dtype; the kernel only moves them.
+    """
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping + t).to(tl.int64)
     if slot < 0:
@@ -571,10 +574,10 @@ def _reshape_and_cache_kernel(
 
     k = tl.load(key + t * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :] * stride_kd, mask=mask)
     k_dst = key_cache + block * stride_kcb + in_block * stride_kcs
-    tl.store(k_dst + offs_h[:, None] * stride_kch + offs_d[None, :] * stride_kcd, k.to(key_cache.dtype.element_ty), mask=mask)
+    tl.store(k_dst + offs_h[:, None] * stride_kch + offs_d[None, :] * stride_kcd, k, mask=mask)
     v = tl.load(value + t * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :] * stride_vd, mask=mask)
     v_dst = value_cache + block * stride_vcb + in_block * stride_vcs
-    tl.store(v_dst + offs_h[:, None] * stride_vch + offs_d[None, :] * stride_vcd, v.to(value_cache.dtype.element_ty), mask=mask)
+    tl.store(v_dst + offs_h[:, None] * stride_vch + offs_d[None, :] * stride_vcd, v, mask=mask)
 
 
 def reshape_and_cache(
@@ -588,6 +591,11 @@ def reshape_and_cache(
     num_tokens, kv_heads, dim = key.shape
     if num_tokens == 0:
         return
+    # A cast in the kernel would be free on GPU, but the interpreter truncates
+    # fp32 -> bf16 where torch and the GPU round to nearest even. Casting here
+    # keeps every backend bit-identical; model and cache dtypes normally match.
+    key = key.to(key_cache.dtype)
+    value = value.to(value_cache.dtype)
     _reshape_and_cache_kernel[(num_tokens,)](
         key, value, key_cache, value_cache, slot_mapping,
         *key.stride(), *value.stride(), *key_cache.stride(), *value_cache.stride(),
