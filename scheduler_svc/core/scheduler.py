@@ -1,0 +1,312 @@
+"""Continuous batching under a token budget, with preemption by swap or recompute.
+
+One ``schedule()`` call decides a step; ``update()`` applies what the executor
+returned. Like vLLM v1 there are no prefill/decode phases: every request gets
+``min(pending tokens, remaining budget)`` tokens, so long prompts are chunked
+across steps while running requests keep decoding.
+
+Order within a step:
+1. running requests, in policy order; a request that needs a block when none
+   is free preempts the least urgent running request (possibly itself);
+2. swapped requests come back, then waiting requests are admitted, both in
+   policy order with swapped ones first among equals; admission keeps a
+   watermark of free blocks back. Nothing is admitted in a step that had to
+   preempt for a running request (that would only thrash).
+3. under ``priority``, a waiting request that does not fit preempts running
+   requests that are less urgent than it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from scheduler_svc.core.blocks import CPU, DEVICE, DISK, BlockManager, Move, blocks_needed
+from scheduler_svc.core.queue import make_queue
+from scheduler_svc.core.request import Finish, Request, Status
+
+PREEMPTION_MODES = ("swap", "recompute")
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    max_model_len: int
+    eos_token_ids: tuple[int, ...] = ()
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    policy: str = "fcfs"
+    preemption_mode: str = "recompute"
+    watermark: float = 0.01  # fraction of device blocks kept free when admitting
+
+    def __post_init__(self) -> None:
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
+
+
+@dataclass(slots=True)
+class Scheduled:
+    req: Request
+    start: int  # first position run this step
+    num_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """Whether this chunk reaches the end of the known tokens, so a token is sampled."""
+        return self.start + self.num_tokens == self.req.num_tokens
+
+
+@dataclass(slots=True)
+class Counters:
+    preemptions_swap: int = 0
+    preemptions_recompute: int = 0
+    swapped_out_blocks: int = 0
+    swapped_in_blocks: int = 0
+    disk_spilled_blocks: int = 0
+    steps: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return {name: getattr(self, name) for name in self.__slots__}
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """One step plan, plus what the step changed for the store to persist."""
+
+    scheduled: list[Scheduled] = field(default_factory=list)
+    swap_out: list[Move] = field(default_factory=list)
+    swap_in: list[Move] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    touched: dict[str, Request] = field(default_factory=dict)  # requests whose state changed
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled)
+
+    def touch(self, req: Request) -> None:
+        self.touched[req.request_id] = req
+
+
+@dataclass(slots=True)
+class StepUpdate:
+    """What one executor step produced, as the store and the frontends need it."""
+
+    new_tokens: dict[str, list[int]] = field(default_factory=dict)
+    finished: list[Request] = field(default_factory=list)
+    touched: dict[str, Request] = field(default_factory=dict)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, blocks: BlockManager) -> None:
+        self.config = config
+        self.blocks = blocks
+        self.waiting = make_queue(config.policy)
+        self.swapped = make_queue(config.policy)
+        self.running: list[Request] = []  # admission order
+        self.requests: dict[str, Request] = {}
+        self.counters = Counters()
+        self._eos = frozenset(config.eos_token_ids)
+        self._watermark = int(config.watermark * blocks.total(DEVICE))
+
+    # -- intake ---------------------------------------------------------------
+
+    def add(self, req: Request) -> None:
+        """Take in a request in whatever state it is (new, or reloaded from the store)."""
+        self.requests[req.request_id] = req
+        if req.status == Status.RUNNING:
+            self.running.append(req)
+        elif req.status == Status.SWAPPED:
+            self.swapped.add(req)
+        elif req.status == Status.WAITING:
+            self.waiting.add(req)
+        else:
+            raise ValueError(f"{req.request_id} is already finished")
+
+    def fits_ever(self, num_tokens: int) -> bool:
+        """Whether a sequence of ``num_tokens`` fits in the whole device pool at all."""
+        return blocks_needed(num_tokens, self.blocks.block_size) <= self.blocks.total(DEVICE)
+
+    def finish(self, request_id: str, reason: Finish) -> Request | None:
+        """End a request now (abort, or a stop string seen by the frontend)."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        if req.status == Status.RUNNING:
+            self.running.remove(req)
+        elif req.status == Status.SWAPPED:
+            self.swapped.remove(req)
+        elif req.status == Status.WAITING:
+            self.waiting.remove(req)
+        self.blocks.free(req)
+        req.status = Status.FINISHED
+        req.finish_reason = reason
+        return req
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.running or len(self.waiting) or len(self.swapped))
+
+    # -- one step -------------------------------------------------------------
+
+    def _victim(self, candidates: list[Request]) -> Request:
+        """The least urgent: under FCFS the latest admitted, else (priority, arrival) largest."""
+        if self.config.policy == "fcfs":
+            return candidates[-1]
+        return max(candidates, key=lambda r: r.order_key)
+
+    def _preempt(self, victim: Request, out: SchedulerOutput) -> None:
+        self.running.remove(victim)
+        victim.num_preemptions += 1
+        if self.config.preemption_mode == "swap" and victim.num_computed > 0 and self.blocks.can_swap_out(victim):
+            moves = self.blocks.swap_out(victim)
+            out.swap_out.extend(moves)
+            self.counters.preemptions_swap += 1
+            self.counters.swapped_out_blocks += len(moves)
+            self.counters.disk_spilled_blocks += sum(m.dst_tier == DISK for m in moves)
+            victim.status = Status.SWAPPED
+            self.swapped.prepend(victim)
+        else:
+            self.blocks.free(victim)
+            victim.num_computed = 0
+            self.counters.preemptions_recompute += 1
+            victim.status = Status.WAITING
+            self.waiting.prepend(victim)
+        out.preempted.append(victim)
+        out.touch(victim)
+
+    def _unschedule(self, victim: Request, out: SchedulerOutput) -> int:
+        """Drop ``victim`` from this step's plan if it was already in it; returns its tokens."""
+        for i, s in enumerate(out.scheduled):
+            if s.req is victim:
+                del out.scheduled[i]
+                return s.num_tokens
+        return 0
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        if self.config.policy == "priority":
+            self.running.sort(key=lambda r: r.order_key)
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_pending, budget)
+            while not self.blocks.can_append(req, n):
+                if self.blocks.needed(req, n) <= self.blocks.num_free_soon(DEVICE):
+                    break  # swaps already in this plan free enough for the next step
+                victim = self._victim(self.running)
+                budget += self._unschedule(victim, out)
+                self._preempt(victim, out)
+                if victim is req:
+                    break
+            if req.status != Status.RUNNING:
+                continue  # preempted itself: running[i] is now the next request
+            i = self.running.index(req) + 1  # victims before it may have shifted it
+            if not self.blocks.can_append(req, n):
+                continue  # waits one step for swapped-out blocks to come free
+            self.blocks.append(req, n)
+            out.scheduled.append(Scheduled(req, req.num_computed, n))
+            out.touch(req)
+            budget -= n
+        return budget
+
+    def _next_candidate(self) -> tuple[Request, bool] | None:
+        """The most urgent of the swapped and waiting heads; ``True`` if swapped."""
+        s, w = self.swapped.peek(), self.waiting.peek()
+        if s is None or w is None:
+            return (s, True) if s is not None else ((w, False) if w is not None else None)
+        if self.config.policy == "fcfs" or s.order_key <= w.order_key:
+            return s, True
+        return w, False
+
+    def _fits(self, req: Request, n: int, from_swap: bool) -> bool:
+        reserve = self._watermark if self.running else 0
+        if from_swap:
+            return self.blocks.can_swap_in(req, n, reserve)
+        return self.blocks.can_append(req, n, reserve)
+
+    def _make_room(self, req: Request, n: int, from_swap: bool, out: SchedulerOutput) -> bool:
+        """Under ``priority``, preempt less urgent running requests for ``req``.
+
+        Returns whether ``req`` fits now; after swap-outs it fits only next step.
+        """
+        if self.config.policy != "priority":
+            return False
+        reserve = self._watermark if self.running else 0
+        need = blocks_needed(req.num_computed + n, self.blocks.block_size) if from_swap else self.blocks.needed(req, n)
+        while not self._fits(req, n, from_swap):
+            if need + reserve <= self.blocks.num_free_soon(DEVICE):
+                return False  # enough is already on its way back
+            lower = [r for r in self.running if r.order_key > req.order_key]
+            if not lower:
+                return False
+            victim = self._victim(lower)
+            self._unschedule(victim, out)
+            self._preempt(victim, out)
+        return True
+
+    def _admit(self, out: SchedulerOutput, budget: int) -> None:
+        while budget > 0 and len(self.running) < self.config.max_num_seqs:
+            head = self._next_candidate()
+            if head is None:
+                return
+            req, from_swap = head
+            n = min(budget, req.num_pending)
+            if not self._fits(req, n, from_swap) and not self._make_room(req, n, from_swap, out):
+                return  # head-of-line: later requests wait for this one
+            if from_swap:
+                self.swapped.pop()
+                moves = self.blocks.swap_in(req)
+                out.swap_in.extend(moves)
+                self.counters.swapped_in_blocks += len(moves)
+            else:
+                self.waiting.pop()
+            req.status = Status.RUNNING
+            self.running.append(req)
+            self.blocks.append(req, n)
+            out.scheduled.append(Scheduled(req, req.num_computed, n))
+            out.touch(req)
+            budget -= n
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self._schedule_running(out, self.config.max_num_batched_tokens)
+        if not out.preempted:
+            self._admit(out, budget)
+        self.counters.steps += 1
+        return out
+
+    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> StepUpdate:
+        """Apply the executor's report: computed tokens, sampled tokens, finished requests."""
+        self.blocks.release_pending()
+        upd = StepUpdate(touched=dict(out.touched))
+        for s in out.scheduled:
+            req = s.req
+            req.num_computed = s.start + s.num_tokens
+            token = sampled.get(req.request_id)
+            if token is None:
+                continue
+            req.output_ids.append(token)
+            upd.new_tokens[req.request_id] = [token]
+            reason = self._check_finish(req, token)
+            if reason is not None:
+                upd.finished.append(self.finish(req.request_id, reason))
+        return upd
+
+    def _check_finish(self, req: Request, token: int) -> Finish | None:
+        p = req.params
+        if token in p.stop_token_ids or (not p.ignore_eos and token in self._eos):
+            return Finish.STOP
+        if len(req.output_ids) >= p.max_tokens or req.num_tokens >= self.config.max_model_len:
+            return Finish.LENGTH
+        return None
+
+    # -- views ----------------------------------------------------------------
+
+    def usage(self) -> dict[str, int]:
+        b = self.blocks
+        return {
+            "running": len(self.running),
+            "waiting": len(self.waiting),
+            "swapped": len(self.swapped),
+            **{f"{name}_blocks_free": b.num_free(t) for name, t in (("device", DEVICE), ("cpu", CPU), ("disk", DISK))},
+            **{f"{name}_blocks_total": b.total(t) for name, t in (("device", DEVICE), ("cpu", CPU), ("disk", DISK))},
+        }
