@@ -9,6 +9,8 @@ attention paths. Tolerances: ``kernel_cases.TOLERANCES``.
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from kernel_cases import assert_close_to_reference, paged_batch, reference_output
 
 from kernels import triton_ops
@@ -127,3 +129,33 @@ def test_backend_uses_triton_ops():
     batch = paged_batch([12, 5], [4, 1], block_size=8, heads=3, kv_heads=1, head_dim=64)
     out = backend.paged_attention(batch.query, batch.key_cache, batch.value_cache, batch.meta, batch.scale)
     torch.testing.assert_close(out, reference_output(batch), atol=1e-5, rtol=1e-5)
+
+
+@st.composite
+def _random_batches(draw):
+    num_seqs = draw(st.integers(1, 4))
+    decode_only = draw(st.booleans())
+    q_lens = [1 if decode_only else draw(st.sampled_from([1, draw(st.integers(2, 20))])) for _ in range(num_seqs)]
+    seq_lens = [q + draw(st.integers(0, 40)) for q in q_lens]
+    kv_heads = draw(st.integers(1, 2))
+    return dict(
+        seq_lens=seq_lens,
+        q_lens=q_lens,
+        block_size=draw(st.sampled_from([8, 16, 32])),
+        heads=kv_heads * draw(st.sampled_from([1, 3, 4])),
+        kv_heads=kv_heads,
+        head_dim=draw(st.sampled_from([64, 128])),
+        dtype=draw(st.sampled_from([f32, f16, bf16])),
+        seed=draw(st.integers(0, 2**16)),
+    )
+
+
+@settings(max_examples=30, deadline=None, derandomize=True, database=None)
+@given(params=_random_batches(), num_splits=st.integers(1, 5))
+def test_random_batches_match_reference(params, num_splits):
+    """Seeded sweep over shapes the hand-picked cases do not combine."""
+    batch = paged_batch(**params)
+    args = (batch.query, batch.key_cache, batch.value_cache, batch.meta, batch.scale)
+    assert_close_to_reference(triton_ops.unified_attention(*args), batch)
+    if max(params["q_lens"]) == 1:
+        assert_close_to_reference(triton_ops.split_kv_attention(*args, num_splits), batch)
