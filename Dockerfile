@@ -61,10 +61,14 @@ RUN python -m executor_svc.model_store \
 # --------------------------------------------------------------------------
 FROM ${BASE_IMAGE} AS runtime
 
+# Extra Debian packages for the runtime, e.g. "gcc libc6-dev" on GPU images:
+# Triton compiles its small launcher stub with the system C compiler.
+ARG EXTRA_APT_PACKAGES=
+
 # tini as PID 1: forwards SIGTERM to the server and reaps children, so
 # graceful shutdown works whether or not Python runs as PID 1.
 RUN apt-get update \
- && apt-get install -y --no-install-recommends tini \
+ && apt-get install -y --no-install-recommends tini $EXTRA_APT_PACKAGES \
  && rm -rf /var/lib/apt/lists/*
 
 RUN groupadd --system --gid 10001 pagedserve \
