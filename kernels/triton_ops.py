@@ -361,14 +361,16 @@ def _split_kv_reduce_kernel(
 
     m = tl.load(part_max + row, mask=split_ok, other=float("-inf"))
     l = tl.load(part_sum + row, mask=split_ok, other=0.0)
-    acc = tl.load(part_acc + row[:, None] * HEAD_DIM + offs_d[None, :], mask=split_ok[:, None] & dim_ok[None, :], other=0.0)
+    acc_mask = split_ok[:, None] & dim_ok[None, :]
+    acc = tl.load(part_acc + row[:, None] * HEAD_DIM + offs_d[None, :], mask=acc_mask, other=0.0)
     m_max = tl.max(m, axis=0)
     w = tl.where(m == float("-inf"), 0.0, tl.exp2(m - m_max))
     total = tl.sum(w * l, axis=0)
     merged = tl.sum(w[:, None] * acc, axis=0) / total
 
     token = tl.load(query_start_loc + seq).to(tl.int64)
-    tl.store(out + token * stride_ot + head * stride_oh + offs_d * stride_od, merged.to(out.dtype.element_ty), mask=dim_ok)
+    out_ptrs = out + token * stride_ot + head * stride_oh + offs_d * stride_od
+    tl.store(out_ptrs, merged.to(out.dtype.element_ty), mask=dim_ok)
 
 
 # --------------------------------------------------------------------------
@@ -386,8 +388,8 @@ def _dot_config(query: torch.Tensor, key_cache: torch.Tensor) -> tuple[tl.dtype,
     16-bit caches feed tensor cores in their own dtype (the query and the
     softmax weights are cast to it, as in FlashAttention). fp32 caches use
     exact fp32 products ("ieee", not TF32), as does an fp32 query over a
-    16-bit cache (the reference upcasts the cache in that case). The interpreter computes 16-bit
-    ``tl.dot`` wrongly for bf16, so it always gets fp32 operands.
+    16-bit cache (the reference upcasts the cache then). The interpreter
+    gets bf16 ``tl.dot`` wrong (garbage results), so it always gets fp32.
     """
     if _INTERPRETING or torch.float32 in (query.dtype, key_cache.dtype):
         return tl.float32, "ieee"
@@ -629,7 +631,7 @@ def _copy_blocks_kernel(
     src_block = tl.load(src_blocks + pair)
     dst_block = tl.load(dst_blocks + pair)
     x = tl.load(src + layer * src_stride_layer + src_block * src_stride_block + offs, mask=mask)
-    tl.store(dst + layer * dst_stride_layer + dst_block * dst_stride_block + offs, x.to(dst.dtype.element_ty), mask=mask)
+    tl.store(dst + layer * dst_stride_layer + dst_block * dst_stride_block + offs, x, mask=mask)
 
 
 def _blocks_are_contiguous(cache: torch.Tensor) -> bool:
@@ -643,14 +645,22 @@ def _copy_blocks_torch(
 ) -> None:
     """Copy through torch: works across devices (swap in and out of host memory).
 
-    The host side copies asynchronously when it is pinned; the caller orders
-    later use of the blocks on the current stream as usual.
+    Swap-in from a pinned host pool gathers into a pinned staging buffer so
+    the upload is asynchronous on the current stream (the caching host
+    allocator keeps the buffer alive until the copy ends). Swap-out stays
+    synchronous: the host-side scatter has to wait for the data anyway, and
+    a non-blocking download into pageable memory would race with it.
     """
     src_idx = src_blocks.to(src_cache.device, torch.long)
     dst_idx = dst_blocks.to(dst_cache.device, torch.long)
-    gathered = src_cache.index_select(1, src_idx)
-    pinned = src_cache.is_pinned() or dst_cache.is_pinned()
-    dst_cache.index_copy_(1, dst_idx, gathered.to(dst_cache.device, non_blocking=pinned))
+    if src_cache.device.type == "cpu" and dst_cache.device.type != "cpu" and src_cache.is_pinned():
+        staged_shape = (src_cache.shape[0], src_idx.numel(), *src_cache.shape[2:])
+        staged = torch.empty(staged_shape, dtype=src_cache.dtype, pin_memory=True)
+        torch.index_select(src_cache, 1, src_idx, out=staged)
+        gathered = staged.to(dst_cache.device, non_blocking=True)
+    else:
+        gathered = src_cache.index_select(1, src_idx).to(dst_cache.device)
+    dst_cache.index_copy_(1, dst_idx, gathered)
 
 
 def copy_blocks(
@@ -662,12 +672,17 @@ def copy_blocks(
     programs run concurrently, a block must not be both a source and a
     destination in one call (true for copy-on-write and swap, where
     destinations are freshly allocated). Cross-device copies go through torch.
+    Both pools must share dtype and block shape (as ``index_copy_`` demands).
     """
+    if src_cache.dtype != dst_cache.dtype or src_cache.shape[2:] != dst_cache.shape[2:]:
+        src, dst = (f"{c.dtype} {tuple(c.shape)}" for c in (src_cache, dst_cache))
+        raise ValueError(f"pools must share dtype and block shape: {src} vs {dst}")
     if src_blocks.numel() == 0:
         return
     same_device = src_cache.device == dst_cache.device
     triton_device = src_cache.device.type == "cuda" or _INTERPRETING
-    if not (same_device and triton_device and _blocks_are_contiguous(src_cache) and _blocks_are_contiguous(dst_cache)):
+    contiguous = _blocks_are_contiguous(src_cache) and _blocks_are_contiguous(dst_cache)
+    if not (same_device and triton_device and contiguous):
         _copy_blocks_torch(src_cache, dst_cache, src_blocks, dst_blocks)
         return
     block_numel = math.prod(src_cache.shape[2:])

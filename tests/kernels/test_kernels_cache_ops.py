@@ -97,3 +97,11 @@ def test_copy_blocks_empty_is_a_no_op():
     before = pool.clone()
     triton_ops.copy_blocks(pool, pool, torch.tensor([], dtype=torch.long), torch.tensor([], dtype=torch.long))
     assert torch.equal(pool, before)
+
+
+def test_copy_blocks_rejects_mismatched_pools():
+    gen = torch.Generator().manual_seed(5)
+    src = _pools(gen, layers=1, num_blocks=3)
+    dst = _pools(gen, layers=1, num_blocks=3, dtype=torch.float16)
+    with pytest.raises(ValueError, match="share dtype"):
+        triton_ops.copy_blocks(src, dst, torch.tensor([0]), torch.tensor([1]))
