@@ -1,0 +1,93 @@
+"""Shared fixtures: a real redis-server, real model directories, real deployments.
+
+Tiny randomly initialised models (Llama, Qwen2 configs) keep the suite fast;
+they carry SmolLM2's real tokenizer so that text paths are exercised too.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+import torch
+
+from executor_svc.model_store import resolve_model
+from pagedserve.launch import Cluster
+from pagedserve.procs import RedisServer
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> Iterator[str]:
+    """``$REDIS_URL`` when set, else a real redis-server on a free port."""
+    if os.environ.get("REDIS_URL"):
+        yield os.environ["REDIS_URL"]
+        return
+    server = RedisServer()
+    yield server.url
+    server.stop()
+
+
+@pytest.fixture()
+def redis_client(redis_url: str) -> Iterator[redis.Redis]:
+    client = redis.Redis.from_url(redis_url, decode_responses=True)
+    client.flushdb()
+    yield client
+    client.close()
+
+
+@pytest.fixture(scope="session")
+def smol_dir() -> Path:
+    return resolve_model(None)
+
+
+def build_tiny(kind: str, dst: Path, tokenizer_src: Path) -> Path:
+    """A tiny random model of architecture ``kind`` with a real tokenizer."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    common = dict(
+        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        max_position_embeddings=512, bos_token_id=1, eos_token_id=2, pad_token_id=2,
+    )
+    torch.manual_seed(0)
+    if kind == "llama":
+        model = LlamaForCausalLM(LlamaConfig(num_attention_heads=4, num_key_value_heads=2, **common))
+    elif kind == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(num_attention_heads=6, num_key_value_heads=2, **common))
+    else:
+        raise ValueError(kind)
+    model.save_pretrained(dst)
+    for name in TOKENIZER_FILES:
+        if (tokenizer_src / name).exists():
+            shutil.copy(tokenizer_src / name, dst / name)
+    return dst
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory, smol_dir: Path) -> Path:
+    return build_tiny("llama", tmp_path_factory.mktemp("tiny-llama"), smol_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2(tmp_path_factory: pytest.TempPathFactory, smol_dir: Path) -> Path:
+    return build_tiny("qwen2", tmp_path_factory.mktemp("tiny-qwen2"), smol_dir)
+
+
+def make_cluster(model: Path, redis_url: str, namespace: str, tmp: Path, **kw: object) -> Cluster:
+    """A real deployment on a shared redis-server, isolated by key namespace."""
+    scheduler_args = ["--namespace", namespace, *kw.pop("scheduler_args", [])]  # type: ignore[misc]
+    return Cluster(str(model), redis_url=redis_url, scheduler_args=scheduler_args, log_dir=tmp, **kw)  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module")
+def tiny_cluster(tiny_llama: Path, redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    """Tiny Llama (512-token context) with a small pool: 24 blocks of 16 tokens."""
+    geo_bytes = 2 * 2 * 16 * 2 * 16 * 4  # K+V, layers, block, kv heads, head dim, fp32
+    with make_cluster(tiny_llama, redis_url, "tiny", tmp_path_factory.mktemp("logs"),
+                      kv_cache_memory=24 * geo_bytes) as cluster:
+        yield cluster
