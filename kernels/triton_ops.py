@@ -186,16 +186,17 @@ def _unified_attention_kernel(
     HEAD_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
     TILE_N: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """Grid ``(T // BLOCK_Q + S, KVH)``; one program per (query tile, KV head).
 
-    Row ``m`` of the ``BLOCK_M``-row tile is query token ``m // QPK_PAD`` of
-    the tile and query head ``kv_head * QUERIES_PER_KV + m % QPK_PAD``.
+    ``BLOCK_M = BLOCK_Q * QPK_PAD`` rows: row ``m`` is query token
+    ``m // QPK_PAD`` of the tile and query head
+    ``kv_head * QUERIES_PER_KV + m % QPK_PAD``.
     """
-    BLOCK_Q: tl.constexpr = BLOCK_M // QPK_PAD
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
 
@@ -396,6 +397,19 @@ def _dot_config(query: torch.Tensor, key_cache: torch.Tensor) -> tuple[tl.dtype,
     return {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}[key_cache.dtype], "tf32"
 
 
+def _default_block_m(decode_only: bool, query: torch.Tensor, key_cache: torch.Tensor) -> int:
+    """Query rows per program of the unified kernel.
+
+    Decode-only: 16, the smallest ``tl.dot`` tile (one token per sequence, so
+    more rows would be padding). Otherwise 64 rows amortise each K/V tile over
+    more queries; with fp32 operands (no tensor cores) 32, as 64 x 128 fp32
+    tiles spill registers on sm_90 (ptxas: ~7 KB of stack per thread).
+    """
+    if decode_only:
+        return 16
+    return 32 if torch.float32 in (query.dtype, key_cache.dtype) else 64
+
+
 def _check_shapes(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, meta: PagedMetadata) -> None:
     heads, dim = query.shape[1:]
     kv_heads = key_cache.shape[2]
@@ -419,8 +433,7 @@ def unified_attention(
     """Paged attention for any mix of prefill chunks and decode tokens.
 
     ``block_m`` rows per program = query tokens x padded query heads per KV
-    head; by default 16 for decode-only batches (one token per sequence: a
-    bigger tile would be mostly padding) and 64 otherwise.
+    head (default: :func:`_default_block_m`); ``tile_n`` keys per step.
     """
     _check_shapes(query, key_cache, value_cache, meta)
     num_tokens, heads, dim = query.shape
@@ -432,7 +445,7 @@ def unified_attention(
     qpk = heads // kv_heads
     qpk_pad = _pow2(qpk)
     if block_m is None:
-        block_m = 16 if num_tokens == num_seqs else 64
+        block_m = _default_block_m(num_tokens == num_seqs, query, key_cache)
     block_m = max(block_m, qpk_pad, 16)
     block_q = block_m // qpk_pad
     dot_dtype, precision = _dot_config(query, key_cache)
@@ -442,7 +455,7 @@ def unified_attention(
         num_seqs, scale * _LOG2E,
         *query.stride(), *out.stride(), *key_cache.stride(), *value_cache.stride(), meta.block_tables.stride(0),
         QUERIES_PER_KV=qpk, QPK_PAD=qpk_pad, HEAD_DIM=dim, HEAD_PAD=_pow2(dim, 16),
-        BLOCK_SIZE=meta.block_size, BLOCK_M=block_m, TILE_N=tile_n,
+        BLOCK_SIZE=meta.block_size, BLOCK_M=block_m, BLOCK_Q=block_q, TILE_N=tile_n,
         DOT_DTYPE=dot_dtype, DOT_PRECISION=precision,
     )  # fmt: skip
     return out
