@@ -56,8 +56,10 @@ def device_tier(geo: KVGeometry, num_blocks: int, device: torch.device) -> Tier:
 
 
 def cpu_tier(geo: KVGeometry, num_blocks: int, pin: bool) -> Tier:
+    """Uninitialised on purpose: a block is only read after a swap-out wrote it, and
+    untouched pages of an unpinned tensor cost no memory until then."""
     shape = geo.shape(num_blocks)
-    make = lambda: torch.zeros(shape, dtype=geo.dtype, pin_memory=pin)  # noqa: E731
+    make = lambda: torch.empty(shape, dtype=geo.dtype, pin_memory=pin)  # noqa: E731
     return Tier(make(), make())
 
 
