@@ -419,6 +419,9 @@ def _check_shapes(query: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
         raise ValueError(f"cache shape {tuple(key_cache.shape)} does not fit query {tuple(query.shape)} / block size")
     if meta.block_size & (meta.block_size - 1):
         raise ValueError(f"block size must be a power of two, got {meta.block_size}")
+    for name in ("block_tables", "query_start_loc", "seq_lens"):
+        if getattr(meta, name).device != query.device:
+            raise ValueError(f"meta.{name} is on {getattr(meta, name).device}, the query on {query.device}")
 
 
 def unified_attention(
@@ -504,6 +507,7 @@ def split_kv_attention(
 
 @functools.cache
 def _num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device``; a small stand-in off CUDA."""
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return 4
