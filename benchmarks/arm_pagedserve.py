@@ -1,0 +1,103 @@
+"""Arm 1: pagedserve deployed for real (Redis + scheduler_svc + executor_svc) and driven over gRPC."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+from benchmarks.metrics import RequestRecord
+from benchmarks.workload import Request, Workload
+from pagedserve.launch import Cluster
+from pagedserve.rpc import CHANNEL_OPTIONS
+from pagedserve.v1 import generation_pb2 as pb
+from pagedserve.v1 import generation_pb2_grpc as pb_grpc
+
+
+@dataclass(slots=True)
+class ServeConfig:
+    kv_budget_bytes: int
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    preemption_mode: str = "recompute"
+    swap_space_gib: float = 0.25
+    max_model_len: int = 2048
+
+
+@dataclass(slots=True)
+class ServeResult:
+    records: list[RequestRecord]
+    duration: float
+    steps: list[dict[str, float]]  # step-log lines written during the timed run
+    log_dir: Path
+    failures: list[str]
+
+
+def request_pb(prompt_ids: list[int], max_tokens: int, rid: str = "") -> pb.GenerateRequest:
+    return pb.GenerateRequest(
+        request_id=rid,
+        prompt_token_ids=prompt_ids,
+        sampling=pb.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
+    )
+
+
+async def _one(stub: pb_grpc.GenerationStub, req: Request, t0: float, failures: list[str]) -> RequestRecord | None:
+    await asyncio.sleep(max(0.0, t0 + req.arrival - time.perf_counter()))
+    arrival = time.perf_counter() - t0
+    times: list[float] = []
+    received = 0
+    try:
+        async for resp in stub.Generate(request_pb(req.prompt_ids, req.output_len, f"bench-{req.index}")):
+            if resp.token_ids:
+                times.append(time.perf_counter() - t0)
+                received += len(resp.token_ids)
+    except grpc.aio.AioRpcError as exc:
+        failures.append(f"request {req.index}: {exc.code().name}: {exc.details()}")
+        return None
+    if not times:
+        failures.append(f"request {req.index}: no tokens")
+        return None
+    return RequestRecord(req.index, len(req.prompt_ids), received, arrival, times[0], times[-1], times)
+
+
+async def drive(address: str, workload: Workload) -> tuple[list[RequestRecord], float, float, list[str]]:
+    """One task per request on a shared channel; returns records, wall-clock start, duration and failures."""
+    failures: list[str] = []
+    async with grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
+        stub = pb_grpc.GenerationStub(channel)
+        warm = Request(-1, workload.requests[0].prompt_ids[:8], 4, 0.0)
+        await _one(stub, warm, time.perf_counter(), failures)  # first forward pays one-off costs
+        wall0, t0 = time.time(), time.perf_counter()
+        done = await asyncio.gather(*(_one(stub, r, t0, failures) for r in workload.requests))
+        duration = time.perf_counter() - t0
+    return [r for r in done if r is not None], wall0, duration, failures
+
+
+def read_steps(path: Path, since: float) -> list[dict[str, float]]:
+    if not path.exists():
+        return []
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [r for r in rows if r["t"] >= since]
+
+
+def run(model_dir: Path, workload: Workload, cfg: ServeConfig, log_dir: Path,
+        after: Callable[[Cluster], None] | None = None) -> ServeResult:
+    """Serve ``workload``; ``after`` runs on the drained, idle deployment before it is torn down."""
+    step_log = log_dir / "steps.jsonl"
+    step_log.unlink(missing_ok=True)
+    sched = ["--max-num-seqs", str(cfg.max_num_seqs), "--max-num-batched-tokens", str(cfg.max_num_batched_tokens),
+             "--preemption-mode", cfg.preemption_mode, "--step-log", str(step_log)]
+    execu = ["--swap-space", str(cfg.swap_space_gib), "--max-model-len", str(cfg.max_model_len)]
+    with Cluster(str(model_dir), kv_cache_memory=cfg.kv_budget_bytes, block_size=cfg.block_size,
+                 scheduler_args=sched, executor_args=execu, log_dir=log_dir) as cluster:
+        records, wall0, duration, failures = asyncio.run(drive(cluster.address, workload))
+        if after is not None:
+            after(cluster)
+    steps = read_steps(step_log, wall0)
+    return ServeResult(records, duration, steps, log_dir, failures)

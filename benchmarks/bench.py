@@ -1,0 +1,151 @@
+"""Runs the configured arms in order and hands their results to the report writer.
+
+Each arm runs alone on the machine (arms are sequential) with the same torch
+thread count; an arm that fails is recorded in the report instead of aborting
+the others.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+import traceback
+from dataclasses import asdict
+from pathlib import Path
+
+from benchmarks import analysis, report
+from benchmarks.metrics import summarize
+from benchmarks.overhead import OverheadPoint
+from benchmarks.preemption import PreemptionPoint
+from benchmarks.workload import Vocab, WorkloadSpec, make_workload
+
+
+def run_all(args: argparse.Namespace, cfg: object, out: Path, started: float) -> dict:
+    from benchmarks.run import Config, kv_bytes_per_token
+    from executor_svc.model_store import resolve_model
+
+    assert isinstance(cfg, Config)
+    model_dir = resolve_model(args.model)
+    per_token = kv_bytes_per_token(model_dir)
+    budget_bytes = cfg.kv_budget_tokens * per_token
+    spec = WorkloadSpec(args.distribution, cfg.num_requests, cfg.scale, tuple(args.input_range),
+                        tuple(args.output_range), cfg.max_total_len, args.rate, args.seed)
+    workload = make_workload(spec, Vocab.from_model_dir(model_dir))
+    arms: dict[str, dict] = {}
+    errors: list[str] = []
+    steps: list[dict[str, float]] = []
+    overhead: list[OverheadPoint] = []
+    preemption: list[PreemptionPoint] = []
+    static_util, static_series = None, analysis.Series([], [])
+    logs = out / "logs"
+
+    def attempt(name: str, fn) -> None:  # type: ignore[no-untyped-def]
+        t = time.monotonic()
+        print(f"[bench] {name} ...", flush=True)
+        try:
+            fn()
+        except Exception as exc:
+            errors.append(f"{name}: {type(exc).__name__}: {exc} (logs in {logs})")
+            traceback.print_exc()
+        print(f"[bench] {name} done in {time.monotonic() - t:.0f} s", flush=True)
+
+    def paged() -> None:
+        from benchmarks import arm_pagedserve, preemption as pre
+
+        nonlocal steps, preemption
+        scfg = arm_pagedserve.ServeConfig(budget_bytes, max_num_seqs=args.max_num_seqs,
+                                          max_num_batched_tokens=args.max_num_batched_tokens,
+                                          max_model_len=max(cfg.max_total_len, max(cfg.preemption_lengths, default=0)) + 16)
+        vocab = Vocab.from_model_dir(model_dir)
+
+        def probe(cluster) -> None:  # type: ignore[no-untyped-def]
+            nonlocal preemption
+            if cfg.preemption_lengths:
+                preemption = pre.measure(cluster.executor.address, cfg.preemption_lengths, vocab)
+
+        res = arm_pagedserve.run(model_dir, workload, scfg, logs / "pagedserve", after=probe)
+        if res.failures:
+            errors.append(f"pagedserve: {len(res.failures)} requests failed, e.g. {res.failures[0]}")
+        arms["pagedserve"] = summarize(res.records, res.duration)
+        steps = res.steps
+        (out / "pagedserve_steps.jsonl").write_text("".join(__import__("json").dumps(r) + "\n" for r in steps))
+
+    def hf() -> None:
+        from benchmarks import arm_hf
+
+        nonlocal static_util, static_series
+        model = arm_hf.load_model(model_dir, args.threads)
+        if "hf_static" in cfg.arms:
+            res = arm_hf.run_static(model, workload, cfg.kv_budget_tokens)
+            arms["hf_static"] = summarize(res.records, res.duration)
+            static_util, static_series = analysis.static_utilization(res.batches, res.batch_times)
+        if "hf_continuous" in cfg.arms:
+            res = arm_hf.run_continuous(model, workload, arm_hf.CBConfig(
+                cfg.kv_budget_tokens, max_batch_tokens=args.max_num_batched_tokens,
+                max_requests_per_batch=args.max_num_seqs))
+            arms["hf_continuous"] = summarize(res.records, res.duration)
+
+    def sweep() -> None:
+        from benchmarks import overhead as ovh
+
+        nonlocal overhead
+        overhead = ovh.sweep(model_dir, cfg.overhead_running, cfg.overhead_waiting, cfg.overhead_window_s,
+                             logs / "overhead")
+
+    if "pagedserve" in cfg.arms:
+        attempt("pagedserve (+ preemption probe)", paged)
+    if "overhead" in cfg.arms:
+        attempt("scheduler overhead sweep", sweep)
+    if "hf_static" in cfg.arms or "hf_continuous" in cfg.arms:
+        attempt("hugging face arms", hf)
+
+    kv_util, paged_series = analysis.paged_utilization(steps)
+    tps = {a: v["output_tokens_per_s"] for a, v in arms.items()}
+    ratio = lambda other: tps["pagedserve"] / tps[other] if "pagedserve" in tps and tps.get(other) else None  # noqa: E731
+    top = max(overhead, key=lambda p: (p.running, p.waiting), default=None)
+    share = analysis.overhead_share(steps)
+    targets = [
+        analysis.Target("throughput vs HF static", ">= 2x", ratio("hf_static"), 2.0, True, "x"),
+        analysis.Target("throughput vs HF continuous", ">= 1.5x", ratio("hf_continuous"), 1.5, True, "x"),
+        analysis.Target("KV utilization (steady state)", ">= 0.95", kv_util, 0.95, True),
+        analysis.Target(f"scheduler overhead p50 @ {top.running if top else '-'} running / "
+                        f"{top.waiting if top else '-'} waiting", "<= 2 ms", top.p50_ms if top else None, 2.0, False,
+                        " ms"),
+        analysis.Target("overhead share of step time (real run)", "<= 0.10", share, 0.10, False),
+    ]
+    plots = {
+        "throughput": report.plot_throughput(arms, out),
+        "latency": report.plot_latency(arms, out),
+        "kv_utilization": report.plot_kv(paged_series, static_series, out),
+        "scheduler_overhead": report.plot_overhead(overhead, out),
+        "step_breakdown": report.plot_steps(steps, out),
+        "preemption": report.plot_preemption(preemption, out),
+    }
+    summary = {
+        "output_tokens_per_s": tps,
+        "throughput_ratio_vs_hf_static": ratio("hf_static"),
+        "throughput_ratio_vs_hf_continuous": ratio("hf_continuous"),
+        "kv_utilization_steady_state": kv_util,
+        "static_allocation_utilization": static_util,
+        "scheduler_overhead_ms_p50": top.p50_ms if top else None,
+        "scheduler_overhead_ms_p99": top.p99_ms if top else None,
+        "scheduler_overhead_at": {"running": top.running, "waiting": top.waiting} if top else None,
+        "scheduler_overhead_share_real_run": share,
+        "workload": workload.describe(),
+        "model": str(model_dir),
+        "kv_budget_bytes": budget_bytes,
+        "kv_budget_tokens": cfg.kv_budget_tokens,
+        "kv_bytes_per_token": per_token,
+        "threads": args.threads,
+        "config": cfg.name,
+        "arms": arms,
+        "overhead_sweep": report.overhead_dicts(overhead),
+        "preemption": [asdict(p) for p in preemption],
+        "targets": [t.as_dict() for t in targets],
+        "plots": plots,
+        "errors": errors,
+        "wall_time_s": time.monotonic() - started,
+    }
+    report.write_summary(summary, out)
+    report.write_markdown(summary, arms, targets, overhead, preemption, plots, out)
+    return summary

@@ -1,0 +1,123 @@
+"""Scheduler overhead: the real scheduler_svc + Redis driving the stub executor.
+
+For each running target R a fresh scheduler (``--max-num-seqs R``, its own
+Redis namespace) gets R long requests, then more until W wait behind them;
+requests never finish during a window (long ``max_tokens``, ``ignore_eos``).
+Per-step overhead = schedule_ms + redis_ms + executor_ms from ``--step-log``,
+where executor_ms is the gRPC round trip to a stub that answers at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import numpy as np
+
+from benchmarks.arm_pagedserve import request_pb
+from pagedserve.procs import RedisServer, Service, free_port
+from pagedserve.rpc import CHANNEL_OPTIONS
+from pagedserve.v1 import generation_pb2_grpc as pb_grpc
+
+LONG_OUTPUT = 8192  # tokens; no request finishes within a measurement window
+
+
+@dataclass(slots=True)
+class OverheadPoint:
+    running: int
+    waiting: int
+    steps: int
+    p50_ms: float
+    p99_ms: float
+    mean_ms: float
+    schedule_p50_ms: float
+    redis_p50_ms: float
+    rpc_p50_ms: float
+
+
+def _rows(path: Path) -> list[dict[str, float]]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _point(rows: list[dict[str, float]], running: int, waiting: int) -> OverheadPoint:
+    total = [r["schedule_ms"] + r["redis_ms"] + r["executor_ms"] for r in rows]
+    med = lambda k: float(np.median([r[k] for r in rows]))  # noqa: E731
+    return OverheadPoint(running, waiting, len(rows), float(np.percentile(total, 50)), float(np.percentile(total, 99)),
+                         float(np.mean(total)), med("schedule_ms"), med("redis_ms"), med("executor_ms"))
+
+
+async def _consume(stub: pb_grpc.GenerationStub, prompt: list[int], rid: str) -> None:
+    with contextlib.suppress(grpc.aio.AioRpcError, asyncio.CancelledError):
+        async for _ in stub.Generate(request_pb(prompt, LONG_OUTPUT, rid)):
+            pass
+
+
+async def _wait_for(path: Path, running: int, waiting: int, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        rows = _rows(path)
+        if rows and rows[-1]["running"] >= running and rows[-1]["waiting"] >= waiting:
+            return
+        await asyncio.sleep(0.2)
+    raise TimeoutError(f"scheduler never reached {running} running / {waiting} waiting")
+
+
+async def _sweep_level(address: str, step_log: Path, running: int, waiting_levels: list[int], window_s: float,
+                       prompt: list[int]) -> list[OverheadPoint]:
+    points: list[OverheadPoint] = []
+    tasks: list[asyncio.Task[None]] = []
+    async with grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
+        stub = pb_grpc.GenerationStub(channel)
+        try:
+            for waiting in waiting_levels:
+                while len(tasks) < running + waiting:
+                    tasks.append(asyncio.create_task(_consume(stub, prompt, f"ovh-{running}-{len(tasks)}")))
+                await _wait_for(step_log, running, waiting, timeout=120)
+                await asyncio.sleep(min(1.0, window_s / 2))  # let the intake burst pass
+                start = time.time()
+                await asyncio.sleep(window_s)
+                rows = [r for r in _rows(step_log) if start <= r["t"] <= start + window_s
+                        and r["running"] == running and r["waiting"] >= waiting]
+                if rows:
+                    points.append(_point(rows, running, waiting))
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+    return points
+
+
+def sweep(model_dir: Path, running_levels: list[int], waiting_levels: list[int], window_s: float,
+          log_dir: Path, prompt_len: int = 8) -> list[OverheadPoint]:
+    log_dir.mkdir(parents=True, exist_ok=True)
+    prompt = list(range(100, 100 + prompt_len))
+    redis = RedisServer()
+    stub = None
+    points: list[OverheadPoint] = []
+    try:
+        stub = Service("benchmarks.stub_executor", ["--model", str(model_dir), "--host", "127.0.0.1"], free_port(),
+                       log_dir / "stub_executor.log")
+        for running in running_levels:
+            step_log = log_dir / f"steps-r{running}.jsonl"
+            step_log.unlink(missing_ok=True)
+            sched = Service("scheduler_svc", [
+                "--redis-url", redis.url, "--executor", stub.address, "--namespace", f"ovh{running}",
+                "--max-num-seqs", str(running), "--max-num-batched-tokens", str(max(2048, running * prompt_len)),
+                "--step-log", str(step_log), "--log-level", "WARNING",
+            ], free_port(), log_dir / f"scheduler-r{running}.log")
+            try:
+                points += asyncio.run(_sweep_level(sched.address, step_log, running, waiting_levels, window_s, prompt))
+            finally:
+                sched.stop()
+    finally:
+        if stub is not None:
+            stub.stop()
+        redis.stop()
+    return points

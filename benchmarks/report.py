@@ -1,0 +1,184 @@
+"""PNG plots, ``summary.json`` and ``report.md`` from one benchmark run's results."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from benchmarks.analysis import Series, Target  # noqa: E402
+from benchmarks.overhead import OverheadPoint  # noqa: E402
+from benchmarks.preemption import PreemptionPoint  # noqa: E402
+
+ARMS = ("pagedserve", "hf_static", "hf_continuous")
+
+
+def _save(fig: plt.Figure, path: Path) -> str:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path.name
+
+
+def plot_throughput(arms: dict[str, dict], out: Path) -> str:
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))
+    names = [a for a in ARMS if a in arms]
+    for ax, key, label in zip(axes, ("output_tokens_per_s", "requests_per_s"), ("output tokens/s", "requests/s")):
+        ax.bar(names, [arms[a][key] for a in names], color=["tab:green", "tab:gray", "tab:blue"][: len(names)])
+        ax.set_ylabel(label)
+    fig.suptitle("Throughput, same model, workload and KV budget")
+    return _save(fig, out / "throughput.png")
+
+
+def plot_latency(arms: dict[str, dict], out: Path) -> str:
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.5))
+    names = [a for a in ARMS if a in arms]
+    for ax, metric in zip(axes, ("ttft_ms", "tpot_ms", "e2e_ms")):
+        for i, q in enumerate(("p50", "p90", "p99")):
+            ax.bar([j + 0.27 * (i - 1) for j in range(len(names))], [arms[a][metric][q] or 0 for a in names],
+                   width=0.27, label=q)
+        ax.set_xticks(range(len(names)), names)
+        ax.set_title(metric.replace("_ms", "").upper() + " (ms)")
+    axes[0].legend()
+    return _save(fig, out / "latency.png")
+
+
+def plot_kv(paged: Series, static: Series, out: Path) -> str:
+    fig, ax = plt.subplots(figsize=(8, 3.5))
+    ax.plot(paged.t, paged.util, label="pagedserve: live / allocated slots", lw=1)
+    ax.plot(static.t, static.util, label="static max-length allocation (HF static batches)", lw=1)
+    ax.set_xlabel("fraction of the run")
+    ax.set_ylabel("KV slots holding live tokens")
+    ax.set_ylim(0, 1.05)
+    ax.legend(loc="lower left")
+    return _save(fig, out / "kv_utilization.png")
+
+
+def plot_overhead(points: list[OverheadPoint], out: Path) -> str:
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for waiting in sorted({p.waiting for p in points}):
+        pts = sorted((p for p in points if p.waiting == waiting), key=lambda p: p.running)
+        ax.plot([p.running for p in pts], [p.p50_ms for p in pts], marker="o", label=f"p50, {waiting} waiting")
+        ax.plot([p.running for p in pts], [p.p99_ms for p in pts], ls="--", marker="x", label=f"p99, {waiting} waiting")
+    ax.axhline(2.0, color="red", lw=0.8, label="target p50 2 ms")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("running requests")
+    ax.set_ylabel("ms per step (stub executor)")
+    ax.legend(fontsize=7)
+    return _save(fig, out / "scheduler_overhead.png")
+
+
+def plot_steps(steps: list[dict[str, float]], out: Path) -> str:
+    fig, ax = plt.subplots(figsize=(8, 3.5))
+    if steps:
+        t0 = steps[0]["t"]
+        t = [r["t"] - t0 for r in steps]
+        fwd = [r["forward_ms"] for r in steps]
+        other = [r["schedule_ms"] + r["redis_ms"] + r["executor_ms"] - r["forward_ms"] for r in steps]
+        ax.stackplot(t, fwd, other, labels=["executor forward", "outside forward (schedule, Redis, gRPC)"])
+        ax2 = ax.twinx()
+        ax2.plot(t, [r["running"] for r in steps], color="k", lw=0.8, label="running")
+        ax2.set_ylabel("running sequences")
+    ax.set_xlabel("s")
+    ax.set_ylabel("ms per step")
+    ax.legend(loc="upper right", fontsize=7)
+    return _save(fig, out / "step_breakdown.png")
+
+
+def plot_preemption(points: list[PreemptionPoint], out: Path) -> str:
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    n = [p.tokens for p in points]
+    ax.plot(n, [p.recompute_ms for p in points], marker="o", label="recompute (re-prefill)")
+    ax.plot(n, [p.swap_ms for p in points], marker="s", label="swap out + in")
+    ax.set_xlabel("sequence length (tokens)")
+    ax.set_ylabel("ms per preempted request")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.legend()
+    return _save(fig, out / "preemption.png")
+
+
+def _clean(x: object) -> object:
+    """JSON without NaN: missing figures are null."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: _clean(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [_clean(v) for v in x]
+    return x
+
+
+def write_summary(summary: dict[str, object], out: Path) -> None:
+    (out / "summary.json").write_text(json.dumps(_clean(summary), indent=2) + "\n")
+
+
+def _f(x: object, nd: int = 1) -> str:
+    return "–" if x is None or (isinstance(x, float) and not math.isfinite(x)) else f"{x:.{nd}f}"
+
+
+def write_markdown(summary: dict, arms: dict[str, dict], targets: list[Target], overhead: list[OverheadPoint],
+                   preemption: list[PreemptionPoint], plots: dict[str, str], out: Path) -> None:
+    w = summary["workload"]
+    lines = [
+        "# pagedserve benchmark", "",
+        f"Model `{summary['model']}`; KV budget {summary['kv_budget_bytes']:,} bytes "
+        f"({summary['kv_budget_tokens']} tokens at {summary['kv_bytes_per_token']} B/token) for every arm; "
+        f"{summary['threads']} torch threads; config `{summary['config']}`; wall time {summary['wall_time_s']:.0f} s.",
+        "",
+        f"Workload: {w['distribution']} (scale {w['scale']}), {w['num_requests']} requests, "
+        f"prompt mean {w['prompt_len_mean']:.1f} / max {w['prompt_len_max']}, output mean {w['output_len_mean']:.1f} / "
+        f"max {w['output_len_max']}, arrivals {'Poisson %.2f req/s' % w['rate'] if w['rate'] else 'all at once'}, "
+        f"seed {w['seed']}, ignore_eos.", "",
+        "## Targets", "", "| target | goal | measured | verdict |", "|---|---|---|---|",
+    ]
+    lines += [f"| {t.name} | {t.goal} | {_f(t.value, 3)}{t.unit} | {t.verdict()} |" for t in targets]
+    lines += ["", "## Throughput and latency per arm", "",
+              "| arm | out tok/s | req/s | TTFT p50/p90/p99 ms | TPOT p50/p90/p99 ms | E2E p50/p90/p99 ms | "
+              "peak / mean seqs |", "|---|---|---|---|---|---|---|"]
+    for name in ARMS:
+        if name not in arms:
+            continue
+        a = arms[name]
+        trio = lambda k: "/".join(_f(a[k][q], 0) for q in ("p50", "p90", "p99"))  # noqa: E731
+        lines.append(f"| {name} | {_f(a['output_tokens_per_s'])} | {_f(a['requests_per_s'], 2)} | {trio('ttft_ms')} | "
+                     f"{trio('tpot_ms')} | {trio('e2e_ms')} | {a['peak_concurrent_seqs']} / "
+                     f"{_f(a['mean_concurrent_seqs'])} |")
+    for err in summary.get("errors", []):
+        lines.append(f"\n**Arm failed:** {err}")
+    lines += ["", f"![throughput]({plots.get('throughput', '')})", f"![latency]({plots.get('latency', '')})", "",
+              "## KV cache utilization", "",
+              f"pagedserve steady state (mean of live / allocated slots over the middle 80% of the run): "
+              f"**{_f(summary['kv_utilization_steady_state'], 3)}**; static max-length allocation for the same "
+              f"requests (HF static batches, rows of longest prompt + longest output): "
+              f"**{_f(summary['static_allocation_utilization'], 3)}**.", "",
+              f"![kv]({plots.get('kv_utilization', '')})", "",
+              "## Scheduler overhead (stub executor)", "",
+              "| running | waiting | steps | p50 ms | p99 ms | schedule p50 | Redis p50 | gRPC p50 |",
+              "|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {p.running} | {p.waiting} | {p.steps} | {_f(p.p50_ms, 2)} | {_f(p.p99_ms, 2)} | "
+              f"{_f(p.schedule_p50_ms, 2)} | {_f(p.redis_p50_ms, 2)} | {_f(p.rpc_p50_ms, 2)} |" for p in overhead]
+    lines += ["", f"![overhead]({plots.get('scheduler_overhead', '')})", "",
+              f"Real run: **{_f(summary['scheduler_overhead_share_real_run'], 3)}** of step time is outside the "
+              "executor's forward pass.", "", f"![steps]({plots.get('step_breakdown', '')})", "",
+              "## Preemption cost", "",
+              "Hand-made plans through the executor's `Step` RPC on the idle deployment after the run: recompute = "
+              "prefill of N tokens; swap = moving ceil(N/block) blocks device->CPU and back. Median of 3; "
+              "RPC round trip (executor-side time in brackets).", "",
+              "| tokens | blocks | recompute ms | swap out+in ms | out / in ms |", "|---|---|---|---|---|"]
+    lines += [f"| {p.tokens} | {p.blocks} | {_f(p.recompute_ms)} ({_f(p.recompute_executor_ms)}) | "
+              f"{_f(p.swap_ms)} ({_f(p.swap_executor_ms)}) | {_f(p.swap_out_ms)} / {_f(p.swap_in_ms)} |"
+              for p in preemption]
+    lines += ["", f"![preemption]({plots.get('preemption', '')})", ""]
+    (out / "report.md").write_text("\n".join(lines))
+
+
+def overhead_dicts(points: list[OverheadPoint]) -> list[dict]:
+    return [asdict(p) for p in points]

@@ -1,0 +1,108 @@
+"""``python -m benchmarks.run [--full]``: every arm on one workload and KV budget; report into a results dir.
+
+Arms: pagedserve deployed for real (Redis + scheduler_svc + executor_svc,
+driven over gRPC), HF static batching, HF continuous batching. Also the
+scheduler-overhead sweep (stub executor) and the swap-vs-recompute probe. The
+results directory's path is the last line printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+
+
+@dataclass(slots=True)
+class Config:
+    name: str
+    num_requests: int
+    scale: float
+    max_total_len: int
+    kv_budget_tokens: int
+    overhead_running: list[int]
+    overhead_waiting: list[int]
+    overhead_window_s: float
+    preemption_lengths: list[int]
+    arms: list[str] = field(default_factory=lambda: ["pagedserve", "hf_static", "hf_continuous", "overhead"])
+
+
+QUICK = Config("quick", 64, 0.125, 512, 2048, [1, 64, 256], [0, 1024, 4096], 1.5, [32, 128, 512])
+FULL = Config("full", 256, 0.25, 1024, 4096, [1, 16, 64, 128, 256], [0, 256, 1024, 4096], 4.0, [16, 64, 256, 1024])
+
+
+def kv_bytes_per_token(model_dir: Path, dtype_bytes: int = 4) -> int:
+    c = json.loads((model_dir / "config.json").read_text())
+    heads = c["num_attention_heads"]
+    head_dim = c.get("head_dim") or c["hidden_size"] // heads
+    return 2 * c["num_hidden_layers"] * (c.get("num_key_value_heads") or heads) * head_dim * dtype_bytes
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__)
+    p.add_argument("--full", action="store_true", help="the longer configuration (default: quick, < 10 min)")
+    p.add_argument("--out", type=Path, default=None, help="results directory (default: results/<timestamp>)")
+    p.add_argument("--model", default=None, help="HF model directory (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--threads", type=int, default=2, help="torch threads for every arm (OMP_NUM_THREADS)")
+    p.add_argument("--arms", default=None, help="comma list of pagedserve,hf_static,hf_continuous,overhead")
+    p.add_argument("--num-requests", type=int, default=None)
+    p.add_argument("--distribution", choices=("sharegpt", "uniform"), default="sharegpt")
+    p.add_argument("--scale", type=float, default=None, help="ShareGPT length scale")
+    p.add_argument("--input-range", type=int, nargs=2, default=(8, 32))
+    p.add_argument("--output-range", type=int, nargs=2, default=(8, 64))
+    p.add_argument("--max-total-len", type=int, default=None)
+    p.add_argument("--rate", type=float, default=None, help="Poisson arrivals per second (default: all at once)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--kv-budget-tokens", type=int, default=None, help="KV budget as tokens of the model's KV")
+    p.add_argument("--overhead-running", type=int, nargs="+", default=None)
+    p.add_argument("--overhead-waiting", type=int, nargs="+", default=None)
+    p.add_argument("--overhead-window", type=float, default=None, help="seconds measured per overhead point")
+    p.add_argument("--preemption-lengths", type=int, nargs="*", default=None)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    return p.parse_args(argv)
+
+
+def build_config(args: argparse.Namespace) -> Config:
+    base = FULL if args.full else QUICK
+    pick = lambda given, default: default if given is None else given  # noqa: E731
+    return Config(
+        name=base.name, num_requests=pick(args.num_requests, base.num_requests), scale=pick(args.scale, base.scale),
+        max_total_len=pick(args.max_total_len, base.max_total_len),
+        kv_budget_tokens=pick(args.kv_budget_tokens, base.kv_budget_tokens),
+        overhead_running=pick(args.overhead_running, base.overhead_running),
+        overhead_waiting=pick(args.overhead_waiting, base.overhead_waiting),
+        overhead_window_s=pick(args.overhead_window, base.overhead_window_s),
+        preemption_lengths=pick(args.preemption_lengths, base.preemption_lengths),
+        arms=args.arms.split(",") if args.arms else base.arms,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)  # before torch loads here or in any child process
+    from benchmarks import bench
+
+    cfg = build_config(args)
+    out = args.out or Path("results") / datetime.now().strftime("%Y%m%d-%H%M%S")
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    try:
+        bench.run_all(args, cfg, out, started=t0)
+    except Exception:
+        traceback.print_exc()
+        print(out.resolve())
+        return 1
+    print(out.resolve())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+

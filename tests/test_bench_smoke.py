@@ -1,0 +1,70 @@
+"""The benchmark harness end to end on a tiny random Llama: structure of the results, never timings."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+
+from benchmarks import run
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+NUMERIC_KEYS = ("throughput_ratio_vs_hf_static", "throughput_ratio_vs_hf_continuous", "kv_utilization_steady_state",
+                "static_allocation_utilization", "scheduler_overhead_ms_p50", "scheduler_overhead_share_real_run",
+                "kv_budget_bytes")
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 2-layer Llama with SmolLM2's real tokenizer (vocab 49152), so prompts and the frontend work as usual."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from executor_svc.model_store import resolve_model
+
+    src = resolve_model(None)
+    dst = tmp_path_factory.mktemp("tiny-llama")
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                         tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    LlamaForCausalLM(config).save_pretrained(dst)
+    for name in TOKENIZER_FILES:
+        if (src / name).exists():
+            shutil.copy(src / name, dst / name)
+    return dst
+
+
+def test_harness_writes_report(tiny_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "results"
+    rc = run.main([
+        "--model", str(tiny_model), "--out", str(out), "--threads", "1",
+        "--num-requests", "4", "--scale", "0.05", "--max-total-len", "48", "--kv-budget-tokens", "256",
+        "--overhead-running", "2", "--overhead-waiting", "0", "4", "--overhead-window", "0.5",
+        "--preemption-lengths", "16", "32",
+    ])
+    assert rc == 0
+    assert capsys.readouterr().out.strip().splitlines()[-1] == str(out.resolve())
+
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["errors"] == []
+    assert set(summary["output_tokens_per_s"]) == {"pagedserve", "hf_static", "hf_continuous"}
+    values = [*summary["output_tokens_per_s"].values(), *(summary[k] for k in NUMERIC_KEYS)]
+    assert all(isinstance(v, int | float) and math.isfinite(v) for v in values)
+    assert summary["workload"]["num_requests"] == 4 and summary["model"] == str(tiny_model)
+    for arm in summary["arms"].values():
+        assert arm["num_requests"] == 4
+        assert {"p50", "p90", "p99"} <= set(arm["ttft_ms"]) and {"p50", "p90", "p99"} <= set(arm["e2e_ms"])
+    assert {p["waiting"] for p in summary["overhead_sweep"]} == {0, 4}
+    assert [p["tokens"] for p in summary["preemption"]] == [16, 32]
+    assert len(summary["targets"]) == 5
+
+    report = (out / "report.md").read_text()
+    assert "## Targets" in report
+    for name in summary["plots"].values():
+        assert (out / name).read_bytes()[:8] == PNG_MAGIC
+        assert f"]({name})" in report
