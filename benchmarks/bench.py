@@ -14,17 +14,16 @@ from dataclasses import asdict
 from pathlib import Path
 
 from benchmarks import analysis, report
+from benchmarks.config import Config, kv_bytes_per_token
 from benchmarks.metrics import summarize
 from benchmarks.overhead import OverheadPoint
 from benchmarks.preemption import PreemptionPoint
 from benchmarks.workload import Vocab, WorkloadSpec, make_workload
 
 
-def run_all(args: argparse.Namespace, cfg: object, out: Path, started: float) -> dict:
-    from benchmarks.run import Config, kv_bytes_per_token
+def run_all(args: argparse.Namespace, cfg: Config, out: Path, started: float) -> dict:
     from executor_svc.model_store import resolve_model
 
-    assert isinstance(cfg, Config)
     model_dir = resolve_model(args.model)
     per_token = kv_bytes_per_token(model_dir)
     budget_bytes = cfg.kv_budget_tokens * per_token

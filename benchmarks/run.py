@@ -9,39 +9,14 @@ results directory's path is the last line printed.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
 import traceback
-from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
-
-@dataclass(slots=True)
-class Config:
-    name: str
-    num_requests: int
-    scale: float
-    max_total_len: int
-    kv_budget_tokens: int
-    overhead_running: list[int]
-    overhead_waiting: list[int]
-    overhead_window_s: float
-    preemption_lengths: list[int]
-    arms: list[str] = field(default_factory=lambda: ["pagedserve", "hf_static", "hf_continuous", "overhead"])
-
-
-QUICK = Config("quick", 64, 0.125, 512, 2048, [1, 64, 256], [0, 1024, 4096], 1.5, [32, 128, 512])
-FULL = Config("full", 256, 0.25, 1024, 4096, [1, 16, 64, 128, 256], [0, 256, 1024, 4096], 4.0, [16, 64, 256, 1024])
-
-
-def kv_bytes_per_token(model_dir: Path, dtype_bytes: int = 4) -> int:
-    c = json.loads((model_dir / "config.json").read_text())
-    heads = c["num_attention_heads"]
-    head_dim = c.get("head_dim") or c["hidden_size"] // heads
-    return 2 * c["num_hidden_layers"] * (c.get("num_key_value_heads") or heads) * head_dim * dtype_bytes
+from benchmarks.config import FULL, QUICK, Config
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
