@@ -55,10 +55,11 @@ def slot_mapping_for(
     block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_size: int
 ) -> torch.Tensor:
     """Flat cache slot (``block * block_size + offset``) of every packed token."""
+    dev = block_tables.device
     q_lens = (query_start_loc[1:] - query_start_loc[:-1]).long()
-    seq_of_token = torch.repeat_interleave(torch.arange(len(q_lens)), q_lens)
+    seq_of_token = torch.repeat_interleave(torch.arange(len(q_lens), device=dev), q_lens)
     first_pos = (seq_lens.long() - q_lens)[seq_of_token]
-    offset_in_seq = torch.arange(int(q_lens.sum())) - query_start_loc[:-1].long()[seq_of_token]
+    offset_in_seq = torch.arange(int(q_lens.sum()), device=dev) - query_start_loc[:-1].long()[seq_of_token]
     pos = first_pos + offset_in_seq
     blocks = block_tables.long()[seq_of_token, pos // block_size]
     return blocks * block_size + pos % block_size
@@ -81,10 +82,11 @@ def _build_group(meta: PagedMetadata, seqs: torch.Tensor) -> _Group:
     q_lens = (meta.query_start_loc[1:] - meta.query_start_loc[:-1]).long()[seqs]
     ctx = meta.seq_lens.long()[seqs]
     q_max, l_max = int(q_lens.max()), int(ctx.max())
-    qi = torch.arange(q_max)
+    dev = meta.block_tables.device
+    qi = torch.arange(q_max, device=dev)
     token_valid = qi[None, :] < q_lens[:, None]
     token_index = torch.where(token_valid, starts[:, None] + qi[None, :], 0)
-    pos = torch.arange(l_max)
+    pos = torch.arange(l_max, device=dev)
     bt = meta.block_tables.long()[seqs]
     blocks = bt[:, (pos // meta.block_size).clamp(max=bt.shape[1] - 1)]
     slots = blocks * meta.block_size + pos % meta.block_size
