@@ -25,6 +25,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--port", type=int, default=50061)
     p.add_argument("--kv-cache-memory", type=int, default=None, help="bytes of device KV pool (default: 512 MiB on CPU, profiled on CUDA)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="fraction of GPU memory to use on CUDA")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="largest step; profiled on CUDA to size the pool")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument("--max-model-len", type=int, default=None, help="context length limit (default: the model's)")
     p.add_argument("--swap-space", type=float, default=4.0, help="GiB of CPU memory for swapped-out blocks")
@@ -48,6 +49,7 @@ async def serve(args: argparse.Namespace) -> None:
             block_size=args.block_size,
             kv_cache_memory=args.kv_cache_memory,
             gpu_memory_utilization=args.gpu_memory_utilization,
+            max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=args.max_model_len,
             swap_space=args.swap_space,
             swap_dir=args.swap_dir,

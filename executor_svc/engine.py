@@ -7,6 +7,7 @@ that, in one packed forward pass, and returns the sampled tokens.
 
 from __future__ import annotations
 
+import contextlib
 import time
 import uuid
 from collections import defaultdict
@@ -45,6 +46,7 @@ class EngineConfig:
     block_size: int = 16
     kv_cache_memory: int | None = None  # bytes; None: from gpu_memory_utilization or 512 MiB on CPU
     gpu_memory_utilization: float = 0.9
+    max_num_batched_tokens: int = 2048  # the largest step, profiled to size the pool on CUDA
     max_model_len: int | None = None
     swap_space: float = 0.0  # GiB of host memory for swapped-out blocks
     swap_dir: Path | None = None
@@ -128,6 +130,7 @@ class Engine:
         self.vocab_size = text_config.vocab_size
         self.eos_token_ids = _eos_ids(cfg.model, text_config)
         self.instance_id = uuid.uuid4().hex
+        self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.pool = KVPool(
             self.geometry,
             device_tier(self.geometry, self._device_blocks(), self.device),
@@ -141,20 +144,33 @@ class Engine:
 
     def _device_blocks(self) -> int:
         if self.cfg.kv_cache_memory is not None:
-            budget = self.cfg.kv_cache_memory
+            budget = float(self.cfg.kv_cache_memory)
         elif self.device.type == "cuda":
-            # As vLLM: what the utilization fraction allows, minus weights and activations.
-            torch.cuda.empty_cache()
-            free, total = torch.cuda.mem_get_info(self.device)
-            used = total - free
-            activation_headroom = 2 * GIB
-            budget = total * self.cfg.gpu_memory_utilization - used - activation_headroom
+            budget = self._profiled_budget()
         else:
-            budget = 512 * (1 << 20)
+            budget = float(512 << 20)
         blocks = self.geometry.blocks_for(budget)
         if blocks < 1:
             raise ValueError(f"KV cache budget of {budget:.0f} bytes holds no {self.geometry.block_bytes}-byte block")
         return blocks
+
+    def _profiled_budget(self) -> float:
+        """As vLLM: run the largest step once on a scratch pool, then give the KV pool
+        what the utilization fraction leaves after weights, peak activations and
+        memory held outside torch (CUDA context, NCCL...)."""
+        n = min(self.cfg.max_num_batched_tokens, self.max_model_len)
+        scratch = -(-n // self.geometry.block_size)
+        self.pool = KVPool(self.geometry, device_tier(self.geometry, scratch, self.device))
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self._forward([SeqInput("profile", [0] * n, 0, list(range(scratch)), sample=True)])
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        free, total = torch.cuda.mem_get_info(self.device)
+        outside_torch = (total - free) - torch.cuda.memory_reserved(self.device)
+        del self.pool
+        torch.cuda.empty_cache()
+        return total * self.cfg.gpu_memory_utilization - peak - outside_torch
 
     def tokenizer_files(self) -> dict[str, bytes]:
         return {n: (self.cfg.model / n).read_bytes() for n in TOKENIZER_FILES if (self.cfg.model / n).exists()}
@@ -187,19 +203,39 @@ class Engine:
         if max(seq.token_ids) >= self.vocab_size:
             raise PlanError(f"{seq.request_id}: token id out of vocabulary")
 
+    def _copying(self) -> contextlib.AbstractContextManager[object]:
+        """Block copies run on a side stream on CUDA, inline on CPU."""
+        return torch.cuda.stream(self._copy_stream) if self._copy_stream is not None else contextlib.nullcontext()
+
     def step(self, plan: StepInput) -> StepOutput:
+        """Swap-ins and copies, then the forward pass; swap-outs overlap the forward.
+
+        Overlap is safe because the scheduler never lets a plan write a block
+        that the same plan swaps out. The step returns only once every copy is
+        done, so the scheduler may reuse the sources as soon as it has the result.
+        """
         t0 = time.perf_counter()
         for seq in plan.seqs:
             self._check(seq)
-        self._move(plan.swap_out)
-        self._move(plan.swap_in)
-        self._move(plan.copies)
+        with self._copying():
+            self._move(plan.swap_in)
+            self._move(plan.copies)
+        if self._copy_stream is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self._copy_stream)
         tokens: list[tuple[str, int]] = []
         forward_ms = 0.0
+        t1 = time.perf_counter()
+        logits, sampled = self._forward(plan.seqs) if plan.seqs else (None, [])
+        with self._copying():
+            self._move(plan.swap_out)
+        if logits is not None and sampled:
+            chosen = sample(logits, [plan.seqs[i].sampling for i in sampled],
+                            [plan.seqs[i].num_generated for i in sampled])
+            tokens = [(plan.seqs[i].request_id, t) for i, t in zip(sampled, chosen)]
         if plan.seqs:
-            t1 = time.perf_counter()
-            tokens = self._forward(plan.seqs)
             forward_ms = (time.perf_counter() - t1) * 1e3
+        if self._copy_stream is not None:
+            self._copy_stream.synchronize()
         return StepOutput(
             step_id=plan.step_id,
             tokens=tokens,
@@ -210,7 +246,8 @@ class Engine:
         )
 
     @torch.inference_mode()
-    def _forward(self, seqs: list[SeqInput]) -> list[tuple[str, int]]:
+    def _forward(self, seqs: list[SeqInput]) -> tuple[torch.Tensor | None, list[int]]:
+        """Launch one packed forward pass; returns the logits of the sampled rows."""
         dev = self.device
         q_lens = [len(s.token_ids) for s in seqs]
         ids = torch.tensor([t for s in seqs for t in s.token_ids], dtype=torch.long)
@@ -230,10 +267,4 @@ class Engine:
             logits_to_keep=last.to(dev),
             paged=attention.StepContext(meta, self.pool.device, self.backend),
         )
-        if not sampled:
-            return []
-        logits = out.logits[0]
-        chosen = sample(
-            logits, [seqs[i].sampling for i in sampled], [seqs[i].num_generated for i in sampled]
-        )
-        return [(seqs[i].request_id, t) for i, t in zip(sampled, chosen)]
+        return (out.logits[0] if sampled else None), sampled
