@@ -27,8 +27,8 @@ class _Group:
 
     token_index: torch.Tensor  # [S_g, Q_g] index into the packed tokens
     token_valid: torch.Tensor  # [S_g, Q_g] bool
-    slots: torch.Tensor  # [S_g, L_g] flat slot of each key position
-    mask: torch.Tensor  # [S_g, 1, Q_g, L_g] bool, True where attention is allowed
+    blocks: torch.Tensor  # [S_g * B_g] physical blocks covering each sequence's context, flattened
+    mask: torch.Tensor  # [S_g, 1, Q_g, B_g * block_size] bool, True where attention is allowed
 
 
 @dataclass(slots=True)
@@ -86,16 +86,17 @@ def _build_group(meta: PagedMetadata, seqs: torch.Tensor) -> _Group:
     qi = torch.arange(q_max, device=dev)
     token_valid = qi[None, :] < q_lens[:, None]
     token_index = torch.where(token_valid, starts[:, None] + qi[None, :], 0)
-    pos = torch.arange(l_max, device=dev)
-    bt = meta.block_tables.long()[seqs]
-    blocks = bt[:, (pos // meta.block_size).clamp(max=bt.shape[1] - 1)]
-    slots = blocks * meta.block_size + pos % meta.block_size
+    # Gather whole blocks (contiguous 16-token rows are far cheaper than per-slot
+    # indexing); positions past a sequence's context are masked out.
+    num_blocks = -(-l_max // meta.block_size)
+    blocks = meta.block_tables.long()[seqs][:, :num_blocks].reshape(-1)
+    pos = torch.arange(num_blocks * meta.block_size, device=dev)
     # Query i of a sequence sits at position ctx - q_len + i and sees keys up to it.
     q_pos = (ctx - q_lens)[:, None] + qi[None, :]
     mask = pos[None, None, :] <= q_pos[:, :, None]
     # Padded query rows would see nothing (NaN in softmax): let them see key 0.
     mask = mask | (~token_valid[:, :, None] & (pos == 0)[None, None, :])
-    return _Group(token_index, token_valid, slots, mask[:, None])
+    return _Group(token_index, token_valid, blocks, mask[:, None])
 
 
 def _groups(meta: PagedMetadata) -> list[_Group]:
@@ -141,18 +142,20 @@ def paged_attention(
     """
     heads, dim = query.shape[1:]
     kvh = key_cache.shape[-2]
-    flat_k = key_cache.view(-1, kvh, dim)
-    flat_v = value_cache.view(-1, kvh, dim)
     out = torch.empty_like(query)
     for g in _groups(meta):
-        q = query[g.token_index].transpose(1, 2)  # [S, H, Q, D]
-        k = flat_k[g.slots].transpose(1, 2).to(query.dtype)  # [S, KVH, L, D]
-        v = flat_v[g.slots].transpose(1, 2).to(query.dtype)
+        s_g, q_g = g.token_index.shape
+        q = query.index_select(0, g.token_index.reshape(-1)).view(s_g, q_g, heads, dim).transpose(1, 2)
+        k = key_cache.index_select(0, g.blocks).view(s_g, -1, kvh, dim).transpose(1, 2).to(query.dtype)
+        v = value_cache.index_select(0, g.blocks).view(s_g, -1, kvh, dim).transpose(1, 2).to(query.dtype)
         o = torch.nn.functional.scaled_dot_product_attention(
             q, k, v, attn_mask=g.mask, scale=scale, enable_gqa=heads != kvh
         )
         o = o.transpose(1, 2)  # [S, Q, H, D]
-        out[g.token_index[g.token_valid]] = o[g.token_valid]
+        if q_g == 1:
+            out.index_copy_(0, g.token_index.reshape(-1), o.reshape(s_g, heads, dim))
+        else:
+            out[g.token_index[g.token_valid]] = o[g.token_valid]
     return out
 
 
