@@ -7,8 +7,11 @@ slot. Keys (``ns`` is the namespace, ``pagedserve`` by default):
 - ``{ns}:free:<tier>`` set: free block ids of tier 0 (device), 1 (CPU), 2 (disk).
 - ``{ns}:live`` set: ids of requests waiting, running or swapped.
 - ``{ns}:req:<id>`` hash: ``spec`` (JSON, immutable), ``status``,
-  ``num_computed``, ``blocks`` (device block table), ``swap`` (tier:block list),
+  ``blocks`` (device block table), ``swap`` (tier:block list),
   ``preemptions``, ``finish_reason``.
+- ``{ns}:computed`` hash: request id -> tokens whose KV is cached. It changes
+  every step for every running request, so it is one command per step rather
+  than one per request.
 - ``{ns}:out:<id>`` list: generated token ids.
 - ``{ns}:incoming`` stream: submit / abort / stop operations from frontends;
   ``{ns}:cursor`` is the id of the last one the loop has applied.
@@ -108,7 +111,7 @@ def _spec_json(req: Request, stop: list[str]) -> str:
     )
 
 
-def _request_from(request_id: str, fields: dict[str, str], output: list[str]) -> Request:
+def _request_from(request_id: str, fields: dict[str, str], output: list[str], computed: int = 0) -> Request:
     spec = json.loads(fields["spec"])
     params = spec["params"]
     params["stop_token_ids"] = tuple(params["stop_token_ids"])
@@ -121,11 +124,16 @@ def _request_from(request_id: str, fields: dict[str, str], output: list[str]) ->
         arrival=int(fields.get("arrival", 0)),
         output_ids=[int(t) for t in output],
         status=Status.WAITING if status == "submitted" else Status(status),
-        num_computed=int(fields.get("num_computed", 0)),
+        num_computed=computed,
         blocks=[int(b) for b in fields.get("blocks", "").split(",") if b],
         swap_blocks=[(int(t), int(b)) for t, b in (x.split(":") for x in fields.get("swap", "").split(",") if x)],
         num_preemptions=int(fields.get("preemptions", 0)),
     )
+
+
+def _signature(req: Request) -> tuple[object, ...]:
+    """The part of a request's hash that changes only on transitions and new blocks."""
+    return (req.status, len(req.blocks), tuple(req.swap_blocks), req.num_preemptions)
 
 
 def _chunks(cmd: str, key: str, values: list[str]) -> list[list[str]]:
@@ -169,6 +177,10 @@ class RedisStore:
         self.k_meta, self.k_live, self.k_incoming = p + "meta", p + "live", p + "incoming"
         self.k_cursor, self.k_events, self.k_counters = p + "cursor", p + "events", p + "counters"
         self.k_leader, self.k_epoch, self.k_arrival = p + "leader", p + "epoch", p + "arrival"
+        self.k_computed = p + "computed"
+        # What the last commit wrote of each live request's hash, so that a step
+        # rewrites only the requests whose status or block tables changed.
+        self._saved: dict[str, tuple[object, ...]] = {}
         self._p = p
         self._apply = client.register_script(_APPLY)
         self._submit = client.register_script(_SUBMIT)
@@ -247,14 +259,17 @@ class RedisStore:
         pipe.smembers(self.k_live)
         pipe.get(self.k_cursor)
         pipe.hgetall(self.k_counters)
-        meta, f0, f1, f2, live, cursor, counters = await pipe.execute()
+        pipe.hgetall(self.k_computed)
+        meta, f0, f1, f2, live, cursor, counters, computed = await pipe.execute()
         pipe = self.r.pipeline(transaction=True)
         ids = sorted(live)
         for rid in ids:
             pipe.hgetall(self.k_req(rid))
             pipe.lrange(self.k_out(rid), 0, -1)
         rows = await pipe.execute()
-        requests = [_request_from(rid, rows[2 * i], rows[2 * i + 1]) for i, rid in enumerate(ids)]
+        requests = [_request_from(rid, rows[2 * i], rows[2 * i + 1], int(computed.get(rid, 0)))
+                    for i, rid in enumerate(ids)]
+        self._saved = {r.request_id: _signature(r) for r in requests}
         return Snapshot(
             meta=meta,
             free=tuple(sorted(int(b) for b in f) for f in (f0, f1, f2)),  # type: ignore[arg-type]
@@ -279,9 +294,10 @@ class RedisStore:
         for tier, total in zip(TIERS, totals):
             ops.append(["DEL", self.k_free(tier)])
             ops += _chunks("SADD", self.k_free(tier), [str(b) for b in range(total)])
+        ops.append(["DEL", self.k_computed])
         for req in requests:
-            ops.append(["HSET", self.k_req(req.request_id), "status", Status.WAITING.value, "num_computed", "0",
-                        "blocks", "", "swap", ""])
+            ops.append(["HSET", self.k_req(req.request_id), "status", Status.WAITING.value, "blocks", "", "swap", ""])
+            self._saved.pop(req.request_id, None)
         return ops
 
     def commit_ops(self, c: Commit) -> list[list[str]]:
@@ -294,17 +310,24 @@ class RedisStore:
             ops += _chunks("SADD", self.k_free(tier), freed) + _chunks("SREM", self.k_free(tier), owned)
         if c.admitted:
             ops += _chunks("SADD", self.k_live, c.admitted)
+        computed: list[str] = []
         for rid, req in c.touched.items():
             if req.status == Status.FINISHED:
                 continue
+            computed += (rid, str(req.num_computed))
+            sig = _signature(req)
+            if self._saved.get(rid) == sig:
+                continue
+            self._saved[rid] = sig
             ops.append([
                 "HSET", self.k_req(rid),
                 "status", req.status.value,
-                "num_computed", str(req.num_computed),
                 "blocks", ",".join(map(str, req.blocks)),
                 "swap", ",".join(f"{t}:{b}" for t, b in req.swap_blocks),
                 "preemptions", str(req.num_preemptions),
             ])  # fmt: skip
+        if computed:
+            ops += _chunks("HSET", self.k_computed, computed)
         events: dict[str, object] = {}
         if c.update is not None:
             for rid, tokens in c.update.new_tokens.items():
@@ -315,8 +338,10 @@ class RedisStore:
                 rid = req.request_id
                 reason = (req.finish_reason or Finish.ABORT).value
                 ops.append(["HSET", self.k_req(rid), "status", Status.FINISHED.value, "finish_reason", reason,
-                            "num_computed", "0", "blocks", "", "swap", ""])
+                            "blocks", "", "swap", ""])
+                ops.append(["HDEL", self.k_computed, rid])
                 ops.append(["SREM", self.k_live, rid])
+                self._saved.pop(rid, None)
                 ops.append(["EXPIRE", self.k_req(rid), str(FINISHED_TTL_S)])
                 ops.append(["EXPIRE", self.k_out(rid), str(FINISHED_TTL_S)])
             events["f"] = {r.request_id: [(r.finish_reason or Finish.ABORT).value, len(r.prompt_ids),
