@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
-import signal
 from pathlib import Path
 
 from executor_svc.engine import Engine, EngineConfig
@@ -70,10 +68,7 @@ async def serve(args: argparse.Namespace) -> None:
         args.model, port, engine.device, engine.backend.name, pool.count(0), pool.count(1), pool.count(2),
         engine.geometry.block_size, engine.geometry.block_bytes,
     )
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+    stop = await rpc.stop_on_signals()
     await stop.wait()
     await health.enter_graceful_shutdown()
     await server.stop(grace=5)
@@ -81,8 +76,7 @@ async def serve(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    asyncio.run(serve(args))
+    rpc.run_service(serve, args, args.log_level)
 
 
 if __name__ == "__main__":

@@ -38,7 +38,9 @@ def _filter(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> t
     probs = sorted_logits.softmax(dim=-1)
     # Keep a token if the mass strictly before it is below top_p (the first is always kept).
     before = probs.cumsum(dim=-1) - probs
-    sorted_logits = sorted_logits.masked_fill(before >= top_p[:, None], float("-inf"))
+    # top_p = 1 keeps everything, even where rounding makes the cumulative mass reach 1.
+    drop = (before >= top_p[:, None]) & (top_p[:, None] < 1.0)
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
 
 

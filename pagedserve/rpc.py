@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import asyncio
+import logging
+import signal
+from collections.abc import Awaitable, Callable
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -46,3 +49,17 @@ async def set_serving(health_servicer: health.HealthServicer, names: list[str], 
     status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
     for name in ["", *names]:
         await health_servicer.set(name, status)
+
+
+async def stop_on_signals() -> asyncio.Event:
+    """An event set by SIGINT or SIGTERM: the services' shutdown trigger."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    return stop
+
+
+def run_service(serve: Callable[[object], Awaitable[None]], args: object, log_level: str) -> None:
+    logging.basicConfig(level=log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    asyncio.run(serve(args))

@@ -6,7 +6,6 @@ import argparse
 import asyncio
 import logging
 import os
-import signal
 import socket
 import sys
 import uuid
@@ -78,14 +77,6 @@ def _scheduler_config(args: argparse.Namespace, max_len: int) -> SchedulerConfig
     )
 
 
-async def _stop_on_signals() -> asyncio.Event:
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    return stop
-
-
 async def run_loop(args: argparse.Namespace) -> None:
     """The scheduling loop alone: takes the lease when free and steps the executor."""
     client = aioredis.from_url(args.redis_url, decode_responses=True)
@@ -97,7 +88,7 @@ async def run_loop(args: argparse.Namespace) -> None:
     replica = args.replica_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
     loop = Loop(RedisStore(client, args.namespace), executor, _scheduler_config(args, max_len), replica,
                 args.lease_ms, step_log)
-    stop = await _stop_on_signals()
+    stop = await rpc.stop_on_signals()
     await loop.run(stop)
     await channel.close()
     await client.aclose()
@@ -152,7 +143,7 @@ async def serve(args: argparse.Namespace) -> None:
         [(pb_grpc.add_GenerationServicer_to_server, GenerationServicer(frontend), SERVICE_NAME)],
         reflect=True,
     )
-    stop = await _stop_on_signals()
+    stop = await rpc.stop_on_signals()
     await server.start()
     tasks = [asyncio.create_task(bus.run(stop))]
     if args.role == "all":
@@ -170,8 +161,7 @@ async def serve(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    asyncio.run(serve(args))
+    rpc.run_service(serve, args, args.log_level)
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
 
-from scheduler_svc.core.blocks import TIERS, BlockManager, Pool
+from scheduler_svc.core.blocks import TIERS, BlockManager
 from scheduler_svc.core.request import Finish, Params, Request, Status
 from scheduler_svc.core.scheduler import Counters, StepUpdate
 

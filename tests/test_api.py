@@ -17,7 +17,7 @@ from pagedserve.launch import Cluster
 from pagedserve.rpc import CHANNEL_OPTIONS
 from pagedserve.v1 import generation_pb2 as pb
 from pagedserve.v1 import generation_pb2_grpc as pb_grpc
-from tests.helpers import collect, greedy, run_all, wait_all_free
+from tests.helpers import greedy, run_all, wait_all_free
 
 NS = "tiny"
 PROMPT = list(range(100, 140))
