@@ -18,6 +18,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from executor_svc import attention
+from executor_svc.block_tables import BlockTables, UnknownTable
 from executor_svc.kv_pool import GIB, KVGeometry, KVPool, cpu_tier, device_tier, disk_tier
 from executor_svc.sampler import SamplingParams, sample
 from kernels import get_backend, make_metadata
@@ -69,10 +70,11 @@ class SeqInput:
     request_id: str
     token_ids: list[int]
     start_pos: int
-    block_table: list[int]
+    block_table: list[int]  # the whole table, or with full_table=False the blocks new since the last step
     sampling: SamplingParams = field(default_factory=SamplingParams)
     sample: bool = True
     num_generated: int = 0
+    full_table: bool = True
 
 
 @dataclass(slots=True)
@@ -82,6 +84,8 @@ class StepInput:
     swap_in: list[Move] = field(default_factory=list)
     copies: list[Move] = field(default_factory=list)
     seqs: list[SeqInput] = field(default_factory=list)
+    forget: list[str] = field(default_factory=list)  # requests whose tables can be dropped
+    reset_tables: bool = False  # drop every table before this plan
 
 
 @dataclass(slots=True)
@@ -141,6 +145,7 @@ class Engine:
             if cfg.swap_dir is not None and cfg.disk_swap_space > 0
             else None,
         )
+        self.tables = BlockTables(self.pool.device.num_blocks)
 
     def _device_blocks(self) -> int:
         if self.cfg.kv_cache_memory is not None:
@@ -163,7 +168,8 @@ class Engine:
         self.pool = KVPool(self.geometry, device_tier(self.geometry, scratch, self.device))
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
-        self._forward([SeqInput("profile", [0] * n, 0, list(range(scratch)), sample=True)])
+        table = torch.arange(scratch, dtype=torch.int32)[None]
+        self._forward([SeqInput("profile", [0] * n, 0, [])], table)
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
         free, total = torch.cuda.mem_get_info(self.device)
@@ -196,12 +202,15 @@ class Engine:
             raise PlanError(f"{seq.request_id}: no tokens to run")
         if end > self.max_model_len:
             raise PlanError(f"{seq.request_id}: position {end} exceeds max_model_len {self.max_model_len}")
-        if len(seq.block_table) * self.geometry.block_size < end:
-            raise PlanError(f"{seq.request_id}: block table covers {len(seq.block_table)} blocks, needs {end}")
-        if max(seq.block_table) >= self.pool.device.num_blocks:
-            raise PlanError(f"{seq.request_id}: block id out of range")
         if max(seq.token_ids) >= self.vocab_size:
             raise PlanError(f"{seq.request_id}: token id out of vocabulary")
+        try:
+            self.tables.apply(seq.request_id, seq.block_table, seq.full_table)
+        except ValueError as exc:
+            raise PlanError(str(exc)) from exc
+        covered = self.tables.num_blocks_of(seq.request_id)
+        if covered * self.geometry.block_size < end:
+            raise PlanError(f"{seq.request_id}: block table covers {covered} blocks, needs {end} tokens")
 
     def _copying(self) -> contextlib.AbstractContextManager[object]:
         """Block copies run on a side stream on CUDA, inline on CPU."""
@@ -215,6 +224,10 @@ class Engine:
         done, so the scheduler may reuse the sources as soon as it has the result.
         """
         t0 = time.perf_counter()
+        if plan.reset_tables:
+            self.tables.clear()
+        for rid in plan.forget:
+            self.tables.forget(rid)
         for seq in plan.seqs:
             self._check(seq)
         with self._copying():
@@ -225,7 +238,9 @@ class Engine:
         tokens: list[tuple[str, int]] = []
         forward_ms = 0.0
         t1 = time.perf_counter()
-        logits, sampled = self._forward(plan.seqs) if plan.seqs else (None, [])
+        logits, sampled = None, []
+        if plan.seqs:
+            logits, sampled = self._forward(plan.seqs, self.tables.stacked([s.request_id for s in plan.seqs]))
         with self._copying():
             self._move(plan.swap_out)
         if logits is not None and sampled:
@@ -246,17 +261,20 @@ class Engine:
         )
 
     @torch.inference_mode()
-    def _forward(self, seqs: list[SeqInput]) -> tuple[torch.Tensor | None, list[int]]:
-        """Launch one packed forward pass; returns the logits of the sampled rows."""
+    def _forward(self, seqs: list[SeqInput], tables: torch.Tensor) -> tuple[torch.Tensor | None, list[int]]:
+        """Launch one packed forward pass; returns the logits of the sampled rows.
+
+        ``tables`` holds each sequence's whole block table, one row per sequence.
+        """
         dev = self.device
         q_lens = [len(s.token_ids) for s in seqs]
         ids = torch.tensor([t for s in seqs for t in s.token_ids], dtype=torch.long)
-        positions = torch.cat([torch.arange(s.start_pos, s.start_pos + n) for s, n in zip(seqs, q_lens)])
-        width = max(len(s.block_table) for s in seqs)
-        tables = torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in seqs], dtype=torch.int32)
+        lens = torch.tensor(q_lens)
         qsl = torch.zeros(len(seqs) + 1, dtype=torch.int32)
-        qsl[1:] = torch.tensor(q_lens).cumsum(0)
-        seq_lens = torch.tensor([s.start_pos + n for s, n in zip(seqs, q_lens)], dtype=torch.int32)
+        qsl[1:] = lens.cumsum(0)
+        starts = torch.tensor([s.start_pos for s in seqs])
+        positions = torch.repeat_interleave(starts - qsl[:-1], lens) + torch.arange(len(ids))
+        seq_lens = (starts + lens).to(torch.int32)
         meta = make_metadata(tables.to(dev), qsl.to(dev), seq_lens.to(dev), self.geometry.block_size)
         sampled = [i for i, s in enumerate(seqs) if s.sample]
         last = qsl[1:][sampled] - 1 if sampled else torch.tensor([0])

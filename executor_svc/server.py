@@ -7,6 +7,7 @@ import logging
 
 import grpc
 
+from executor_svc.block_tables import UnknownTable
 from executor_svc.engine import Engine, Move, PlanError, SeqInput, StepInput, StepOutput
 from executor_svc.sampler import SamplingParams
 from pagedserve.executor.v1 import executor_pb2 as pb
@@ -40,9 +41,12 @@ def plan_from_pb(plan: pb.StepPlan) -> StepInput:
                 ),
                 sample=s.sample,
                 num_generated=s.num_generated,
+                full_table=s.full_table,
             )
             for s in plan.seqs
         ],
+        forget=list(plan.forget),
+        reset_tables=plan.reset_tables,
     )
 
 
@@ -85,6 +89,8 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
             try:
                 # The forward pass holds the GIL-free torch kernels; a thread keeps health checks answering.
                 out = await asyncio.to_thread(self.engine.step, plan)
+            except UnknownTable as exc:
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"no block table for {exc}; send it in full")
             except PlanError as exc:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             except ValueError as exc:

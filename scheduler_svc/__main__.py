@@ -128,7 +128,11 @@ async def serve(args: argparse.Namespace) -> None:
     if args.role == "loop":
         await run_loop(args)
         return
-    client = aioredis.from_url(args.redis_url, decode_responses=True)
+    # Thousands of concurrent streams share a bounded pool and wait for a free
+    # connection instead of failing with "Too many connections".
+    pool = aioredis.BlockingConnectionPool.from_url(args.redis_url, max_connections=64, timeout=None,
+                                                     decode_responses=True)
+    client = aioredis.Redis.from_pool(pool)
     store = RedisStore(client, args.namespace)
     channel = grpc.aio.insecure_channel(args.executor, options=rpc.CHANNEL_OPTIONS)
     info = await _executor_info(epb_grpc.ExecutorStub(channel))

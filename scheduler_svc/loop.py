@@ -23,7 +23,7 @@ import grpc
 from scheduler_svc.core.blocks import TIERS, BlockManager, Pool
 from scheduler_svc.core.request import Finish, Request
 from scheduler_svc.core.scheduler import Counters, Scheduler, SchedulerConfig
-from scheduler_svc.plan import to_pb
+from scheduler_svc.plan import PlanBuilder
 from scheduler_svc.store import Commit, Fenced, Incoming, RedisStore
 from pagedserve.executor.v1 import executor_pb2 as pb
 from pagedserve.executor.v1 import executor_pb2_grpc as pb_grpc
@@ -116,6 +116,8 @@ class Loop:
                     rejected = []
                 await self._steps(sched, cursor, epoch, stop)
             except grpc.aio.AioRpcError as exc:
+                # FAILED_PRECONDITION (the executor lacks a block table) heals here too:
+                # the reload starts a fresh PlanBuilder, which sends every table in full.
                 log.warning("executor call failed (%s: %s); reloading state", exc.code().name, exc.details())
                 if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
                     rejected = self._in_flight
@@ -171,6 +173,11 @@ class Loop:
                 if req is None or item.request_id in sched.requests:
                     continue
                 sched.add(req)
+                if not sched.fits_ever(min(req.num_tokens + req.params.max_tokens, sched.config.max_model_len)):
+                    # The pool shrank (a new executor) since the frontend checked it.
+                    log.error("%s can never fit the KV pool; aborting it", req.request_id)
+                    commit.finished.append(sched.finish(req.request_id, Finish.ABORT))
+                    continue
                 commit.admitted.append(req.request_id)
                 commit.touched[req.request_id] = req
             else:
@@ -180,9 +187,12 @@ class Loop:
 
     async def _steps(self, sched: Scheduler, cursor: str, epoch: int, stop: asyncio.Event) -> None:
         step_id = sched.counters.steps
+        busy = sched.has_work
+        plans = PlanBuilder()
+        ended: list[str] = []  # finished since the last plan: the executor may drop their tables
         while not stop.is_set():
             t0 = time.perf_counter()
-            items = await self.store.read_incoming(cursor, None if sched.has_work else IDLE_BLOCK_MS)
+            items = await self.store.read_incoming(cursor, None if busy else IDLE_BLOCK_MS)
             t1 = time.perf_counter()
             commit = Commit(blocks=sched.blocks)
             if items:
@@ -198,7 +208,8 @@ class Loop:
                 t3 = time.perf_counter()
                 if out.scheduled or out.swap_out or out.swap_in:
                     self._in_flight = [s.req.request_id for s in out.scheduled]
-                    result = await self.executor.Step(to_pb(out, step_id))
+                    result = await self.executor.Step(plans.build(out, step_id, ended))
+                    ended = []
                     sampled = {o.request_id: o.token_id for o in result.outputs}
                     forward_ms = result.forward_ms
                     step_id += 1
@@ -206,8 +217,12 @@ class Loop:
                 exec_ms = (t4 - t3) * 1e3
                 commit.update = sched.update(out, sampled)
                 commit.finished += commit.update.finished
+            busy = out is not None and bool(out.scheduled or out.swap_out or out.swap_in)
+            if items or out is not None:
                 commit.counters = sched.counters
+                commit.usage = sched.usage()
             t5 = time.perf_counter()
+            ended += [r.request_id for r in commit.finished]
             ops = self.store.commit_ops(commit)
             if ops:
                 await self.store.apply(epoch, ops)

@@ -1,4 +1,9 @@
-"""A scheduler decision as the executor's StepPlan protobuf."""
+"""A scheduler decision as the executor's StepPlan protobuf.
+
+Block tables travel as diffs: ``PlanBuilder`` remembers how many blocks of each
+request the executor holds and sends only the new ones, or the whole table the
+first time, after a preemption, and after any failure (a fresh builder).
+"""
 
 from __future__ import annotations
 
@@ -11,25 +16,41 @@ def _moves(moves: list[Move]) -> list[pb.BlockMove]:
     return [pb.BlockMove(src_tier=m.src_tier, src=m.src, dst_tier=m.dst_tier, dst=m.dst) for m in moves]
 
 
-def to_pb(out: SchedulerOutput, step_id: int) -> pb.StepPlan:
-    seqs = []
-    for s in out.scheduled:
-        req, p = s.req, s.req.params
-        seqs.append(
-            pb.SeqPlan(
-                request_id=req.request_id,
-                token_ids=req.tokens(s.start, s.start + s.num_tokens),
-                start_pos=s.start,
-                block_table=req.blocks,
-                sampling=pb.Sampling(
-                    temperature=p.temperature,
-                    top_p=p.top_p,
-                    top_k=p.top_k,
-                    has_seed=p.seed is not None,
-                    seed=p.seed or 0,
-                ),
-                sample=s.samples,
-                num_generated=len(req.output_ids),
+class PlanBuilder:
+    def __init__(self) -> None:
+        self._sent: dict[str, int] = {}  # request id -> blocks of its table the executor holds
+        self._first = True
+
+    def build(self, out: SchedulerOutput, step_id: int, ended: list[str]) -> pb.StepPlan:
+        """``ended``: requests finished or aborted since the last plan."""
+        forget = [r.request_id for r in out.preempted] + ended
+        for rid in forget:
+            self._sent.pop(rid, None)
+        seqs = []
+        for s in out.scheduled:
+            req, p = s.req, s.req.params
+            known = self._sent.get(req.request_id)
+            table = req.blocks if known is None else req.blocks[known:]
+            self._sent[req.request_id] = len(req.blocks)
+            seqs.append(
+                pb.SeqPlan(
+                    request_id=req.request_id,
+                    token_ids=req.tokens(s.start, s.start + s.num_tokens),
+                    start_pos=s.start,
+                    block_table=table,
+                    full_table=known is None,
+                    sampling=pb.Sampling(
+                        temperature=p.temperature,
+                        top_p=p.top_p,
+                        top_k=p.top_k,
+                        has_seed=p.seed is not None,
+                        seed=p.seed or 0,
+                    ),
+                    sample=s.samples,
+                    num_generated=len(req.output_ids),
+                )
             )
-        )
-    return pb.StepPlan(step_id=step_id, swap_out=_moves(out.swap_out), swap_in=_moves(out.swap_in), seqs=seqs)
+        plan = pb.StepPlan(step_id=step_id, swap_out=_moves(out.swap_out), swap_in=_moves(out.swap_in), seqs=seqs,
+                           forget=forget, reset_tables=self._first)
+        self._first = False
+        return plan

@@ -17,7 +17,8 @@ slot. Keys (``ns`` is the namespace, ``pagedserve`` by default):
   ``{ns}:cursor`` is the id of the last one the loop has applied.
 - ``{ns}:events`` stream: per step, the tokens produced and requests finished.
 - ``{ns}:leader`` lease and ``{ns}:epoch`` fencing counter.
-- ``{ns}:counters`` hash: preemptions, swapped blocks, steps.
+- ``{ns}:counters`` hash: preemptions, swapped blocks, steps, queue lengths,
+  free and total blocks per pool.
 
 Writes by the scheduling loop happen once per step in one Lua call (atomic, and
 rejected when the loop's epoch is stale), so a loop killed at any point leaves
@@ -167,6 +168,7 @@ class Commit:
     finished: list[Request] = field(default_factory=list)
     cursor: str | None = None
     counters: Counters | None = None
+    usage: dict[str, int] | None = None  # queue lengths and free/total blocks per pool
 
 
 class RedisStore:
@@ -352,5 +354,6 @@ class RedisStore:
             ops.append(["SET", self.k_cursor, c.cursor])
             ops.append(["XTRIM", self.k_incoming, "MINID", c.cursor])
         if c.counters is not None:
-            ops.append(["HSET", self.k_counters, *[x for k, v in c.counters.as_dict().items() for x in (k, str(v))]])
+            values = {**c.counters.as_dict(), **(c.usage or {})}
+            ops.append(["HSET", self.k_counters, *[x for k, v in values.items() for x in (k, str(v))]])
         return ops

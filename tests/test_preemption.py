@@ -62,6 +62,8 @@ def test_outputs_identical_under_preemption(mode: str, tiny_llama: Path, expecte
     for i, (res, exp) in enumerate(zip(results, expected)):
         assert res.token_ids == exp, f"request {i} diverged under {mode} preemption"
     assert free == totals
+    assert [seen["device_blocks_free"], seen["cpu_blocks_free"], seen["disk_blocks_free"]] == free
+    assert [seen["device_blocks_total"], seen["cpu_blocks_total"], seen["disk_blocks_total"]] == totals
     if mode == "recompute":
         assert seen["preemptions_recompute"] > 0 and seen["preemptions_swap"] == 0
     else:

@@ -196,3 +196,18 @@ def test_queues_order() -> None:
     prio.add(reqs[0])
     prio.remove(reqs[0])
     assert prio.peek() is None and len(prio) == 0
+
+
+def test_swapped_requests_return_before_new_work() -> None:
+    s = make(blocks=6, cpu=8, preemption_mode="swap")
+    s.add(req("a", 8, max_tokens=8, arrival=0))
+    s.add(req("b", 8, max_tokens=12, arrival=1))
+    while not len(s.swapped):
+        run_step(s)
+    swapped = s.swapped.peek()
+    s.add(req("late", 4, max_tokens=4, arrival=5))
+    order = []
+    while s.has_work:
+        out = run_step(s)
+        order += [x.req.request_id for x in out.scheduled if x.req.request_id not in order]
+    assert order.index(swapped.request_id) < order.index("late")
