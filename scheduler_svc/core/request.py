@@ -32,8 +32,11 @@ class Params:
     ignore_eos: bool = False
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class Request:
+    """Compared by identity: it is an entity, and field-wise equality would walk
+    its token lists whenever a queue or the running list searches for it."""
+
     request_id: str
     prompt_ids: list[int]
     params: Params = field(default_factory=Params)

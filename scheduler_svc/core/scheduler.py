@@ -189,17 +189,20 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_pending, budget)
+            preempted = False
             while not self.blocks.can_append(req, n):
                 if self.blocks.needed(req, n) <= self.blocks.num_free_soon(DEVICE):
                     break  # swaps already in this plan free enough for the next step
                 victim = self._victim(self.running)
                 budget += self._unschedule(victim, out)
                 self._preempt(victim, out)
+                preempted = True
                 if victim is req:
                     break
             if req.status != Status.RUNNING:
                 continue  # preempted itself: running[i] is now the next request
-            i = self.running.index(req) + 1  # victims before it may have shifted it
+            # Victims ahead of it (priority policy) shift it towards the front.
+            i = self.running.index(req) + 1 if preempted else i + 1
             if not self.blocks.can_append(req, n):
                 continue  # waits one step for swapped-out blocks to come free
             self.blocks.append(req, n)
