@@ -27,6 +27,7 @@ from pagedserve.v1 import generation_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 LONG_OUTPUT = 8192  # tokens; no request finishes within a measurement window
+STREAMS_PER_CHANNEL = 1000
 
 
 @dataclass(slots=True)
@@ -94,13 +95,21 @@ async def _sweep_level(address: str, step_log: Path, running: int, waiting_level
     points: list[OverheadPoint] = []
     tasks: list[asyncio.Task[None]] = []
     tail = StepTail(step_log)
-    async with grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
-        stub = pb_grpc.GenerationStub(channel)
+    # One HTTP/2 connection carries only so many concurrent streams (about 3000
+    # were seen here): spread the thousands of requests over several connections.
+    total = running + max(waiting_levels, default=0)
+    options = [*CHANNEL_OPTIONS, ("grpc.use_local_subchannel_pool", 1)]
+    channels = [grpc.aio.insecure_channel(address, options=options) for _ in range(-(-total // STREAMS_PER_CHANNEL))]
+    stubs = [pb_grpc.GenerationStub(ch) for ch in channels]
+    async with contextlib.AsyncExitStack() as stack:
+        for ch in channels:
+            await stack.enter_async_context(ch)
         try:
             for waiting in waiting_levels:
                 while len(tasks) < running + waiting:
+                    stub = stubs[len(tasks) // STREAMS_PER_CHANNEL]
                     tasks.append(asyncio.create_task(_consume(stub, prompt, f"ovh-{running}-{len(tasks)}")))
-                if not await _wait_for(tail, running, waiting, timeout=180):
+                if not await _wait_for(tail, running, waiting, timeout=90):
                     log.warning("scheduler never reached %d running / %d waiting; skipping", running, waiting)
                     break
                 await asyncio.sleep(min(1.0, window_s / 2))  # let the intake burst pass

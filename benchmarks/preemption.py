@@ -51,8 +51,8 @@ def measure(address: str, lengths: list[int], vocab: Vocab, reps: int = 3) -> li
             nb = -(-n // bs)
             table = list(range(nb))
             ids = [vocab.low + (i * 7919) % (vocab.size - vocab.low) for i in range(n)]
-            seq = pb.SeqPlan(request_id="preempt-probe", token_ids=ids, start_pos=0, block_table=table, sample=True,
-                             sampling=pb.Sampling(temperature=0.0))
+            seq = pb.SeqPlan(request_id="preempt-probe", token_ids=ids, start_pos=0, block_table=table,
+                             full_table=True, sample=True, sampling=pb.Sampling(temperature=0.0))
             out_moves = [pb.BlockMove(src_tier=pb.TIER_DEVICE, src=b, dst_tier=pb.TIER_CPU, dst=b) for b in table]
             in_moves = [pb.BlockMove(src_tier=pb.TIER_CPU, src=b, dst_tier=pb.TIER_DEVICE, dst=b) for b in table]
             rec, sw_out, sw_in = [], [], []

@@ -99,9 +99,10 @@ def plot_preemption(points: list[PreemptionPoint], out: Path) -> str:
     ax.plot(n, [p.swap_ms for p in points], marker="s", label="swap out + in")
     ax.set_xlabel("sequence length (tokens)")
     ax.set_ylabel("ms per preempted request")
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.legend()
+    if points:  # an arm that did not run leaves an empty, linear plot
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.legend()
     return _save(fig, out / "preemption.png")
 
 

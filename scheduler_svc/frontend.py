@@ -20,7 +20,7 @@ from transformers import AutoTokenizer
 
 from scheduler_svc.core.request import Finish, Request
 from scheduler_svc.detok import Detokenizer
-from scheduler_svc.store import RedisStore
+from scheduler_svc.store import UNAVAILABLE, RedisStore
 from scheduler_svc.validate import Checked, InvalidArgument, Limits, check, check_length
 from pagedserve.v1 import generation_pb2 as pb
 
@@ -75,7 +75,7 @@ class EventBus:
         while not stop.is_set():
             try:
                 events = await self.store.read_events(last, block_ms=500)
-            except (ConnectionError, OSError) as exc:
+            except UNAVAILABLE as exc:
                 log.warning("events stream unavailable (%s); retrying", exc)
                 await asyncio.sleep(1)
                 continue
@@ -117,9 +117,15 @@ class Frontend:
         rid = checked.request_id or uuid.uuid4().hex
         return Request(rid, prompt, checked.params, priority=checked.priority), checked.stop
 
+    async def _send(self, op: str, request_id: str) -> None:
+        try:
+            await self.store.send(op, request_id)
+        except UNAVAILABLE as exc:
+            log.warning("could not queue %s for %s: %s", op, request_id, exc)
+
     def _send_later(self, op: str, request_id: str) -> None:
         """Queue an operation even while the caller's task is being cancelled."""
-        task = asyncio.get_running_loop().create_task(self.store.send(op, request_id))
+        task = asyncio.get_running_loop().create_task(self._send(op, request_id))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 

@@ -24,7 +24,7 @@ from scheduler_svc.core.blocks import TIERS, BlockManager, Pool
 from scheduler_svc.core.request import Finish, Request
 from scheduler_svc.core.scheduler import Counters, Scheduler, SchedulerConfig
 from scheduler_svc.plan import PlanBuilder
-from scheduler_svc.store import Commit, Fenced, Incoming, RedisStore
+from scheduler_svc.store import UNAVAILABLE, Commit, Fenced, Incoming, RedisStore
 from pagedserve.executor.v1 import executor_pb2 as pb
 from pagedserve.executor.v1 import executor_pb2_grpc as pb_grpc
 
@@ -83,7 +83,11 @@ class Loop:
 
     async def run(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
-            epoch = await self.store.acquire(self.replica, self.lease_ms)
+            try:
+                epoch = await self.store.acquire(self.replica, self.lease_ms)
+            except UNAVAILABLE as exc:
+                log.warning("redis unavailable (%s); retrying", exc)
+                epoch = None
             if epoch is None:
                 await _sleep(stop, self.lease_ms / 3000)
                 continue
@@ -122,7 +126,7 @@ class Loop:
                 if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
                     rejected = self._in_flight
                 await _sleep(stop, RETRY_S)
-            except (ConnectionError, OSError) as exc:
+            except UNAVAILABLE as exc:
                 log.warning("redis unavailable (%s); retrying", exc)
                 await _sleep(stop, RETRY_S)
 

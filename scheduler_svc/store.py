@@ -31,6 +31,7 @@ import json
 from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
+from redis import exceptions as redis_exceptions
 
 from scheduler_svc.core.blocks import TIERS, BlockManager
 from scheduler_svc.core.request import Finish, Params, Request, Status
@@ -82,6 +83,10 @@ if redis.call('GET', KEYS[1]) == ARGV[1] then
 end
 return 0
 """
+
+
+# Redis unreachable or slow: worth retrying (redis-py's errors do not derive from the builtins).
+UNAVAILABLE = (redis_exceptions.ConnectionError, redis_exceptions.TimeoutError, OSError)
 
 
 class Fenced(RuntimeError):
@@ -281,11 +286,9 @@ class RedisStore:
         )
 
     async def apply(self, epoch: int, ops: list[list[str]]) -> None:
-        from redis.exceptions import ResponseError
-
         try:
             await self._apply(keys=[self.k_epoch], args=[str(epoch), json.dumps(ops)])
-        except ResponseError as exc:
+        except redis_exceptions.ResponseError as exc:
             if "FENCED" in str(exc):
                 raise Fenced(str(exc)) from exc
             raise
