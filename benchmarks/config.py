@@ -21,7 +21,7 @@ class Config:
     arms: list[str] = field(default_factory=lambda: ["pagedserve", "hf_static", "hf_continuous", "overhead"])
 
 
-QUICK = Config("quick", 64, 0.125, 512, 2048, [1, 64, 256], [0, 1024, 4096], 1.5, [32, 128, 512])
+QUICK = Config("quick", 64, 0.125, 512, 2048, [1, 64, 256], [0, 1024, 2048], 1.5, [32, 128, 512])
 FULL = Config("full", 256, 0.25, 1024, 4096, [1, 16, 64, 128, 256], [0, 256, 1024, 4096], 4.0, [16, 64, 256, 1024])
 
 
