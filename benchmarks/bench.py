@@ -54,6 +54,7 @@ def run_all(args: argparse.Namespace, cfg: Config, out: Path, started: float) ->
         nonlocal steps, preemption
         scfg = arm_pagedserve.ServeConfig(budget_bytes, max_num_seqs=args.max_num_seqs,
                                           max_num_batched_tokens=args.max_num_batched_tokens,
+                                          preemption_mode=args.preemption_mode,
                                           max_model_len=max(cfg.max_total_len, max(cfg.preemption_lengths, default=0)) + 16)
         vocab = Vocab.from_model_dir(model_dir)
 

@@ -41,6 +41,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--preemption-lengths", type=int, nargs="*", default=None)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--preemption-mode", choices=("swap", "recompute"), default="recompute",
+                   help="pagedserve's preemption mode (the scheduler's --preemption-mode)")
     return p.parse_args(argv)
 
 
