@@ -18,7 +18,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from executor_svc import attention
-from executor_svc.block_tables import BlockTables, UnknownTable
+from executor_svc.block_tables import BlockTables
 from executor_svc.kv_pool import GIB, KVGeometry, KVPool, cpu_tier, device_tier, disk_tier
 from executor_svc.sampler import SamplingParams, sample
 from kernels import get_backend, make_metadata

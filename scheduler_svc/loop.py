@@ -77,8 +77,6 @@ class Loop:
         self.replica = replica
         self.lease_ms = lease_ms
         self.step_log = step_log
-        self.scheduler: Scheduler | None = None  # set while leading, for inspection
-        self.is_leader = asyncio.Event()
         self._in_flight: list[str] = []  # requests in the plan the executor is running
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -93,13 +91,11 @@ class Loop:
                 continue
             log.info("replica %s leads the scheduling loop (epoch %d)", self.replica, epoch)
             renew = asyncio.create_task(self._keep_lease(stop))
-            self.is_leader.set()
             try:
                 await self._lead(epoch, stop)
             except Fenced as exc:
                 log.warning("lost leadership: %s", exc)
             finally:
-                self.is_leader.clear()
                 renew.cancel()
                 await self.store.release(self.replica)
 
@@ -165,7 +161,6 @@ class Loop:
         for req in sorted(snap.requests, key=lambda r: r.arrival):
             sched.add(req)
         sched.counters = Counters(**{k: v for k, v in snap.counters.items() if k in Counters.__slots__})
-        self.scheduler = sched
         log.info("restored %d live requests; blocks free %s", len(snap.requests), [bm.num_free(t) for t in TIERS])
         return sched, snap.cursor
 
