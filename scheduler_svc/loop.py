@@ -202,7 +202,6 @@ class Loop:
             out = None
             if sched.has_work:
                 out = sched.schedule()
-                commit.touched.update(out.touched)
                 sampled: dict[str, int] = {}
                 t3 = time.perf_counter()
                 if out.scheduled or out.swap_out or out.swap_in:
@@ -214,12 +213,10 @@ class Loop:
                     step_id += 1
                 t4 = time.perf_counter()
                 exec_ms = (t4 - t3) * 1e3
-                commit.update = sched.update(out, sampled)
-                commit.finished += commit.update.finished
+                commit.record_step(sched, out, sampled)
             busy = out is not None and bool(out.scheduled or out.swap_out or out.swap_in)
             if items or out is not None:
-                commit.counters = sched.counters
-                commit.usage = sched.usage()
+                commit.record_totals(sched)
             t5 = time.perf_counter()
             ended += [r.request_id for r in commit.finished]
             ops = self.store.commit_ops(commit)

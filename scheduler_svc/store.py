@@ -35,7 +35,7 @@ from redis import exceptions as redis_exceptions
 
 from scheduler_svc.core.blocks import TIERS, BlockManager
 from scheduler_svc.core.request import Finish, Params, Request, Status
-from scheduler_svc.core.scheduler import Counters, StepUpdate
+from scheduler_svc.core.scheduler import Counters, Scheduler, SchedulerOutput, StepUpdate
 
 FINISHED_TTL_S = 3600  # finished requests stay readable this long
 _LUA_ARGS = 4000  # Lua's unpack() limit is ~8000; stay well below
@@ -174,6 +174,16 @@ class Commit:
     cursor: str | None = None
     counters: Counters | None = None
     usage: dict[str, int] | None = None  # queue lengths and free/total blocks per pool
+
+    def record_step(self, sched: Scheduler, out: SchedulerOutput, sampled: dict[str, int]) -> None:
+        """Apply the executor's result to ``sched`` and take in everything the step changed."""
+        self.touched.update(out.touched)
+        self.update = sched.update(out, sampled)
+        self.finished += self.update.finished
+
+    def record_totals(self, sched: Scheduler) -> None:
+        self.counters = sched.counters
+        self.usage = sched.usage()
 
 
 class RedisStore:

@@ -87,9 +87,10 @@ class SchedulerState(RuleBasedStateMachine):
     @rule()
     def step(self) -> None:
         out = self.sched.schedule()
-        upd = self.sched.update(out, {x.req.request_id: 7 for x in out.scheduled if x.samples})
-        self.commit(Commit(blocks=self.sched.blocks, touched=dict(out.touched), update=upd,
-                           finished=upd.finished, counters=self.sched.counters))
+        c = Commit(blocks=self.sched.blocks)
+        c.record_step(self.sched, out, {x.req.request_id: 7 for x in out.scheduled if x.samples})
+        c.record_totals(self.sched)
+        self.commit(c)
 
     @precondition(lambda self: bool(self.sched.requests))
     @rule(data=st.data(), op=st.sampled_from(["abort", "stop"]))

@@ -93,7 +93,6 @@ class StepUpdate:
 
     new_tokens: dict[str, list[int]] = field(default_factory=dict)
     finished: list[Request] = field(default_factory=list)
-    touched: dict[str, Request] = field(default_factory=dict)
 
 
 class Scheduler:
@@ -280,7 +279,7 @@ class Scheduler:
     def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> StepUpdate:
         """Apply the executor's report: computed tokens, sampled tokens, finished requests."""
         self.blocks.release_pending()
-        upd = StepUpdate(touched=dict(out.touched))
+        upd = StepUpdate()
         for s in out.scheduled:
             req = s.req
             req.num_computed = s.start + s.num_tokens
