@@ -27,7 +27,7 @@ model: install
 	$(BIN)/python -m executor_svc.model_store
 
 run: install model
-	$(BIN)/python -m pagedserve.launch
+	$(BIN)/python -m pagedserve.launch $(ARGS)
 
 test: install
 	$(BIN)/python -m pytest -q

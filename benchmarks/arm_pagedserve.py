@@ -79,6 +79,17 @@ async def drive(address: str, workload: Workload) -> tuple[list[RequestRecord], 
     return [r for r in done if r is not None], wall0, duration, failures
 
 
+def executor_args(cfg: ServeConfig) -> list[str]:
+    """The executor's flags in this arm (``Cluster`` adds model, block size and budget itself)."""
+    return ["--swap-space", str(cfg.swap_space_gib), "--max-model-len", str(cfg.max_model_len)]
+
+
+def standalone_executor_args(model_dir: Path, cfg: ServeConfig) -> list[str]:
+    """The same executor as this arm's, flags in full: for probes that need one of their own."""
+    return ["--model", str(model_dir), "--block-size", str(cfg.block_size), "--kv-cache-memory",
+            str(cfg.kv_budget_bytes), *executor_args(cfg)]
+
+
 def read_steps(path: Path, since: float) -> list[dict[str, float]]:
     if not path.exists():
         return []
@@ -93,7 +104,7 @@ def run(model_dir: Path, workload: Workload, cfg: ServeConfig, log_dir: Path,
     step_log.unlink(missing_ok=True)
     sched = ["--max-num-seqs", str(cfg.max_num_seqs), "--max-num-batched-tokens", str(cfg.max_num_batched_tokens),
              "--preemption-mode", cfg.preemption_mode, "--step-log", str(step_log)]
-    execu = ["--swap-space", str(cfg.swap_space_gib), "--max-model-len", str(cfg.max_model_len)]
+    execu = executor_args(cfg)
     with Cluster(str(model_dir), kv_cache_memory=cfg.kv_budget_bytes, block_size=cfg.block_size,
                  scheduler_args=sched, executor_args=execu, log_dir=log_dir) as cluster:
         records, wall0, duration, failures = asyncio.run(drive(cluster.address, workload))

@@ -15,9 +15,11 @@ from pathlib import Path
 
 from benchmarks import analysis, report
 from benchmarks.config import Config, kv_bytes_per_token
+from benchmarks.kv_spread import SpreadResult
 from benchmarks.metrics import summarize
 from benchmarks.overhead import OverheadPoint
 from benchmarks.preemption import PreemptionPoint
+from benchmarks.scale_out import ScaleOutConfig, ScaleOutPoint, efficiency
 from benchmarks.workload import Vocab, WorkloadSpec, make_workload
 
 
@@ -35,6 +37,10 @@ def run_all(args: argparse.Namespace, cfg: Config, out: Path, started: float) ->
     steps: list[dict[str, float]] = []
     overhead: list[OverheadPoint] = []
     preemption: list[PreemptionPoint] = []
+    scale: list[ScaleOutPoint] = []
+    spread: SpreadResult | None = None
+    scale_cfg = ScaleOutConfig(executors=cfg.scale_out_executors, running=cfg.scale_out_running,
+                               window_s=cfg.scale_out_window_s, step_ms=cfg.scale_out_step_ms)
     static_util, static_series = None, analysis.Series([], [])
     logs = out / "logs"
 
@@ -56,19 +62,16 @@ def run_all(args: argparse.Namespace, cfg: Config, out: Path, started: float) ->
                                           max_num_batched_tokens=args.max_num_batched_tokens,
                                           preemption_mode=args.preemption_mode,
                                           max_model_len=max(cfg.max_total_len, max(cfg.preemption_lengths, default=0)) + 16)
-        vocab = Vocab.from_model_dir(model_dir)
-
-        def probe(cluster) -> None:  # type: ignore[no-untyped-def]
-            nonlocal preemption
-            if cfg.preemption_lengths:
-                preemption = pre.measure(cluster.executor.address, cfg.preemption_lengths, vocab)
-
-        res = arm_pagedserve.run(model_dir, workload, scfg, logs / "pagedserve", after=probe)
+        res = arm_pagedserve.run(model_dir, workload, scfg, logs / "pagedserve")
         if res.failures:
             errors.append(f"pagedserve: {len(res.failures)} requests failed, e.g. {res.failures[0]}")
         arms["pagedserve"] = summarize(res.records, res.duration)
         steps = res.steps
         (out / "pagedserve_steps.jsonl").write_text("".join(__import__("json").dumps(r) + "\n" for r in steps))
+        if cfg.preemption_lengths:  # on an executor of its own: the cluster's is fenced by its loop's epoch
+            preemption = pre.measure_standalone(arm_pagedserve.standalone_executor_args(model_dir, scfg),
+                                                cfg.preemption_lengths, Vocab.from_model_dir(model_dir),
+                                                logs / "pagedserve" / "preemption-executor.log")
 
     def hf() -> None:
         from benchmarks import arm_hf
@@ -92,10 +95,32 @@ def run_all(args: argparse.Namespace, cfg: Config, out: Path, started: float) ->
         overhead = ovh.sweep(model_dir, cfg.overhead_running, cfg.overhead_waiting, cfg.overhead_window_s,
                              logs / "overhead")
 
+    def scale_out() -> None:
+        from benchmarks import scale_out as so
+
+        nonlocal scale
+        scale = so.sweep(model_dir, scale_cfg, logs / "scale_out")
+        missing = sorted(set(scale_cfg.executors) - {p.executors for p in scale})
+        if missing:
+            errors.append(f"scale_out: no measurement at {missing} executors (never reached the target; the "
+                          f"harness output says which executor was unled or idle; logs in {logs / 'scale_out'})")
+
+    def kv_spread() -> None:
+        from benchmarks import kv_spread as ks
+
+        nonlocal spread
+        spread = ks.run(model_dir, ks.SpreadConfig(cfg.kv_spread_budget_tokens, cfg.kv_spread_requests, seed=args.seed),
+                        per_token, logs / "kv_spread")
+        (out / "kv_spread_series.json").write_text(__import__("json").dumps(spread.series))
+
     if "pagedserve" in cfg.arms:
         attempt("pagedserve (+ preemption probe)", paged)
     if "overhead" in cfg.arms:
         attempt("scheduler overhead sweep", sweep)
+    if "scale_out" in cfg.arms:
+        attempt("scale-out sweep", scale_out)
+    if "kv_spread" in cfg.arms:
+        attempt("KV usage spread", kv_spread)
     if "hf_static" in cfg.arms or "hf_continuous" in cfg.arms:
         attempt("hugging face arms", hf)
 
@@ -112,6 +137,7 @@ def run_all(args: argparse.Namespace, cfg: Config, out: Path, started: float) ->
                         f"{top.waiting if top else '-'} waiting", "<= 2 ms", top.p50_ms if top else None, 2.0, False,
                         " ms"),
         analysis.Target("overhead share of step time (real run)", "<= 0.10", share, 0.10, False),
+        analysis.Target("scale-out efficiency at 4 executors", ">= 0.85", efficiency(scale, 4), 0.85, True),
     ]
     plots = {
         "throughput": report.plot_throughput(arms, out),
@@ -120,6 +146,8 @@ def run_all(args: argparse.Namespace, cfg: Config, out: Path, started: float) ->
         "scheduler_overhead": report.plot_overhead(overhead, out),
         "step_breakdown": report.plot_steps(steps, out),
         "preemption": report.plot_preemption(preemption, out),
+        "scale_out": report.plot_scale_out(scale, out),
+        "kv_spread": report.plot_kv_spread(spread, out),
     }
     summary = {
         "output_tokens_per_s": tps,
@@ -141,11 +169,16 @@ def run_all(args: argparse.Namespace, cfg: Config, out: Path, started: float) ->
         "arms": arms,
         "overhead_sweep": report.overhead_dicts(overhead),
         "preemption": [asdict(p) for p in preemption],
+        "scale_out": [asdict(p) for p in scale],
+        "scale_out_config": asdict(scale_cfg),
+        "scale_out_efficiency_4": efficiency(scale, 4),
+        "scale_out_efficiency_8": efficiency(scale, 8),
+        "kv_usage_spread": spread.as_dict() if spread else None,
         "targets": [t.as_dict() for t in targets],
         "plots": plots,
         "errors": errors,
         "wall_time_s": time.monotonic() - started,
     }
     report.write_summary(summary, out)
-    report.write_markdown(summary, arms, targets, overhead, preemption, plots, out)
+    report.write_markdown(summary, arms, targets, overhead, preemption, plots, out, scale=scale)
     return summary

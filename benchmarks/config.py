@@ -18,11 +18,19 @@ class Config:
     overhead_waiting: list[int]
     overhead_window_s: float
     preemption_lengths: list[int]
-    arms: list[str] = field(default_factory=lambda: ["pagedserve", "hf_static", "hf_continuous", "overhead"])
+    arms: list[str] = field(default_factory=lambda: list(ARMS))
+    scale_out_executors: list[int] = field(default_factory=lambda: [1, 2, 4, 8])
+    scale_out_running: int = 64  # per executor
+    scale_out_window_s: float = 5.0
+    scale_out_step_ms: float = 20.0  # the stub executors' simulated step
+    kv_spread_budget_tokens: int = 1024  # per executor
+    kv_spread_requests: int = 48
 
 
+ARMS = ("pagedserve", "hf_static", "hf_continuous", "overhead", "scale_out", "kv_spread")
 QUICK = Config("quick", 64, 0.125, 512, 2048, [1, 64, 256], [0, 1024, 2048], 1.5, [32, 128, 512])
-FULL = Config("full", 256, 0.25, 1024, 4096, [1, 16, 64, 128, 256], [0, 256, 1024, 4096], 4.0, [16, 64, 256, 1024])
+FULL = Config("full", 256, 0.25, 1024, 4096, [1, 16, 64, 128, 256], [0, 256, 1024, 4096], 4.0, [16, 64, 256, 1024],
+              scale_out_window_s=10.0, kv_spread_requests=96)
 
 
 def kv_bytes_per_token(model_dir: Path, dtype_bytes: int = 4) -> int:

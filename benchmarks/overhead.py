@@ -1,6 +1,6 @@
 """Scheduler overhead: the real scheduler_svc + Redis driving the stub executor.
 
-For each running target R a fresh scheduler (``--max-num-seqs R``, its own
+For each running target R a fresh stub and scheduler (``--max-num-seqs R``, its own
 Redis namespace) gets R long requests, then more until W wait behind them;
 requests never finish during a window (long ``max_tokens``, ``ignore_eos``).
 Per-step overhead = schedule_ms + redis_ms + executor_ms from ``--step-log``,
@@ -130,25 +130,33 @@ def sweep(model_dir: Path, running_levels: list[int], waiting_levels: list[int],
     log_dir.mkdir(parents=True, exist_ok=True)
     prompt = list(range(100, 100 + prompt_len))
     redis = RedisServer()
-    stub = None
     points: list[OverheadPoint] = []
     try:
-        stub = Service("benchmarks.stub_executor", ["--model", str(model_dir), "--host", "127.0.0.1"], free_port(),
-                       log_dir / "stub_executor.log")
         for running in running_levels:
-            step_log = log_dir / f"steps-r{running}.jsonl"
-            step_log.unlink(missing_ok=True)
-            sched = Service("scheduler_svc", [
-                "--redis-url", redis.url, "--executor", stub.address, "--namespace", f"ovh{running}",
-                "--max-num-seqs", str(running), "--max-num-batched-tokens", str(max(2048, running * prompt_len)),
-                "--step-log", str(step_log), "--log-level", "WARNING",
-            ], free_port(), log_dir / f"scheduler-r{running}.log")
-            try:
-                points += asyncio.run(_sweep_level(sched.address, step_log, running, waiting_levels, window_s, prompt))
-            finally:
-                sched.stop()
+            points += _level(model_dir, redis.url, running, waiting_levels, window_s, log_dir, prompt)
     finally:
-        if stub is not None:
-            stub.stop()
         redis.stop()
     return points
+
+
+def _level(model_dir: Path, redis_url: str, running: int, waiting_levels: list[int], window_s: float,
+           log_dir: Path, prompt: list[int]) -> list[OverheadPoint]:
+    """One running level: a fresh stub (its fencing epoch starts over), a fresh scheduler and namespace.
+
+    The scheduler registers the stub itself (``--executor``): the stub is static, as in a fixed deployment."""
+    step_log = log_dir / f"steps-r{running}.jsonl"
+    step_log.unlink(missing_ok=True)
+    stub = Service("benchmarks.stub_executor", ["--model", str(model_dir), "--host", "127.0.0.1"], free_port(),
+                   log_dir / "stub_executor.log")
+    try:
+        sched = Service("scheduler_svc", [
+            "--redis-url", redis_url, "--executor", stub.address, "--namespace", f"ovh{running}",
+            "--max-num-seqs", str(running), "--max-num-batched-tokens", str(max(2048, running * len(prompt))),
+            "--step-log", str(step_log), "--log-level", "WARNING",
+        ], free_port(), log_dir / f"scheduler-r{running}.log")
+        try:
+            return asyncio.run(_sweep_level(sched.address, step_log, running, waiting_levels, window_s, prompt))
+        finally:
+            sched.stop()
+    finally:
+        stub.stop()

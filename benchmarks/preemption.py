@@ -1,9 +1,11 @@
 """Preemption cost: swap versus recompute for one request of N tokens, on the real executor.
 
-Method: hand-made plans through the executor's ``Step`` RPC on an idle
-deployment. Recompute = the prefill of N tokens (what a recomputed request
-runs again when it resumes); swap = a plan that moves its ceil(N / block)
-blocks device -> CPU plus one that moves them back. Each is timed as the
+Method: hand-made plans through the ``Step`` RPC of an executor of its own
+(``measure_standalone``: same model, KV budget and flags as the pagedserve
+arm's, but not registered in Redis, so no scheduler loop leads it and it has
+seen no epoch above the probe's 0). Recompute = the prefill of N tokens (what a
+recomputed request runs again when it resumes); swap = a plan that moves its
+ceil(N / block) blocks device -> CPU plus one that moves them back. Each is timed as the
 client-side RPC round trip (what the scheduler waits for) and as the executor's
 own ``step_ms``; the median of ``reps`` runs is kept.
 """
@@ -13,12 +15,14 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 
 from benchmarks.workload import Vocab
 from pagedserve.executor.v1 import executor_pb2 as pb
 from pagedserve.executor.v1 import executor_pb2_grpc as pb_grpc
+from pagedserve.procs import Service, free_port
 from pagedserve.rpc import CHANNEL_OPTIONS
 
 
@@ -67,3 +71,19 @@ def measure(address: str, lengths: list[int], vocab: Vocab, reps: int = 3) -> li
                 recompute_executor_ms=med(rec, 1), swap_executor_ms=med(sw_out, 1) + med(sw_in, 1),
             ))
     return points
+
+
+def measure_standalone(executor_args: list[str], lengths: list[int], vocab: Vocab, log_path: Path,
+                       reps: int = 3) -> list[PreemptionPoint]:
+    """``measure`` on a fresh ``executor_svc`` started with ``executor_args`` and stopped after.
+
+    ``--redis-url ""`` keeps it out of any namespace even when $REDIS_URL is set; ``--drain-timeout 0``
+    lets it exit at once when stopped.
+    """
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    svc = Service("executor_svc", [*executor_args, "--host", "127.0.0.1", "--redis-url", "", "--drain-timeout", "0"],
+                  free_port(), log_path)
+    try:
+        return measure(svc.address, lengths, vocab, reps)
+    finally:
+        svc.stop()

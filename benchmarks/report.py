@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import asdict
 from pathlib import Path
 
@@ -13,8 +14,10 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from benchmarks.analysis import Series, Target  # noqa: E402
+from benchmarks.kv_spread import SpreadResult  # noqa: E402
 from benchmarks.overhead import OverheadPoint  # noqa: E402
 from benchmarks.preemption import PreemptionPoint  # noqa: E402
+from benchmarks.scale_out import ScaleOutPoint  # noqa: E402
 
 ARMS = ("pagedserve", "hf_static", "hf_continuous")
 
@@ -86,9 +89,9 @@ def plot_steps(steps: list[dict[str, float]], out: Path) -> str:
         ax2 = ax.twinx()
         ax2.plot(t, [r["running"] for r in steps], color="k", lw=0.8, label="running")
         ax2.set_ylabel("running sequences")
+        ax.legend(loc="upper right", fontsize=7)
     ax.set_xlabel("s")
     ax.set_ylabel("ms per step")
-    ax.legend(loc="upper right", fontsize=7)
     return _save(fig, out / "step_breakdown.png")
 
 
@@ -104,6 +107,48 @@ def plot_preemption(points: list[PreemptionPoint], out: Path) -> str:
         ax.set_yscale("log")
         ax.legend()
     return _save(fig, out / "preemption.png")
+
+
+def plot_scale_out(points: list[ScaleOutPoint], out: Path) -> str:
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    pts = sorted(points, key=lambda p: p.executors)
+    n = [p.executors for p in pts]
+    one = next((p.tokens_per_s for p in pts if p.executors == 1), None)
+    ax.plot(n, [p.tokens_per_s for p in pts], marker="o", label="measured")
+    if one:
+        ax.plot(n, [k * one for k in n], ls="--", color="gray", label="ideal: N x (1 executor)")
+    ax.plot(n, [p.ideal_tokens_per_s for p in pts], ls=":", color="k", lw=0.8,
+            label="N x running / step time (duty 1.0)")
+    ax.set_xlabel("executors (2 scheduler replicas)")
+    ax.set_ylabel("tokens/s, all executors")
+    for p in pts:
+        ax2.scatter([p.executors] * len(p.duty_cycles), p.duty_cycles, s=12, color="tab:blue", alpha=0.6)
+    ax2.plot(n, [p.mean_duty for p in pts], marker="o", color="tab:orange", label="mean")
+    ax2.set_ylim(0, 1.05)
+    ax2.set_xlabel("executors")
+    ax2.set_ylabel("duty cycle (time in Step / wall time)")
+    if pts:  # an arm that did not run leaves empty, linear plots
+        for a in (ax, ax2):
+            a.set_xscale("log", base=2)
+            a.set_xticks(n, [str(k) for k in n])
+        ax.legend(fontsize=7)
+        ax2.legend(fontsize=7)
+    fig.suptitle("Scale-out: stub executors with a simulated step, real schedulers and Redis")
+    return _save(fig, out / "scale_out.png")
+
+
+def plot_kv_spread(spread: SpreadResult | None, out: Path) -> str:
+    fig, ax = plt.subplots(figsize=(8, 3.5))
+    series = spread.series if spread else {}
+    t0 = min((s[0][0] for s in series.values() if s), default=0.0)
+    for i, (eid, s) in enumerate(sorted(series.items())):
+        ax.plot([t - t0 for t, _ in s], [f for _, f in s], lw=1, label=f"executor {i} ({eid[:8]})")
+    ax.set_xlabel("s")
+    ax.set_ylabel("device KV blocks used (fraction)")
+    ax.set_ylim(0, 1.05)
+    if series:
+        ax.legend(fontsize=7)
+    return _save(fig, out / "kv_spread.png")
 
 
 def _clean(x: object) -> object:
@@ -125,8 +170,43 @@ def _f(x: object, nd: int = 1) -> str:
     return "–" if x is None or (isinstance(x, float) and not math.isfinite(x)) else f"{x:.{nd}f}"
 
 
+def _scale_out_lines(summary: dict, points: list[ScaleOutPoint], plots: dict[str, str]) -> list[str]:
+    c = summary.get("scale_out_config") or {}
+    one = next((p.tokens_per_s for p in points if p.executors == 1), None)
+    lines = ["## Scale-out (stub executors, 2 scheduler replicas)", "",
+             f"Stub executors with a {c.get('step_ms')} ms simulated step and {c.get('running')} running each, "
+             f"registered in Redis; {c.get('replicas')} real scheduler_svc replicas spread one loop per executor; "
+             f"{c.get('window_s')} s window once every executor runs {c.get('running')}. Efficiency = tokens/s / "
+             f"(N x tokens/s at 1). Duty = time inside the stub's Step / wall time. Loop time = schedule + Redis + "
+             "gRPC beyond the stub's own time, per step. CPU in cores (of this machine's "
+             f"{os.cpu_count()}) over the window; `other` is whatever else ran on the machine.", "",
+             "| executors | steps/s | tokens/s | efficiency | mean duty (min-max) | loop ms p50 (sched / Redis / "
+             "gRPC) | loops per replica | CPU client / frontends / loops / stubs / Redis / other | busy |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for p in sorted(points, key=lambda p: p.executors):
+        eff = p.tokens_per_s / (p.executors * one) if one else None
+        cpu = " / ".join(_f(p.cpu_cores.get(k), 2) for k in ("client", "frontends", "loops", "stubs", "redis", "other"))
+        lines.append(f"| {p.executors} | {_f(p.steps_per_s)} | {_f(p.tokens_per_s, 0)} | {_f(eff, 3)} | "
+                     f"{_f(p.mean_duty, 2)} ({_f(min(p.duty_cycles, default=None), 2)}-"
+                     f"{_f(max(p.duty_cycles, default=None), 2)}) | {_f(p.overhead_ms_p50, 1)} "
+                     f"({_f(p.schedule_ms_p50, 1)} / {_f(p.redis_ms_p50, 1)} / {_f(p.rpc_ms_p50, 1)}) | "
+                     f"{'+'.join(map(str, p.loops_per_replica))} | {cpu} | {_f(p.machine_busy, 2)} |")
+    sp = summary.get("kv_usage_spread") or {}
+    lines += ["", f"Efficiency at 4 executors: **{_f(summary.get('scale_out_efficiency_4'), 3)}**, at 8: "
+              f"**{_f(summary.get('scale_out_efficiency_8'), 3)}**.", "", f"![scale-out]({plots.get('scale_out', '')})",
+              "", "## KV usage spread (real executors, uniform load)", "",
+              f"{sp.get('executors', '–')} executors with the same KV budget, one scheduler; device-used fraction per "
+              "executor sampled from the namespace's `usage` hash every 0.2 s; spread = max - min across executors "
+              f"over the middle 80% of the run: mean **{_f(sp.get('mean'), 3)}**, max **{_f(sp.get('max'), 3)}** "
+              f"({sp.get('samples', 0)} samples, mean used {_f(sp.get('mean_used'), 2)}); while requests wait in "
+              f"the queue: mean {_f(sp.get('loaded_mean'), 3)}, max {_f(sp.get('loaded_max'), 3)}.", "",
+              f"![kv spread]({plots.get('kv_spread', '')})", ""]
+    return lines
+
+
 def write_markdown(summary: dict, arms: dict[str, dict], targets: list[Target], overhead: list[OverheadPoint],
-                   preemption: list[PreemptionPoint], plots: dict[str, str], out: Path) -> None:
+                   preemption: list[PreemptionPoint], plots: dict[str, str], out: Path,
+                   scale: list[ScaleOutPoint] | None = None) -> None:
     w = summary["workload"]
     lines = [
         "# pagedserve benchmark", "",
@@ -170,7 +250,8 @@ def write_markdown(summary: dict, arms: dict[str, dict], targets: list[Target], 
               f"Real run: **{_f(summary['scheduler_overhead_share_real_run'], 3)}** of step time is outside the "
               "executor's forward pass.", "", f"![steps]({plots.get('step_breakdown', '')})", "",
               "## Preemption cost", "",
-              "Hand-made plans through the executor's `Step` RPC on the idle deployment after the run: recompute = "
+              "Hand-made plans through the `Step` RPC of an executor of its own (the arm's flags, not registered, so no "
+              "loop leads it), after the run: recompute = "
               "prefill of N tokens; swap = moving ceil(N/block) blocks device->CPU and back. Median of 3; "
               "RPC round trip (executor-side time in brackets).", "",
               "| tokens | blocks | recompute ms | swap out+in ms | out / in ms |", "|---|---|---|---|---|"]
@@ -178,6 +259,7 @@ def write_markdown(summary: dict, arms: dict[str, dict], targets: list[Target], 
               f"{_f(p.swap_ms)} ({_f(p.swap_executor_ms)}) | {_f(p.swap_out_ms)} / {_f(p.swap_in_ms)} |"
               for p in preemption]
     lines += ["", f"![preemption]({plots.get('preemption', '')})", ""]
+    lines += _scale_out_lines(summary, scale or [], plots)
     (out / "report.md").write_text("\n".join(lines))
 
 

@@ -2,7 +2,9 @@
 
 Arms: pagedserve deployed for real (Redis + scheduler_svc + executor_svc,
 driven over gRPC), HF static batching, HF continuous batching. Also the
-scheduler-overhead sweep (stub executor) and the swap-vs-recompute probe. The
+scheduler-overhead sweep (stub executor), the swap-vs-recompute probe, the
+scale-out sweep (registered stub executors behind two scheduler replicas) and
+the KV-usage spread across two real executors. The
 results directory's path is the last line printed.
 """
 
@@ -16,7 +18,7 @@ import traceback
 from datetime import datetime
 from pathlib import Path
 
-from benchmarks.config import FULL, QUICK, Config
+from benchmarks.config import ARMS, FULL, QUICK, Config
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -25,7 +27,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=None, help="results directory (default: results/<timestamp>)")
     p.add_argument("--model", default=None, help="HF model directory (default: SmolLM2-135M-Instruct)")
     p.add_argument("--threads", type=int, default=2, help="torch threads for every arm (OMP_NUM_THREADS)")
-    p.add_argument("--arms", default=None, help="comma list of pagedserve,hf_static,hf_continuous,overhead")
+    p.add_argument("--arms", default=None, help=f"comma list of {','.join(ARMS)} (default: all)")
     p.add_argument("--num-requests", type=int, default=None)
     p.add_argument("--distribution", choices=("sharegpt", "uniform"), default="sharegpt")
     p.add_argument("--scale", type=float, default=None, help="ShareGPT length scale")
@@ -41,6 +43,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--preemption-lengths", type=int, nargs="*", default=None)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--scale-out-executors", type=int, nargs="+", default=None,
+                   help="executor counts of the scale-out arm (default: 1 2 4 8)")
+    p.add_argument("--scale-out-running", type=int, default=None, help="running requests per executor (default: 64)")
+    p.add_argument("--scale-out-window", type=float, default=None, help="seconds measured per scale-out point")
+    p.add_argument("--scale-out-step-ms", type=float, default=None, help="the stub executors' simulated step time")
+    p.add_argument("--kv-spread-budget-tokens", type=int, default=None,
+                   help="KV budget per executor of the kv_spread arm, in tokens (default: 1024)")
+    p.add_argument("--kv-spread-requests", type=int, default=None, help="requests of the kv_spread arm")
     p.add_argument("--preemption-mode", choices=("swap", "recompute"), default="recompute",
                    help="pagedserve's preemption mode (the scheduler's --preemption-mode)")
     return p.parse_args(argv)
@@ -58,6 +68,12 @@ def build_config(args: argparse.Namespace) -> Config:
         overhead_window_s=pick(args.overhead_window, base.overhead_window_s),
         preemption_lengths=pick(args.preemption_lengths, base.preemption_lengths),
         arms=args.arms.split(",") if args.arms else base.arms,
+        scale_out_executors=pick(args.scale_out_executors, base.scale_out_executors),
+        scale_out_running=pick(args.scale_out_running, base.scale_out_running),
+        scale_out_window_s=pick(args.scale_out_window, base.scale_out_window_s),
+        scale_out_step_ms=pick(args.scale_out_step_ms, base.scale_out_step_ms),
+        kv_spread_budget_tokens=pick(args.kv_spread_budget_tokens, base.kv_spread_budget_tokens),
+        kv_spread_requests=pick(args.kv_spread_requests, base.kv_spread_requests),
     )
 
 

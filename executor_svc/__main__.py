@@ -3,15 +3,23 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
+import os
+import socket
 from pathlib import Path
 
+import redis.asyncio as aioredis
+
 from executor_svc.engine import Engine, EngineConfig
+from executor_svc.lifecycle import Lifecycle, Registration, quiet
 from executor_svc.model_store import DEFAULT_MODEL, resolve_model
 from executor_svc.server import SERVICE_NAME, ExecutorServicer
 from kernels import BACKENDS
 from pagedserve import rpc
 from pagedserve.executor.v1 import executor_pb2_grpc as pb_grpc
+from pagedserve.keys import Keys
+from pagedserve.members import Registry
 
 log = logging.getLogger("executor_svc")
 
@@ -33,11 +41,50 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
     p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     p.add_argument("--cache-dir", default=None, help="where the default model is converted (default: $PAGEDSERVE_CACHE or ~/.cache/pagedserve)")
+    p.add_argument("--redis-url", default=os.environ.get("REDIS_URL"),
+                   help="register in this Redis so that schedulers find this executor (default: $REDIS_URL; "
+                        "unset: only schedulers started with --executor reach it)")
+    p.add_argument("--advertise-address", default=None, metavar="HOST:PORT",
+                   help="where schedulers reach this executor (default: this host's name and --port; in "
+                        "Kubernetes pass the pod IP)")
+    p.add_argument("--namespace", default="pagedserve", help="the schedulers' namespace to join")
+    p.add_argument("--lease-ms", type=int, default=10_000,
+                   help="time-to-live of the membership record; a heartbeat renews it every third of it")
+    p.add_argument("--drain-timeout", type=float, default=45.0,
+                   help="seconds after SIGTERM to let running requests finish before they move elsewhere "
+                        "(fits Kubernetes' 75 s grace period after a 15 s preStop)")
     p.add_argument("--log-level", default="INFO")
     args = p.parse_args(argv)
     if args.block_size < 1 or args.block_size & (args.block_size - 1):
         p.error("--block-size must be a power of two")
+    if args.drain_timeout < 0:
+        p.error("--drain-timeout must be >= 0")
+    if args.advertise_address is None:
+        args.advertise_address = f"{socket.gethostname()}:{args.port}"
     return args
+
+
+async def _health(servicer: ExecutorServicer, health: object, stop: asyncio.Event) -> None:
+    """NOT_SERVING while draining and after the engine failed."""
+    serving = True
+    while not stop.is_set():
+        if servicer.lifecycle.serving != serving:
+            serving = servicer.lifecycle.serving
+            await rpc.set_serving(health, [SERVICE_NAME], serving)  # type: ignore[arg-type]
+        try:
+            await asyncio.wait_for(stop.wait(), 0.5)
+        except TimeoutError:
+            pass
+
+
+async def _drain(args: argparse.Namespace, servicer: ExecutorServicer, registration: Registration | None) -> None:
+    servicer.lifecycle.drain(args.drain_timeout)
+    log.info("draining: no new requests; running ones have %.0f s to finish", args.drain_timeout)
+    if registration is not None:
+        await registration.beat()  # schedulers see "draining" now, not a heartbeat later
+        await registration.drained()
+    else:
+        await quiet(servicer.lifecycle, lambda: servicer.last_step)
 
 
 async def serve(args: argparse.Namespace) -> None:
@@ -57,21 +104,40 @@ async def serve(args: argparse.Namespace) -> None:
             dtype=args.dtype,
         )
     )
+    servicer = ExecutorServicer(engine, Lifecycle())
     server, health, port = rpc.make_server(
-        f"{args.host}:{args.port}", [(pb_grpc.add_ExecutorServicer_to_server, ExecutorServicer(engine), SERVICE_NAME)]
+        f"{args.host}:{args.port}", [(pb_grpc.add_ExecutorServicer_to_server, servicer, SERVICE_NAME)]
     )
     await server.start()
     await rpc.set_serving(health, [SERVICE_NAME], True)
     pool = engine.pool
     log.info(
-        "executor serving %s on port %d: %s, %s attention, blocks device=%d cpu=%d disk=%d (block %d tokens, %d bytes)",
-        args.model, port, engine.device, engine.backend.name, pool.count(0), pool.count(1), pool.count(2),
-        engine.geometry.block_size, engine.geometry.block_bytes,
+        "executor %s serving %s on port %d: %s, %s attention, blocks device=%d cpu=%d disk=%d (block %d tokens, "
+        "%d bytes)", engine.instance_id, args.model, port, engine.device, engine.backend.name, pool.count(0),
+        pool.count(1), pool.count(2), engine.geometry.block_size, engine.geometry.block_bytes,
     )
     stop = await rpc.stop_on_signals()
+    done = asyncio.Event()
+    tasks = [asyncio.create_task(_health(servicer, health, done))]
+    client, registration = None, None
+    if args.redis_url:
+        client = aioredis.from_url(args.redis_url, decode_responses=True)
+        registration = Registration(Registry(client, Keys(args.namespace)), servicer.lifecycle,
+                                    lambda: servicer.member(args.advertise_address), servicer.renew_instance,
+                                    args.lease_ms)
+        tasks.append(asyncio.create_task(registration.run(done)))
+        log.info("registering as %s in namespace %s", args.advertise_address, args.namespace)
     await stop.wait()
+    await _drain(args, servicer, registration)
+    done.set()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    if registration is not None:
+        await registration.leave()
+    if client is not None:
+        await client.aclose()
     await health.enter_graceful_shutdown()
     await server.stop(grace=5)
+    log.info("drained; exiting")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -8,6 +8,7 @@ that, in one packed forward pass, and returns the sampled tokens.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import time
 import uuid
 from collections import defaultdict
@@ -146,6 +147,7 @@ class Engine:
             else None,
         )
         self.tables = BlockTables(self.pool.device.num_blocks)
+        self.model_digest = self._digest()
 
     def _device_blocks(self) -> int:
         if self.cfg.kv_cache_memory is not None:
@@ -180,6 +182,19 @@ class Engine:
 
     def tokenizer_files(self) -> dict[str, bytes]:
         return {n: (self.cfg.model / n).read_bytes() for n in TOKENIZER_FILES if (self.cfg.model / n).exists()}
+
+    def _digest(self) -> str:
+        """sha256 over config.json and the tokenizer files: what executors of one namespace must share."""
+        h = hashlib.sha256()
+        for name, data in sorted(self.tokenizer_files().items()):
+            h.update(name.encode() + b"\0" + data)
+        return h.hexdigest()[:32]
+
+    def renew_instance(self) -> str:
+        """Forget every block table and become a new instance (the schedulers evicted the old one)."""
+        self.tables.clear()
+        self.instance_id = uuid.uuid4().hex
+        return self.instance_id
 
     # -- one step -------------------------------------------------------------
 

@@ -9,9 +9,11 @@ import grpc
 
 from executor_svc.block_tables import UnknownTable
 from executor_svc.engine import Engine, Move, PlanError, SeqInput, StepInput, StepOutput
+from executor_svc.lifecycle import Lifecycle
 from executor_svc.sampler import SamplingParams
 from pagedserve.executor.v1 import executor_pb2 as pb
 from pagedserve.executor.v1 import executor_pb2_grpc as pb_grpc
+from pagedserve.members import Member
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Executor"].full_name
@@ -62,12 +64,15 @@ def result_to_pb(out: StepOutput) -> pb.StepResult:
 
 
 class ExecutorServicer(pb_grpc.ExecutorServicer):
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, lifecycle: Lifecycle | None = None) -> None:
         self.engine = engine
+        self.lifecycle = lifecycle or Lifecycle()
         self._lock = asyncio.Lock()  # one plan at a time: the pool is not reentrant
+        self._epoch = 0  # the highest loop epoch seen: older plans come from deposed leaders
+        self.last_step = 0.0  # event-loop time of the last plan
 
-    async def Info(self, request: pb.InfoRequest, context: grpc.aio.ServicerContext) -> pb.InfoResponse:
-        e = self.engine
+    def info(self, with_tokenizer: bool = True) -> pb.InfoResponse:
+        e, life = self.engine, self.lifecycle
         return pb.InfoResponse(
             model=str(e.cfg.model.name),
             block_size=e.geometry.block_size,
@@ -77,15 +82,43 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
             max_model_len=e.max_model_len,
             eos_token_ids=e.eos_token_ids,
             vocab_size=e.vocab_size,
-            tokenizer_files=e.tokenizer_files(),
+            tokenizer_files=e.tokenizer_files() if with_tokenizer else {},
             device=str(e.device),
             attention_backend=e.backend.name,
             instance_id=e.instance_id,
+            state=life.state,
+            evacuate_at_ms=life.evacuate_at_ms,
+            dtype=e.cfg.dtype,
+            model_digest=e.model_digest,
         )
+
+    def member(self, address: str) -> Member:
+        return Member.from_info(self.info(with_tokenizer=False), address)
+
+    def renew_instance(self) -> str:
+        self._epoch = 0
+        return self.engine.renew_instance()
+
+    async def Info(self, request: pb.InfoRequest, context: grpc.aio.ServicerContext) -> pb.InfoResponse:
+        if request.renew_instance:
+            async with self._lock:
+                log.warning("a scheduler evicted instance %s; now %s", self.engine.instance_id, self.renew_instance())
+        return self.info(with_tokenizer=not request.omit_tokenizer_files)
 
     async def Step(self, request: pb.StepPlan, context: grpc.aio.ServicerContext) -> pb.StepResult:
         plan = plan_from_pb(request)
+        self.last_step = asyncio.get_running_loop().time()
         async with self._lock:
+            if request.instance_id and request.instance_id != self.engine.instance_id:
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                    f"instance_id: this executor is {self.engine.instance_id}, not "
+                                    f"{request.instance_id}")
+            if request.epoch < self._epoch:
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                    f"epoch: {request.epoch} is stale; a loop with epoch {self._epoch} leads")
+            if self.lifecycle.state == "failed":
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "the engine failed; this executor is leaving")
+            self._epoch = request.epoch
             try:
                 # The forward pass holds the GIL-free torch kernels; a thread keeps health checks answering.
                 out = await asyncio.to_thread(self.engine.step, plan)
@@ -95,4 +128,8 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             except ValueError as exc:
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+            except Exception:
+                log.exception("the engine failed; reporting NOT_SERVING and leaving the namespace")
+                self.lifecycle.fail()
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "the engine failed; this executor is leaving")
         return result_to_pb(out)

@@ -47,10 +47,11 @@ def wait_until(check: Callable[[], bool], timeout: float, what: str, proc: subpr
     raise TimeoutError(f"{what} not ready after {timeout:.0f} s")
 
 
-def grpc_healthy(address: str) -> bool:
+def grpc_healthy(address: str, service: str = "") -> bool:
+    """Whether ``service`` (default: the overall status) reports SERVING."""
     with grpc.insecure_channel(address) as ch:
         try:
-            resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=1)
+            resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service), timeout=1)
         except grpc.RpcError:
             return False
     return resp.status == health_pb2.HealthCheckResponse.SERVING
@@ -96,10 +97,11 @@ class RedisServer:
 
 
 class Service:
-    """``python -m <module> ...`` as a child process, ready once gRPC health says SERVING."""
+    """``python -m <module> ...`` as a child process, ready once gRPC health says SERVING
+    for ``ready`` (the overall status by default; ``rpc.LIVENESS``: merely up)."""
 
     def __init__(self, module: str, args: list[str], port: int, log_path: Path | None = None,
-                 env: dict[str, str] | None = None, timeout: float = 180) -> None:
+                 env: dict[str, str] | None = None, timeout: float = 180, ready: str = "") -> None:
         self.address = f"127.0.0.1:{port}"
         self.log_path = log_path
         out = open(log_path, "ab") if log_path else subprocess.DEVNULL  # noqa: SIM115
@@ -111,7 +113,7 @@ class Service:
             stdout=out, stderr=subprocess.STDOUT, env=child_env,
         )
         try:
-            wait_until(lambda: grpc_healthy(self.address), timeout, module, self.proc)
+            wait_until(lambda: grpc_healthy(self.address, ready), timeout, module, self.proc)
         except BaseException:
             self.stop()
             if log_path and log_path.exists():

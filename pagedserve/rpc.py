@@ -11,6 +11,11 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+# A health service name that reports SERVING for as long as the process runs: what a
+# liveness probe asks. Readiness asks the overall status (""), which a service sets
+# NOT_SERVING when it cannot do its job (no Redis, no executor, draining...), and a
+# process should not be restarted for that.
+LIVENESS = "liveness"
 MAX_MESSAGE_BYTES = 64 << 20  # step plans and tokenizer files exceed gRPC's 4 MiB default
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -26,7 +31,7 @@ def make_server(
 ) -> tuple[grpc.aio.Server, health.HealthServicer, int]:
     """An aio server with each ``(add_fn, servicer, full_name)`` plus health.
 
-    Returns the server, its health servicer (SERVING for every service) and the
+    Returns the server, its health servicer (``set_serving`` sets it) and the
     bound port (useful with port 0).
     """
     server = grpc.aio.server(options=CHANNEL_OPTIONS)
@@ -46,7 +51,9 @@ def make_server(
 
 
 async def set_serving(health_servicer: health.HealthServicer, names: list[str], serving: bool) -> None:
+    """Readiness: the overall status and each service's. ``LIVENESS`` stays SERVING."""
     status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+    await health_servicer.set(LIVENESS, health_pb2.HealthCheckResponse.SERVING)
     for name in ["", *names]:
         await health_servicer.set(name, status)
 

@@ -1,4 +1,4 @@
-"""``python -m scheduler_svc``: the public Generation API and the scheduling loop."""
+"""``python -m scheduler_svc``: the public Generation API and the scheduling loops."""
 
 from __future__ import annotations
 
@@ -10,20 +10,19 @@ import socket
 import sys
 import uuid
 
-import grpc
 import redis.asyncio as aioredis
 
+from pagedserve import rpc
+from pagedserve.keys import Keys
+from pagedserve.members import Registry
+from pagedserve.v1 import generation_pb2_grpc as pb_grpc
 from scheduler_svc.core.queue import POLICIES
 from scheduler_svc.core.scheduler import PREEMPTION_MODES, SchedulerConfig
-from scheduler_svc.frontend import EventBus, Frontend, load_tokenizer
-from scheduler_svc.loop import Loop
+from scheduler_svc.frontend import EventBus, Frontend
+from scheduler_svc.manager import Manager
 from scheduler_svc.server import SERVICE_NAME, GenerationServicer
 from scheduler_svc.store import RedisStore
-from scheduler_svc.validate import Limits
-from pagedserve import rpc
-from pagedserve.executor.v1 import executor_pb2 as epb
-from pagedserve.executor.v1 import executor_pb2_grpc as epb_grpc
-from pagedserve.v1 import generation_pb2_grpc as pb_grpc
+from scheduler_svc.watch import ClusterWatch
 
 log = logging.getLogger("scheduler_svc")
 
@@ -33,19 +32,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--host", default="0.0.0.0")
     p.add_argument("--port", type=int, default=50051)
     p.add_argument("--redis-url", default=os.environ.get("REDIS_URL"), help="default: $REDIS_URL (required)")
-    p.add_argument("--executor", default="localhost:50061", help="executor_svc address HOST:PORT")
-    p.add_argument("--policy", choices=POLICIES, default="fcfs")
+    p.add_argument("--executor", action="append", default=[], metavar="HOST:PORT",
+                   help="a statically configured executor (repeatable); without it, every executor registered "
+                        "in the namespace is served")
+    p.add_argument("--executor-timeout", type=float, default=60.0,
+                   help="seconds a Step may take before its executor counts as lost")
+    p.add_argument("--policy", choices=POLICIES, default="fcfs", help="the same on every replica of a namespace")
     p.add_argument("--preemption-mode", choices=PREEMPTION_MODES, default="recompute")
-    p.add_argument("--max-num-seqs", type=int, default=256, help="running sequences at most")
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens per step at most")
-    p.add_argument("--max-model-len", type=int, default=0, help="context limit (default: the executor's)")
+    p.add_argument("--max-num-seqs", type=int, default=256, help="running sequences per executor at most")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens per executor step at most")
+    p.add_argument("--max-model-len", type=int, default=0, help="context limit (default: each executor's)")
     p.add_argument("--watermark", type=float, default=0.01, help="fraction of KV blocks kept free when admitting")
     p.add_argument("--namespace", default="pagedserve", help="prefix of every Redis key")
-    p.add_argument("--replica-id", default=None, help="name in the leader lease (default: host-pid)")
-    p.add_argument("--lease-ms", type=int, default=10_000, help="leader lease time-to-live")
+    p.add_argument("--replica-id", default=None, help="name in the loop leases (default: host-pid)")
+    p.add_argument("--lease-ms", type=int, default=10_000,
+                   help="time-to-live of this replica's leases: its loops move to another replica this long "
+                        "after it dies")
     p.add_argument("--step-log", default=None, help="append one JSON line of statistics per step to this file")
     p.add_argument("--role", choices=("all", "frontend", "loop"), default="all",
-                   help="all: the API here and the scheduling loop in a child process; or either one alone")
+                   help="all: the API here and the scheduling loops in a child process; or either one alone")
     p.add_argument("--log-level", default="INFO")
     args = p.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
@@ -56,19 +61,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-async def _executor_info(stub: epb_grpc.ExecutorStub) -> epb.InfoResponse:
-    """Wait for the executor: it may still be loading its model."""
-    while True:
-        try:
-            return await stub.Info(epb.InfoRequest(), timeout=10)
-        except grpc.aio.AioRpcError as exc:
-            log.info("waiting for executor (%s)", exc.code().name)
-            await asyncio.sleep(1)
-
-
-def _scheduler_config(args: argparse.Namespace, max_len: int) -> SchedulerConfig:
+def _scheduler_config(args: argparse.Namespace) -> SchedulerConfig:
+    """Per executor, ``max_model_len`` 0 becomes that executor's own."""
     return SchedulerConfig(
-        max_model_len=max_len,
+        max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         policy=args.policy,
@@ -77,28 +73,28 @@ def _scheduler_config(args: argparse.Namespace, max_len: int) -> SchedulerConfig
     )
 
 
-async def run_loop(args: argparse.Namespace) -> None:
-    """The scheduling loop alone: takes the lease when free and steps the executor."""
-    client = aioredis.from_url(args.redis_url, decode_responses=True)
-    channel = grpc.aio.insecure_channel(args.executor, options=rpc.CHANNEL_OPTIONS)
-    executor = epb_grpc.ExecutorStub(channel)
-    info = await _executor_info(executor)
-    max_len = min(args.max_model_len or info.max_model_len, info.max_model_len)
-    step_log = open(args.step_log, "a") if args.step_log else None  # noqa: SIM115 - lives as long as the loop
+async def run_loops(args: argparse.Namespace) -> None:
+    """The scheduling loops alone: lead this replica's share of the executors."""
+    # Each loop holds a connection while it waits on the doorbell stream.
+    pool = aioredis.BlockingConnectionPool.from_url(args.redis_url, max_connections=256, timeout=None,
+                                                     decode_responses=True)
+    client = aioredis.Redis.from_pool(pool)
+    keys = Keys(args.namespace)
+    step_log = open(args.step_log, "a") if args.step_log else None  # noqa: SIM115 - lives as long as the loops
     replica = args.replica_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-    loop = Loop(RedisStore(client, args.namespace), executor, _scheduler_config(args, max_len), replica,
-                args.lease_ms, step_log)
+    manager = Manager(RedisStore(client, args.namespace), Registry(client, keys), _scheduler_config(args), replica,
+                      lease_ms=args.lease_ms, static=args.executor, executor_timeout=args.executor_timeout,
+                      step_log=step_log)
     stop = await rpc.stop_on_signals()
-    await loop.run(stop)
-    await channel.close()
+    await manager.run(stop)
     await client.aclose()
     if step_log:
         step_log.close()
 
 
 async def _supervise(args: argparse.Namespace, stop: asyncio.Event) -> None:
-    """Run the loop as ``python -m scheduler_svc --role loop`` with the same flags, and
-    keep it alive; if it dies, another replica may lead meanwhile."""
+    """Run the loops as ``python -m scheduler_svc --role loop`` with the same flags, and
+    keep that process alive; if it dies, other replicas take its leases meanwhile."""
     argv = [sys.executable, "-m", "scheduler_svc", *args.argv, "--role", "loop"]
     proc: asyncio.subprocess.Process | None = None
     while not stop.is_set():
@@ -119,14 +115,15 @@ async def _supervise(args: argparse.Namespace, stop: asyncio.Event) -> None:
 
 
 async def serve(args: argparse.Namespace) -> None:
-    """The public API (and, with role ``all``, the loop in a child process).
+    """The public API (and, with role ``all``, the loops in a child process).
 
-    The loop runs in its own process, as vLLM separates its engine core from
+    The loops run in their own process, as vLLM separates its engine core from
     its API server: streaming and detokenizing for hundreds of requests must
-    not stall the step the executor waits on. Both sides talk only via Redis.
+    not stall the steps the executors wait on. Both sides talk only via Redis.
+    The API answers at once; health says SERVING once an executor serves.
     """
     if args.role == "loop":
-        await run_loop(args)
+        await run_loops(args)
         return
     # Thousands of concurrent streams share a bounded pool and wait for a free
     # connection instead of failing with "Too many connections".
@@ -134,28 +131,22 @@ async def serve(args: argparse.Namespace) -> None:
                                                      decode_responses=True)
     client = aioredis.Redis.from_pool(pool)
     store = RedisStore(client, args.namespace)
-    channel = grpc.aio.insecure_channel(args.executor, options=rpc.CHANNEL_OPTIONS)
-    info = await _executor_info(epb_grpc.ExecutorStub(channel))
-    await channel.close()
-    max_len = min(args.max_model_len or info.max_model_len, info.max_model_len)
-    limits = Limits(max_model_len=max_len, vocab_size=info.vocab_size, block_size=info.block_size,
-                    num_blocks=info.num_gpu_blocks)
+    watch = ClusterWatch(Registry(client, store.keys), args.max_model_len)
     bus = EventBus(store)
-    frontend = Frontend(store, bus, load_tokenizer(dict(info.tokenizer_files)), limits)
+    frontend = Frontend(store, bus, watch, args.policy)
     server, health, port = rpc.make_server(
         f"{args.host}:{args.port}",
         [(pb_grpc.add_GenerationServicer_to_server, GenerationServicer(frontend), SERVICE_NAME)],
         reflect=True,
     )
+    await rpc.set_serving(health, [SERVICE_NAME], False)
     stop = await rpc.stop_on_signals()
     await server.start()
-    tasks = [asyncio.create_task(bus.run(stop))]
+    tasks = [asyncio.create_task(bus.run(stop)), asyncio.create_task(watch.run(stop, health, [SERVICE_NAME]))]
     if args.role == "all":
         tasks.append(asyncio.create_task(_supervise(args, stop)))
-    await rpc.set_serving(health, [SERVICE_NAME], True)
-    log.info("scheduler serving on port %d (role %s, executor %s, model %s, %d blocks of %d tokens, %s, %s)",
-             port, args.role, args.executor, info.model, info.num_gpu_blocks, info.block_size, args.policy,
-             args.preemption_mode)
+    log.info("scheduler serving on port %d (role %s, namespace %s, %s, %s, executors: %s)", port, args.role,
+             args.namespace, args.policy, args.preemption_mode, ", ".join(args.executor) or "registered")
     await stop.wait()
     await health.enter_graceful_shutdown()
     await server.stop(grace=5)

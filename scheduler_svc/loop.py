@@ -1,12 +1,14 @@
-"""The scheduling loop: the I/O around the pure ``Scheduler``.
+"""One executor's scheduling loop: the I/O around its pure ``Scheduler``.
 
-One replica at a time runs it, holding a lease in Redis; its epoch fences
-every commit so a deposed leader cannot write. Per step: read new operations
-from the incoming stream, decide (pure), run the plan on the executor, apply
-the result (pure), commit everything in one atomic Redis call. If anything
-fails in between, the in-memory state is thrown away and reloaded from the
-last commit, which the executor's KV still matches (KV writes are idempotent
-and swaps copy without destroying their source).
+A ``Manager`` starts one ``Loop`` per executor it leads (holding that
+executor's lease; the epoch fences every write). Per step: read the doorbell
+stream (cancellations), claim queued requests that placement gives this
+executor, decide (pure), run the plan on the executor, apply the result
+(pure), commit everything in one fenced Redis call. If anything fails in
+between, the in-memory state is thrown away and reloaded from the last commit,
+which the executor's KV still matches (KV writes are idempotent and swaps copy
+without destroying their source). If the executor itself is lost, its
+requests go back to the shared queue and the loop ends.
 """
 
 from __future__ import annotations
@@ -15,237 +17,285 @@ import asyncio
 import json
 import logging
 import time
-from dataclasses import dataclass, replace
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, replace
 from typing import TextIO
 
 import grpc
 
-from scheduler_svc.core.blocks import TIERS, BlockManager, Pool
-from scheduler_svc.core.request import Finish, Request
-from scheduler_svc.core.scheduler import Counters, Scheduler, SchedulerConfig
-from scheduler_svc.plan import PlanBuilder
-from scheduler_svc.store import UNAVAILABLE, Commit, Fenced, Incoming, RedisStore
 from pagedserve.executor.v1 import executor_pb2 as pb
 from pagedserve.executor.v1 import executor_pb2_grpc as pb_grpc
+from pagedserve.members import Member, now_ms
+from scheduler_svc.codec import CommitWriter
+from scheduler_svc.core import placement
+from scheduler_svc.core.blocks import DEVICE
+from scheduler_svc.core.request import Finish
+from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig
+from scheduler_svc.plan import PlanBuilder
+from scheduler_svc.restore import intake, restore
+from scheduler_svc.store import UNAVAILABLE, Fenced, RedisStore
 
 log = logging.getLogger(__name__)
 
 IDLE_BLOCK_MS = 200
 RETRY_S = 1.0
+PEEK_DEPTH = 64  # queued requests placement looks at per step
 
 
-def consistent(bm: BlockManager, requests: list[Request]) -> bool:
-    """Every block is either free or owned by exactly one request."""
-    owned: list[set[int]] = [set(), set(), set()]
-    for req in requests:
-        for tier, block in [(0, b) for b in req.blocks] + req.swap_blocks:
-            if block in owned[tier] or block >= bm.total(tier) or bm.is_free(tier, block):
-                return False
-            owned[tier].add(block)
-    return all(len(owned[t]) + bm.num_free(t) == bm.total(t) for t in TIERS)
+class ExecutorLost(RuntimeError):
+    """Step failed or timed out and the executor did not answer as the same instance."""
 
 
 @dataclass(slots=True)
 class StepStats:
+    executor: str
     step: int
     t: float
     running: int
-    waiting: int
+    waiting: int  # in the shared queue
     swapped: int
     scheduled_tokens: int
     live_tokens: int  # tokens whose KV is held on the device
     allocated_slots: int  # device blocks in use x block size
     schedule_ms: float
     redis_ms: float
-    executor_ms: float
+    executor_ms: float  # the Step round trip
     forward_ms: float
+    step_ms: float  # the executor's own time for the step
+
+
+@dataclass(slots=True)
+class Timer:
+    """Milliseconds per part of one loop iteration."""
+
+    redis: float = 0.0
+    executor: float = 0.0
+    total: float = 0.0
+    t0: float = 0.0
+
+    def start(self) -> None:
+        self.redis = self.executor = 0.0
+        self.t0 = time.perf_counter()
+
+    async def redis_call(self, aw):  # type: ignore[no-untyped-def]
+        t = time.perf_counter()
+        try:
+            return await aw
+        finally:
+            self.redis += (time.perf_counter() - t) * 1e3
+
+    def stop(self) -> None:
+        self.total = (time.perf_counter() - self.t0) * 1e3
+
+
+@dataclass(slots=True)
+class Session:
+    """What one leadership of a loop keeps between steps."""
+
+    sched: Scheduler
+    writer: CommitWriter
+    plans: PlanBuilder
+    cursor: str  # the doorbell stream, read up to here
+    ended: list[str] = field(default_factory=list)  # left this executor since the last plan: tables to drop
+    retry: bool = False  # placement gave us requests another loop took first: look again at once
+    timer: Timer = field(default_factory=Timer)
 
 
 class Loop:
     def __init__(
         self,
         store: RedisStore,
-        executor: pb_grpc.ExecutorStub,
+        info: pb.InfoResponse,
+        stub: pb_grpc.ExecutorStub,
         config: SchedulerConfig,
-        replica: str,
-        lease_ms: int = 10_000,
+        epoch: int,
+        member: Callable[[], Member | None],
+        *,
+        executor_timeout: float = 60.0,
         step_log: TextIO | None = None,
     ) -> None:
         self.store = store
-        self.executor = executor
-        self.config = config
-        self.replica = replica
-        self.lease_ms = lease_ms
+        self.info = info
+        self.executor = info.instance_id
+        self.stub = stub
+        self.config = replace(
+            config,
+            max_model_len=min(config.max_model_len or info.max_model_len, info.max_model_len),
+            eos_token_ids=tuple(info.eos_token_ids),
+        )
+        self.epoch = epoch
+        self.member = member  # the executor's current membership record (None once it left)
+        self.executor_timeout = executor_timeout
         self.step_log = step_log
         self._in_flight: list[str] = []  # requests in the plan the executor is running
+        self._published: placement.PoolView | None = None
+        self._step_id = 0
+        self.idle_block_ms: int | None = IDLE_BLOCK_MS  # how long an idle step waits for the doorbell
+        self.s: Session
 
-    async def run(self, stop: asyncio.Event) -> None:
-        while not stop.is_set():
-            try:
-                epoch = await self.store.acquire(self.replica, self.lease_ms)
-            except UNAVAILABLE as exc:
-                log.warning("redis unavailable (%s); retrying", exc)
-                epoch = None
-            if epoch is None:
-                await _sleep(stop, self.lease_ms / 3000)
-                continue
-            log.info("replica %s leads the scheduling loop (epoch %d)", self.replica, epoch)
-            renew = asyncio.create_task(self._keep_lease(stop))
-            try:
-                await self._lead(epoch, stop)
-            except Fenced as exc:
-                log.warning("lost leadership: %s", exc)
-            finally:
-                renew.cancel()
-                await self.store.release(self.replica)
-
-    async def _keep_lease(self, stop: asyncio.Event) -> None:
-        while not stop.is_set():
-            await asyncio.sleep(self.lease_ms / 3000)
-            if not await self.store.renew(self.replica, self.lease_ms):
-                log.warning("lease renewal failed; the epoch check will stop stale commits")
-
-    async def _lead(self, epoch: int, stop: asyncio.Event) -> None:
+    async def lead(self, stop: asyncio.Event) -> str:
+        """Step the executor until ``stop``; returns why it ended: stopped, fenced or lost."""
         rejected: list[str] = []
         while not stop.is_set():
             try:
-                info = await self.executor.Info(pb.InfoRequest(), timeout=10)
-                sched, cursor = await self._restore(info, epoch)
-                if rejected:
-                    await self._reject(sched, rejected, epoch)
-                    rejected = []
-                await self._steps(sched, cursor, epoch, stop)
+                await self._run(stop, rejected)
+                return "stopped"
+            except Fenced as exc:
+                log.warning("executor %s: lost the lease (%s)", self.executor, exc)
+                return "fenced"
+            except ExecutorLost as exc:
+                requeued = await self.store.reap(self.executor)
+                log.error("executor %s lost (%s): %d requests go back to the queue", self.executor, exc, requeued)
+                return "lost"
             except grpc.aio.AioRpcError as exc:
-                # FAILED_PRECONDITION (the executor lacks a block table) heals here too:
-                # the reload starts a fresh PlanBuilder, which sends every table in full.
-                log.warning("executor call failed (%s: %s); reloading state", exc.code().name, exc.details())
-                if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
-                    rejected = self._in_flight
-                await _sleep(stop, RETRY_S)
+                # FAILED_PRECONDITION (a table the executor lacks, or a newer epoch there) heals
+                # here: the reload starts a fresh PlanBuilder, which sends every table in full.
+                log.warning("executor %s refused a plan (%s: %s); reloading", self.executor, exc.code().name,
+                            exc.details())
+                rejected = self._in_flight if exc.code() == grpc.StatusCode.INVALID_ARGUMENT else []
             except UNAVAILABLE as exc:
                 log.warning("redis unavailable (%s); retrying", exc)
                 await _sleep(stop, RETRY_S)
+        return "stopped"
 
-    async def _reject(self, sched: Scheduler, ids: list[str], epoch: int) -> None:
-        """The executor refused a plan: end its requests rather than retry them forever."""
-        commit = Commit(blocks=sched.blocks)
-        for rid in ids:
-            req = sched.finish(rid, Finish.ABORT)
-            if req is not None:
-                log.error("aborting %s: the executor rejected its step", rid)
-                commit.finished.append(req)
-        await self.store.apply(epoch, self.store.commit_ops(commit))
-
-    async def _restore(self, info: pb.InfoResponse, epoch: int) -> tuple[Scheduler, str]:
-        snap = await self.store.load()
+    async def start(self, rejected: list[str] | None = None) -> None:
+        """Restore from the last commit; requests whose plan the executor rejected are aborted."""
+        cursor = await self.store.tail_incoming()  # before loading: nothing after the load is missed
+        snap = await self.store.load(self.executor)
+        info = self.info
         totals = (info.num_gpu_blocks, info.num_cpu_blocks, info.num_disk_blocks)
-        meta = {"instance_id": info.instance_id, "block_size": str(info.block_size), "blocks": ",".join(map(str, totals))}
-        pools = [Pool.with_free(total, [b for b in free if b < total]) for total, free in zip(totals, snap.free)]
-        bm = BlockManager(info.block_size, *pools)
-        if snap.meta != meta or not consistent(bm, snap.requests):
-            if snap.meta and snap.meta.get("instance_id") == info.instance_id:
-                log.error("block ownership in redis is inconsistent; resetting every pool")
-            elif snap.requests:
-                log.warning("executor changed: %d live requests will be recomputed", len(snap.requests))
-            await self.store.apply(epoch, self.store.reset_ops(meta, totals, snap.requests))
-            for req in snap.requests:
-                req.blocks, req.swap_blocks, req.num_computed = [], [], 0
-                req.status = req.status.WAITING
-            bm = BlockManager(info.block_size, *(Pool.fresh(t) for t in totals))
-        config = replace(
-            self.config,
-            max_model_len=min(self.config.max_model_len or info.max_model_len, info.max_model_len),
-            eos_token_ids=tuple(info.eos_token_ids),
-        )
-        sched = Scheduler(config, bm)
-        for req in sorted(snap.requests, key=lambda r: r.arrival):
-            sched.add(req)
-        sched.counters = Counters(**{k: v for k, v in snap.counters.items() if k in Counters.__slots__})
-        log.info("restored %d live requests; blocks free %s", len(snap.requests), [bm.num_free(t) for t in TIERS])
-        return sched, snap.cursor
+        restored = restore(snap, totals, self.config, info.block_size)
+        sched = restored.sched
+        for rid in rejected or []:
+            if sched.finish(rid, Finish.ABORT) is not None:
+                log.error("aborting %s: the executor rejected its step", rid)
+        writer = CommitWriter(self.store.keys, self.executor, self.config.policy)
+        writer.saw(list(sched.requests.values()))
+        ops = writer.reset_ops(totals, info.block_size) if restored.reset else []
+        if restored.reset and snap.requests:
+            log.warning("executor %s: pool state unusable; %d requests recompute", self.executor, len(snap.requests))
+        self._published = None
+        ops += writer.ops(sched.take_record(), sched.blocks.is_free, self._view(sched))
+        await self.store.apply(self.executor, self.epoch, ops)
+        log.info("executor %s: restored %d live requests; device blocks free %d/%d", self.executor,
+                 len(sched.requests), sched.blocks.num_free(DEVICE), sched.blocks.total(DEVICE))
+        self.s = Session(sched, writer, PlanBuilder(self.epoch, self.executor), cursor)
 
-    async def _intake(self, sched: Scheduler, items: list[Incoming], commit: Commit) -> None:
-        submitted = await self.store.load_submitted([i.request_id for i in items if i.op == "submit"])
-        for item in items:
-            if item.op == "submit":
-                req = submitted.pop(item.request_id, None)
-                if req is None or item.request_id in sched.requests:
-                    continue
-                sched.add(req)
-                if not sched.fits_ever(min(req.num_tokens + req.params.max_tokens, sched.config.max_model_len)):
-                    # The pool shrank (a new executor) since the frontend checked it.
-                    log.error("%s can never fit the KV pool; aborting it", req.request_id)
-                    commit.finished.append(sched.finish(req.request_id, Finish.ABORT))
-                    continue
-                commit.admitted.append(req.request_id)
-                commit.touched[req.request_id] = req
-            else:
-                done = sched.finish(item.request_id, Finish.STOP if item.op == "stop" else Finish.ABORT)
-                if done is not None:
-                    commit.finished.append(done)
+    def _view(self, sched: Scheduler) -> placement.PoolView | None:
+        """This pool's view if it changed since it was last published."""
+        m = self.member()
+        view = sched.view(self.executor, m is not None and m.serving)
+        if view == self._published:
+            return None
+        self._published = view
+        return view
 
-    async def _steps(self, sched: Scheduler, cursor: str, epoch: int, stop: asyncio.Event) -> None:
-        step_id = sched.counters.steps
-        busy = sched.has_work
-        plans = PlanBuilder()
-        ended: list[str] = []  # finished since the last plan: the executor may drop their tables
+    async def _claim(self, sched: Scheduler, timer: Timer) -> tuple[list, bool]:
+        """Claim what placement gives this executor; also whether some were lost to other loops."""
+        seats, tokens = sched.room()
+        if seats <= 0 or tokens <= 0:
+            return [], False
+        candidates, views = await timer.redis_call(self.store.look(PEEK_DEPTH))
+        if not candidates:
+            return [], False
+        views[self.executor] = sched.view(self.executor, True)
+        picks = placement.pick(candidates, self.executor, views, policy=self.config.policy, seats=seats,
+                               budget=tokens)
+        log.debug("executor %s: %d queued, views %s, picks %s", self.executor, len(candidates), views,
+                  [c.request_id for c in picks])
+        if not picks:
+            return [], False
+        claimed = await timer.redis_call(self.store.claim(self.executor, self.epoch, [c.queue_key for c in picks]))
+        return claimed, len(claimed) < len(picks)
+
+    async def _run(self, stop: asyncio.Event, rejected: list[str]) -> None:
+        await self.start(rejected)
+        rejected.clear()
         while not stop.is_set():
-            t0 = time.perf_counter()
-            items = await self.store.read_incoming(cursor, None if busy else IDLE_BLOCK_MS)
-            t1 = time.perf_counter()
-            commit = Commit(blocks=sched.blocks)
-            if items:
-                await self._intake(sched, items, commit)
-                cursor = commit.cursor = items[-1].stream_id
-            t2 = time.perf_counter()
-            exec_ms = forward_ms = 0.0
-            out = None
-            if sched.has_work:
-                out = sched.schedule()
-                sampled: dict[str, int] = {}
-                t3 = time.perf_counter()
-                if out.scheduled or out.swap_out or out.swap_in:
-                    self._in_flight = [s.req.request_id for s in out.scheduled]
-                    result = await self.executor.Step(plans.build(out, step_id, ended))
-                    ended = []
-                    sampled = {o.request_id: o.token_id for o in result.outputs}
-                    forward_ms = result.forward_ms
-                    step_id += 1
-                t4 = time.perf_counter()
-                exec_ms = (t4 - t3) * 1e3
-                commit.record_step(sched, out, sampled)
-            busy = out is not None and bool(out.scheduled or out.swap_out or out.swap_in)
-            if items or out is not None:
-                commit.record_totals(sched)
-            t5 = time.perf_counter()
-            ended += [r.request_id for r in commit.finished]
-            ops = self.store.commit_ops(commit)
-            if ops:
-                await self.store.apply(epoch, ops)
-            t6 = time.perf_counter()
-            if self.step_log is not None and out is not None:
-                self._log_step(sched, out.num_tokens, step_id, t0, t1, t2, t5, t6, exec_ms, forward_ms)
+            if not await self.iterate():
+                return  # the executor left the membership: the manager reaps it
 
-    def _log_step(self, sched: Scheduler, tokens: int, step: int, t0: float, t1: float, t2: float,
-                  t5: float, t6: float, exec_ms: float, forward_ms: float) -> None:
+    async def iterate(self) -> bool:
+        """One step: doorbell and cancels, claims, schedule, Step, commit. False once the executor left."""
+        s, timer = self.s, self.s.timer
+        member = self.member()
+        if member is None:
+            return False
+        sched = s.sched
+        timer.start()
+        block = None if sched.has_work or s.retry else self.idle_block_ms
+        ops_in, queued = await timer.redis_call(self.store.read_incoming(s.cursor, block))
+        if ops_in:
+            s.cursor = ops_in[-1].stream_id
+        cancels = [(o.request_id, o.reason) for o in ops_in if o.op == "cancel" and o.reason is not None]
+        claimed, s.retry = [], False
+        if not member.serving:
+            if member.evacuate_at_ms and now_ms() >= member.evacuate_at_ms and sched.requests:
+                log.warning("executor %s: drain deadline; moving %d requests elsewhere", self.executor,
+                            len(sched.requests))
+                sched.evacuate()
+        else:
+            claimed, s.retry = await self._claim(sched, timer)
+        intake(sched, claimed, [(rid, r) for rid, r in cancels if rid in sched.requests])
+        out = sched.schedule() if sched.has_work else None
+        result = None
+        if out is not None and out.has_work:
+            self._in_flight = [x.req.request_id for x in out.scheduled]
+            t = time.perf_counter()
+            result = await self._step(s.plans.build(out, self._step_id, s.ended))
+            timer.executor = (time.perf_counter() - t) * 1e3
+            s.ended = []
+            self._step_id += 1
+        if out is not None:
+            sched.update(out, {o.request_id: o.token_id for o in result.outputs} if result else {})
+        sched.requeue_waiting()
+        rec = sched.take_record()
+        s.ended += [r.request_id for r in rec.finished] + [r.request_id for r in rec.requeued]
+        ops = s.writer.ops(rec, sched.blocks.is_free, self._view(sched))
+        if ops:
+            await timer.redis_call(self.store.apply(self.executor, self.epoch, ops))
+        timer.stop()
+        if self.step_log is not None and out is not None and out.has_work:
+            self._log_step(sched, out.num_tokens, queued, timer, result)
+        return True
+
+    async def _step(self, plan: pb.StepPlan) -> pb.StepResult:
+        try:
+            return await self.stub.Step(plan, timeout=self.executor_timeout)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.INVALID_ARGUMENT or await self._same_instance():
+                raise  # the plan was refused, or a passing fault: reload and resend
+            raise ExecutorLost(f"Step failed: {exc.code().name}: {exc.details()}") from exc
+
+    async def _same_instance(self) -> bool:
+        """Whether the executor still answers as the instance this loop leads, with a working engine."""
+        try:
+            info = await self.stub.Info(pb.InfoRequest(omit_tokenizer_files=True), timeout=2)
+        except grpc.aio.AioRpcError:
+            return False
+        return info.instance_id == self.executor and info.state != "failed"
+
+    def _log_step(self, sched: Scheduler, tokens: int, queued: int, timer: Timer,
+                  result: pb.StepResult | None) -> None:
         bm = sched.blocks
-        used = bm.total(0) - bm.num_free(0)
         stats = StepStats(
-            step=step,
+            executor=self.executor,
+            step=self._step_id,
             t=time.time(),
             running=len(sched.running),
-            waiting=len(sched.waiting),
+            waiting=queued,
             swapped=len(sched.swapped),
             scheduled_tokens=tokens,
             live_tokens=sum(r.num_computed for r in sched.running),
-            allocated_slots=used * bm.block_size,
-            schedule_ms=(t5 - t2) * 1e3 - exec_ms,
-            redis_ms=((t1 - t0) + (t6 - t5)) * 1e3,
-            executor_ms=exec_ms,
-            forward_ms=forward_ms,
+            allocated_slots=bm.used(DEVICE) * bm.block_size,
+            schedule_ms=timer.total - timer.redis - timer.executor,
+            redis_ms=timer.redis,
+            executor_ms=timer.executor,
+            forward_ms=result.forward_ms if result else 0.0,
+            step_ms=result.step_ms if result else 0.0,
         )
         assert self.step_log is not None
-        self.step_log.write(json.dumps({name: getattr(stats, name) for name in StepStats.__slots__}) + "\n")
+        self.step_log.write(json.dumps(asdict(stats)) + "\n")
         self.step_log.flush()
 
 

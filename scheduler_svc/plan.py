@@ -17,7 +17,9 @@ def _moves(moves: list[Move]) -> list[pb.BlockMove]:
 
 
 class PlanBuilder:
-    def __init__(self) -> None:
+    def __init__(self, epoch: int = 0, instance_id: str = "") -> None:
+        self.epoch = epoch  # the loop's fencing epoch and the executor's instance, both checked there
+        self.instance_id = instance_id
         self._sent: dict[str, int] = {}  # request id -> blocks of its table the executor holds
         self._first = True
 
@@ -51,6 +53,7 @@ class PlanBuilder:
                 )
             )
         plan = pb.StepPlan(step_id=step_id, swap_out=_moves(out.swap_out), swap_in=_moves(out.swap_in), seqs=seqs,
-                           forget=forget, reset_tables=self._first)
+                           forget=forget, reset_tables=self._first, epoch=self.epoch,
+                           instance_id=self.instance_id)
         self._first = False
         return plan

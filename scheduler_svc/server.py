@@ -8,7 +8,7 @@ import grpc
 
 from scheduler_svc.frontend import Frontend
 from scheduler_svc.store import DuplicateRequest
-from scheduler_svc.validate import InvalidArgument, OverCapacity
+from scheduler_svc.validate import InvalidArgument, OverCapacity, Unavailable
 from pagedserve.v1 import generation_pb2 as pb
 from pagedserve.v1 import generation_pb2_grpc as pb_grpc
 
@@ -28,6 +28,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except OverCapacity as exc:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        except Unavailable as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         try:
             async for chunk in self.frontend.generate(req, stop):
                 yield chunk.to_pb()

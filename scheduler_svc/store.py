@@ -1,69 +1,191 @@
-"""Scheduler state in Redis: requests, block tables, free lists, queues, leases.
+"""Scheduler state in Redis: the scripts, leases, loads and commits.
 
-Every key shares one hash tag, ``{ns}``, so a Redis Cluster keeps them in one
-slot. Keys (``ns`` is the namespace, ``pagedserve`` by default):
-
-- ``{ns}:meta`` hash: the executor instance and pool sizes the state belongs to.
-- ``{ns}:free:<tier>`` set: free block ids of tier 0 (device), 1 (CPU), 2 (disk).
-- ``{ns}:live`` set: ids of requests waiting, running or swapped.
-- ``{ns}:req:<id>`` hash: ``spec`` (JSON, immutable), ``status``,
-  ``blocks`` (device block table), ``swap`` (tier:block list),
-  ``preemptions``, ``finish_reason``.
-- ``{ns}:computed`` hash: request id -> tokens whose KV is cached. It changes
-  every step for every running request, so it is one command per step rather
-  than one per request.
-- ``{ns}:out:<id>`` list: generated token ids.
-- ``{ns}:incoming`` stream: submit / abort / stop operations from frontends;
-  ``{ns}:cursor`` is the id of the last one the loop has applied.
-- ``{ns}:events`` stream: per step, the tokens produced and requests finished.
-- ``{ns}:leader`` lease and ``{ns}:epoch`` fencing counter.
-- ``{ns}:counters`` hash: preemptions, swapped blocks, steps, queue lengths,
-  free and total blocks per pool.
-
-Writes by the scheduling loop happen once per step in one Lua call (atomic, and
-rejected when the loop's epoch is stale), so a loop killed at any point leaves
-the state of the last whole step.
+The key scheme is ``pagedserve.keys``; what a step writes is built by the pure
+``scheduler_svc.codec``. Loops write their executor's state once per step in
+one Lua call that first checks the loop's fencing epoch for that executor, so
+a loop killed at any point leaves the state of its last whole step and a
+deposed loop can never write. Frontends write requests (submit) and
+cancellations; claims and reaping move requests between the shared queue and
+executors atomically.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 from redis import exceptions as redis_exceptions
+from redis.client import NEVER_DECODE
 
-from scheduler_svc.core.blocks import TIERS, BlockManager
-from scheduler_svc.core.request import Finish, Params, Request, Status
-from scheduler_svc.core.scheduler import Counters, Scheduler, SchedulerOutput, StepUpdate
+from pagedserve.keys import Keys
+from pagedserve.members import now_ms
+from scheduler_svc import codec
+from scheduler_svc.core.placement import Candidate, PoolView
+from scheduler_svc.core.request import Finish, Request
+from scheduler_svc.restore import Snapshot
 
-FINISHED_TTL_S = 3600  # finished requests stay readable this long
-_LUA_ARGS = 4000  # Lua's unpack() limit is ~8000; stay well below
+# Redis unreachable or slow: worth retrying (redis-py's errors do not derive from the builtins).
+UNAVAILABLE = (redis_exceptions.ConnectionError, redis_exceptions.TimeoutError, OSError)
 
-_APPLY = """
+_FENCE = """
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then
   return redis.error_reply('FENCED stale epoch ' .. ARGV[1])
 end
+"""
+
+# A step's commands (codec.CommitWriter), plus two bitmap operations of the codec's.
+_APPLY = _FENCE + """
 local ops = cjson.decode(ARGV[2])
 for i = 1, #ops do
-  redis.call(unpack(ops[i]))
+  local op = ops[i]
+  if op[1] == 'FILL' then
+    local n = tonumber(op[3])
+    local tail = n % 8
+    local bytes = string.rep(string.char(255), (n - tail) / 8)
+    if tail > 0 then
+      bytes = bytes .. string.char(256 - 2 ^ (8 - tail))
+    end
+    redis.call('SET', op[2], bytes)
+  elseif op[1] == 'BITS' then
+    for j = 4, #op do
+      redis.call('SETBIT', op[2], op[j], op[3])
+    end
+  else
+    redis.call(unpack(op))
+  end
 end
 return #ops
 """
 
+# One executor's pool as its last commit left it: pool hash, free bitmaps, live set,
+# computed counts. Bitmaps are binary: the caller reads the reply undecoded.
+_LOAD = """
+local x = ARGV[1]
+return {redis.call('HGETALL', x .. 'pool'), redis.call('GET', x .. 'free:0') or '',
+        redis.call('GET', x .. 'free:1') or '', redis.call('GET', x .. 'free:2') or '',
+        redis.call('SMEMBERS', x .. 'live'), redis.call('HGETALL', x .. 'computed')}
+"""
+
+# A request enters the shared queue. Queue members are "<arrival, 16 digits>:<id>"
+# (codec.queue_entry); the score is the priority under the priority policy.
 _SUBMIT = """
 local status = redis.call('HGET', KEYS[1], 'status')
 if status and status ~= 'finished' then
   return -1
 end
-local arrival = redis.call('INCR', KEYS[2])
-redis.call('DEL', KEYS[1], KEYS[4])
-redis.call('HSET', KEYS[1], 'spec', ARGV[2], 'arrival', arrival, 'status', 'submitted')
-redis.call('XADD', KEYS[3], '*', 'op', 'submit', 'id', ARGV[1])
+local arrival = redis.call('INCR', KEYS[3])
+local qk = string.format('%016d:%s', arrival, ARGV[1])
+redis.call('DEL', KEYS[1], KEYS[2])
+redis.call('HSET', KEYS[1], 'spec', ARGV[2], 'arrival', arrival, 'status', 'waiting', 'executor', '',
+           'plen', ARGV[3], 'maxt', ARGV[4], 'prio', ARGV[5], 'qk', qk, 'qs', ARGV[6])
+redis.call('ZADD', KEYS[4], ARGV[6], qk)
+redis.call('SADD', KEYS[5], ARGV[1])
+redis.call('XADD', KEYS[6], 'MAXLEN', '~', '10000', '*', 'op', 'submit', 'id', ARGV[1])
 return arrival
 """
 
+# Finishing a request that holds nothing (queued): the same fields and event
+# shape as codec.CommitWriter and codec.Event. Used by _CANCEL and _REAP.
+_FINISH_QUEUED = """
+local function finish_queued(p, rid, reason, ttl)
+  local rk, ok = p .. 'req:' .. rid, p .. 'out:' .. rid
+  redis.call('HSET', rk, 'status', 'finished', 'finish_reason', reason, 'executor', '', 'blocks', '', 'swap', '')
+  redis.call('SREM', p .. 'live', rid)
+  redis.call('EXPIRE', rk, ttl)
+  redis.call('EXPIRE', ok, ttl)
+  local ev = {f = {}}
+  ev.f[rid] = {reason, redis.call('LLEN', ok)}
+  redis.call('XADD', p .. 'events', 'MAXLEN', '~', '100000', '*', 'd', cjson.encode(ev))
+end
+"""
+
+# A frontend ends a request (abort, or a stop string it saw). Queued: finished
+# here. Placed: the flag stays on the request and its loop is rung.
+_CANCEL = _FINISH_QUEUED + """
+local p, rid, reason = ARGV[1], ARGV[2], ARGV[3]
+local rk = p .. 'req:' .. rid
+local f = redis.call('HMGET', rk, 'status', 'qk')
+if not f[1] or f[1] == 'finished' then
+  return 0
+end
+redis.call('HSET', rk, 'cancel', reason)
+if redis.call('ZREM', p .. 'queue', f[2]) == 1 then
+  finish_queued(p, rid, reason, ARGV[4])
+else
+  redis.call('XADD', p .. 'incoming', 'MAXLEN', '~', '10000', '*', 'op', 'cancel', 'id', rid, 'reason', reason)
+end
+return 1
+"""
+
+# The head of the queue with what placement needs of each request.
+_PEEK = """
+local p = ARGV[1]
+local out = {}
+for i, qk in ipairs(redis.call('ZRANGE', p .. 'queue', 0, tonumber(ARGV[2]) - 1)) do
+  local rid = string.sub(qk, 18)
+  local f = redis.call('HMGET', p .. 'req:' .. rid, 'plen', 'maxt', 'prio')
+  out[i] = {qk, f[1] or '0', f[2] or '0', f[3] or '0', redis.call('LLEN', p .. 'out:' .. rid)}
+end
+return out
+"""
+
+# A loop takes queued requests for its executor: each lands on exactly one
+# executor. Nothing is taken for a draining executor.
+_CLAIM = _FENCE + """
+local p, eid = ARGV[2], ARGV[3]
+if redis.call('HGET', p .. 'exec:' .. eid, 'state') == 'draining' then
+  return {}
+end
+local live = p .. 'x:' .. eid .. ':live'
+local out = {}
+for i = 4, #ARGV do
+  if redis.call('ZREM', p .. 'queue', ARGV[i]) == 1 then
+    local rid = string.sub(ARGV[i], 18)
+    local rk = p .. 'req:' .. rid
+    redis.call('HSET', rk, 'executor', eid)
+    redis.call('SADD', live, rid)
+    table.insert(out, {rid, redis.call('HGETALL', rk), redis.call('LRANGE', p .. 'out:' .. rid, 0, -1)})
+  end
+end
+return out
+"""
+
+# An executor is gone: fence its loop, send its requests back to the queue (or
+# finish the cancelled ones), forget its pool, and never lead it again.
+_REAP = _FINISH_QUEUED + """
+local p, eid, now = ARGV[1], ARGV[2], tonumber(ARGV[4])
+local x = p .. 'x:' .. eid .. ':'
+local requeued = 0
+for _, rid in ipairs(redis.call('SMEMBERS', x .. 'live')) do
+  local rk = p .. 'req:' .. rid
+  local f = redis.call('HMGET', rk, 'status', 'cancel', 'qk', 'qs')
+  if f[1] and f[1] ~= 'finished' then
+    if f[2] then
+      finish_queued(p, rid, f[2], ARGV[3])
+    else
+      redis.call('HSET', rk, 'status', 'waiting', 'executor', '', 'blocks', '', 'swap', '')
+      redis.call('ZADD', p .. 'queue', f[4], f[3])
+      requeued = requeued + 1
+    end
+  end
+end
+redis.call('DEL', x .. 'live', x .. 'computed', x .. 'pool', x .. 'counters', x .. 'leader', x .. 'epoch',
+           x .. 'free:0', x .. 'free:1', x .. 'free:2')
+redis.call('HDEL', p .. 'usage', eid)
+redis.call('ZADD', p .. 'evicted', now, eid)
+redis.call('ZREMRANGEBYSCORE', p .. 'evicted', '-inf', now - 86400000)
+redis.call('ZREM', p .. 'executors', eid)
+if requeued > 0 then
+  redis.call('XADD', p .. 'incoming', 'MAXLEN', '~', '10000', '*', 'op', 'requeue', 'id', eid)
+end
+return requeued
+"""
+
 _ACQUIRE = """
+if redis.call('ZSCORE', KEYS[3], ARGV[3]) then
+  return nil
+end
 if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
   return redis.call('INCR', KEYS[2])
 end
@@ -85,288 +207,160 @@ return 0
 """
 
 
-# Redis unreachable or slow: worth retrying (redis-py's errors do not derive from the builtins).
-UNAVAILABLE = (redis_exceptions.ConnectionError, redis_exceptions.TimeoutError, OSError)
-
-
 class Fenced(RuntimeError):
-    """A newer leader holds the lease: this loop must stop writing."""
+    """A newer leader holds this executor's lease, or it was reaped: stop writing."""
 
 
 class DuplicateRequest(ValueError):
     """A live request already has this id."""
 
 
-def _spec_json(req: Request, stop: list[str]) -> str:
-    p = req.params
-    return json.dumps(
-        {
-            "prompt": req.prompt_ids,
-            "priority": req.priority,
-            "stop": stop,
-            "params": {
-                "max_tokens": p.max_tokens,
-                "temperature": p.temperature,
-                "top_p": p.top_p,
-                "top_k": p.top_k,
-                "seed": p.seed,
-                "stop_token_ids": list(p.stop_token_ids),
-                "ignore_eos": p.ignore_eos,
-            },
-        }
-    )
-
-
-def _request_from(request_id: str, fields: dict[str, str], output: list[str], computed: int = 0) -> Request:
-    spec = json.loads(fields["spec"])
-    params = spec["params"]
-    params["stop_token_ids"] = tuple(params["stop_token_ids"])
-    status = fields.get("status", "submitted")
-    return Request(
-        request_id=request_id,
-        prompt_ids=spec["prompt"],
-        params=Params(**params),
-        priority=spec["priority"],
-        arrival=int(fields.get("arrival", 0)),
-        output_ids=[int(t) for t in output],
-        status=Status.WAITING if status == "submitted" else Status(status),
-        num_computed=computed,
-        blocks=[int(b) for b in fields.get("blocks", "").split(",") if b],
-        swap_blocks=[(int(t), int(b)) for t, b in (x.split(":") for x in fields.get("swap", "").split(",") if x)],
-        num_preemptions=int(fields.get("preemptions", 0)),
-    )
-
-
-def _signature(req: Request) -> tuple[object, ...]:
-    """The part of a request's hash that changes only on transitions and new blocks."""
-    return (req.status, len(req.blocks), tuple(req.swap_blocks), req.num_preemptions)
-
-
-def _chunks(cmd: str, key: str, values: list[str]) -> list[list[str]]:
-    return [[cmd, key, *values[i : i + _LUA_ARGS]] for i in range(0, len(values), _LUA_ARGS)]
-
-
 @dataclass(slots=True)
-class Incoming:
+class Op:
+    """An entry of the incoming stream: a doorbell, and for ``cancel`` what to end."""
+
     stream_id: str
-    op: str  # submit | abort | stop
+    op: str  # submit | cancel | requeue
     request_id: str
-
-
-@dataclass(slots=True)
-class Snapshot:
-    meta: dict[str, str]
-    free: tuple[list[int], list[int], list[int]]
-    requests: list[Request]
-    cursor: str
-    counters: dict[str, int]
-
-
-@dataclass(slots=True)
-class Commit:
-    """Everything one step changes, written in one atomic call."""
-
-    blocks: BlockManager
-    touched: dict[str, Request] = field(default_factory=dict)
-    update: StepUpdate | None = None
-    admitted: list[str] = field(default_factory=list)
-    finished: list[Request] = field(default_factory=list)
-    cursor: str | None = None
-    counters: Counters | None = None
-    usage: dict[str, int] | None = None  # queue lengths and free/total blocks per pool
-
-    def record_step(self, sched: Scheduler, out: SchedulerOutput, sampled: dict[str, int]) -> None:
-        """Apply the executor's result to ``sched`` and take in everything the step changed."""
-        self.touched.update(out.touched)
-        self.update = sched.update(out, sampled)
-        self.finished += self.update.finished
-
-    def record_totals(self, sched: Scheduler) -> None:
-        self.counters = sched.counters
-        self.usage = sched.usage()
+    reason: Finish | None = None
 
 
 class RedisStore:
     def __init__(self, client: aioredis.Redis, namespace: str = "pagedserve") -> None:
         self.r = client
-        self.ns = namespace
-        p = "{" + namespace + "}:"
-        self.k_meta, self.k_live, self.k_incoming = p + "meta", p + "live", p + "incoming"
-        self.k_cursor, self.k_events, self.k_counters = p + "cursor", p + "events", p + "counters"
-        self.k_leader, self.k_epoch, self.k_arrival = p + "leader", p + "epoch", p + "arrival"
-        self.k_computed = p + "computed"
-        # What the last commit wrote of each live request's hash, so that a step
-        # rewrites only the requests whose status or block tables changed.
-        self._saved: dict[str, tuple[object, ...]] = {}
-        self._p = p
+        self.keys = Keys(namespace)
         self._apply = client.register_script(_APPLY)
         self._submit = client.register_script(_SUBMIT)
+        self._cancel = client.register_script(_CANCEL)
+        self._peek = client.register_script(_PEEK)
+        self._claim = client.register_script(_CLAIM)
+        self._reap = client.register_script(_REAP)
         self._acquire = client.register_script(_ACQUIRE)
         self._renew = client.register_script(_RENEW)
         self._release = client.register_script(_RELEASE)
 
-    def k_req(self, request_id: str) -> str:
-        return f"{self._p}req:{request_id}"
-
-    def k_out(self, request_id: str) -> str:
-        return f"{self._p}out:{request_id}"
-
-    def k_free(self, tier: int) -> str:
-        return f"{self._p}free:{tier}"
-
     # -- frontends ------------------------------------------------------------
 
-    async def submit(self, req: Request, stop: list[str]) -> int:
-        """Persist a new request and queue it for the loop; returns its arrival number."""
-        rid = req.request_id
+    async def submit(self, req: Request, stop: list[str], policy: str) -> int:
+        """Persist a new request and queue it; returns its arrival number."""
+        k, rid = self.keys, req.request_id
+        score, _ = codec.queue_entry(0, rid, req.priority, policy)
         arrival = await self._submit(
-            keys=[self.k_req(rid), self.k_arrival, self.k_incoming, self.k_out(rid)], args=[rid, _spec_json(req, stop)]
-        )
+            keys=[k.req(rid), k.out(rid), k.arrival, k.queue, k.live, k.incoming],
+            args=[rid, codec.spec_json(req, stop), len(req.prompt_ids), req.params.max_tokens, req.priority,
+                  repr(score)])
         if int(arrival) < 0:
             raise DuplicateRequest(rid)
         return int(arrival)
 
-    async def send(self, op: str, request_id: str) -> None:
-        """Queue an ``abort`` or ``stop`` for the loop."""
-        await self.r.xadd(self.k_incoming, {"op": op, "id": request_id})
-
-    async def is_live(self, request_id: str) -> bool:
-        status = await self.r.hget(self.k_req(request_id), "status")
-        return status is not None and status != Status.FINISHED.value
+    async def cancel(self, request_id: str, reason: Finish) -> bool:
+        """End a request (``abort`` or ``stop``) wherever it is; False if it is not live."""
+        found = await self._cancel(keys=[self.keys.req(request_id)],
+                                   args=[self.keys.prefix, request_id, reason.value, codec.FINISHED_TTL_S])
+        return bool(found)
 
     async def events_tail(self) -> str:
-        last = await self.r.xrevrange(self.k_events, count=1)
+        last = await self.r.xrevrange(self.keys.events, count=1)
         return last[0][0] if last else "0-0"
 
-    async def read_events(self, after: str, block_ms: int) -> list[tuple[str, dict]]:
-        got = await self.r.xread({self.k_events: after}, block=block_ms, count=256)
-        return [(eid, json.loads(fields["d"])) for _, entries in got for eid, fields in entries]
+    async def read_events(self, after: str, block_ms: int) -> list[tuple[str, codec.Event]]:
+        got = await self.r.xread({self.keys.events: after}, block=block_ms, count=256)
+        return [(eid, codec.Event.decode(fields["d"])) for _, entries in got for eid, fields in entries]
 
-    # -- the loop -------------------------------------------------------------
+    async def output(self, request_id: str, start: int, end: int) -> list[int]:
+        """Generated tokens ``[start, end)`` of a request (to fill a gap in its events)."""
+        return [int(t) for t in await self.r.lrange(self.keys.out(request_id), start, end - 1)]
 
-    async def acquire(self, replica: str, ttl_ms: int) -> int | None:
-        epoch = await self._acquire(keys=[self.k_leader, self.k_epoch], args=[replica, ttl_ms])
+    # -- leases ---------------------------------------------------------------
+
+    async def acquire(self, executor: str, replica: str, ttl_ms: int) -> int | None:
+        """Lead ``executor``'s loop: the new fencing epoch, or None if someone leads it or it was reaped."""
+        x = self.keys.executor(executor)
+        epoch = await self._acquire(keys=[x.leader, x.epoch, self.keys.evicted], args=[replica, ttl_ms, executor])
         return None if epoch is None else int(epoch)
 
-    async def renew(self, replica: str, ttl_ms: int) -> bool:
-        return bool(await self._renew(keys=[self.k_leader], args=[replica, ttl_ms]))
+    async def renew(self, executor: str, replica: str, ttl_ms: int) -> bool:
+        return bool(await self._renew(keys=[self.keys.executor(executor).leader], args=[replica, ttl_ms]))
 
-    async def release(self, replica: str) -> None:
-        await self._release(keys=[self.k_leader], args=[replica])
+    async def release(self, executor: str, replica: str) -> None:
+        await self._release(keys=[self.keys.executor(executor).leader], args=[replica])
 
-    async def read_incoming(self, after: str, block_ms: int | None, count: int = 1024) -> list[Incoming]:
-        got = await self.r.xread({self.k_incoming: after}, block=block_ms, count=count)
-        return [Incoming(eid, f["op"], f["id"]) for _, entries in got for eid, f in entries]
+    async def leader(self, executor: str) -> str | None:
+        return await self.r.get(self.keys.executor(executor).leader)
 
-    async def load_submitted(self, ids: list[str]) -> dict[str, Request]:
-        pipe = self.r.pipeline(transaction=False)
-        for rid in ids:
-            pipe.hgetall(self.k_req(rid))
-        found = {}
-        for rid, fields in zip(ids, await pipe.execute()):
-            if fields.get("status") == "submitted":
-                found[rid] = _request_from(rid, fields, [])
-        return found
+    # -- one executor's loop ----------------------------------------------------
 
-    async def load(self) -> Snapshot:
-        pipe = self.r.pipeline(transaction=True)
-        pipe.hgetall(self.k_meta)
-        for tier in TIERS:
-            pipe.smembers(self.k_free(tier))
-        pipe.smembers(self.k_live)
-        pipe.get(self.k_cursor)
-        pipe.hgetall(self.k_counters)
-        pipe.hgetall(self.k_computed)
-        meta, f0, f1, f2, live, cursor, counters, computed = await pipe.execute()
-        pipe = self.r.pipeline(transaction=True)
+    async def load(self, executor: str) -> Snapshot:
+        x = self.keys.executor(executor)
+        raw = await self.r.execute_command("EVAL", _LOAD, 0, x.prefix, **{NEVER_DECODE: True})
+        pool = _text_pairs(raw[0])
+        live = [rid.decode() for rid in raw[4]]
+        computed = _text_pairs(raw[5])
+        totals = [int(n) for n in pool.get("blocks", "0,0,0").split(",")]
+        free = tuple(codec.free_blocks(bitmap, total) for bitmap, total in zip(raw[1:4], totals))
         ids = sorted(live)
+        pipe = self.r.pipeline(transaction=True)
         for rid in ids:
-            pipe.hgetall(self.k_req(rid))
-            pipe.lrange(self.k_out(rid), 0, -1)
+            pipe.hgetall(self.keys.req(rid))
+            pipe.lrange(self.keys.out(rid), 0, -1)
         rows = await pipe.execute()
-        requests = [_request_from(rid, rows[2 * i], rows[2 * i + 1], int(computed.get(rid, 0)))
-                    for i, rid in enumerate(ids)]
-        self._saved = {r.request_id: _signature(r) for r in requests}
-        return Snapshot(
-            meta=meta,
-            free=tuple(sorted(int(b) for b in f) for f in (f0, f1, f2)),  # type: ignore[arg-type]
-            requests=requests,
-            cursor=cursor or "0-0",
-            counters={k: int(v) for k, v in counters.items()},
-        )
+        requests = []
+        for i, rid in enumerate(ids):
+            fields, out = rows[2 * i], rows[2 * i + 1]
+            if fields.get("status", "finished") != "finished":
+                requests.append((codec.request_from(rid, fields, out, int(computed.get(rid, 0))),
+                                 codec.cancel_of(fields)))
+        return Snapshot(pool, free, requests)
 
-    async def apply(self, epoch: int, ops: list[list[str]]) -> None:
+    async def tail_incoming(self) -> str:
+        last = await self.r.xrevrange(self.keys.incoming, count=1)
+        return last[0][0] if last else "0-0"
+
+    async def read_incoming(self, after: str, block_ms: int | None) -> tuple[list[Op], int]:
+        """Doorbell entries after ``after`` (waiting up to ``block_ms`` for one), and the queue's length."""
+        pipe = self.r.pipeline(transaction=False)
+        pipe.xread({self.keys.incoming: after}, block=block_ms, count=1024)
+        pipe.zcard(self.keys.queue)
+        got, queued = await pipe.execute()
+        return [Op(eid, f["op"], f["id"], Finish(f["reason"]) if f.get("reason") else None)
+                for _, entries in got or [] for eid, f in entries], int(queued)
+
+    async def look(self, depth: int) -> tuple[list[Candidate], dict[str, PoolView]]:
+        """The queue's head and every pool's published view, in one round trip."""
+        pipe = self.r.pipeline(transaction=False)
+        await self._peek(keys=[self.keys.queue], args=[self.keys.prefix, depth], client=pipe)  # queues it
+        pipe.hgetall(self.keys.usage)
+        rows, usage = await pipe.execute()
+        return [codec.candidate_from(r) for r in rows], {e: codec.view_from(e, v) for e, v in usage.items()}
+
+    async def claim(self, executor: str, epoch: int, queue_keys: list[str]) -> list[tuple[Request, Finish | None]]:
+        """Take these queued requests for ``executor``; returns those it got, as loaded."""
         try:
-            await self._apply(keys=[self.k_epoch], args=[str(epoch), json.dumps(ops)])
+            rows = await self._claim(keys=[self.keys.executor(executor).epoch],
+                                     args=[str(epoch), self.keys.prefix, executor, *queue_keys])
         except redis_exceptions.ResponseError as exc:
-            if "FENCED" in str(exc):
-                raise Fenced(str(exc)) from exc
-            raise
+            raise _fenced(exc) from exc
+        out = []
+        for rid, flat, output in rows:
+            fields = dict(zip(flat[::2], flat[1::2]))
+            out.append((codec.request_from(rid, fields, output), codec.cancel_of(fields)))
+        return out
 
-    def reset_ops(self, meta: dict[str, str], totals: tuple[int, int, int], requests: list[Request]) -> list[list[str]]:
-        """Ops that bind the state to a new executor: every pool free, every live request recomputes."""
-        ops: list[list[str]] = [["DEL", self.k_meta], ["HSET", self.k_meta, *[x for kv in meta.items() for x in kv]]]
-        for tier, total in zip(TIERS, totals):
-            ops.append(["DEL", self.k_free(tier)])
-            ops += _chunks("SADD", self.k_free(tier), [str(b) for b in range(total)])
-        ops.append(["DEL", self.k_computed])
-        for req in requests:
-            ops.append(["HSET", self.k_req(req.request_id), "status", Status.WAITING.value, "blocks", "", "swap", ""])
-            self._saved.pop(req.request_id, None)
-        return ops
+    async def apply(self, executor: str, epoch: int, ops: list[list[str]]) -> None:
+        try:
+            await self._apply(keys=[self.keys.executor(executor).epoch], args=[str(epoch), json.dumps(ops)])
+        except redis_exceptions.ResponseError as exc:
+            raise _fenced(exc) from exc
 
-    def commit_ops(self, c: Commit) -> list[list[str]]:
-        ops: list[list[str]] = []
-        for tier, changed in zip(TIERS, c.blocks.take_changes()):
-            if not changed:
-                continue
-            freed = [str(b) for b in changed if c.blocks.is_free(tier, b)]
-            owned = [str(b) for b in changed if not c.blocks.is_free(tier, b)]
-            ops += _chunks("SADD", self.k_free(tier), freed) + _chunks("SREM", self.k_free(tier), owned)
-        if c.admitted:
-            ops += _chunks("SADD", self.k_live, c.admitted)
-        computed: list[str] = []
-        for rid, req in c.touched.items():
-            if req.status == Status.FINISHED:
-                continue
-            computed += (rid, str(req.num_computed))
-            sig = _signature(req)
-            if self._saved.get(rid) == sig:
-                continue
-            self._saved[rid] = sig
-            ops.append([
-                "HSET", self.k_req(rid),
-                "status", req.status.value,
-                "blocks", ",".join(map(str, req.blocks)),
-                "swap", ",".join(f"{t}:{b}" for t, b in req.swap_blocks),
-                "preemptions", str(req.num_preemptions),
-            ])  # fmt: skip
-        if computed:
-            ops += _chunks("HSET", self.k_computed, computed)
-        events: dict[str, object] = {}
-        if c.update is not None:
-            for rid, tokens in c.update.new_tokens.items():
-                ops.append(["RPUSH", self.k_out(rid), *map(str, tokens)])
-            events["t"] = c.update.new_tokens
-        if c.finished:
-            for req in c.finished:
-                rid = req.request_id
-                reason = (req.finish_reason or Finish.ABORT).value
-                ops.append(["HSET", self.k_req(rid), "status", Status.FINISHED.value, "finish_reason", reason,
-                            "blocks", "", "swap", ""])
-                ops.append(["HDEL", self.k_computed, rid])
-                ops.append(["SREM", self.k_live, rid])
-                self._saved.pop(rid, None)
-                ops.append(["EXPIRE", self.k_req(rid), str(FINISHED_TTL_S)])
-                ops.append(["EXPIRE", self.k_out(rid), str(FINISHED_TTL_S)])
-            events["f"] = {r.request_id: [(r.finish_reason or Finish.ABORT).value, len(r.prompt_ids),
-                                          len(r.output_ids)] for r in c.finished}
-        if events.get("t") or events.get("f"):
-            ops.append(["XADD", self.k_events, "MAXLEN", "~", "100000", "*", "d", json.dumps(events)])
-        if c.cursor is not None:
-            ops.append(["SET", self.k_cursor, c.cursor])
-            ops.append(["XTRIM", self.k_incoming, "MINID", c.cursor])
-        if c.counters is not None:
-            values = {**c.counters.as_dict(), **(c.usage or {})}
-            ops.append(["HSET", self.k_counters, *[x for k, v in values.items() for x in (k, str(v))]])
-        return ops
+    async def reap(self, executor: str) -> int:
+        """Forget a dead executor; returns how many of its requests went back to the queue."""
+        return int(await self._reap(keys=[self.keys.evicted],
+                                    args=[self.keys.prefix, executor, codec.FINISHED_TTL_S, now_ms()]))
+
+
+def _text_pairs(flat: list[bytes]) -> dict[str, str]:
+    return {k.decode(): v.decode() for k, v in zip(flat[::2], flat[1::2])}
+
+
+def _fenced(exc: redis_exceptions.ResponseError) -> Exception:
+    return Fenced(str(exc)) if "FENCED" in str(exc) else exc

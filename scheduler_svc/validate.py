@@ -16,15 +16,19 @@ class InvalidArgument(ValueError):
 
 
 class OverCapacity(RuntimeError):
-    """Maps to RESOURCE_EXHAUSTED: the request can never fit in the KV pool."""
+    """Maps to RESOURCE_EXHAUSTED: the request can never fit in any executor's KV pool."""
+
+
+class Unavailable(RuntimeError):
+    """Maps to UNAVAILABLE: no executor has registered yet, so nothing can be checked or served."""
 
 
 @dataclass(frozen=True, slots=True)
 class Limits:
-    max_model_len: int
+    max_model_len: int  # the longest context any executor takes
     vocab_size: int
     block_size: int
-    num_blocks: int
+    pools: tuple[tuple[int, int], ...]  # per executor: (device blocks, max_model_len)
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,9 +91,10 @@ def check_length(kind: str, num_prompt: int, params: Params, limits: Limits) -> 
         raise InvalidArgument(
             f"{kind}: {num_prompt} tokens, but the model's context is {limits.max_model_len} tokens"
         )
-    total = min(num_prompt + params.max_tokens, limits.max_model_len)
-    need = -(-total // limits.block_size)
-    if need > limits.num_blocks:
-        raise OverCapacity(
-            f"prompt + sampling.max_tokens need {need} KV blocks; the whole pool has {limits.num_blocks}"
-        )
+    def need(max_len: int) -> int:
+        return -(-min(num_prompt + params.max_tokens, max_len) // limits.block_size)
+
+    if not any(need(max_len) <= blocks and num_prompt < max_len for blocks, max_len in limits.pools):
+        largest = max(blocks for blocks, _ in limits.pools)
+        raise OverCapacity(f"prompt + sampling.max_tokens need {need(limits.max_model_len)} KV blocks; the largest "
+                           f"executor pool has {largest}")

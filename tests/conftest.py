@@ -12,7 +12,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import redis
 import torch
 
 from executor_svc.model_store import resolve_model
@@ -31,14 +30,6 @@ def redis_url() -> Iterator[str]:
     server = RedisServer()
     yield server.url
     server.stop()
-
-
-@pytest.fixture()
-def redis_client(redis_url: str) -> Iterator[redis.Redis]:
-    client = redis.Redis.from_url(redis_url, decode_responses=True)
-    client.flushdb()
-    yield client
-    client.close()
 
 
 @pytest.fixture(scope="session")
@@ -80,8 +71,7 @@ def tiny_qwen2(tmp_path_factory: pytest.TempPathFactory, smol_dir: Path) -> Path
 
 def make_cluster(model: Path, redis_url: str, namespace: str, tmp: Path, **kw: object) -> Cluster:
     """A real deployment on a shared redis-server, isolated by key namespace."""
-    scheduler_args = ["--namespace", namespace, *kw.pop("scheduler_args", [])]  # type: ignore[misc]
-    return Cluster(str(model), redis_url=redis_url, scheduler_args=scheduler_args, log_dir=tmp, **kw)  # type: ignore[arg-type]
+    return Cluster(str(model), redis_url=redis_url, namespace=namespace, log_dir=tmp, **kw)  # type: ignore[arg-type]
 
 
 @pytest.fixture(scope="module")

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from dataclasses import dataclass, field
 
 import grpc
 import redis
 
+from pagedserve.keys import Keys
 from pagedserve.rpc import CHANNEL_OPTIONS
+from pagedserve.tiers import TIERS
 from pagedserve.v1 import generation_pb2 as pb
 from pagedserve.v1 import generation_pb2_grpc as pb_grpc
 
@@ -59,20 +62,36 @@ def greedy(ids: list[int], max_tokens: int, **kw: object) -> pb.GenerateRequest:
     )
 
 
-def pool_state(client: redis.Redis, namespace: str) -> tuple[list[int], list[int]]:
-    """(free, total) block counts per tier as recorded in Redis."""
-    p = "{" + namespace + "}:"
-    totals = [int(x) for x in client.hget(p + "meta", "blocks").split(",")]
-    free = [client.scard(f"{p}free:{t}") for t in range(3)]
-    return free, totals
+def executors(client: redis.Redis, namespace: str) -> list[str]:
+    """Instance ids of the executors whose pools the loops publish."""
+    return sorted(client.hkeys(Keys(namespace).usage))
+
+
+def pool_state(client: redis.Redis, namespace: str, executor: str) -> tuple[list[int], list[int]]:
+    """(free, total) block counts per tier of one executor's pool, as its free bitmaps in Redis say."""
+    x = Keys(namespace).executor(executor)
+    totals = [int(n) for n in client.hget(x.pool, "blocks").split(",")]
+    return [client.bitcount(x.free(t)) for t in TIERS], totals
+
+
+def usage(client: redis.Redis, namespace: str, executor: str) -> dict:
+    """The view of one pool its loop last published."""
+    return json.loads(client.hget(Keys(namespace).usage, executor))
+
+
+def counters(client: redis.Redis, namespace: str) -> dict[str, int]:
+    """Namespace totals: preemptions, swapped blocks, steps."""
+    return {k: int(v) for k, v in client.hgetall(Keys(namespace).counters).items()}
 
 
 def wait_all_free(client: redis.Redis, namespace: str, timeout: float = 30) -> tuple[list[int], list[int]]:
-    """Poll until no request is live and every block is free; returns the last state."""
+    """Poll until no request is live and every pool is free; returns (free, total) summed over executors."""
+    keys = Keys(namespace)
     deadline = time.monotonic() + timeout
     while True:
-        free, totals = pool_state(client, namespace)
-        live = client.scard("{" + namespace + "}:live")
-        if (free == totals and live == 0) or time.monotonic() > deadline:
+        states = [pool_state(client, namespace, e) for e in executors(client, namespace)]
+        free = [sum(f[t] for f, _ in states) for t in TIERS]
+        totals = [sum(n[t] for _, n in states) for t in TIERS]
+        if (states and free == totals and client.scard(keys.live) == 0) or time.monotonic() > deadline:
             return free, totals
         time.sleep(0.1)

@@ -13,6 +13,7 @@ import pytest
 import redis
 from transformers import AutoTokenizer
 
+from pagedserve.keys import Keys
 from pagedserve.launch import Cluster
 from pagedserve.rpc import CHANNEL_OPTIONS
 from pagedserve.v1 import generation_pb2 as pb
@@ -112,12 +113,12 @@ def test_client_cancellation_frees_blocks(tiny_cluster: Cluster, rclient) -> Non
                 break
             call.cancel()
             # The request was live when the client left.
-            assert rclient.scard("{tiny}:live") >= 1
+            assert rclient.scard(Keys(NS).live) >= 1
 
     asyncio.run(go())
     free, totals = wait_all_free(rclient, NS)
     assert free == totals
-    assert rclient.scard("{tiny}:live") == 0
+    assert rclient.scard(Keys(NS).live) == 0
 
 
 def test_seeded_sampling_is_reproducible(tiny_cluster: Cluster) -> None:

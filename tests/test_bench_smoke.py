@@ -46,6 +46,8 @@ def test_harness_writes_report(tiny_model: Path, tmp_path: Path, capsys: pytest.
         "--num-requests", "4", "--scale", "0.05", "--max-total-len", "48", "--kv-budget-tokens", "256",
         "--overhead-running", "2", "--overhead-waiting", "0", "4", "--overhead-window", "0.5",
         "--preemption-lengths", "16", "32",
+        "--scale-out-executors", "1", "2", "--scale-out-running", "4", "--scale-out-window", "1",
+        "--kv-spread-budget-tokens", "256", "--kv-spread-requests", "32",
     ])
     assert rc == 0
     assert capsys.readouterr().out.strip().splitlines()[-1] == str(out.resolve())
@@ -61,7 +63,16 @@ def test_harness_writes_report(tiny_model: Path, tmp_path: Path, capsys: pytest.
         assert {"p50", "p90", "p99"} <= set(arm["ttft_ms"]) and {"p50", "p90", "p99"} <= set(arm["e2e_ms"])
     assert {p["waiting"] for p in summary["overhead_sweep"]} == {0, 4}
     assert [p["tokens"] for p in summary["preemption"]] == [16, 32]
-    assert len(summary["targets"]) == 5
+    assert [p["executors"] for p in summary["scale_out"]] == [1, 2]
+    for point in summary["scale_out"]:
+        assert len(point["duty_cycles"]) == point["executors"] and point["loops_per_replica"] != []
+        figures = [point[k] for k in ("steps_per_s", "tokens_per_s", "mean_duty", "machine_busy")]
+        assert all(isinstance(v, int | float) and math.isfinite(v) for v in [*figures, *point["duty_cycles"]])
+        assert {"client", "frontends", "loops", "stubs", "redis", "other"} <= set(point["cpu_cores"])
+    assert {"scale_out_efficiency_4", "scale_out_efficiency_8"} <= set(summary)  # null: 4 and 8 not run here
+    spread = summary["kv_usage_spread"]
+    assert spread["executors"] == 2 and all(isinstance(spread[k], float) for k in ("mean", "max"))
+    assert len(summary["targets"]) == 6
 
     report = (out / "report.md").read_text()
     assert "## Targets" in report

@@ -1,49 +1,77 @@
-"""Property test of the Redis-backed scheduler state (real redis-server).
+"""Property test of the Redis-backed scheduler state over several executors (real redis-server).
 
-Hypothesis drives random submit / step / abort / stop / restart sequences
-through the real store and the loop's own intake and restore code; the
-executor is played by a function that returns token 7 for every sampled
-sequence (it isolates state keeping from the model). After every commit the
-state is read back from Redis and checked: no block owned twice, none leaked,
-free + used = total on the device, CPU and disk pools, and block tables
-consistent with token counts.
+Hypothesis drives random sequences of submits, loop steps on any executor,
+cancellations, executors joining, leaving (reaped as when their step fails),
+draining (their requests moved elsewhere) and loops restarting, all through
+the real store, the real ``Loop`` code and the real Lua scripts. Each executor
+is played by a stub that returns token 7 for every sampled sequence: it
+isolates state keeping from the model. After every rule the state is read
+back from Redis and checked, pool by pool: no block owned twice, none leaked,
+free + used = total on every tier, block tables consistent with token counts;
+and request by request: each live request is in the queue or on exactly one
+executor, and a reaped executor leaves nothing behind.
 """
 
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 import redis.asyncio as aioredis
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from scheduler_svc.core.blocks import TIERS, blocks_needed
-from scheduler_svc.core.request import Params, Request, Status
+from pagedserve.executor.v1 import executor_pb2 as epb
+from pagedserve.members import DRAINING, Member
+from pagedserve.tiers import TIERS
+from scheduler_svc import codec
+from scheduler_svc.core.blocks import blocks_needed
+from scheduler_svc.core.request import Finish, Params, Request, Status
 from scheduler_svc.core.scheduler import SchedulerConfig
 from scheduler_svc.loop import Loop
-from scheduler_svc.store import Commit, RedisStore
-from pagedserve.executor.v1 import executor_pb2 as epb
+from scheduler_svc.store import RedisStore
 
 BLOCK = 4
-TOTALS = (10, 3, 5)
+SIZES = [(10, 3, 5), (6, 0, 0), (14, 4, 0)]  # device, CPU, disk blocks of the executors that join, in turn
+NS = "prop"
 
 
-class SchedulerState(RuleBasedStateMachine):
+class EchoExecutor:
+    """Stands in for executor_svc: every sampled sequence gets token 7 (never EOS)."""
+
+    def __init__(self, info: epb.InfoResponse) -> None:
+        self.info = info
+
+    async def Step(self, plan: epb.StepPlan, timeout: float | None = None) -> epb.StepResult:
+        return epb.StepResult(step_id=plan.step_id, outputs=[epb.SeqOutput(request_id=s.request_id, token_id=7)
+                                                             for s in plan.seqs if s.sample])
+
+    async def Info(self, request: epb.InfoRequest, timeout: float | None = None) -> epb.InfoResponse:
+        return self.info
+
+
+class ClusterState(RuleBasedStateMachine):
     redis_url = ""
 
     def __init__(self) -> None:
         super().__init__()
         self.aio = asyncio.new_event_loop()
         self.client = aioredis.from_url(self.redis_url, decode_responses=True)
-        self.store = RedisStore(self.client, "prop")
-        self.run(self.client.flushdb())
-        self.info = epb.InfoResponse(block_size=BLOCK, num_gpu_blocks=TOTALS[0], num_cpu_blocks=TOTALS[1],
-                                     num_disk_blocks=TOTALS[2], max_model_len=64, eos_token_ids=[2],
-                                     instance_id="exec-1")
-        self.epoch = 0
+        self.store = RedisStore(self.client, NS)
+        self.keys = self.store.keys
+        self.run(self._wipe())
+        self.members: dict[str, Member] = {}
+        self.loops: dict[str, Loop] = {}
+        self.totals: dict[str, tuple[int, int, int]] = {}
+        self.reaped: list[str] = []
+        self.joined = 0
         self.next_id = 0
-        self.cursor = "0-0"
+
+    async def _wipe(self) -> None:
+        """A clean namespace for each example (the redis-server is shared with other tests)."""
+        async for key in self.client.scan_iter(match=self.keys.prefix.replace("{", "\\{").replace("}", "\\}") + "*"):
+            await self.client.delete(key)
 
     def run(self, coro):  # noqa: ANN001, ANN201
         return self.aio.run_until_complete(coro)
@@ -52,28 +80,33 @@ class SchedulerState(RuleBasedStateMachine):
         self.run(self.client.aclose())
         self.aio.close()
 
+    def lead(self, eid: str) -> None:
+        """A (new) loop takes the executor's lease and restores from Redis."""
+        self.run(self.client.delete(self.keys.executor(eid).leader))
+        epoch = self.run(self.store.acquire(eid, "test", 60_000))
+        d, c, k = self.totals[eid]
+        info = epb.InfoResponse(instance_id=eid, block_size=BLOCK, num_gpu_blocks=d, num_cpu_blocks=c,
+                                num_disk_blocks=k, max_model_len=64, eos_token_ids=[2])
+        loop = Loop(self.store, info, EchoExecutor(info), self.config, epoch, lambda: self.members.get(eid))
+        loop.idle_block_ms = None
+        self.run(loop.start())
+        self.loops[eid] = loop
+
     @initialize(policy=st.sampled_from(["fcfs", "priority"]), mode=st.sampled_from(["swap", "recompute"]),
                 budget=st.integers(4, 24))
     def start(self, policy: str, mode: str, budget: int) -> None:
-        config = SchedulerConfig(max_model_len=64, max_num_seqs=6, max_num_batched_tokens=budget, policy=policy,
-                                 preemption_mode=mode, watermark=0.0)
-        self.loop = Loop(self.store, executor=None, config=config, replica="test")  # type: ignore[arg-type]
-        self.restart()
+        self.config = SchedulerConfig(max_model_len=64, max_num_seqs=6, max_num_batched_tokens=budget,
+                                      policy=policy, preemption_mode=mode, watermark=0.0)
+        self.join()
 
-    def restart(self) -> None:
-        self.epoch = self.run(self.store.acquire("test", 60_000)) or self.epoch
-        self.sched, self.cursor = self.run(self.loop._restore(self.info, self.epoch))
-
-    def commit(self, c: Commit) -> None:
-        self.run(self.store.apply(self.epoch, self.store.commit_ops(c)))
-
-    def intake(self) -> None:
-        items = self.run(self.store.read_incoming(self.cursor, None))
-        c = Commit(blocks=self.sched.blocks)
-        if items:
-            self.run(self.loop._intake(self.sched, items, c))
-            self.cursor = c.cursor = items[-1].stream_id
-        self.commit(c)
+    @precondition(lambda self: self.joined < len(SIZES))
+    @rule()
+    def join(self) -> None:
+        eid = f"exec-{self.joined}"
+        self.totals[eid] = SIZES[self.joined]
+        self.joined += 1
+        self.members[eid] = Member(eid, "stub", "m", "digest", "float32", BLOCK, self.totals[eid], 64)
+        self.lead(eid)
 
     @rule(prompt=st.integers(1, 20), max_tokens=st.integers(1, 20), priority=st.integers(0, 3))
     def submit(self, prompt: int, max_tokens: int, priority: int) -> None:
@@ -81,63 +114,109 @@ class SchedulerState(RuleBasedStateMachine):
         self.next_id += 1
         req = Request(rid, list(range(3, 3 + prompt)), Params(max_tokens=max_tokens, temperature=0.0),
                       priority=priority)
-        self.run(self.store.submit(req, []))
-        self.intake()
+        self.run(self.store.submit(req, [], self.config.policy))
 
-    @rule()
-    def step(self) -> None:
-        out = self.sched.schedule()
-        c = Commit(blocks=self.sched.blocks)
-        c.record_step(self.sched, out, {x.req.request_id: 7 for x in out.scheduled if x.samples})
-        c.record_totals(self.sched)
-        self.commit(c)
+    @precondition(lambda self: bool(self.loops))
+    @rule(data=st.data())
+    def step(self, data: st.DataObject) -> None:
+        eid = data.draw(st.sampled_from(sorted(self.loops)))
+        assert self.run(self.loops[eid].iterate())
 
-    @precondition(lambda self: bool(self.sched.requests))
-    @rule(data=st.data(), op=st.sampled_from(["abort", "stop"]))
-    def end(self, data: st.DataObject, op: str) -> None:
-        rid = data.draw(st.sampled_from(sorted(self.sched.requests)))
-        self.run(self.store.send(op, rid))
-        self.intake()
+    @rule(data=st.data(), reason=st.sampled_from([Finish.ABORT, Finish.STOP]))
+    def cancel(self, data: st.DataObject, reason: Finish) -> None:
+        live = sorted(self.run(self.client.smembers(self.keys.live)))
+        if live:
+            assert self.run(self.store.cancel(data.draw(st.sampled_from(live)), reason))
 
-    @rule()
-    def scheduler_restarts(self) -> None:
-        """A new leader rebuilds everything from Redis alone."""
-        before = {r.request_id: (r.status, r.num_computed, list(r.blocks), list(r.swap_blocks), list(r.output_ids))
-                  for r in self.sched.requests.values()}
-        self.restart()
-        after = {r.request_id: (r.status, r.num_computed, list(r.blocks), list(r.swap_blocks), list(r.output_ids))
-                 for r in self.sched.requests.values()}
-        assert after == before
+    @precondition(lambda self: bool(self.loops))
+    @rule(data=st.data())
+    def loop_restarts(self, data: st.DataObject) -> None:
+        """A new leader rebuilds the executor's scheduler from Redis alone (and applies cancellations
+        its predecessor had not read yet)."""
+        eid = data.draw(st.sampled_from(sorted(self.loops)))
+        before = _state(self.loops[eid])
+        cancelled = {rid for rid in before if self.run(self.client.hget(self.keys.req(rid), "cancel"))}
+        self.lead(eid)
+        assert _state(self.loops[eid]) == {rid: v for rid, v in before.items() if rid not in cancelled}
+
+    @precondition(lambda self: bool(self.loops))
+    @rule(data=st.data())
+    def executor_lost(self, data: st.DataObject) -> None:
+        eid = data.draw(st.sampled_from(sorted(self.loops)))
+        held = set(self.loops[eid].s.sched.requests)
+        self.run(self.store.reap(eid))
+        del self.loops[eid], self.members[eid]
+        self.reaped.append(eid)
+        queued = {codec.request_id_of(k) for k in self.run(self.client.zrange(self.keys.queue, 0, -1))}
+        live = self.run(self.client.smembers(self.keys.live))
+        assert held & live <= queued, "the lost executor's unfinished requests are back in the queue"
+
+    @precondition(lambda self: bool(self.loops))
+    @rule(data=st.data())
+    def executor_drains(self, data: st.DataObject) -> None:
+        """Draining past its deadline: the next step moves everything to the queue; it takes nothing new."""
+        eid = data.draw(st.sampled_from(sorted(self.loops)))
+        self.members[eid] = replace(self.members[eid], state=DRAINING, evacuate_at_ms=1)
+        self.run(self.client.hset(self.keys.member(eid), "state", DRAINING))
+        self.run(self.loops[eid].iterate())
+        assert not self.loops[eid].s.sched.requests
+        assert not self.run(self.client.smembers(self.keys.executor(eid).live))
+        self.run(self.store.reap(eid))  # it exits; the membership record expires
+        del self.loops[eid], self.members[eid]
+        self.reaped.append(eid)
 
     @invariant()
     def redis_state_is_consistent(self) -> None:
-        if not hasattr(self, "sched"):
+        if not hasattr(self, "config"):
             return
-        snap = self.run(self.store.load())
-        owned: list[list[int]] = [[], [], []]
-        for r in snap.requests:
-            owned[0] += r.blocks
-            for tier, b in r.swap_blocks:
-                owned[tier].append(b)
-            if r.status == Status.RUNNING:
-                assert len(r.blocks) == blocks_needed(r.num_computed, BLOCK), r
-                assert not r.swap_blocks
-            elif r.status == Status.SWAPPED:
-                assert len(r.swap_blocks) == blocks_needed(r.num_computed, BLOCK) and not r.blocks, r
-            else:
-                assert r.status == Status.WAITING and not r.blocks and not r.swap_blocks, r
-            assert r.num_computed <= r.num_tokens
-            assert len(r.output_ids) <= r.params.max_tokens
-        for tier in TIERS:
-            assert len(owned[tier]) == len(set(owned[tier])), f"tier {tier}: a block is owned twice"
-            assert not set(owned[tier]) & set(snap.free[tier]), f"tier {tier}: an owned block is free"
-            assert len(owned[tier]) + len(snap.free[tier]) == TOTALS[tier], f"tier {tier}: blocks leaked"
-        assert {r.request_id for r in snap.requests} == set(self.sched.requests)
+        queued = {codec.request_id_of(k) for k in self.run(self.client.zrange(self.keys.queue, 0, -1))}
+        placed: dict[str, str] = {}
+        for eid, loop in self.loops.items():
+            snap = self.run(self.store.load(eid))
+            _check_pool(snap, self.totals[eid])
+            for r, _ in snap.requests:
+                assert r.request_id not in placed and r.request_id not in queued, f"{r.request_id} is in two places"
+                placed[r.request_id] = eid
+            assert {r.request_id for r, _ in snap.requests} == set(loop.s.sched.requests)
+        live = self.run(self.client.smembers(self.keys.live))
+        assert live == queued | set(placed), "every live request is queued or placed, and nothing else is"
+        for rid in queued:
+            fields = self.run(self.client.hgetall(self.keys.req(rid)))
+            assert fields["status"] == Status.WAITING and fields["executor"] == "", (rid, fields)
+        for rid, eid in placed.items():
+            assert self.run(self.client.hget(self.keys.req(rid), "executor")) == eid
+        for eid in self.reaped:
+            assert not any(self.run(self.client.exists(k)) for k in self.keys.executor(eid).all()), f"{eid} left state"
+
+
+def _state(loop: Loop) -> dict:
+    return {r.request_id: (r.status, r.num_computed, list(r.blocks), list(r.swap_blocks), list(r.output_ids))
+            for r in loop.s.sched.requests.values()}
+
+
+def _check_pool(snap, totals: tuple[int, int, int]) -> None:  # noqa: ANN001
+    owned: list[list[int]] = [[], [], []]
+    for r, _ in snap.requests:
+        owned[0] += r.blocks
+        for tier, b in r.swap_blocks:
+            owned[tier].append(b)
+        if r.status == Status.RUNNING:
+            assert len(r.blocks) == blocks_needed(r.num_computed, BLOCK), r
+            assert not r.swap_blocks
+        else:
+            assert r.status == Status.SWAPPED, f"{r.request_id} is {r.status} while placed"
+            assert len(r.swap_blocks) == blocks_needed(r.num_computed, BLOCK) and not r.blocks, r
+        assert r.num_computed <= r.num_tokens
+        assert len(r.output_ids) <= r.params.max_tokens
+    for tier in TIERS:
+        assert len(owned[tier]) == len(set(owned[tier])), f"tier {tier}: a block is owned twice"
+        assert not set(owned[tier]) & set(snap.free[tier]), f"tier {tier}: an owned block is free"
+        assert len(owned[tier]) + len(snap.free[tier]) == totals[tier], f"tier {tier}: blocks leaked"
 
 
 def test_redis_state_machine(redis_url: str) -> None:
-    SchedulerState.redis_url = redis_url
-    run = SchedulerState.TestCase
+    ClusterState.redis_url = redis_url
+    run = ClusterState.TestCase
     run.settings = settings(max_examples=60, stateful_step_count=40, deadline=None,
                             suppress_health_check=list(HealthCheck))
     run().runTest()

@@ -9,11 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pagedserve.tiers import TIERS, Tier
 from scheduler_svc.core.request import Request
 
-DEVICE, CPU, DISK = 0, 1, 2
-TIERS = (DEVICE, CPU, DISK)
-TIER_NAMES = ("device", "cpu", "disk")
+DEVICE, CPU, DISK = Tier.DEVICE, Tier.CPU, Tier.DISK
 
 
 def blocks_needed(num_tokens: int, block_size: int) -> int:
@@ -24,9 +23,9 @@ def blocks_needed(num_tokens: int, block_size: int) -> int:
 class Move:
     """One block copied from ``(src_tier, src)`` to ``(dst_tier, dst)``."""
 
-    src_tier: int
+    src_tier: Tier
     src: int
-    dst_tier: int
+    dst_tier: Tier
     dst: int
 
 
@@ -55,21 +54,21 @@ class BlockManager:
         self.changed: tuple[set[int], set[int], set[int]] = (set(), set(), set())
         # Sources of swaps in the current plan: owned by no request, reusable only
         # once the executor has reported the copies done (``release_pending``).
-        self.pending: list[tuple[int, int]] = []
+        self.pending: list[tuple[Tier, int]] = []
 
     # -- queries --------------------------------------------------------------
 
-    def num_free(self, tier: int = DEVICE) -> int:
+    def num_free(self, tier: Tier = DEVICE) -> int:
         return len(self.pools[tier].free)
 
-    def num_free_soon(self, tier: int = DEVICE) -> int:
+    def num_free_soon(self, tier: Tier = DEVICE) -> int:
         """Free now, plus sources of this plan's swaps that come free after the step."""
         return self.num_free(tier) + sum(1 for t, _ in self.pending if t == tier)
 
-    def total(self, tier: int = DEVICE) -> int:
+    def total(self, tier: Tier = DEVICE) -> int:
         return self.pools[tier].total
 
-    def is_free(self, tier: int, block: int) -> bool:
+    def is_free(self, tier: Tier, block: int) -> bool:
         return bool(self.pools[tier].is_free[block])
 
     def needed(self, req: Request, num_new: int) -> int:
@@ -88,7 +87,7 @@ class BlockManager:
 
     # -- transitions ----------------------------------------------------------
 
-    def _take(self, tier: int, n: int) -> list[int]:
+    def _take(self, tier: Tier, n: int) -> list[int]:
         pool = self.pools[tier]
         taken = [pool.free.pop() for _ in range(n)]
         for b in taken:
@@ -96,11 +95,11 @@ class BlockManager:
         self.changed[tier].update(taken)
         return taken
 
-    def _give(self, tier: int, blocks: list[int]) -> None:
+    def _give(self, tier: Tier, blocks: list[int]) -> None:
         pool = self.pools[tier]
         for b in blocks:
             if pool.is_free[b]:
-                raise AssertionError(f"{TIER_NAMES[tier]} block {b} freed twice")
+                raise AssertionError(f"{Tier(tier).label} block {b} freed twice")
             pool.is_free[b] = 1
         pool.free.extend(blocks)
         self.changed[tier].update(blocks)
@@ -152,6 +151,9 @@ class BlockManager:
         pending, self.pending = self.pending, []
         for tier in TIERS:
             self._give(tier, [b for t, b in pending if t == tier])
+
+    def used(self, tier: Tier = DEVICE) -> int:
+        return self.total(tier) - self.num_free(tier)
 
     def take_changes(self) -> tuple[set[int], set[int], set[int]]:
         """Blocks whose free/owned state may have changed since the last call."""

@@ -54,29 +54,35 @@ class FCFSQueue:
 
 
 class PriorityQueue:
-    """A heap with lazy deletion: ``remove`` is O(1), stale entries are skipped."""
+    """A heap with lazy deletion: ``remove`` is O(1), stale entries are skipped.
+
+    Entries carry a push counter: a request removed and added again (requeued,
+    then claimed back) leaves a stale entry with the same key, and the heap
+    must never fall through to comparing requests."""
 
     def __init__(self) -> None:
-        self._heap: list[tuple[tuple[int, int, str], Request]] = []
+        self._heap: list[tuple[tuple[int, int, str], int, Request]] = []
         self._live: dict[str, Request] = {}
+        self._pushes = 0
 
     def add(self, req: Request) -> None:
         self._live[req.request_id] = req
-        heapq.heappush(self._heap, (req.order_key, req))
+        self._pushes += 1
+        heapq.heappush(self._heap, (req.order_key, self._pushes, req))
 
     prepend = add  # order comes from the key alone
 
     def _settle(self) -> None:
-        while self._heap and self._live.get(self._heap[0][1].request_id) is not self._heap[0][1]:
+        while self._heap and self._live.get(self._heap[0][2].request_id) is not self._heap[0][2]:
             heapq.heappop(self._heap)
 
     def peek(self) -> Request | None:
         self._settle()
-        return self._heap[0][1] if self._heap else None
+        return self._heap[0][2] if self._heap else None
 
     def pop(self) -> Request:
         self._settle()
-        _, req = heapq.heappop(self._heap)
+        _, _, req = heapq.heappop(self._heap)
         del self._live[req.request_id]
         return req
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from pagedserve.tiers import Tier
+
 
 class Status(StrEnum):
     WAITING = "waiting"  # not on the device: new, or preempted for recompute
@@ -46,7 +48,7 @@ class Request:
     status: Status = Status.WAITING
     num_computed: int = 0  # tokens whose K/V is in the cache
     blocks: list[int] = field(default_factory=list)  # device block table
-    swap_blocks: list[tuple[int, int]] = field(default_factory=list)  # (tier, block) while swapped
+    swap_blocks: list[tuple[Tier, int]] = field(default_factory=list)  # (tier, block) while swapped
     finish_reason: Finish | None = None
     num_preemptions: int = 0
 

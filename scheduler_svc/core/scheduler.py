@@ -14,14 +14,23 @@ Order within a step:
    preempt for a running request (that would only thrash).
 3. under ``priority``, a waiting request that does not fit preempts running
    requests that are less urgent than it.
+
+With several executors, each has its own ``Scheduler``: running and swapped
+requests are local, and waiting holds the requests its loop claimed from the
+shared queue for this step. Whatever is still waiting after a step (not
+admitted, or preempted for recompute) goes back to the shared queue
+(``requeue_waiting``), so any executor can take it next.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 
-from scheduler_svc.core.blocks import CPU, DEVICE, DISK, BlockManager, Move, blocks_needed
+from scheduler_svc.core.blocks import DEVICE, DISK, TIERS, BlockManager, Move, blocks_needed
+from scheduler_svc.core.placement import PoolView
 from scheduler_svc.core.queue import make_queue
+from scheduler_svc.core.record import Counters, StepRecord
 from scheduler_svc.core.request import Finish, Request, Status
 
 PREEMPTION_MODES = ("swap", "recompute")
@@ -57,42 +66,21 @@ class Scheduled:
 
 
 @dataclass(slots=True)
-class Counters:
-    preemptions_swap: int = 0
-    preemptions_recompute: int = 0
-    swapped_out_blocks: int = 0
-    swapped_in_blocks: int = 0
-    disk_spilled_blocks: int = 0
-    steps: int = 0
-
-    def as_dict(self) -> dict[str, int]:
-        return {name: getattr(self, name) for name in self.__slots__}
-
-
-@dataclass(slots=True)
 class SchedulerOutput:
-    """One step plan, plus what the step changed for the store to persist."""
+    """One step plan: what runs and what moves between tiers."""
 
     scheduled: list[Scheduled] = field(default_factory=list)
     swap_out: list[Move] = field(default_factory=list)
     swap_in: list[Move] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
-    touched: dict[str, Request] = field(default_factory=dict)  # requests whose state changed
 
     @property
     def num_tokens(self) -> int:
         return sum(s.num_tokens for s in self.scheduled)
 
-    def touch(self, req: Request) -> None:
-        self.touched[req.request_id] = req
-
-
-@dataclass(slots=True)
-class StepUpdate:
-    """What one executor step produced, as the store and the frontends need it."""
-
-    new_tokens: dict[str, list[int]] = field(default_factory=dict)
-    finished: list[Request] = field(default_factory=list)
+    @property
+    def has_work(self) -> bool:
+        return bool(self.scheduled or self.swap_out or self.swap_in)
 
 
 class Scheduler:
@@ -103,7 +91,8 @@ class Scheduler:
         self.swapped = make_queue(config.policy)
         self.running: list[Request] = []  # admission order
         self.requests: dict[str, Request] = {}
-        self.counters = Counters()
+        self.counters = Counters()  # totals since this scheduler was built
+        self.record = StepRecord()  # what changed since the last take_record()
         self._eos = frozenset(config.eos_token_ids)
         self._watermark = int(config.watermark * blocks.total(DEVICE))
 
@@ -121,25 +110,59 @@ class Scheduler:
         else:
             raise ValueError(f"{req.request_id} is already finished")
 
-    def fits_ever(self, num_tokens: int) -> bool:
-        """Whether a sequence of ``num_tokens`` fits in the whole device pool at all."""
-        return blocks_needed(num_tokens, self.blocks.block_size) <= self.blocks.total(DEVICE)
+    def fits_ever(self, req: Request) -> bool:
+        """Whether ``req`` at its longest fits this executor's context and whole device pool."""
+        total = min(len(req.prompt_ids) + req.params.max_tokens, self.config.max_model_len)
+        return (req.num_tokens < self.config.max_model_len
+                and blocks_needed(total, self.blocks.block_size) <= self.blocks.total(DEVICE))
 
-    def finish(self, request_id: str, reason: Finish) -> Request | None:
-        """End a request now (abort, or a stop string seen by the frontend)."""
-        req = self.requests.pop(request_id, None)
-        if req is None:
-            return None
+    def _remove(self, req: Request) -> None:
+        del self.requests[req.request_id]
         if req.status == Status.RUNNING:
             self.running.remove(req)
         elif req.status == Status.SWAPPED:
             self.swapped.remove(req)
         elif req.status == Status.WAITING:
             self.waiting.remove(req)
+
+    def finish(self, request_id: str, reason: Finish) -> Request | None:
+        """End a request now (abort, or a stop string seen by the frontend)."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return None
+        self._remove(req)
         self.blocks.free(req)
         req.status = Status.FINISHED
         req.finish_reason = reason
+        self.record.finished.append(req)
         return req
+
+    def requeue(self, req: Request) -> None:
+        """``req`` leaves this executor for the shared queue, holding nothing: recomputed wherever it runs next."""
+        self._remove(req)
+        self.blocks.free(req)
+        req.num_computed = 0
+        req.status = Status.WAITING
+        self.record.requeued.append(req)
+
+    def requeue_waiting(self) -> None:
+        """End of a step: what was claimed but not admitted, or preempted for recompute, goes back."""
+        for req in list(self.waiting):
+            self.requeue(req)
+
+    def evacuate(self) -> None:
+        """Move every request elsewhere (the executor is draining and out of time)."""
+        for req in [*self.running, *self.swapped, *self.waiting]:
+            self.requeue(req)
+
+    def take_record(self) -> StepRecord:
+        rec, self.record = self.record, StepRecord()
+        rec.changed = self.blocks.take_changes()
+        return rec
+
+    def _count(self, name: str, n: int = 1) -> None:
+        setattr(self.counters, name, getattr(self.counters, name) + n)
+        setattr(self.record.counters, name, getattr(self.record.counters, name) + n)
 
     @property
     def has_work(self) -> bool:
@@ -159,19 +182,19 @@ class Scheduler:
         if self.config.preemption_mode == "swap" and victim.num_computed > 0 and self.blocks.can_swap_out(victim):
             moves = self.blocks.swap_out(victim)
             out.swap_out.extend(moves)
-            self.counters.preemptions_swap += 1
-            self.counters.swapped_out_blocks += len(moves)
-            self.counters.disk_spilled_blocks += sum(m.dst_tier == DISK for m in moves)
+            self._count("preemptions_swap")
+            self._count("swapped_out_blocks", len(moves))
+            self._count("disk_spilled_blocks", sum(m.dst_tier == DISK for m in moves))
             victim.status = Status.SWAPPED
             self.swapped.prepend(victim)
         else:
             self.blocks.free(victim)
             victim.num_computed = 0
-            self.counters.preemptions_recompute += 1
+            self._count("preemptions_recompute")
             victim.status = Status.WAITING
             self.waiting.prepend(victim)
         out.preempted.append(victim)
-        out.touch(victim)
+        self.record.touch(victim)
 
     def _unschedule(self, victim: Request, out: SchedulerOutput) -> int:
         """Drop ``victim`` from this step's plan if it was already in it; returns its tokens."""
@@ -206,7 +229,7 @@ class Scheduler:
                 continue  # waits one step for swapped-out blocks to come free
             self.blocks.append(req, n)
             out.scheduled.append(Scheduled(req, req.num_computed, n))
-            out.touch(req)
+            self.record.touch(req)
             budget -= n
         return budget
 
@@ -258,14 +281,14 @@ class Scheduler:
                 self.swapped.pop()
                 moves = self.blocks.swap_in(req)
                 out.swap_in.extend(moves)
-                self.counters.swapped_in_blocks += len(moves)
+                self._count("swapped_in_blocks", len(moves))
             else:
                 self.waiting.pop()
             req.status = Status.RUNNING
             self.running.append(req)
             self.blocks.append(req, n)
             out.scheduled.append(Scheduled(req, req.num_computed, n))
-            out.touch(req)
+            self.record.touch(req)
             budget -= n
 
     def schedule(self) -> SchedulerOutput:
@@ -273,13 +296,14 @@ class Scheduler:
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
         if not out.preempted:
             self._admit(out, budget)
-        self.counters.steps += 1
+        if out.has_work:
+            self._count("steps")
         return out
 
-    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> StepUpdate:
-        """Apply the executor's report: computed tokens, sampled tokens, finished requests."""
+    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Apply the executor's report: computed tokens, sampled tokens; returns the requests it finished."""
         self.blocks.release_pending()
-        upd = StepUpdate()
+        finished = []
         for s in out.scheduled:
             req = s.req
             req.num_computed = s.start + s.num_tokens
@@ -287,11 +311,11 @@ class Scheduler:
             if token is None:
                 continue
             req.output_ids.append(token)
-            upd.new_tokens[req.request_id] = [token]
+            self.record.new_tokens.setdefault(req.request_id, []).append(token)
             reason = self._check_finish(req, token)
             if reason is not None:
-                upd.finished.append(self.finish(req.request_id, reason))
-        return upd
+                finished.append(self.finish(req.request_id, reason))
+        return finished
 
     def _check_finish(self, req: Request, token: int) -> Finish | None:
         p = req.params
@@ -303,12 +327,19 @@ class Scheduler:
 
     # -- views ----------------------------------------------------------------
 
-    def usage(self) -> dict[str, int]:
+    def room(self) -> tuple[int, int]:
+        """(sequences, tokens) a step could still admit after the running requests' decodes."""
+        pending = sum(r.num_pending for r in self.running)
+        return self.config.max_num_seqs - len(self.running), max(0, self.config.max_num_batched_tokens - pending)
+
+    def view(self, executor: str, serving: bool) -> PoolView:
+        """This pool as placement sees it (published for the other loops each step)."""
+        held: Counter[int] = Counter()
+        for r in self.running:
+            held[r.priority] += len(r.blocks)
         b = self.blocks
-        return {
-            "running": len(self.running),
-            "waiting": len(self.waiting),
-            "swapped": len(self.swapped),
-            **{f"{name}_blocks_free": b.num_free(t) for name, t in (("device", DEVICE), ("cpu", CPU), ("disk", DISK))},
-            **{f"{name}_blocks_total": b.total(t) for name, t in (("device", DEVICE), ("cpu", CPU), ("disk", DISK))},
-        }
+        return PoolView(executor=executor, serving=serving, block_size=b.block_size,
+                        blocks=tuple(b.total(t) for t in TIERS), free=tuple(b.num_free(t) for t in TIERS),
+                        running=len(self.running), swapped=len(self.swapped),
+                        max_model_len=self.config.max_model_len, max_num_seqs=self.config.max_num_seqs,
+                        watermark=self._watermark, held=dict(held))

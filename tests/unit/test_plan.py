@@ -29,8 +29,7 @@ def test_executor_tables_follow_the_scheduler_through_diffs_and_preemptions() ->
             saw_diff |= not seq.full_table
             tables.apply(seq.request_id, list(seq.block_table), seq.full_table)
             assert tables.stacked([seq.request_id])[0].tolist() == s.requests[seq.request_id].blocks
-        upd = s.update(out, {x.req.request_id: 7 for x in out.scheduled if x.samples})
-        ended = [r.request_id for r in upd.finished]
+        ended = [r.request_id for r in s.update(out, {x.req.request_id: 7 for x in out.scheduled if x.samples})]
     assert saw_diff and saw_forget
     assert s.counters.preemptions_recompute > 0
 

@@ -161,12 +161,12 @@ def test_finish_conditions() -> None:
     s.add(req("ignore", 3, max_tokens=3, ignore_eos=True, arrival=1))
     s.add(req("stopid", 3, stop_token_ids=(9,), arrival=2))
     out = s.schedule()
-    upd = s.update(out, {"eos": EOS, "ignore": EOS, "stopid": 9})
-    assert {r.request_id: r.finish_reason for r in upd.finished} == {"eos": Finish.STOP, "stopid": Finish.STOP}
+    finished = s.update(out, {"eos": EOS, "ignore": EOS, "stopid": 9})
+    assert {r.request_id: r.finish_reason for r in finished} == {"eos": Finish.STOP, "stopid": Finish.STOP}
     while s.has_work:
-        upd = s.update(s.schedule(), {"ignore": EOS})
-    assert upd.finished[0].finish_reason == Finish.LENGTH
-    assert len(upd.finished[0].output_ids) == 3
+        finished = s.update(s.schedule(), {"ignore": EOS})
+    assert finished[0].finish_reason == Finish.LENGTH
+    assert len(finished[0].output_ids) == 3
     assert s.blocks.num_free() == 64
 
 
@@ -196,6 +196,12 @@ def test_queues_order() -> None:
     prio.add(reqs[0])
     prio.remove(reqs[0])
     assert prio.peek() is None and len(prio) == 0
+    again = req("x", 1, priority=3, arrival=0)  # the same request, claimed back after a requeue
+    prio.add(reqs[0])
+    prio.remove(reqs[0])
+    prio.add(again)
+    prio.add(req("w", 1, priority=3, arrival=0))
+    assert [prio.pop().request_id for _ in range(2)] == ["w", "x"]
 
 
 def test_swapped_requests_return_before_new_work() -> None:

@@ -13,7 +13,7 @@ from scheduler_svc.detok import Detokenizer
 from scheduler_svc.validate import InvalidArgument, Limits, OverCapacity, check, check_length
 from pagedserve.v1 import generation_pb2 as pb
 
-LIMITS = Limits(max_model_len=100, vocab_size=1000, block_size=16, num_blocks=4)
+LIMITS = Limits(max_model_len=100, vocab_size=1000, block_size=16, pools=((4, 100),))
 
 
 @pytest.fixture(scope="module")
@@ -34,6 +34,15 @@ def test_length_and_capacity_checks() -> None:
     with pytest.raises(OverCapacity, match="max_tokens"):
         check_length("prompt", 60, Params(max_tokens=10), LIMITS)  # 70 tokens: 5 blocks > 4
     check_length("prompt", 60, Params(max_tokens=4), LIMITS)  # 64 tokens: exactly 4 blocks
+
+
+def test_a_request_must_fit_one_executor_whole() -> None:
+    """Two pools: one with a short context, a larger one with a long context."""
+    two = Limits(max_model_len=200, vocab_size=1000, block_size=16, pools=((8, 100), (10, 200)))
+    check_length("prompt", 60, Params(max_tokens=60), two)  # 120 -> capped at 100 tokens: 7 blocks on the first
+    check_length("prompt", 120, Params(max_tokens=4), two)  # 124 tokens: 8 blocks, only the second's context
+    with pytest.raises(OverCapacity, match="largest executor pool has 10"):
+        check_length("prompt", 150, Params(max_tokens=30), two)  # too long for the first, too big for the second
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])

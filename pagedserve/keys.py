@@ -1,0 +1,91 @@
+"""The Redis key scheme of one pagedserve namespace, shared by both services.
+
+Every key carries the hash tag ``{ns}``, so a Redis Cluster keeps a whole
+namespace in one slot and a Lua script may touch any of its keys. Three kinds:
+
+- namespace keys: the request queue, requests, events, membership;
+- per-executor keys (``{ns}:x:<instance_id>:…``): one block pool, its live
+  requests and the lease of the loop that steps it, written only by that loop
+  (and deleted by whoever reaps the executor);
+- membership records (``{ns}:exec:<instance_id>``), each written only by its
+  executor (or, for a statically configured executor, by the schedulers).
+
+``docs/architecture.md`` lists every key with its type and invariants.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pagedserve.tiers import Tier
+
+
+@dataclass(frozen=True, slots=True)
+class ExecutorKeys:
+    prefix: str  # "{ns}:x:<instance_id>:"
+
+    @property
+    def live(self) -> str:
+        """Set: ids of the requests placed on this executor."""
+        return self.prefix + "live"
+
+    @property
+    def computed(self) -> str:
+        """Hash: request id -> tokens whose KV is cached on this executor."""
+        return self.prefix + "computed"
+
+    @property
+    def pool(self) -> str:
+        """Hash: ``blocks`` (per tier) and ``block_size`` the free sets were built for."""
+        return self.prefix + "pool"
+
+    @property
+    def counters(self) -> str:
+        return self.prefix + "counters"
+
+    @property
+    def leader(self) -> str:
+        return self.prefix + "leader"
+
+    @property
+    def epoch(self) -> str:
+        return self.prefix + "epoch"
+
+    def free(self, tier: Tier | int) -> str:
+        """The tier's free set, as a bitmap: bit ``b`` is 1 while block ``b`` is free. A pool of
+        hundreds of thousands of blocks is a few tens of KiB, set whole in one command."""
+        return f"{self.prefix}free:{int(tier)}"
+
+    def all(self) -> list[str]:
+        """Every key of this executor's state."""
+        return [self.live, self.computed, self.pool, self.counters, self.leader, self.epoch,
+                *(self.free(t) for t in Tier)]
+
+
+class Keys:
+    def __init__(self, namespace: str) -> None:
+        self.namespace = namespace
+        self.prefix = p = "{" + namespace + "}:"
+        self.identity = p + "model"  # hash: model_digest, block_size, dtype, model of the namespace
+        self.members = p + "executors"  # zset: instance id -> registration time (ms)
+        self.evicted = p + "evicted"  # zset: instance id -> eviction time (ms)
+        self.replicas = p + "replicas"  # zset: scheduler replica id -> heartbeat deadline (ms)
+        self.queue = p + "queue"  # zset: "<arrival>:<id>" in policy order
+        self.live = p + "live"  # set: ids of unfinished requests
+        self.arrival = p + "arrival"  # string: arrival counter
+        self.incoming = p + "incoming"  # stream: doorbell for loops (submit, cancel, requeue)
+        self.events = p + "events"  # stream: per step, new tokens and finishes
+        self.counters = p + "counters"  # hash: namespace totals (preemptions, swaps, steps...)
+        self.usage = p + "usage"  # hash: instance id -> JSON usage of its pool (placement's view)
+
+    def req(self, request_id: str) -> str:
+        return f"{self.prefix}req:{request_id}"
+
+    def out(self, request_id: str) -> str:
+        return f"{self.prefix}out:{request_id}"
+
+    def member(self, instance_id: str) -> str:
+        return f"{self.prefix}exec:{instance_id}"
+
+    def executor(self, instance_id: str) -> ExecutorKeys:
+        return ExecutorKeys(f"{self.prefix}x:{instance_id}:")

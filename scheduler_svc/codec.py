@@ -1,0 +1,256 @@
+"""Pure mappings between the scheduler's objects and Redis: request hashes, the
+queue's entries, one step's operations, the events frontends read, pool views.
+
+Nothing here talks to Redis: ``CommitWriter.ops`` returns the commands a step
+commits (``RedisStore.apply`` runs them in one fenced Lua call), and the Lua
+scripts in ``store.py`` that write the same fields follow the same shapes
+(tests check the two against each other on a real server).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from pagedserve.keys import Keys
+from pagedserve.tiers import TIERS, Tier
+from scheduler_svc.core.placement import Candidate, PoolView
+from scheduler_svc.core.record import StepRecord
+from scheduler_svc.core.request import Finish, Params, Request, Status
+
+FINISHED_TTL_S = 3600  # finished requests stay readable this long
+EVENTS_MAXLEN = 100_000
+_ARGS = 4000  # Lua's unpack() limit is ~8000; stay well below
+
+
+# -- requests -------------------------------------------------------------------
+
+
+def spec_json(req: Request, stop: list[str]) -> str:
+    """The immutable part of a request."""
+    p = req.params
+    return json.dumps({
+        "prompt": req.prompt_ids, "priority": req.priority, "stop": stop,
+        "params": {"max_tokens": p.max_tokens, "temperature": p.temperature, "top_p": p.top_p, "top_k": p.top_k,
+                   "seed": p.seed, "stop_token_ids": list(p.stop_token_ids), "ignore_eos": p.ignore_eos},
+    })
+
+
+def request_from(request_id: str, fields: dict[str, str], output: list[str], computed: int = 0) -> Request:
+    spec = json.loads(fields["spec"])
+    params = spec["params"]
+    params["stop_token_ids"] = tuple(params["stop_token_ids"])
+    return Request(
+        request_id=request_id,
+        prompt_ids=spec["prompt"],
+        params=Params(**params),
+        priority=spec["priority"],
+        arrival=int(fields.get("arrival", 0)),
+        output_ids=[int(t) for t in output],
+        status=Status(fields.get("status", Status.WAITING)),
+        num_computed=computed,
+        blocks=[int(b) for b in fields.get("blocks", "").split(",") if b],
+        swap_blocks=[(Tier(int(t)), int(b)) for t, b in (x.split(":") for x in fields.get("swap", "").split(",") if x)],
+        num_preemptions=int(fields.get("preemptions", 0)),
+    )
+
+
+def cancel_of(fields: dict[str, str]) -> Finish | None:
+    """A frontend's pending ``abort`` or ``stop`` for this request, if any."""
+    return Finish(fields["cancel"]) if fields.get("cancel") else None
+
+
+def queue_entry(arrival: int, request_id: str, priority: int, policy: str) -> tuple[float, str]:
+    """(score, member) in the shared queue: members sort by arrival (as the submit
+    script formats them), scores by priority under the priority policy."""
+    return (float(priority) if policy == "priority" else 0.0), f"{arrival:016d}:{request_id}"
+
+
+def request_id_of(queue_key: str) -> str:
+    return queue_key[17:]
+
+
+def candidate_from(row: list[str]) -> Candidate:
+    """A row of the peek script: queue key, prompt length, max_tokens, priority, tokens generated."""
+    qk, plen, maxt, prio, nout = row
+    return Candidate(qk, request_id_of(qk), int(plen), int(plen) + int(nout), int(maxt), int(prio))
+
+
+# -- events ---------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Event:
+    """One step's news for the frontends. ``tokens``: request -> (offset in the
+    completion of the first token, tokens); ``finished``: request -> (reason,
+    completion length). Offsets let a reader drop what it has and notice a gap."""
+
+    tokens: dict[str, tuple[int, list[int]]] = field(default_factory=dict)
+    finished: dict[str, tuple[str, int]] = field(default_factory=dict)
+
+    def encode(self) -> str:
+        d: dict[str, object] = {}
+        if self.tokens:
+            d["t"] = {rid: [off, *toks] for rid, (off, toks) in self.tokens.items()}
+        if self.finished:
+            d["f"] = {rid: [reason, n] for rid, (reason, n) in self.finished.items()}
+        return json.dumps(d, separators=(",", ":"))
+
+    @classmethod
+    def decode(cls, data: str) -> Event:
+        d = json.loads(data)
+        return cls({rid: (v[0], v[1:]) for rid, v in d.get("t", {}).items()},
+                   {rid: (v[0], int(v[1])) for rid, v in d.get("f", {}).items()})
+
+    def __bool__(self) -> bool:
+        return bool(self.tokens or self.finished)
+
+
+def event_of(rec: StepRecord) -> Event:
+    ev = Event()
+    ended = {r.request_id: r for r in rec.finished}
+    for rid, toks in rec.new_tokens.items():
+        req = rec.touched.get(rid) or ended[rid]
+        ev.tokens[rid] = (len(req.output_ids) - len(toks), toks)
+    for r in rec.finished:
+        ev.finished[r.request_id] = ((r.finish_reason or Finish.ABORT).value, len(r.output_ids))
+    return ev
+
+
+# -- pool views -----------------------------------------------------------------
+
+
+def view_json(v: PoolView) -> str:
+    return json.dumps({"serving": v.serving, "block_size": v.block_size, "blocks": v.blocks, "free": v.free,
+                       "running": v.running, "swapped": v.swapped, "max_model_len": v.max_model_len,
+                       "max_num_seqs": v.max_num_seqs, "watermark": v.watermark,
+                       "held": {str(p): n for p, n in v.held.items()}}, separators=(",", ":"))
+
+
+def view_from(executor: str, data: str) -> PoolView:
+    d = json.loads(data)
+    return PoolView(executor, d["serving"], d["block_size"], tuple(d["blocks"]), tuple(d["free"]), d["running"],
+                    d["swapped"], d["max_model_len"], d["max_num_seqs"], d["watermark"],
+                    {int(p): n for p, n in d["held"].items()})
+
+
+# -- one step's commit ------------------------------------------------------------
+
+
+# Operations the apply script runs itself rather than as one Redis command (store._APPLY):
+FILL = "FILL"  # FILL key n: a bitmap of n one-bits (a tier's blocks, all free)
+BITS = "BITS"  # BITS key value b1 b2 ...: SETBIT key b value for each b
+
+
+def _split(values: list[str]) -> list[list[str]]:
+    return [values[i : i + _ARGS] for i in range(0, len(values), _ARGS)]
+
+
+def _chunks(cmd: str, key: str, values: list[str]) -> list[list[str]]:
+    return [[cmd, key, *c] for c in _split(values)]
+
+
+def free_blocks(bitmap: bytes, total: int) -> list[int]:
+    """The free block ids a tier's bitmap holds (bit ``b``, most significant first in each byte)."""
+    bits = np.unpackbits(np.frombuffer(bitmap, dtype=np.uint8))[:total]
+    return np.flatnonzero(bits).tolist()
+
+
+def _signature(req: Request) -> tuple[object, ...]:
+    """The part of a request's hash that changes only on transitions and new blocks."""
+    return (req.status, len(req.blocks), tuple(req.swap_blocks), req.num_preemptions)
+
+
+class CommitWriter:
+    """Maps one executor's step records to Redis commands.
+
+    It remembers what it last wrote of each request's hash, so that a decode
+    step rewrites only requests whose status or block tables changed; a new
+    leader starts a fresh writer (``restore`` seeds it with what it loaded).
+    """
+
+    def __init__(self, keys: Keys, executor: str, policy: str) -> None:
+        self.k = keys
+        self.x = keys.executor(executor)
+        self.executor = executor
+        self.policy = policy
+        self._saved: dict[str, tuple[object, ...]] = {}
+
+    def saw(self, requests: list[Request]) -> None:
+        self._saved = {r.request_id: _signature(r) for r in requests}
+
+    def reset_ops(self, totals: tuple[int, ...], block_size: int) -> list[list[str]]:
+        """Bind the state to a fresh pool: every block free, nothing computed."""
+        ops: list[list[str]] = [["DEL", self.x.pool, self.x.computed],
+                                ["HSET", self.x.pool, "blocks", ",".join(map(str, totals)), "block_size",
+                                 str(block_size)]]
+        return ops + [[FILL, self.x.free(tier), str(total)] for tier, total in zip(TIERS, totals)]
+
+    def _blocks(self, rec: StepRecord, is_free: object) -> list[list[str]]:
+        ops: list[list[str]] = []
+        for tier, changed in zip(TIERS, rec.changed):
+            freed = [str(b) for b in changed if is_free(tier, b)]  # type: ignore[operator]
+            owned = [str(b) for b in changed if not is_free(tier, b)]  # type: ignore[operator]
+            ops += [[BITS, self.x.free(tier), "1", *c] for c in _split(freed)]
+            ops += [[BITS, self.x.free(tier), "0", *c] for c in _split(owned)]
+        return ops
+
+    def _requests(self, rec: StepRecord) -> list[list[str]]:
+        ops: list[list[str]] = []
+        computed: list[str] = []
+        gone = {r.request_id for r in rec.requeued}
+        for rid, req in rec.touched.items():
+            if req.status == Status.FINISHED or rid in gone:
+                continue
+            computed += (rid, str(req.num_computed))
+            sig = _signature(req)
+            if self._saved.get(rid) == sig:
+                continue
+            self._saved[rid] = sig
+            ops.append(["HSET", self.k.req(rid), "status", req.status.value, "executor", self.executor,
+                        "blocks", ",".join(map(str, req.blocks)),
+                        "swap", ",".join(f"{int(t)}:{b}" for t, b in req.swap_blocks),
+                        "preemptions", str(req.num_preemptions)])
+        if computed:
+            ops += _chunks("HSET", self.x.computed, computed)
+        return ops
+
+    def _leaving(self, rec: StepRecord) -> list[list[str]]:
+        ops: list[list[str]] = []
+        for req in rec.requeued:
+            rid = req.request_id
+            self._saved.pop(rid, None)
+            score, member = queue_entry(req.arrival, rid, req.priority, self.policy)
+            ops += [["HSET", self.k.req(rid), "status", Status.WAITING.value, "executor", "", "blocks", "", "swap", "",
+                     "preemptions", str(req.num_preemptions)],
+                    ["SREM", self.x.live, rid], ["HDEL", self.x.computed, rid],
+                    ["ZADD", self.k.queue, repr(score), member]]
+        for req in rec.finished:
+            rid = req.request_id
+            self._saved.pop(rid, None)
+            ops += [["HSET", self.k.req(rid), "status", Status.FINISHED.value, "executor", self.executor,
+                     "finish_reason", (req.finish_reason or Finish.ABORT).value, "blocks", "", "swap", ""],
+                    ["SREM", self.x.live, rid], ["SREM", self.k.live, rid], ["HDEL", self.x.computed, rid],
+                    ["EXPIRE", self.k.req(rid), str(FINISHED_TTL_S)], ["EXPIRE", self.k.out(rid), str(FINISHED_TTL_S)]]
+        if rec.requeued:
+            ops.append(["XADD", self.k.incoming, "MAXLEN", "~", "10000", "*", "op", "requeue", "id",
+                        rec.requeued[0].request_id])
+        return ops
+
+    def ops(self, rec: StepRecord, is_free: object, view: PoolView | None = None) -> list[list[str]]:
+        """Everything ``rec`` changed; ``is_free(tier, block)`` is the block manager's.
+        ``view``: this pool's usage for placement, written when given."""
+        ops = self._blocks(rec, is_free) + self._requests(rec)
+        for rid, toks in rec.new_tokens.items():
+            ops.append(["RPUSH", self.k.out(rid), *map(str, toks)])
+        ops += self._leaving(rec)
+        event = event_of(rec)
+        if event:
+            ops.append(["XADD", self.k.events, "MAXLEN", "~", str(EVENTS_MAXLEN), "*", "d", event.encode()])
+        for name, n in rec.counters.nonzero().items():
+            ops += [["HINCRBY", self.x.counters, name, str(n)], ["HINCRBY", self.k.counters, name, str(n)]]
+        if view is not None:
+            ops.append(["HSET", self.k.usage, self.executor, view_json(view)])
+        return ops

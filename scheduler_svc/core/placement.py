@@ -1,0 +1,153 @@
+"""Placement: which queued requests an executor's loop should claim this step.
+
+Requests wait in one shared queue in policy order. Every loop with room looks
+at the head of the queue and at the other pools (each loop publishes a
+``PoolView`` of its own every step) and claims what this function gives it;
+the claim itself is atomic in Redis, so a request lands on exactly one
+executor even when two loops decide on stale views at once.
+
+The rule walks the queue head in order and assigns each request on paper to
+one pool, updating that pool's simulated free blocks, so that one look
+spreads a burst over every pool. All loops compute the same assignment from
+the same views, so they claim different requests and rarely collide:
+- a request goes to the least loaded pool (used fraction of device blocks,
+  then executor id) that can hold its next chunk now; a loop whose executor
+  runs nothing also takes it when the chosen pool is busy, so an executor
+  never idles while a request that fits it waits;
+- a request no serving pool could ever hold (its executor left) is skipped: it
+  waits for one that fits without blocking the queue;
+- the first request that fits nowhere now stops the walk (head-of-line, as
+  within one pool); under the priority policy it goes to the pool where
+  preempting less urgent work frees enough for the fewest blocks preempted,
+  and that pool's loop claims it and preempts.
+
+A prefix-aware rule slots in as ``affinity``: a per-executor bonus
+subtracted from a pool's load for one request (e.g. the share of its prefix
+that pool caches, bounded so that load still wins past a documented limit).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from pagedserve.tiers import Tier
+
+
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    return -(-num_tokens // block_size)
+
+
+@dataclass(frozen=True, slots=True)
+class PoolView:
+    """One executor's pool as placement sees it."""
+
+    executor: str
+    serving: bool
+    block_size: int
+    blocks: tuple[int, ...]  # totals per tier
+    free: tuple[int, ...]  # free per tier
+    running: int
+    swapped: int
+    max_model_len: int
+    max_num_seqs: int
+    watermark: int = 0  # device blocks kept free when admitting next to running work
+    held: dict[int, int] = field(default_factory=dict)  # priority -> device blocks held by running requests
+
+    @property
+    def load(self) -> float:
+        total = self.blocks[Tier.DEVICE]
+        return 1.0 if total == 0 else 1 - self.free[Tier.DEVICE] / total
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """A queued request, as much as placement needs of it."""
+
+    queue_key: str
+    request_id: str
+    prompt_len: int
+    num_tokens: int  # prompt + tokens generated before it was requeued
+    max_tokens: int
+    priority: int = 0
+
+    def fits_ever(self, v: PoolView) -> bool:
+        total = min(self.prompt_len + self.max_tokens, v.max_model_len)
+        return self.num_tokens < v.max_model_len and blocks_for(total, v.block_size) <= v.blocks[Tier.DEVICE]
+
+
+@dataclass(slots=True)
+class _Sim:
+    """A pool while the walk assigns requests to it on paper."""
+
+    view: PoolView
+    free: int
+    running: int
+    taken: int = 0
+
+    @property
+    def load(self) -> float:
+        total = self.view.blocks[Tier.DEVICE]
+        return 1.0 if total == 0 else 1 - self.free / total
+
+    def need(self, c: Candidate, budget: int) -> int:
+        return blocks_for(min(c.num_tokens, budget), self.view.block_size)
+
+    def fits_now(self, c: Candidate, budget: int) -> bool:
+        reserve = self.view.watermark if self.running else 0
+        return self.running < self.view.max_num_seqs and self.need(c, budget) + reserve <= self.free
+
+    def assign(self, c: Candidate, budget: int) -> None:
+        self.free -= self.need(c, budget)
+        self.running += 1
+        self.taken += 1
+
+
+def preemption_target(c: Candidate, views: list[PoolView], budget: int) -> str | None:
+    """Where preempting work less urgent than ``c`` frees enough for it at the least cost:
+    fewest blocks preempted, then the least urgent victims, then the executor id."""
+    options = []
+    for v in views:
+        need = blocks_for(min(c.num_tokens, budget), v.block_size)
+        lower = {p: n for p, n in v.held.items() if p > c.priority}
+        if v.free[Tier.DEVICE] + sum(lower.values()) >= need + (v.watermark if v.running else 0):
+            cost = max(0, need - v.free[Tier.DEVICE])
+            options.append((cost, -max(lower, default=c.priority), v.executor))
+    return min(options)[2] if options else None
+
+
+def pick(candidates: list[Candidate], me: str, views: dict[str, PoolView], *, policy: str, seats: int,
+         budget: int, affinity: Callable[[Candidate, str], float] | None = None) -> list[Candidate]:
+    """The candidates (in queue order) that executor ``me`` should claim now.
+
+    ``views`` has every pool that may take work, ``me`` included and fresh;
+    ``seats`` and ``budget`` are the sequences and tokens ``me`` can still admit
+    this step. ``affinity(c, executor)`` (0 by default) lowers a pool's
+    effective load for ``c``, e.g. by the share of ``c``'s prefix it caches.
+    """
+    if me not in views or not views[me].serving:
+        return []
+    sims = {e: _Sim(v, v.free[Tier.DEVICE], v.running) for e, v in views.items() if v.serving}
+    mine: list[Candidate] = []
+    tokens = budget
+    for c in candidates:
+        able = [s for s in sims.values() if c.fits_ever(s.view)]
+        if not able:
+            continue
+        now = [s for s in able if s.fits_now(c, budget)]
+        if not now:
+            if policy == "priority" and preemption_target(c, [s.view for s in able], budget) == me:
+                mine.append(c)
+            break
+        best = min(now, key=lambda s, c=c: (s.load - (affinity(c, s.view.executor) if affinity else 0.0),
+                                            s.view.executor))
+        own = sims[me]
+        if own in now and own.running == 0 and best.running > 0:
+            best = own  # idle here, busy there: do not let it wait
+        best.assign(c, budget)
+        if best is own:
+            mine.append(c)
+            tokens -= min(c.num_tokens, tokens)
+            if len(mine) >= seats or tokens <= 0:
+                break
+    return mine

@@ -1,0 +1,79 @@
+"""Rebuilding one executor's scheduler from what Redis holds, and taking in new
+work and cancellations: pure functions over plain data (``RedisStore`` loads
+the ``Snapshot``; the loop commits what they record)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pagedserve.tiers import TIERS
+from scheduler_svc.core.blocks import BlockManager, Pool
+from scheduler_svc.core.request import Finish, Request, Status
+from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig
+
+
+@dataclass(slots=True)
+class Snapshot:
+    """One executor's state as the last commit left it."""
+
+    pool: dict[str, str] = field(default_factory=dict)  # what the free sets were built for
+    free: tuple[list[int], ...] = ([], [], [])
+    requests: list[tuple[Request, Finish | None]] = field(default_factory=list)  # with any pending cancel
+
+
+@dataclass(slots=True)
+class Restored:
+    sched: Scheduler
+    reset: bool  # the pool's state was unusable: its free sets must be rebuilt before anything else
+
+
+def pool_fields(totals: tuple[int, ...], block_size: int) -> dict[str, str]:
+    return {"blocks": ",".join(map(str, totals)), "block_size": str(block_size)}
+
+
+def consistent(bm: BlockManager, requests: list[Request]) -> bool:
+    """Every block is either free or owned by exactly one request."""
+    owned: list[set[int]] = [set(), set(), set()]
+    for req in requests:
+        for tier, block in [(TIERS[0], b) for b in req.blocks] + req.swap_blocks:
+            if block in owned[tier] or block >= bm.total(tier) or bm.is_free(tier, block):
+                return False
+            owned[tier].add(block)
+    return all(len(owned[t]) + bm.num_free(t) == bm.total(t) for t in TIERS)
+
+
+def restore(snap: Snapshot, totals: tuple[int, ...], config: SchedulerConfig, block_size: int) -> Restored:
+    """The scheduler of an executor whose pools have ``totals`` blocks per tier.
+
+    Requests a loop claimed but never committed as admitted go back to the queue;
+    cancelled ones finish. If the recorded pool is not this one, or block
+    ownership is inconsistent, every request goes back to the queue for
+    recompute and the pool starts empty (``reset``).
+    """
+    pools = [Pool.with_free(total, [b for b in free if b < total]) for total, free in zip(totals, snap.free)]
+    bm = BlockManager(block_size, *pools)
+    held = [r for r, _ in snap.requests if r.status in (Status.RUNNING, Status.SWAPPED)]
+    reset = snap.pool != pool_fields(totals, block_size) or not consistent(bm, held)
+    if reset:
+        bm = BlockManager(block_size, *(Pool.fresh(t) for t in totals))
+    sched = Scheduler(config, bm)
+    for req, cancel in sorted(snap.requests, key=lambda rc: rc[0].arrival):
+        if reset or req.status not in (Status.RUNNING, Status.SWAPPED):
+            req.blocks, req.swap_blocks, req.num_computed, req.status = [], [], 0, Status.WAITING
+        sched.add(req)
+        if cancel is not None:
+            sched.finish(req.request_id, cancel)
+    sched.requeue_waiting()
+    return Restored(sched, reset)
+
+
+def intake(sched: Scheduler, claimed: list[tuple[Request, Finish | None]], cancels: list[tuple[str, Finish]]) -> None:
+    """Apply frontends' cancellations, then take in the requests claimed from the queue."""
+    for request_id, reason in cancels:
+        sched.finish(request_id, reason)
+    for req, cancel in claimed:
+        sched.add(req)
+        if cancel is not None:
+            sched.finish(req.request_id, cancel)
+        elif not sched.fits_ever(req):
+            sched.requeue(req)  # stale view: some other executor may hold it
