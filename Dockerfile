@@ -1,8 +1,8 @@
 # syntax=docker/dockerfile:1
 #
 # One image for both pagedserve services; the command picks the service:
-#   scheduler:  python -m scheduler_svc --port 50051 --redis-url ... --executor ...
-#   executor:   python -m executor_svc  --port 50061 [...]
+#   scheduler:  python -m scheduler_svc --port 50051 --redis-url ...
+#   executor:   python -m executor_svc  --port 50061 --redis-url ... [...]
 # The default model (SmolLM2-135M-Instruct) is converted to safetensors at
 # build time into $PAGEDSERVE_CACHE, so containers start without the ~20 s
 # GGUF dequantisation. See docs/deploy.md for build arguments (GPU builds).

@@ -4,14 +4,17 @@ Schema validation runs the dev tools `check-jsonschema` (compose spec, vendored
 in the tool) and `kubernetes-validate --strict` (schemas shipped with it), with
 proxies pointed at a dead port so that any attempt to reach the network fails.
 The rest asserts behaviour the schemas cannot see: probes hit declared ports,
-Services select real workloads, the scheduler's addresses resolve to Services,
-graceful-shutdown timings, and that every CLI flag we pass is one the services'
-`--help` lists (skipped until a service has a `__main__`).
+Services select real workloads, executors register in the Redis the schedulers
+use (advertising their pod IP in k8s) and can be scaled, no scheduler is tied
+to a fixed executor, PDBs never block every drain, graceful-shutdown timings,
+and that every CLI flag we pass is one the services' `--help` lists (skipped
+until a service has a `__main__`).
 """
 
 from __future__ import annotations
 
 import fnmatch
+import math
 import os
 import re
 import shlex
@@ -43,15 +46,21 @@ PORTS = {"scheduler_svc": 50051, "executor_svc": 50061}
 # typo here even before the CLIs exist.
 CONTRACT_FLAGS = {
     "scheduler_svc": {
-        "--port", "--redis-url", "--executor", "--policy", "--preemption-mode",
-        "--max-num-seqs", "--max-num-batched-tokens",
+        "--port", "--redis-url", "--executor", "--executor-timeout", "--policy",
+        "--preemption-mode", "--max-num-seqs", "--max-num-batched-tokens",
+        "--namespace", "--lease-ms",
     },
     "executor_svc": {
         "--port", "--model", "--kv-cache-memory", "--gpu-memory-utilization",
         "--block-size", "--max-model-len", "--swap-space", "--swap-dir",
-        "--attention-backend",
+        "--disk-swap-space", "--attention-backend",
+        "--redis-url", "--advertise-address", "--namespace", "--lease-ms", "--drain-timeout",
     },
 }
+# Flags whose value is not a number (nor one of CHOICES).
+TEXT_FLAGS = {"--redis-url", "--executor", "--model", "--swap-dir", "--advertise-address", "--namespace"}
+# Both services' --namespace default: executors join the schedulers' namespace.
+DEFAULT_NAMESPACE = "pagedserve"
 CHOICES = {
     "--policy": {"fcfs", "priority"},
     "--preemption-mode": {"swap", "recompute"},
@@ -185,7 +194,8 @@ def configmap_data() -> dict[str, dict]:
 
 
 def resolved_argv(container: dict) -> list[str]:
-    """Args with $(VAR) references expanded from env literals / ConfigMap keys."""
+    """Args with $(VAR) references expanded from env literals / ConfigMap keys;
+    a downward-API variable becomes `<fieldPath>` (e.g. `<status.podIP>`)."""
     cms = configmap_data()
     env = {}
     for e in container.get("env", []):
@@ -195,6 +205,9 @@ def resolved_argv(container: dict) -> list[str]:
             ref = e.get("valueFrom", {}).get("configMapKeyRef")
             if ref:
                 env[e["name"]] = cms.get(ref["name"], {}).get(ref["key"])
+            field = e.get("valueFrom", {}).get("fieldRef")
+            if field:
+                env[e["name"]] = f"<{field['fieldPath']}>"
     return [
         re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", lambda m: str(env.get(m.group(1), m.group(0))), a)
         for a in k8s_argv(container)
@@ -221,6 +234,29 @@ def probe_port(probe: dict):
         if kind in probe:
             return kind, probe[kind]["port"]
     return None, None
+
+
+def prestop_sleep(container: dict) -> int:
+    pre = container["lifecycle"]["preStop"]
+    if "sleep" in pre:
+        return int(pre["sleep"]["seconds"])
+    cmd = pre["exec"]["command"]
+    assert cmd[0] == "sleep", cmd
+    return int(cmd[1])
+
+
+def seconds(duration) -> float:
+    """A compose duration ('1m30s', '75s', '500ms') in seconds."""
+    units = {"h": 3600, "m": 60, "s": 1, "ms": 0.001, "us": 1e-6}
+    parts = re.findall(r"(\d+(?:\.\d+)?)(ms|us|h|m|s)", str(duration))
+    assert parts and "".join(n + u for n, u in parts) == str(duration), duration
+    return sum(float(n) * units[u] for n, u in parts)
+
+
+def same_redis(url_a: str, url_b: str) -> bool:
+    """Two redis URLs name the same server and database."""
+    a, b = urlparse(url_a), urlparse(url_b)
+    return (a.scheme, a.hostname, a.port or 6379, a.path or "/0") == (b.scheme, b.hostname, b.port or 6379, b.path or "/0")
 
 
 # ---------------------------------------------------------------- schema validation
@@ -288,7 +324,7 @@ def test_flag_values_are_valid_choices():
             assert "$(" not in value, f"{where}: {flag} {value} is not defined"
             if flag in CHOICES:
                 assert value in CHOICES[flag], f"{where}: {flag} {value}"
-            elif flag not in ("--redis-url", "--executor", "--model", "--swap-dir"):
+            elif flag not in TEXT_FLAGS:
                 float(value)  # numeric flags must be numbers
 
 
@@ -327,16 +363,48 @@ def test_compose_topology():
         assert "build" in services[name]
 
     sched = flag_values(compose_argv(services["scheduler"]))
-    url = urlparse(sched["--redis-url"])
-    assert url.scheme == "redis" and url.hostname in services and url.port == 6379
-    ex_host, ex_port = sched["--executor"].rsplit(":", 1)
-    assert ex_host in services
-    assert int(ex_port) == int(flag_values(compose_argv(services[ex_host]))["--port"])
-    deps = services["scheduler"]["depends_on"]
-    assert deps[url.hostname]["condition"] == "service_healthy"
-    assert deps[ex_host]["condition"] == "service_healthy"
+    executor = flag_values(compose_argv(services["executor"]))
+    # Schedulers find executors through Redis: none is named on the command line.
+    assert "--executor" not in sched, "compose scheduler is tied to a fixed executor"
+    for name, flags in (("scheduler", sched), ("executor", executor)):
+        url = urlparse(flags.get("--redis-url") or "")
+        assert url.scheme == "redis" and url.hostname in services, f"{name}: --redis-url {url.geturl()!r}"
+        assert services[url.hostname]["image"].startswith("redis:") and url.port == 6379, name
+        # Only Redis must be healthy first: executors join whenever they are ready.
+        assert services[name]["depends_on"] == {url.hostname: {"condition": "service_healthy"}}, name
+    assert same_redis(sched["--redis-url"], executor["--redis-url"]), "executor registers in another Redis"
+    assert sched.get("--namespace", DEFAULT_NAMESPACE) == executor.get("--namespace", DEFAULT_NAMESPACE)
     published = [str(p) for p in services["scheduler"].get("ports", [])]
     assert any(p.endswith(f":{sched['--port']}") for p in published), published
+
+
+def test_compose_executor_is_scalable():
+    """`docker compose up --scale executor=3`: every replica needs its own name,
+    no host port, and the default advertise address (its hostname)."""
+    services = load_compose()["services"]
+    ex = services["executor"]
+    flags = flag_values(compose_argv(ex))
+    assert "container_name" not in ex, "container_name allows only one executor"
+    assert "hostname" not in ex, "a fixed hostname makes every replica advertise the same address"
+    assert not ex.get("ports"), f"published host ports clash between replicas: {ex.get('ports')}"
+    assert flags["--port"] in [str(p) for p in ex.get("expose", [])]
+    assert "--advertise-address" not in flags, "a fixed advertise address is the same on every replica"
+    # No other service waits on a particular executor container.
+    for name, svc in services.items():
+        assert "executor" not in svc.get("depends_on", {}), f"{name} depends on the executor"
+
+
+def test_compose_shutdown_and_startup_timings():
+    services = load_compose()["services"]
+    ex, sched = services["executor"], services["scheduler"]
+    # SIGTERM, drain, exit 0 before compose's SIGKILL.
+    drain = float(flag_values(compose_argv(ex)).get("--drain-timeout") or 45)
+    for name in ("executor", "scheduler"):
+        assert seconds(services[name]["stop_grace_period"]) == 75, name
+    assert drain < seconds(ex["stop_grace_period"])
+    # The scheduler is NOT_SERVING until an executor serves: give it at least
+    # the executor's model-load window before failures count.
+    assert seconds(sched["healthcheck"]["start_period"]) >= seconds(ex["healthcheck"]["start_period"])
 
 
 def test_compose_healthchecks_probe_the_service_port():
@@ -424,6 +492,41 @@ def test_probe_ports_match_container_ports():
     assert kind == "grpc" and port == PORTS["executor_svc"]
 
 
+def test_liveness_probes_ask_the_liveness_service_and_readiness_the_overall_status():
+    from pagedserve.rpc import LIVENESS
+
+    for comp in ("scheduler", "executor"):
+        c = containers(workload_for(comp))[0]
+        assert c["livenessProbe"]["grpc"].get("service") == LIVENESS, comp
+        for probe in ("startupProbe", "readinessProbe"):
+            assert c[probe]["grpc"].get("service", "") == "", f"{comp} {probe} must ask the overall status"
+
+
+def test_liveness_stays_serving_while_readiness_says_not_serving():
+    """A real gRPC server set up as both services set theirs up."""
+    import asyncio
+
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from pagedserve import rpc
+
+    async def go() -> tuple[int, int]:
+        server, health, port = rpc.make_server("127.0.0.1:0", [])
+        await server.start()
+        await rpc.set_serving(health, ["x.Service"], False)
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+            stub = health_pb2_grpc.HealthStub(ch)
+            ready = await stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
+            alive = await stub.Check(health_pb2.HealthCheckRequest(service=rpc.LIVENESS), timeout=5)
+        await server.stop(None)
+        return ready.status, alive.status
+
+    ready, alive = asyncio.run(go())
+    assert ready == health_pb2.HealthCheckResponse.NOT_SERVING
+    assert alive == health_pb2.HealthCheckResponse.SERVING
+
+
 def test_service_selectors_and_target_ports_match_a_workload():
     for svc in by_kind("Service"):
         sel = svc["spec"]["selector"]
@@ -441,24 +544,50 @@ def test_service_selectors_and_target_ports_match_a_workload():
         assert names[sts["spec"]["serviceName"]]["spec"].get("clusterIP") == "None"
 
 
-def test_pdb_covers_the_scheduler():
+def budget(value, replicas: int, round_up: bool) -> int:
+    """A PDB's minAvailable / maxUnavailable as a pod count (percentages as k8s rounds them)."""
+    if isinstance(value, str) and value.endswith("%"):
+        exact = int(value[:-1]) * replicas / 100
+        return math.ceil(exact) if round_up else math.floor(exact)
+    return int(value)
+
+
+def test_pdbs_cover_scheduler_and_executor_and_never_block_every_drain():
     pdbs = by_kind("PodDisruptionBudget")
-    assert pdbs
-    sched = workload_for("scheduler")
-    labels = sched["spec"]["template"]["metadata"]["labels"]
+    covered = []
     for pdb in pdbs:
+        name = pdb["metadata"]["name"]
         sel = pdb["spec"]["selector"]["matchLabels"]
-        assert sel.items() <= labels.items()
-        assert pdb["spec"].get("minAvailable", 0) < sched["spec"]["replicas"], "PDB would block every drain"
+        matches = [w for w in workloads() if sel.items() <= w["spec"]["template"]["metadata"]["labels"].items()]
+        assert len(matches) == 1, f"PDB {name} selects {len(matches)} workloads"
+        w = matches[0]
+        replicas = w["spec"]["replicas"]
+        spec = pdb["spec"]
+        assert ("minAvailable" in spec) != ("maxUnavailable" in spec), name
+        if "minAvailable" in spec:
+            allowed = replicas - budget(spec["minAvailable"], replicas, round_up=True)
+        else:
+            allowed = budget(spec["maxUnavailable"], replicas, round_up=True)
+        # With every pod healthy, at least one may be evicted: a drain can proceed.
+        assert allowed >= 1, f"PDB {name} would block every drain of {w['metadata']['name']}"
+        # Pods that are not ready (loading, or NOT_SERVING because no executor
+        # serves) must not hold a drain hostage either.
+        assert spec.get("unhealthyPodEvictionPolicy") == "AlwaysAllow", name
+        covered.append(component(w))
+    assert sorted(covered) == ["executor", "scheduler"], covered
 
 
 def test_replicas_and_rollout_strategy():
     sched = workload_for("scheduler")
     assert sched["kind"] == "Deployment" and sched["spec"]["replicas"] == 2
     executor = workload_for("executor")
-    # One executor owns the KV pool; two behind one Service would split state.
-    assert executor["kind"] == "Deployment" and executor["spec"]["replicas"] == 1
-    assert executor["spec"]["strategy"]["type"] == "Recreate"
+    # Executors register in Redis and schedulers spread work over them.
+    assert executor["kind"] == "Deployment" and executor["spec"]["replicas"] > 1
+    for w in (sched, executor):
+        strategy = w["spec"]["strategy"]
+        assert strategy["type"] == "RollingUpdate", w["metadata"]["name"]
+        # Surge one new pod before an old one drains: capacity never drops.
+        assert strategy["rollingUpdate"] == {"maxSurge": 1, "maxUnavailable": 0}, w["metadata"]["name"]
     redis = workload_for("redis")
     assert redis["kind"] == "StatefulSet" and redis["spec"]["replicas"] == 1
     assert redis["spec"]["volumeClaimTemplates"]
@@ -470,16 +599,22 @@ def test_graceful_shutdown_timings():
         spec = pod_spec(w)
         assert spec["terminationGracePeriodSeconds"] == 75
         c = spec["containers"][0]
-        pre = c["lifecycle"]["preStop"]
-        if "sleep" in pre:
-            seconds = int(pre["sleep"]["seconds"])
-        else:
-            cmd = pre["exec"]["command"]
-            assert cmd[0] == "sleep", cmd
-            seconds = int(cmd[1])
-        assert seconds == 15
-        # preStop + the servers' 45 s drain must fit in the grace period.
-        assert seconds + 45 <= spec["terminationGracePeriodSeconds"]
+        sleep = prestop_sleep(c)
+        assert sleep == 15
+        # preStop + the server's drain (the executor's --drain-timeout, else
+        # 45 s) must fit in the grace period.
+        drain = float(flag_values(resolved_argv(c)).get("--drain-timeout") or 45)
+        assert sleep + drain <= spec["terminationGracePeriodSeconds"], comp
+
+
+def test_scheduler_startup_outlasts_executor_startup():
+    """Schedulers report NOT_SERVING until an executor serves; on a fresh deploy
+    their startupProbe must not kill them while the executors load the model."""
+    def window(comp: str) -> int:
+        probe = containers(workload_for(comp))[0]["startupProbe"]
+        return probe.get("periodSeconds", 10) * probe.get("failureThreshold", 3)
+
+    assert window("scheduler") >= window("executor"), (window("scheduler"), window("executor"))
 
 
 def test_env_references_resolve():
@@ -498,22 +633,49 @@ def test_env_references_resolve():
                     assert var in env_names, f"{w['metadata']['name']}/{c['name']}: $({var}) undefined"
 
 
-def test_scheduler_addresses_resolve_to_services():
+def assert_service_port(host: str, port: int, comp: str) -> None:
     services = {s["metadata"]["name"]: s for s in by_kind("Service")}
-    c = containers(workload_for("scheduler"))[0]
-    flags = flag_values(resolved_argv(c))
+    assert host in services, f"no Service named {host}"
+    svc = services[host]
+    assert svc["spec"]["selector"]["app.kubernetes.io/component"] == comp
+    assert port in [p["port"] for p in svc["spec"]["ports"]], f"Service {host} has no port {port}"
 
-    def service_port(host: str, port: int, comp: str):
-        assert host in services, f"no Service named {host}"
-        svc = services[host]
-        assert svc["spec"]["selector"]["app.kubernetes.io/component"] == comp
-        assert port in [p["port"] for p in svc["spec"]["ports"]], f"Service {host} has no port {port}"
 
-    url = urlparse(flags["--redis-url"])
+def test_redis_urls_resolve_and_no_scheduler_names_an_executor():
+    flags = {comp: flag_values(resolved_argv(containers(workload_for(comp))[0])) for comp in ("scheduler", "executor")}
+    # Schedulers serve every executor registered in their namespace.
+    assert "--executor" not in flags["scheduler"], "k8s scheduler is tied to a fixed executor"
+    for comp, f in flags.items():
+        url = urlparse(f.get("--redis-url") or "")
+        assert url.scheme == "redis", f"{comp}: --redis-url {url.geturl()!r}"
+        assert_service_port(url.hostname, url.port, "redis")
+    assert same_redis(flags["scheduler"]["--redis-url"], flags["executor"]["--redis-url"])
+    assert flags["scheduler"].get("--namespace", DEFAULT_NAMESPACE) == flags["executor"].get("--namespace", DEFAULT_NAMESPACE)
+
+
+def test_executor_registers_with_its_pod_ip():
+    w = workload_for("executor")
+    c = containers(w)[0]
+    argv = k8s_argv(c)
+    flags = flag_values(argv)
+    env = {e["name"]: e for e in c.get("env", [])}
+    # POD_IP from the downward API; the executor advertises it with its own port
+    # (schedulers dial pods directly: there is no executor Service to go through).
+    assert "POD_IP" in env, "no POD_IP env var"
+    assert env["POD_IP"].get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") == "status.podIP", env["POD_IP"]
+    assert flags.get("--advertise-address") == f"$(POD_IP):{flags['--port']}", flags.get("--advertise-address")
+    resolved = flag_values(resolved_argv(c))
+    assert resolved["--advertise-address"] == f"<status.podIP>:{PORTS['executor_svc']}"
+    # Registration in the redis Service.
+    url = urlparse(resolved["--redis-url"])
     assert url.scheme == "redis"
-    service_port(url.hostname, url.port, "redis")
-    host, port = flags["--executor"].rsplit(":", 1)
-    service_port(host, int(port), "executor")
+    assert_service_port(url.hostname, url.port, "redis")
+    # The drain timeout is a tunable from the ConfigMap and fits the grace period.
+    drain_ref = re.fullmatch(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", flags.get("--drain-timeout") or "")
+    assert drain_ref and "configMapKeyRef" in env[drain_ref.group(1)].get("valueFrom", {}), flags.get("--drain-timeout")
+    drain = float(resolved["--drain-timeout"])
+    assert 0 < drain
+    assert prestop_sleep(c) + drain < pod_spec(w)["terminationGracePeriodSeconds"]
 
 
 def test_images_and_entrypoint():
