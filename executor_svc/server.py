@@ -69,6 +69,7 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
         self.lifecycle = lifecycle or Lifecycle()
         self._lock = asyncio.Lock()  # one plan at a time: the pool is not reentrant
         self._epoch = 0  # the highest loop epoch seen: older plans come from deposed leaders
+        self._applied_seq = 0  # the highest plan seq executed: a lower one means Redis lost writes
         self.last_step = 0.0  # event-loop time of the last plan
 
     def info(self, with_tokenizer: bool = True) -> pb.InfoResponse:
@@ -90,13 +91,14 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
             evacuate_at_ms=life.evacuate_at_ms,
             dtype=e.cfg.dtype,
             model_digest=e.model_digest,
+            applied_seq=self._applied_seq,
         )
 
     def member(self, address: str) -> Member:
         return Member.from_info(self.info(with_tokenizer=False), address)
 
     def renew_instance(self) -> str:
-        self._epoch = 0
+        self._epoch = self._applied_seq = 0
         return self.engine.renew_instance()
 
     async def Info(self, request: pb.InfoRequest, context: grpc.aio.ServicerContext) -> pb.InfoResponse:
@@ -116,6 +118,11 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
             if request.epoch < self._epoch:
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                     f"epoch: {request.epoch} is stale; a loop with epoch {self._epoch} leads")
+            if request.seq < self._applied_seq:
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                    f"seq: {request.seq} is behind plans already executed (up to "
+                                    f"{self._applied_seq}): Redis lost writes; recompute")
+            self._applied_seq = request.seq
             if self.lifecycle.state == "failed":
                 await context.abort(grpc.StatusCode.UNAVAILABLE, "the engine failed; this executor is leaving")
             self._epoch = request.epoch

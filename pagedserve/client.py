@@ -1,14 +1,29 @@
-"""``pagedserve generate``: call the public API from the command line.
+"""``pagedserve generate``: call the public API from the command line; ``generate()`` from Python.
 
-    pagedserve generate "Write a haiku about paging"            # chat prompt
-    pagedserve generate --raw "The capital of France is" -n 8   # plain completion
+    pagedserve generate "Write a haiku about paging"                       # chat prompt
+    pagedserve generate --raw "The capital of France is" -n 8              # plain completion
+    pagedserve generate --address host-a:50051 --address host-b:50051 --json "Hi"
+
+A stream survives the replica behind it. The protocol, for clients in other
+languages too (see ``protos/pagedserve/v1/generation.proto``):
+1. send ``Generate`` with a ``request_id`` of your own;
+2. keep, from each response, the tokens from the offset you expect on
+   (``offset`` is the index in the completion of its first token);
+3. on UNAVAILABLE (the replica crashed, or drains: its trailing metadata then
+   says ``pagedserve-request-id`` and ``pagedserve-offset``), call ``Resume``
+   with the id and the number of tokens you have, on the same address or any
+   other replica; NOT_FOUND before any token means the request never got in:
+   send ``Generate`` again.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
-from collections.abc import Iterator
+import time
+import uuid
+from collections.abc import Iterator, Sequence
 from typing import TextIO
 
 import grpc
@@ -17,14 +32,71 @@ from pagedserve.rpc import CHANNEL_OPTIONS
 from pagedserve.v1 import generation_pb2 as pb
 from pagedserve.v1 import generation_pb2_grpc as pb_grpc
 
-
-def generate(address: str, request: pb.GenerateRequest, timeout: float | None = None) -> Iterator[pb.GenerateResponse]:
-    """Stream the responses of one Generate call."""
-    with grpc.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
-        yield from pb_grpc.GenerationStub(channel).Generate(request, timeout=timeout)
+RETRIES = 8  # consecutive failed attempts before giving up
+BACKOFF_S = 0.2  # doubled per consecutive failure, at most 2 s
 
 
-def stream_chat(address: str, prompt: str, out: TextIO, max_tokens: int = 128) -> pb.GenerateResponse:
+def _fresh(resp: pb.GenerateResponse, have: int) -> pb.GenerateResponse | None:
+    """``resp`` without the tokens the caller already has; None if it brings nothing new."""
+    if resp.offset > have:
+        raise RuntimeError(f"{resp.request_id}: the server skipped tokens {have}..{resp.offset}")
+    overlap = have - resp.offset
+    if overlap == 0:
+        return resp
+    if overlap >= len(resp.token_ids) and not resp.finish_reason:
+        return None
+    trimmed = pb.GenerateResponse()
+    trimmed.CopyFrom(resp)
+    del trimmed.token_ids[:overlap]
+    trimmed.offset = have
+    return trimmed
+
+
+def generate(addresses: str | Sequence[str], request: pb.GenerateRequest, timeout: float | None = None,
+             retries: int = RETRIES) -> Iterator[pb.GenerateResponse]:
+    """Stream one request, each token exactly once, across replica failures and drains.
+
+    On UNAVAILABLE it reconnects (the same address first, then the next one) and
+    resumes from the last offset delivered; other errors are raised.
+    """
+    addrs = [addresses] if isinstance(addresses, str) else list(addresses)
+    req = pb.GenerateRequest()
+    req.CopyFrom(request)
+    req.request_id = req.request_id or uuid.uuid4().hex
+    have, resume, failures, i = 0, False, 0, 0
+    while True:
+        try:
+            with grpc.insecure_channel(addrs[i % len(addrs)], options=CHANNEL_OPTIONS) as channel:
+                stub = pb_grpc.GenerationStub(channel)
+                call = (stub.Resume(pb.ResumeRequest(request_id=req.request_id, offset=have), timeout=timeout)
+                        if resume else stub.Generate(req, timeout=timeout))
+                for resp in call:
+                    failures = 0
+                    fresh = _fresh(resp, have)
+                    if fresh is None:
+                        continue
+                    have = fresh.offset + len(fresh.token_ids)
+                    yield fresh
+                    if fresh.finish_reason:
+                        return
+        except grpc.RpcError as exc:
+            code = exc.code()  # type: ignore[attr-defined]
+            if code == grpc.StatusCode.NOT_FOUND and resume and have == 0:
+                resume = False  # it never got in: submit it
+                continue
+            if code == grpc.StatusCode.ALREADY_EXISTS and not resume:
+                resume = True  # an earlier attempt got in after all
+                continue
+            if code != grpc.StatusCode.UNAVAILABLE or failures >= retries:
+                raise
+            failures += 1
+            resume = True
+            if failures > 1:
+                i += 1  # the same address once more (a restart), then the next
+            time.sleep(min(2.0, BACKOFF_S * 2 ** (failures - 1)))
+
+
+def stream_chat(address: str | Sequence[str], prompt: str, out: TextIO, max_tokens: int = 128) -> pb.GenerateResponse:
     req = pb.GenerateRequest(
         messages=[pb.ChatMessage(role="user", content=prompt)],
         sampling=pb.SamplingParams(max_tokens=max_tokens, temperature=0.0),
@@ -36,13 +108,23 @@ def stream_chat(address: str, prompt: str, out: TextIO, max_tokens: int = 128) -
     return last
 
 
+def _as_json(resp: pb.GenerateResponse) -> str:
+    return json.dumps({"request_id": resp.request_id, "offset": resp.offset, "token_ids": list(resp.token_ids),
+                       "text": resp.text, "finish_reason": resp.finish_reason})
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="pagedserve", description="Client for a pagedserve deployment.")
     sub = p.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="stream a completion to stdout")
     g.add_argument("prompt")
-    g.add_argument("--address", default="localhost:50051")
+    g.add_argument("--address", action="append", default=None,
+                   help="a scheduler replica HOST:PORT (repeatable: a broken stream resumes on the next; "
+                        "default localhost:50051)")
     g.add_argument("--raw", action="store_true", help="plain completion instead of a chat message")
+    g.add_argument("--json", action="store_true",
+                   help="one JSON object per response: request_id, offset, token_ids, text, finish_reason")
+    g.add_argument("--request-id", default="", help="default: a random one (needed to resume)")
     g.add_argument("-n", "--max-tokens", type=int, default=128)
     g.add_argument("-t", "--temperature", type=float, default=0.0)
     g.add_argument("--top-p", type=float, default=None)
@@ -55,13 +137,16 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("top_p", "top_k", "seed"):
         if getattr(args, name) is not None:
             setattr(sampling, name, getattr(args, name))
-    req = pb.GenerateRequest(sampling=sampling, priority=args.priority)
+    req = pb.GenerateRequest(request_id=args.request_id, sampling=sampling, priority=args.priority)
     if args.raw:
         req.prompt = args.prompt
     else:
         req.messages.append(pb.ChatMessage(role="user", content=args.prompt))
     try:
-        for resp in generate(args.address, req):
+        for resp in generate(args.address or ["localhost:50051"], req):
+            if args.json:
+                print(_as_json(resp), flush=True)
+                continue
             sys.stdout.write(resp.text)
             sys.stdout.flush()
             if resp.finish_reason:

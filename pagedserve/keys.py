@@ -51,6 +51,12 @@ class ExecutorKeys:
     def epoch(self) -> str:
         return self.prefix + "epoch"
 
+    @property
+    def seq(self) -> str:
+        """Writes of this state so far: each fenced write checks and increments it, so a write
+        on top of state that Redis lost (a restart from an older AOF) is refused."""
+        return self.prefix + "seq"
+
     def free(self, tier: Tier | int) -> str:
         """The tier's free set, as a bitmap: bit ``b`` is 1 while block ``b`` is free. A pool of
         hundreds of thousands of blocks is a few tens of KiB, set whole in one command."""
@@ -58,7 +64,7 @@ class ExecutorKeys:
 
     def all(self) -> list[str]:
         """Every key of this executor's state."""
-        return [self.live, self.computed, self.pool, self.counters, self.leader, self.epoch,
+        return [self.live, self.computed, self.pool, self.counters, self.leader, self.epoch, self.seq,
                 *(self.free(t) for t in Tier)]
 
 
@@ -72,6 +78,7 @@ class Keys:
         self.replicas = p + "replicas"  # zset: scheduler replica id -> heartbeat deadline (ms)
         self.queue = p + "queue"  # zset: "<arrival>:<id>" in policy order
         self.live = p + "live"  # set: ids of unfinished requests
+        self.attached = p + "attached"  # zset: unfinished request id -> when a stream last held it (ms)
         self.arrival = p + "arrival"  # string: arrival counter
         self.incoming = p + "incoming"  # stream: doorbell for loops (submit, cancel, requeue)
         self.events = p + "events"  # stream: per step, new tokens and finishes

@@ -68,18 +68,21 @@ def _stop(proc: subprocess.Popen, timeout: float = 10) -> None:
 
 
 class RedisServer:
-    """A throwaway ``redis-server`` on a free loopback port, no persistence."""
+    """A throwaway ``redis-server`` on a loopback port: no persistence, or an AOF with
+    ``appendfsync`` (``always``/``everysec``) that ``restart`` reloads, as after a crash."""
 
-    def __init__(self) -> None:
+    def __init__(self, appendfsync: str | None = None) -> None:
         self.port = free_port()
         self.dir = tempfile.mkdtemp(prefix="pagedserve-redis-")
-        self.proc = subprocess.Popen(
-            [redis_server_binary(), "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", "--dir", self.dir],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
+        persistence = ["--appendonly", "no"] if appendfsync is None else [
+            "--appendonly", "yes", "--appendfsync", appendfsync]
+        self.argv = [redis_server_binary(), "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+                     *persistence, "--dir", self.dir]
         self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.proc = self._start()
+
+    def _start(self) -> subprocess.Popen:
+        proc = subprocess.Popen(self.argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
         def ping() -> bool:
             try:
@@ -89,7 +92,17 @@ class RedisServer:
             except OSError:
                 return False
 
-        wait_until(ping, 10, "redis-server", self.proc)
+        wait_until(ping, 30, "redis-server", proc)
+        return proc
+
+    def kill(self) -> None:
+        """SIGKILL: whatever the AOF did not get is lost."""
+        self.proc.kill()
+        self.proc.wait()
+
+    def restart(self) -> None:
+        """Start again on the same port and directory (loading the AOF, if any)."""
+        self.proc = self._start()
 
     def stop(self) -> None:
         _stop(self.proc)

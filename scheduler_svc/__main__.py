@@ -16,6 +16,8 @@ from pagedserve import rpc
 from pagedserve.keys import Keys
 from pagedserve.members import Registry
 from pagedserve.v1 import generation_pb2_grpc as pb_grpc
+from scheduler_svc import codec
+from scheduler_svc.attachments import DETACH_TIMEOUT_S, Attachments
 from scheduler_svc.core.queue import POLICIES
 from scheduler_svc.core.scheduler import PREEMPTION_MODES, SchedulerConfig
 from scheduler_svc.frontend import EventBus, Frontend
@@ -48,6 +50,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lease-ms", type=int, default=10_000,
                    help="time-to-live of this replica's leases: its loops move to another replica this long "
                         "after it dies")
+    p.add_argument("--result-ttl", type=int, default=codec.RESULT_TTL_S,
+                   help="seconds a finished request stays readable, and resumable")
+    p.add_argument("--detach-timeout", type=float, default=DETACH_TIMEOUT_S,
+                   help="seconds a request may go without any stream attached before it is aborted")
     p.add_argument("--step-log", default=None, help="append one JSON line of statistics per step to this file")
     p.add_argument("--role", choices=("all", "frontend", "loop"), default="all",
                    help="all: the API here and the scheduling loops in a child process; or either one alone")
@@ -58,6 +64,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--redis-url (or $REDIS_URL) is required")
     if args.max_num_seqs < 1 or args.max_num_batched_tokens < 1:
         p.error("--max-num-seqs and --max-num-batched-tokens must be positive")
+    if args.result_ttl < 1 or args.detach_timeout <= 0:
+        p.error("--result-ttl and --detach-timeout must be positive")
     return args
 
 
@@ -82,9 +90,9 @@ async def run_loops(args: argparse.Namespace) -> None:
     keys = Keys(args.namespace)
     step_log = open(args.step_log, "a") if args.step_log else None  # noqa: SIM115 - lives as long as the loops
     replica = args.replica_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-    manager = Manager(RedisStore(client, args.namespace), Registry(client, keys), _scheduler_config(args), replica,
-                      lease_ms=args.lease_ms, static=args.executor, executor_timeout=args.executor_timeout,
-                      step_log=step_log)
+    manager = Manager(RedisStore(client, args.namespace, args.result_ttl), Registry(client, keys),
+                      _scheduler_config(args), replica, lease_ms=args.lease_ms, static=args.executor,
+                      executor_timeout=args.executor_timeout, detach_timeout=args.detach_timeout, step_log=step_log)
     stop = await rpc.stop_on_signals()
     await manager.run(stop)
     await client.aclose()
@@ -130,10 +138,11 @@ async def serve(args: argparse.Namespace) -> None:
     pool = aioredis.BlockingConnectionPool.from_url(args.redis_url, max_connections=64, timeout=None,
                                                      decode_responses=True)
     client = aioredis.Redis.from_pool(pool)
-    store = RedisStore(client, args.namespace)
+    store = RedisStore(client, args.namespace, args.result_ttl)
     watch = ClusterWatch(Registry(client, store.keys), args.max_model_len)
     bus = EventBus(store)
-    frontend = Frontend(store, bus, watch, args.policy)
+    attachments = Attachments(store, args.policy, args.detach_timeout)
+    frontend = Frontend(store, bus, watch, args.policy, attachments)
     server, health, port = rpc.make_server(
         f"{args.host}:{args.port}",
         [(pb_grpc.add_GenerationServicer_to_server, GenerationServicer(frontend), SERVICE_NAME)],
@@ -142,12 +151,16 @@ async def serve(args: argparse.Namespace) -> None:
     await rpc.set_serving(health, [SERVICE_NAME], False)
     stop = await rpc.stop_on_signals()
     await server.start()
-    tasks = [asyncio.create_task(bus.run(stop)), asyncio.create_task(watch.run(stop, health, [SERVICE_NAME]))]
+    tasks = [asyncio.create_task(bus.run(stop)), asyncio.create_task(watch.run(stop, health, [SERVICE_NAME])),
+             asyncio.create_task(attachments.run(stop))]
     if args.role == "all":
         tasks.append(asyncio.create_task(_supervise(args, stop)))
     log.info("scheduler serving on port %d (role %s, namespace %s, %s, %s, executors: %s)", port, args.role,
              args.namespace, args.policy, args.preemption_mode, ", ".join(args.executor) or "registered")
     await stop.wait()
+    # Drain: open streams end UNAVAILABLE with where to resume; their requests go on, and
+    # this replica's loops hand their leases over as the loop process stops.
+    frontend.drain()
     await health.enter_graceful_shutdown()
     await server.stop(grace=5)
     await asyncio.gather(*tasks, return_exceptions=True)

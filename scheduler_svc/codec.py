@@ -20,7 +20,7 @@ from scheduler_svc.core.placement import Candidate, PoolView
 from scheduler_svc.core.record import StepRecord
 from scheduler_svc.core.request import Finish, Params, Request, Status
 
-FINISHED_TTL_S = 3600  # finished requests stay readable this long
+RESULT_TTL_S = 600  # finished requests stay readable (and resumable) this long, by default
 EVENTS_MAXLEN = 100_000
 _ARGS = 4000  # Lua's unpack() limit is ~8000; stay well below
 
@@ -55,6 +55,11 @@ def request_from(request_id: str, fields: dict[str, str], output: list[str], com
         swap_blocks=[(Tier(int(t)), int(b)) for t, b in (x.split(":") for x in fields.get("swap", "").split(",") if x)],
         num_preemptions=int(fields.get("preemptions", 0)),
     )
+
+
+def stop_of(fields: dict[str, str]) -> list[str]:
+    """The request's stop strings (the frontend applies them)."""
+    return list(json.loads(fields["spec"])["stop"])
 
 
 def cancel_of(fields: dict[str, str]) -> Finish | None:
@@ -171,21 +176,23 @@ class CommitWriter:
     leader starts a fresh writer (``restore`` seeds it with what it loaded).
     """
 
-    def __init__(self, keys: Keys, executor: str, policy: str) -> None:
+    def __init__(self, keys: Keys, executor: str, policy: str, result_ttl: int = RESULT_TTL_S) -> None:
         self.k = keys
         self.x = keys.executor(executor)
         self.executor = executor
         self.policy = policy
+        self.result_ttl = str(result_ttl)
         self._saved: dict[str, tuple[object, ...]] = {}
 
     def saw(self, requests: list[Request]) -> None:
         self._saved = {r.request_id: _signature(r) for r in requests}
 
-    def reset_ops(self, totals: tuple[int, ...], block_size: int) -> list[list[str]]:
-        """Bind the state to a fresh pool: every block free, nothing computed."""
+    def reset_ops(self, totals: tuple[int, ...], block_size: int, seq: int) -> list[list[str]]:
+        """Bind the state to a fresh pool: every block free, nothing computed; the write
+        sequence goes to ``seq`` (at least what the executor has executed)."""
         ops: list[list[str]] = [["DEL", self.x.pool, self.x.computed],
                                 ["HSET", self.x.pool, "blocks", ",".join(map(str, totals)), "block_size",
-                                 str(block_size)]]
+                                 str(block_size)], ["SET", self.x.seq, str(seq)]]
         return ops + [[FILL, self.x.free(tier), str(total)] for tier, total in zip(TIERS, totals)]
 
     def _blocks(self, rec: StepRecord, is_free: object) -> list[list[str]]:
@@ -233,7 +240,8 @@ class CommitWriter:
             ops += [["HSET", self.k.req(rid), "status", Status.FINISHED.value, "executor", self.executor,
                      "finish_reason", (req.finish_reason or Finish.ABORT).value, "blocks", "", "swap", ""],
                     ["SREM", self.x.live, rid], ["SREM", self.k.live, rid], ["HDEL", self.x.computed, rid],
-                    ["EXPIRE", self.k.req(rid), str(FINISHED_TTL_S)], ["EXPIRE", self.k.out(rid), str(FINISHED_TTL_S)]]
+                    ["ZREM", self.k.attached, rid],
+                    ["EXPIRE", self.k.req(rid), self.result_ttl], ["EXPIRE", self.k.out(rid), self.result_ttl]]
         if rec.requeued:
             ops.append(["XADD", self.k.incoming, "MAXLEN", "~", "10000", "*", "op", "requeue", "id",
                         rec.requeued[0].request_id])

@@ -1,24 +1,28 @@
-"""The request side of a scheduler replica: admit, stream, cancel.
+"""The request side of a scheduler replica: admit, stream, resume, cancel, drain.
 
 Any replica can serve any request: it persists the request in Redis (which
 queues it for every executor's loop), and follows the loops' events stream
 (one reader per replica, fanned out to the requests it serves) for tokens and
-finishes, wherever the request runs. Events carry each token's offset in the
-completion, so a stream never repeats or skips a token: overlap is dropped,
-and a gap is filled from the request's output list.
+finishes, wherever the request runs. A stream is only a view of a request:
+events carry each token's offset in the completion, so a stream never
+repeats or skips a token (overlap is dropped, a gap is read back from Redis),
+and a client whose stream broke resumes from its offset on any replica.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
+from scheduler_svc import codec
+from scheduler_svc.attachments import Attachments
 from scheduler_svc.codec import Event
-from scheduler_svc.core.request import Finish, Request
+from scheduler_svc.core.request import Finish, Request, Status
 from scheduler_svc.detok import Detokenizer
 from scheduler_svc.store import UNAVAILABLE, RedisStore
 from scheduler_svc.validate import Checked, InvalidArgument, Unavailable, check, check_length
@@ -26,6 +30,25 @@ from scheduler_svc.watch import ClusterWatch
 from pagedserve.v1 import generation_pb2 as pb
 
 log = logging.getLogger(__name__)
+DRAIN = "drain"  # put in every stream's queue when the replica drains
+
+
+class NotFound(LookupError):
+    """Maps to NOT_FOUND: no live or recently finished request has this id."""
+
+
+class OutOfRange(ValueError):
+    """Maps to OUT_OF_RANGE: a resume offset past the tokens generated."""
+
+
+class StreamDetached(RuntimeError):
+    """The stream ends, its request goes on (the replica drains, or Redis is unreachable):
+    resume it from ``offset``."""
+
+    def __init__(self, request_id: str, offset: int, why: str = "this replica is draining") -> None:
+        super().__init__(f"{why}; resume {request_id} from offset {offset}")
+        self.request_id = request_id
+        self.offset = offset
 
 
 @dataclass(slots=True)
@@ -33,6 +56,7 @@ class Chunk:
     request_id: str
     token_ids: list[int]
     text: str
+    offset: int  # index in the completion of token_ids[0]
     finish_reason: str = ""
     prompt_tokens: int = 0
     completion_tokens: int = 0
@@ -42,6 +66,7 @@ class Chunk:
             request_id=self.request_id,
             token_ids=self.token_ids,
             text=self.text,
+            offset=self.offset,
             finish_reason=self.finish_reason,
             prompt_tokens=self.prompt_tokens,
             completion_tokens=self.completion_tokens,
@@ -49,7 +74,7 @@ class Chunk:
 
 
 class EventBus:
-    """Reads the loop's events stream once per replica and routes them by request."""
+    """Reads the loops' events stream once per replica and routes them by request."""
 
     def __init__(self, store: RedisStore) -> None:
         self.store = store
@@ -62,6 +87,10 @@ class EventBus:
 
     def unsubscribe(self, request_id: str) -> None:
         self._queues.pop(request_id, None)
+
+    def broadcast(self, kind: str) -> None:
+        for q in self._queues.values():
+            q.put_nowait((kind, None))
 
     async def run(self, stop: asyncio.Event) -> None:
         last = await self.store.events_tail()
@@ -85,12 +114,33 @@ class EventBus:
                 q.put_nowait(("f", fin))
 
 
+@dataclass(slots=True)
+class _Stream:
+    """One attached stream: what it has delivered and what turns tokens into text."""
+
+    request_id: str
+    prompt_tokens: int
+    detok: Detokenizer
+    delivered: int = 0  # tokens of the completion given to the detokenizer so far
+    done: bool = False
+
+    def chunk(self, tokens: list[int], offset: int, final: bool = False, reason: str = "") -> Chunk:
+        text = self.detok.take(final=final)
+        if not final:
+            return Chunk(self.request_id, tokens, text, offset)
+        self.done = True
+        return Chunk(self.request_id, tokens, text, offset, reason, self.prompt_tokens, len(self.detok.ids))
+
+
 class Frontend:
-    def __init__(self, store: RedisStore, bus: EventBus, watch: ClusterWatch, policy: str = "fcfs") -> None:
+    def __init__(self, store: RedisStore, bus: EventBus, watch: ClusterWatch, policy: str = "fcfs",
+                 attachments: Attachments | None = None) -> None:
         self.store = store
         self.bus = bus
         self.watch = watch
         self.policy = policy  # orders the shared queue; every replica of a namespace uses the same
+        self.attachments = attachments or Attachments(store, policy)
+        self.draining = False
         self._background: set[asyncio.Task[None]] = set()
 
     @property
@@ -109,16 +159,29 @@ class Frontend:
             raise InvalidArgument(f"messages: the chat template rejected them: {exc}") from exc
         return list(self.tokenizer(text, add_special_tokens=False).input_ids)
 
-    def prepare(self, req: pb.GenerateRequest) -> tuple[Request, list[str]]:
-        """Validate and tokenize; raises InvalidArgument, OverCapacity or Unavailable."""
-        limits = self.watch.limits
-        if limits is None or self.tokenizer is None:
+    def _check_open(self) -> None:
+        if self.draining:
+            raise Unavailable("this replica is draining; use another")
+        if self.watch.limits is None or self.tokenizer is None:
             raise Unavailable("no executor has registered in this namespace yet")
+
+    def prepare(self, req: pb.GenerateRequest) -> tuple[Request, list[str]]:
+        """Validate and tokenize; raises InvalidArgument, OverCapacity or Unavailable.
+
+        A sampled request without a seed gets one here, stored with it, so that a
+        recompute after any failure produces the tokens it would have produced.
+        """
+        self._check_open()
+        limits = self.watch.limits
+        assert limits is not None
         checked = check(req, limits)
         prompt = self._tokenize(req, checked)
         check_length(checked.kind, len(prompt), checked.params, limits)
+        params = checked.params
+        if params.temperature > 0 and params.seed is None:
+            params = replace(params, seed=secrets.randbits(63))
         rid = checked.request_id or uuid.uuid4().hex
-        return Request(rid, prompt, checked.params, priority=checked.priority), checked.stop
+        return Request(rid, prompt, params, priority=checked.priority), checked.stop
 
     async def _cancel(self, request_id: str, reason: Finish) -> None:
         try:
@@ -132,45 +195,117 @@ class Frontend:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    async def _fresh(self, rid: str, delivered: int, offset: int, tokens: list[int]) -> list[int]:
+    async def _fresh(self, s: _Stream, offset: int, tokens: list[int]) -> list[int]:
         """The tokens of an event not yet delivered: overlap dropped, a gap filled from Redis."""
-        if offset > delivered:
-            log.warning("%s: events skipped tokens %d..%d; reading them back", rid, delivered, offset)
-            return await self.store.output(rid, delivered, offset) + tokens
-        return tokens[delivered - offset :]
+        if offset > s.delivered:
+            log.warning("%s: events skipped tokens %d..%d; reading them back", s.request_id, s.delivered, offset)
+            return await self.store.output(s.request_id, s.delivered, offset) + tokens
+        return tokens[s.delivered - offset :]
+
+    def _deliver(self, s: _Stream, tokens: list[int], finished: str | None = None) -> Chunk | None:
+        """Give ``tokens`` (the completion's next ones) to the stream; ``finished``: the request's
+        finish reason when these are its last. Returns the chunk to send, if any."""
+        offset = s.delivered
+        s.delivered += len(tokens)
+        accepted = s.detok.add(tokens)
+        if s.detok.stopped:  # a stop string: the text ends here whatever the loop does next
+            if finished is None:
+                self._cancel_later(s.request_id, Finish.STOP)
+            return s.chunk(accepted, offset, final=True, reason=Finish.STOP.value)
+        if finished is not None:
+            return s.chunk(accepted, offset, final=True, reason=finished)
+        return s.chunk(accepted, offset) if accepted else None
+
+    async def _follow(self, s: _Stream, queue: asyncio.Queue[tuple[str, Any]]) -> AsyncIterator[Chunk]:
+        while not s.done:
+            kind, payload = await queue.get()
+            if kind == DRAIN:
+                raise StreamDetached(s.request_id, s.delivered)
+            if kind == "t":
+                offset, toks = payload
+                chunk = self._deliver(s, await self._fresh(s, offset, toks))
+            else:
+                reason, total = payload
+                chunk = self._deliver(s, await self._fresh(s, total, []), finished=reason)
+            if chunk is not None:
+                yield chunk
+
+    async def _attached(self, s: _Stream, queue: asyncio.Queue[tuple[str, Any]], first: list[Chunk],
+                        touch: bool = False) -> AsyncIterator[Chunk]:
+        """Stream ``first``, then the live tail; the request is held (attached) meanwhile, and
+        ``touch`` refreshes that at once. A client that goes away aborts it; a draining replica
+        or a Redis outage leaves it running."""
+        rid = s.request_id
+        try:
+            if touch and not s.done:
+                await self.attachments.touch(rid)
+            for chunk in first:
+                yield chunk
+            async for chunk in self._follow(s, queue):
+                yield chunk
+        except StreamDetached:
+            s.done = True  # nothing to abort: the client resumes elsewhere
+            raise
+        except UNAVAILABLE as exc:
+            s.done = True  # a Redis outage is no reason to abort: the client resumes once it is back
+            raise StreamDetached(rid, s.delivered, f"redis unavailable ({exc})") from exc
+        finally:
+            self.bus.unsubscribe(rid)
+            self.attachments.release(rid)
+            if not s.done:
+                self._cancel_later(rid, Finish.ABORT)  # the client went away: free its blocks
 
     async def generate(self, req: Request, stop: list[str]) -> AsyncIterator[Chunk]:
         rid = req.request_id
         queue = self.bus.subscribe(rid)
-        detok = Detokenizer(self.tokenizer, stop)
-        done = submitted = False
-        delivered = 0  # tokens of the completion taken from events so far
         try:
             await self.store.submit(req, stop, self.policy)
-            submitted = True
-            while not done:
-                kind, payload = await queue.get()
-                if kind == "t":
-                    offset, toks = payload
-                    fresh = await self._fresh(rid, delivered, offset, toks)
-                    delivered += len(fresh)
-                    tokens = detok.add(fresh)
-                    if detok.stopped:
-                        self._cancel_later(rid, Finish.STOP)
-                        done = True
-                        yield Chunk(rid, tokens, detok.take(final=True), Finish.STOP.value,
-                                    len(req.prompt_ids), len(detok.ids))
-                    elif tokens:
-                        yield Chunk(rid, tokens, detok.take(final=False))
-                else:
-                    reason, total = payload
-                    tokens = detok.add(await self._fresh(rid, delivered, total, []))
-                    done = True
-                    yield Chunk(rid, tokens, detok.take(final=True), reason, len(req.prompt_ids), len(detok.ids))
-        finally:
+        except asyncio.CancelledError:
             self.bus.unsubscribe(rid)
-            if submitted and not done:
-                self._cancel_later(rid, Finish.ABORT)  # the client went away: free its blocks
+            self._cancel_later(rid, Finish.ABORT)  # it may have landed
+            raise
+        except BaseException:
+            self.bus.unsubscribe(rid)
+            raise
+        self.attachments.hold(req, stop)
+        s = _Stream(rid, len(req.prompt_ids), Detokenizer(self.tokenizer, stop))
+        async for chunk in self._attached(s, queue, []):
+            yield chunk
+
+    async def resume(self, request_id: str, offset: int) -> AsyncIterator[Chunk]:
+        """The tokens from ``offset`` on, the live tail, the final message; raises NotFound, OutOfRange."""
+        self._check_open()
+        queue = self.bus.subscribe(request_id)  # before reading: no event falls between the read and the tail
+        try:
+            got = await self.store.request(request_id)
+            if got is None:
+                raise NotFound(f"request_id: no live or recently finished request {request_id!r}")
+            fields, out = got
+            if offset > len(out):
+                raise OutOfRange(f"offset: {offset} is past the {len(out)} tokens generated so far")
+        except BaseException:
+            self.bus.unsubscribe(request_id)
+            raise
+        req = codec.request_from(request_id, fields, out)
+        stop = codec.stop_of(fields)
+        s = _Stream(request_id, len(req.prompt_ids), Detokenizer(self.tokenizer, stop))
+        s.detok.add(req.output_ids[:offset])  # what the client has: the text state it left off at
+        s.detok.take(final=False)
+        s.delivered = offset
+        finished = fields.get("finish_reason") if req.status == Status.FINISHED else None
+        if s.detok.stopped:
+            first = [s.chunk([], offset, final=True, reason=Finish.STOP.value)]
+        else:
+            first = [c for c in [self._deliver(s, req.output_ids[offset:], finished)] if c is not None]
+        if not s.done:
+            self.attachments.hold(req, stop)
+        async for chunk in self._attached(s, queue, first, touch=True):
+            yield chunk
 
     async def abort(self, request_id: str) -> bool:
         return await self.store.cancel(request_id, Finish.ABORT)
+
+    def drain(self) -> None:
+        """Stop taking streams and end the open ones (their requests go on)."""
+        self.draining = True
+        self.bus.broadcast(DRAIN)

@@ -33,7 +33,7 @@ from scheduler_svc.core.request import Finish
 from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig
 from scheduler_svc.plan import PlanBuilder
 from scheduler_svc.restore import intake, restore
-from scheduler_svc.store import UNAVAILABLE, Fenced, RedisStore
+from scheduler_svc.store import UNAVAILABLE, Fenced, RedisStore, Stale
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +96,7 @@ class Session:
     writer: CommitWriter
     plans: PlanBuilder
     cursor: str  # the doorbell stream, read up to here
+    seq: int  # writes of the executor's state in Redis: what the next fenced write expects
     ended: list[str] = field(default_factory=list)  # left this executor since the last plan: tables to drop
     retry: bool = False  # placement gave us requests another loop took first: look again at once
     timer: Timer = field(default_factory=Timer)
@@ -143,6 +144,8 @@ class Loop:
             except Fenced as exc:
                 log.warning("executor %s: lost the lease (%s)", self.executor, exc)
                 return "fenced"
+            except Stale as exc:
+                log.warning("executor %s: Redis lost writes of this loop (%s); reloading", self.executor, exc)
             except ExecutorLost as exc:
                 requeued = await self.store.reap(self.executor)
                 log.error("executor %s lost (%s): %d requests go back to the queue", self.executor, exc, requeued)
@@ -162,24 +165,26 @@ class Loop:
         """Restore from the last commit; requests whose plan the executor rejected are aborted."""
         cursor = await self.store.tail_incoming()  # before loading: nothing after the load is missed
         snap = await self.store.load(self.executor)
+        applied = (await self.stub.Info(pb.InfoRequest(omit_tokenizer_files=True), timeout=10)).applied_seq
         info = self.info
         totals = (info.num_gpu_blocks, info.num_cpu_blocks, info.num_disk_blocks)
-        restored = restore(snap, totals, self.config, info.block_size)
+        restored = restore(snap, totals, self.config, info.block_size, applied)
         sched = restored.sched
         for rid in rejected or []:
             if sched.finish(rid, Finish.ABORT) is not None:
                 log.error("aborting %s: the executor rejected its step", rid)
-        writer = CommitWriter(self.store.keys, self.executor, self.config.policy)
+        writer = CommitWriter(self.store.keys, self.executor, self.config.policy, self.store.result_ttl)
         writer.saw(list(sched.requests.values()))
-        ops = writer.reset_ops(totals, info.block_size) if restored.reset else []
+        ops = writer.reset_ops(totals, info.block_size, max(applied, snap.seq)) if restored.reset else []
         if restored.reset and snap.requests:
-            log.warning("executor %s: pool state unusable; %d requests recompute", self.executor, len(snap.requests))
+            log.warning("executor %s: pool state unusable (the executor ran plans up to write %d, Redis has %d); "
+                        "%d requests recompute", self.executor, applied, snap.seq, len(snap.requests))
         self._published = None
         ops += writer.ops(sched.take_record(), sched.blocks.is_free, self._view(sched))
-        await self.store.apply(self.executor, self.epoch, ops)
+        seq = await self.store.apply(self.executor, self.epoch, snap.seq, ops)
         log.info("executor %s: restored %d live requests; device blocks free %d/%d", self.executor,
                  len(sched.requests), sched.blocks.num_free(DEVICE), sched.blocks.total(DEVICE))
-        self.s = Session(sched, writer, PlanBuilder(self.epoch, self.executor), cursor)
+        self.s = Session(sched, writer, PlanBuilder(self.epoch, self.executor), cursor, seq)
 
     def _view(self, sched: Scheduler) -> placement.PoolView | None:
         """This pool's view if it changed since it was last published."""
@@ -205,7 +210,9 @@ class Loop:
                   [c.request_id for c in picks])
         if not picks:
             return [], False
-        claimed = await timer.redis_call(self.store.claim(self.executor, self.epoch, [c.queue_key for c in picks]))
+        claimed = await timer.redis_call(self.store.claim(self.executor, self.epoch, self.s.seq,
+                                                          [c.queue_key for c in picks]))
+        self.s.seq += 1
         return claimed, len(claimed) < len(picks)
 
     async def _run(self, stop: asyncio.Event, rejected: list[str]) -> None:
@@ -242,7 +249,7 @@ class Loop:
         if out is not None and out.has_work:
             self._in_flight = [x.req.request_id for x in out.scheduled]
             t = time.perf_counter()
-            result = await self._step(s.plans.build(out, self._step_id, s.ended))
+            result = await self._step(s.plans.build(out, self._step_id, s.ended, s.seq))
             timer.executor = (time.perf_counter() - t) * 1e3
             s.ended = []
             self._step_id += 1
@@ -253,7 +260,7 @@ class Loop:
         s.ended += [r.request_id for r in rec.finished] + [r.request_id for r in rec.requeued]
         ops = s.writer.ops(rec, sched.blocks.is_free, self._view(sched))
         if ops:
-            await timer.redis_call(self.store.apply(self.executor, self.epoch, ops))
+            s.seq = await timer.redis_call(self.store.apply(self.executor, self.epoch, s.seq, ops))
         timer.stop()
         if self.step_log is not None and out is not None and out.has_work:
             self._log_step(sched, out.num_tokens, queued, timer, result)

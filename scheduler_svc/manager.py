@@ -2,9 +2,10 @@
 
 Every ``lease/3`` the manager heartbeats the replica, reads the membership,
 reaps executors whose record expired (their requests go back to the queue),
-renews the leases it holds, and takes free leases while it leads fewer than
-its share (``ceil(executors / replicas)``), so that loops spread over the
-replicas; one over its share, it hands a lease back. A replica that dies
+takes free leases while it leads fewer than its share (``ceil(executors /
+replicas)``), so that loops spread over the replicas (one over its share, it
+hands a lease back), and aborts requests no stream has held for the detach
+timeout. A task per lease renews it. A replica that dies
 stops renewing, and its executors' leases pass to the others within a lease
 time. Statically configured executors (``--executor``) are registered here on
 their behalf, from their ``Info``.
@@ -24,6 +25,8 @@ from pagedserve import rpc
 from pagedserve.executor.v1 import executor_pb2 as pb
 from pagedserve.executor.v1 import executor_pb2_grpc as pb_grpc
 from pagedserve.members import ClusterView, Member, Registry, describe_mismatch
+from scheduler_svc.attachments import DETACH_TIMEOUT_S
+from scheduler_svc.core.request import Finish
 from scheduler_svc.core.scheduler import SchedulerConfig
 from scheduler_svc.loop import Loop, _sleep
 from scheduler_svc.store import UNAVAILABLE, RedisStore
@@ -45,7 +48,7 @@ class Led:
 class Manager:
     def __init__(self, store: RedisStore, registry: Registry, config: SchedulerConfig, replica: str, *,
                  lease_ms: int = 10_000, static: list[str] | None = None, executor_timeout: float = 60.0,
-                 step_log: TextIO | None = None) -> None:
+                 detach_timeout: float = DETACH_TIMEOUT_S, step_log: TextIO | None = None) -> None:
         self.store = store
         self.registry = registry
         self.config = config
@@ -53,6 +56,7 @@ class Manager:
         self.lease_ms = lease_ms
         self.static = static or []
         self.executor_timeout = executor_timeout
+        self.detach_ms = int(detach_timeout * 1000)
         self.step_log = step_log
         self.members: dict[str, Member] = {}  # compatible members as of the last tick
         self.loops: dict[str, Led] = {}
@@ -81,6 +85,13 @@ class Manager:
         self.members = {m.instance_id: m for m in view.compatible()}
         await self._keep()
         await self._balance(view)
+        await self._abort_detached()
+
+    async def _abort_detached(self) -> None:
+        """Requests no stream has held for the detach timeout: nobody is waiting for them."""
+        for rid in await self.store.detached(self.detach_ms):
+            if await self.store.cancel(rid, Finish.ABORT):
+                log.info("%s: no stream attached for %.0f s; aborted", rid, self.detach_ms / 1000)
 
     async def _fix_identity(self, view: ClusterView) -> None:
         if not view.identity and view.members:

@@ -23,8 +23,9 @@ class PlanBuilder:
         self._sent: dict[str, int] = {}  # request id -> blocks of its table the executor holds
         self._first = True
 
-    def build(self, out: SchedulerOutput, step_id: int, ended: list[str]) -> pb.StepPlan:
-        """``ended``: requests finished or aborted since the last plan."""
+    def build(self, out: SchedulerOutput, step_id: int, ended: list[str], seq: int = 0) -> pb.StepPlan:
+        """``ended``: requests finished or aborted since the last plan; ``seq``: the writes of the
+        executor's state in Redis this plan is built on."""
         forget = [r.request_id for r in out.preempted] + ended
         for rid in forget:
             self._sent.pop(rid, None)
@@ -54,6 +55,6 @@ class PlanBuilder:
             )
         plan = pb.StepPlan(step_id=step_id, swap_out=_moves(out.swap_out), swap_in=_moves(out.swap_in), seqs=seqs,
                            forget=forget, reset_tables=self._first, epoch=self.epoch,
-                           instance_id=self.instance_id)
+                           instance_id=self.instance_id, seq=seq)
         self._first = False
         return plan

@@ -19,6 +19,7 @@ class Snapshot:
     pool: dict[str, str] = field(default_factory=dict)  # what the free sets were built for
     free: tuple[list[int], ...] = ([], [], [])
     requests: list[tuple[Request, Finish | None]] = field(default_factory=list)  # with any pending cancel
+    seq: int = 0  # writes of this state so far
 
 
 @dataclass(slots=True)
@@ -42,18 +43,23 @@ def consistent(bm: BlockManager, requests: list[Request]) -> bool:
     return all(len(owned[t]) + bm.num_free(t) == bm.total(t) for t in TIERS)
 
 
-def restore(snap: Snapshot, totals: tuple[int, ...], config: SchedulerConfig, block_size: int) -> Restored:
+def restore(snap: Snapshot, totals: tuple[int, ...], config: SchedulerConfig, block_size: int,
+            applied_seq: int = 0) -> Restored:
     """The scheduler of an executor whose pools have ``totals`` blocks per tier.
 
     Requests a loop claimed but never committed as admitted go back to the queue;
-    cancelled ones finish. If the recorded pool is not this one, or block
-    ownership is inconsistent, every request goes back to the queue for
-    recompute and the pool starts empty (``reset``).
+    cancelled ones finish. Every request goes back to the queue for recompute,
+    and the pool starts empty (``reset``), if the recorded pool is not this one,
+    if block ownership is inconsistent, or if the executor has executed plans
+    built on writes Redis no longer has (``applied_seq`` past ``snap.seq``: a
+    restart lost them, and the KV may hold what those writes recorded, e.g.
+    blocks that moved to other requests).
     """
     pools = [Pool.with_free(total, [b for b in free if b < total]) for total, free in zip(totals, snap.free)]
     bm = BlockManager(block_size, *pools)
     held = [r for r, _ in snap.requests if r.status in (Status.RUNNING, Status.SWAPPED)]
-    reset = snap.pool != pool_fields(totals, block_size) or not consistent(bm, held)
+    reset = (snap.pool != pool_fields(totals, block_size) or not consistent(bm, held)
+             or applied_seq > snap.seq)
     if reset:
         bm = BlockManager(block_size, *(Pool.fresh(t) for t in totals))
     sched = Scheduler(config, bm)

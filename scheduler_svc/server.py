@@ -6,13 +6,28 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from scheduler_svc.frontend import Frontend
-from scheduler_svc.store import DuplicateRequest
+from scheduler_svc.frontend import Chunk, Frontend, NotFound, OutOfRange, StreamDetached
+from scheduler_svc.store import UNAVAILABLE, DuplicateRequest
 from scheduler_svc.validate import InvalidArgument, OverCapacity, Unavailable
 from pagedserve.v1 import generation_pb2 as pb
 from pagedserve.v1 import generation_pb2_grpc as pb_grpc
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
+
+
+# Trailing metadata of a stream a draining replica ends: where to resume it.
+RESUME_ID, RESUME_OFFSET = "pagedserve-request-id", "pagedserve-offset"
+
+
+async def _stream(chunks: AsyncIterator[Chunk],
+                  context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
+    """Chunks as responses; a drained stream ends UNAVAILABLE with where to resume."""
+    try:
+        async for chunk in chunks:
+            yield chunk.to_pb()
+    except StreamDetached as exc:
+        context.set_trailing_metadata(((RESUME_ID, exc.request_id), (RESUME_OFFSET, str(exc.offset))))
+        await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
 
 
 class GenerationServicer(pb_grpc.GenerationServicer):
@@ -31,12 +46,33 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         except Unavailable as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         try:
-            async for chunk in self.frontend.generate(req, stop):
-                yield chunk.to_pb()
+            async for resp in _stream(self.frontend.generate(req, stop), context):
+                yield resp
         except DuplicateRequest:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id: {req.request_id!r} is already running")
+        except UNAVAILABLE as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"redis unavailable: {exc}")
+
+    async def Resume(self, request: pb.ResumeRequest,
+                     context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
+        if not request.request_id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id: must be set")
+        try:
+            async for resp in _stream(self.frontend.resume(request.request_id, request.offset), context):
+                yield resp
+        except NotFound as exc:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+        except OutOfRange as exc:
+            await context.abort(grpc.StatusCode.OUT_OF_RANGE, str(exc))
+        except Unavailable as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        except UNAVAILABLE as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"redis unavailable: {exc}")
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
         if not request.request_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id: must be set")
-        return pb.AbortResponse(found=await self.frontend.abort(request.request_id))
+        try:
+            return pb.AbortResponse(found=await self.frontend.abort(request.request_id))
+        except UNAVAILABLE as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"redis unavailable: {exc}")

@@ -28,15 +28,23 @@ from scheduler_svc.restore import Snapshot
 # Redis unreachable or slow: worth retrying (redis-py's errors do not derive from the builtins).
 UNAVAILABLE = (redis_exceptions.ConnectionError, redis_exceptions.TimeoutError, OSError)
 
+# Every write of a loop: its epoch must lead, and the executor's state must be the
+# one the loop last wrote (a restart that lost writes is refused as STALE). The
+# write sequence goes up by one; ARGV[1] and ARGV[2] are the epoch and the sequence.
 _FENCE = """
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then
   return redis.error_reply('FENCED stale epoch ' .. ARGV[1])
 end
+local seq_key = string.sub(KEYS[1], 1, -6) .. 'seq'
+if (redis.call('GET', seq_key) or '0') ~= ARGV[2] then
+  return redis.error_reply('STALE state at write ' .. (redis.call('GET', seq_key) or '0') .. ', not ' .. ARGV[2])
+end
+local seq = redis.call('INCR', seq_key)
 """
 
 # A step's commands (codec.CommitWriter), plus two bitmap operations of the codec's.
 _APPLY = _FENCE + """
-local ops = cjson.decode(ARGV[2])
+local ops = cjson.decode(ARGV[3])
 for i = 1, #ops do
   local op = ops[i]
   if op[1] == 'FILL' then
@@ -55,16 +63,17 @@ for i = 1, #ops do
     redis.call(unpack(op))
   end
 end
-return #ops
+return redis.call('GET', seq_key)
 """
 
 # One executor's pool as its last commit left it: pool hash, free bitmaps, live set,
-# computed counts. Bitmaps are binary: the caller reads the reply undecoded.
+# computed counts, write sequence. Bitmaps are binary: the caller reads the reply undecoded.
 _LOAD = """
 local x = ARGV[1]
 return {redis.call('HGETALL', x .. 'pool'), redis.call('GET', x .. 'free:0') or '',
         redis.call('GET', x .. 'free:1') or '', redis.call('GET', x .. 'free:2') or '',
-        redis.call('SMEMBERS', x .. 'live'), redis.call('HGETALL', x .. 'computed')}
+        redis.call('SMEMBERS', x .. 'live'), redis.call('HGETALL', x .. 'computed'),
+        redis.call('GET', x .. 'seq') or '0'}
 """
 
 # A request enters the shared queue. Queue members are "<arrival, 16 digits>:<id>"
@@ -81,6 +90,7 @@ redis.call('HSET', KEYS[1], 'spec', ARGV[2], 'arrival', arrival, 'status', 'wait
            'plen', ARGV[3], 'maxt', ARGV[4], 'prio', ARGV[5], 'qk', qk, 'qs', ARGV[6])
 redis.call('ZADD', KEYS[4], ARGV[6], qk)
 redis.call('SADD', KEYS[5], ARGV[1])
+redis.call('ZADD', KEYS[7], ARGV[7], ARGV[1])
 redis.call('XADD', KEYS[6], 'MAXLEN', '~', '10000', '*', 'op', 'submit', 'id', ARGV[1])
 return arrival
 """
@@ -92,6 +102,7 @@ local function finish_queued(p, rid, reason, ttl)
   local rk, ok = p .. 'req:' .. rid, p .. 'out:' .. rid
   redis.call('HSET', rk, 'status', 'finished', 'finish_reason', reason, 'executor', '', 'blocks', '', 'swap', '')
   redis.call('SREM', p .. 'live', rid)
+  redis.call('ZREM', p .. 'attached', rid)
   redis.call('EXPIRE', rk, ttl)
   redis.call('EXPIRE', ok, ttl)
   local ev = {f = {}}
@@ -110,12 +121,30 @@ if not f[1] or f[1] == 'finished' then
   return 0
 end
 redis.call('HSET', rk, 'cancel', reason)
+redis.call('ZREM', p .. 'attached', rid)
 if redis.call('ZREM', p .. 'queue', f[2]) == 1 then
   finish_queued(p, rid, reason, ARGV[4])
 else
   redis.call('XADD', p .. 'incoming', 'MAXLEN', '~', '10000', '*', 'op', 'cancel', 'id', rid, 'reason', reason)
 end
 return 1
+"""
+
+# Streams hold these requests now: refresh their attachment. Returns the ids
+# Redis does not know (lost in a rollback after a crash): their frontend submits
+# them again.
+_ATTACH = """
+local p, now = ARGV[1], ARGV[2]
+local missing = {}
+for i = 3, #ARGV do
+  local status = redis.call('HGET', p .. 'req:' .. ARGV[i], 'status')
+  if not status then
+    table.insert(missing, ARGV[i])
+  elseif status ~= 'finished' then
+    redis.call('ZADD', p .. 'attached', now, ARGV[i])
+  end
+end
+return missing
 """
 
 # The head of the queue with what placement needs of each request.
@@ -133,13 +162,13 @@ return out
 # A loop takes queued requests for its executor: each lands on exactly one
 # executor. Nothing is taken for a draining executor.
 _CLAIM = _FENCE + """
-local p, eid = ARGV[2], ARGV[3]
+local p, eid = ARGV[3], ARGV[4]
+local out = {}
 if redis.call('HGET', p .. 'exec:' .. eid, 'state') == 'draining' then
-  return {}
+  return out
 end
 local live = p .. 'x:' .. eid .. ':live'
-local out = {}
-for i = 4, #ARGV do
+for i = 5, #ARGV do
   if redis.call('ZREM', p .. 'queue', ARGV[i]) == 1 then
     local rid = string.sub(ARGV[i], 18)
     local rk = p .. 'req:' .. rid
@@ -171,7 +200,7 @@ for _, rid in ipairs(redis.call('SMEMBERS', x .. 'live')) do
   end
 end
 redis.call('DEL', x .. 'live', x .. 'computed', x .. 'pool', x .. 'counters', x .. 'leader', x .. 'epoch',
-           x .. 'free:0', x .. 'free:1', x .. 'free:2')
+           x .. 'seq', x .. 'free:0', x .. 'free:1', x .. 'free:2')
 redis.call('HDEL', p .. 'usage', eid)
 redis.call('ZADD', p .. 'evicted', now, eid)
 redis.call('ZREMRANGEBYSCORE', p .. 'evicted', '-inf', now - 86400000)
@@ -182,12 +211,23 @@ end
 return requeued
 """
 
+# The epoch is the server's clock in microseconds (and above the last one): unlike a
+# counter, it never repeats after a restart that lost the last increments.
 _ACQUIRE = """
+if redis.replicate_commands then redis.replicate_commands() end
 if redis.call('ZSCORE', KEYS[3], ARGV[3]) then
   return nil
 end
 if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
-  return redis.call('INCR', KEYS[2])
+  local t = redis.call('TIME')
+  local epoch = tonumber(t[1]) * 1000000 + tonumber(t[2])
+  local last = tonumber(redis.call('GET', KEYS[2]) or '0')
+  if epoch <= last then
+    epoch = last + 1
+  end
+  local text = string.format('%.0f', epoch)
+  redis.call('SET', KEYS[2], text)
+  return text
 end
 return nil
 """
@@ -211,6 +251,10 @@ class Fenced(RuntimeError):
     """A newer leader holds this executor's lease, or it was reaped: stop writing."""
 
 
+class Stale(RuntimeError):
+    """Redis lost writes this loop made (it restarted from an older AOF): reload, and recompute."""
+
+
 class DuplicateRequest(ValueError):
     """A live request already has this id."""
 
@@ -226,12 +270,15 @@ class Op:
 
 
 class RedisStore:
-    def __init__(self, client: aioredis.Redis, namespace: str = "pagedserve") -> None:
+    def __init__(self, client: aioredis.Redis, namespace: str = "pagedserve",
+                 result_ttl: int = codec.RESULT_TTL_S) -> None:
         self.r = client
         self.keys = Keys(namespace)
+        self.result_ttl = result_ttl
         self._apply = client.register_script(_APPLY)
         self._submit = client.register_script(_SUBMIT)
         self._cancel = client.register_script(_CANCEL)
+        self._attach = client.register_script(_ATTACH)
         self._peek = client.register_script(_PEEK)
         self._claim = client.register_script(_CLAIM)
         self._reap = client.register_script(_REAP)
@@ -246,9 +293,9 @@ class RedisStore:
         k, rid = self.keys, req.request_id
         score, _ = codec.queue_entry(0, rid, req.priority, policy)
         arrival = await self._submit(
-            keys=[k.req(rid), k.out(rid), k.arrival, k.queue, k.live, k.incoming],
+            keys=[k.req(rid), k.out(rid), k.arrival, k.queue, k.live, k.incoming, k.attached],
             args=[rid, codec.spec_json(req, stop), len(req.prompt_ids), req.params.max_tokens, req.priority,
-                  repr(score)])
+                  repr(score), now_ms()])
         if int(arrival) < 0:
             raise DuplicateRequest(rid)
         return int(arrival)
@@ -256,8 +303,26 @@ class RedisStore:
     async def cancel(self, request_id: str, reason: Finish) -> bool:
         """End a request (``abort`` or ``stop``) wherever it is; False if it is not live."""
         found = await self._cancel(keys=[self.keys.req(request_id)],
-                                   args=[self.keys.prefix, request_id, reason.value, codec.FINISHED_TTL_S])
+                                   args=[self.keys.prefix, request_id, reason.value, self.result_ttl])
         return bool(found)
+
+    async def attach(self, request_ids: list[str]) -> list[str]:
+        """Streams hold these requests: refresh them; returns those Redis lost (to submit again)."""
+        if not request_ids:
+            return []
+        return list(await self._attach(keys=[self.keys.attached], args=[self.keys.prefix, now_ms(), *request_ids]))
+
+    async def detached(self, idle_ms: int, limit: int = 256) -> list[str]:
+        """Unfinished requests no stream has held for ``idle_ms``."""
+        return list(await self.r.zrangebyscore(self.keys.attached, "-inf", now_ms() - idle_ms, start=0, num=limit))
+
+    async def request(self, request_id: str) -> tuple[dict[str, str], list[str]] | None:
+        """A request's hash and generated tokens, read together; None if Redis does not know it."""
+        pipe = self.r.pipeline(transaction=True)
+        pipe.hgetall(self.keys.req(request_id))
+        pipe.lrange(self.keys.out(request_id), 0, -1)
+        fields, out = await pipe.execute()
+        return (fields, out) if fields else None
 
     async def events_tail(self) -> str:
         last = await self.r.xrevrange(self.keys.events, count=1)
@@ -310,7 +375,7 @@ class RedisStore:
             if fields.get("status", "finished") != "finished":
                 requests.append((codec.request_from(rid, fields, out, int(computed.get(rid, 0))),
                                  codec.cancel_of(fields)))
-        return Snapshot(pool, free, requests)
+        return Snapshot(pool, free, requests, int(raw[6]))
 
     async def tail_incoming(self) -> str:
         last = await self.r.xrevrange(self.keys.incoming, count=1)
@@ -333,11 +398,12 @@ class RedisStore:
         rows, usage = await pipe.execute()
         return [codec.candidate_from(r) for r in rows], {e: codec.view_from(e, v) for e, v in usage.items()}
 
-    async def claim(self, executor: str, epoch: int, queue_keys: list[str]) -> list[tuple[Request, Finish | None]]:
-        """Take these queued requests for ``executor``; returns those it got, as loaded."""
+    async def claim(self, executor: str, epoch: int, seq: int,
+                    queue_keys: list[str]) -> list[tuple[Request, Finish | None]]:
+        """Take these queued requests for ``executor`` (a write: ``seq`` + 1); returns those it got."""
         try:
             rows = await self._claim(keys=[self.keys.executor(executor).epoch],
-                                     args=[str(epoch), self.keys.prefix, executor, *queue_keys])
+                                     args=[str(epoch), str(seq), self.keys.prefix, executor, *queue_keys])
         except redis_exceptions.ResponseError as exc:
             raise _fenced(exc) from exc
         out = []
@@ -346,16 +412,18 @@ class RedisStore:
             out.append((codec.request_from(rid, fields, output), codec.cancel_of(fields)))
         return out
 
-    async def apply(self, executor: str, epoch: int, ops: list[list[str]]) -> None:
+    async def apply(self, executor: str, epoch: int, seq: int, ops: list[list[str]]) -> int:
+        """Run one step's commands, fenced; returns the write sequence after it."""
         try:
-            await self._apply(keys=[self.keys.executor(executor).epoch], args=[str(epoch), json.dumps(ops)])
+            return int(await self._apply(keys=[self.keys.executor(executor).epoch],
+                                         args=[str(epoch), str(seq), json.dumps(ops)]))
         except redis_exceptions.ResponseError as exc:
             raise _fenced(exc) from exc
 
     async def reap(self, executor: str) -> int:
         """Forget a dead executor; returns how many of its requests went back to the queue."""
         return int(await self._reap(keys=[self.keys.evicted],
-                                    args=[self.keys.prefix, executor, codec.FINISHED_TTL_S, now_ms()]))
+                                    args=[self.keys.prefix, executor, self.result_ttl, now_ms()]))
 
 
 def _text_pairs(flat: list[bytes]) -> dict[str, str]:
@@ -363,4 +431,6 @@ def _text_pairs(flat: list[bytes]) -> dict[str, str]:
 
 
 def _fenced(exc: redis_exceptions.ResponseError) -> Exception:
-    return Fenced(str(exc)) if "FENCED" in str(exc) else exc
+    if "FENCED" in str(exc):
+        return Fenced(str(exc))
+    return Stale(str(exc)) if "STALE" in str(exc) else exc

@@ -6,6 +6,7 @@ streams join to the decoded completion, stop conditions end requests."""
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 
 import grpc
@@ -177,3 +178,39 @@ def test_duplicate_live_request_id_is_refused(tiny_cluster: Cluster, stub, rclie
     stream.cancel()
     free, totals = wait_all_free(rclient, NS)
     assert free == totals
+
+
+def test_resume_replays_a_finished_request_from_any_offset(tiny_cluster: Cluster, stub, tiny_llama) -> None:
+    tok = AutoTokenizer.from_pretrained(tiny_llama)
+    req = pb.GenerateRequest(request_id="done-once", prompt="Hello there, how are",
+                             sampling=S(max_tokens=30, temperature=0, ignore_eos=True))
+    original = list(stub.Generate(req, timeout=60))
+    tokens = [t for r in original for t in r.token_ids]
+    offsets = [r.offset for r in original]
+    assert offsets == [sum(len(r.token_ids) for r in original[:i]) for i in range(len(original))]
+    whole = list(stub.Resume(pb.ResumeRequest(request_id="done-once"), timeout=60))
+    assert [t for r in whole for t in r.token_ids] == tokens
+    assert "".join(r.text for r in whole) == "".join(r.text for r in original)
+    assert whole[-1].finish_reason == "length" and whole[-1].completion_tokens == 30
+    tail = list(stub.Resume(pb.ResumeRequest(request_id="done-once", offset=12), timeout=60))
+    assert tail[0].offset == 12 and [t for r in tail for t in r.token_ids] == tokens[12:]
+    assert tok.decode(tokens[:12]) + "".join(r.text for r in tail) == tok.decode(tokens)
+    end = list(stub.Resume(pb.ResumeRequest(request_id="done-once", offset=30), timeout=60))
+    assert [(list(r.token_ids), r.offset, r.finish_reason) for r in end] == [([], 30, "length")]
+    for bad, code in ((pb.ResumeRequest(request_id="never-existed"), grpc.StatusCode.NOT_FOUND),
+                      (pb.ResumeRequest(request_id="done-once", offset=31), grpc.StatusCode.OUT_OF_RANGE),
+                      (pb.ResumeRequest(), grpc.StatusCode.INVALID_ARGUMENT)):
+        with pytest.raises(grpc.RpcError) as info:
+            list(stub.Resume(bad, timeout=60))
+        assert info.value.code() == code
+
+
+def test_a_sampled_request_without_a_seed_gets_one_stored(tiny_cluster: Cluster, stub, rclient) -> None:
+    req = pb.GenerateRequest(request_id="unseeded", prompt_token_ids=PROMPT,
+                             sampling=S(max_tokens=16, temperature=0.9, ignore_eos=True))
+    first = [t for r in stub.Generate(req, timeout=60) for t in r.token_ids]
+    seed = json.loads(rclient.hget(Keys(NS).req("unseeded"), "spec"))["params"]["seed"]
+    assert isinstance(seed, int)
+    again = pb.GenerateRequest(prompt_token_ids=PROMPT,
+                               sampling=S(max_tokens=16, temperature=0.9, ignore_eos=True, seed=seed))
+    assert [t for r in stub.Generate(again, timeout=60) for t in r.token_ids] == first

@@ -11,7 +11,7 @@ import redis.asyncio as aioredis
 
 from scheduler_svc import codec
 from scheduler_svc.core.request import Finish, Params, Request
-from scheduler_svc.store import Fenced, RedisStore
+from scheduler_svc.store import Fenced, RedisStore, Stale
 
 
 @pytest.fixture()
@@ -58,8 +58,8 @@ def test_a_request_is_claimed_by_one_executor_only(store: RedisStore) -> None:
     arrival = submit(store, "r")
     key = codec.queue_entry(arrival, "r", 0, "fcfs")[1]
     ea, eb = run(store.acquire("ea", "x", 60_000)), run(store.acquire("eb", "y", 60_000))
-    got_a = run(store.claim("ea", ea, [key]))
-    got_b = run(store.claim("eb", eb, [key]))
+    got_a = run(store.claim("ea", ea, 0, [key]))
+    got_b = run(store.claim("eb", eb, 0, [key]))
     assert [r.request_id for r, _ in got_a] == ["r"] and got_b == []
     assert run(store.r.smembers(store.keys.executor("ea").live)) == {"r"}
     assert run(store.r.hget(store.keys.req("r"), "executor")) == "ea"
@@ -73,22 +73,35 @@ def test_a_stale_epoch_can_neither_claim_nor_commit(store: RedisStore) -> None:
     new = run(store.acquire("e", "y", 60_000))
     assert new > old
     with pytest.raises(Fenced):
-        run(store.claim("e", old, [codec.queue_entry(arrival, "r", 0, "fcfs")[1]]))
+        run(store.claim("e", old, 0, [codec.queue_entry(arrival, "r", 0, "fcfs")[1]]))
     with pytest.raises(Fenced):
-        run(store.apply("e", old, [["SET", "x", "1"]]))
+        run(store.apply("e", old, 0, [["SET", "x", "1"]]))
     assert run(store.r.zcard(store.keys.queue)) == 1
+
+
+def test_writes_count_and_a_write_on_lost_state_is_refused(store: RedisStore) -> None:
+    """As after a restart from an AOF that missed the last writes: the sequence went back."""
+    run = store.run  # type: ignore[attr-defined]
+    epoch = run(store.acquire("e", "x", 60_000))
+    assert run(store.apply("e", epoch, 0, [])) == 1
+    assert run(store.apply("e", epoch, 1, [])) == 2
+    run(store.r.set(store.keys.executor("e").seq, 1))  # the second write was lost
+    with pytest.raises(Stale):
+        run(store.apply("e", epoch, 2, [["SET", "x", "1"]]))
+    assert run(store.r.get("x")) is None
+    assert run(store.load("e")).seq == 1
 
 
 def test_reaping_requeues_at_the_same_place_finishes_cancelled_and_fences(store: RedisStore) -> None:
     run = store.run  # type: ignore[attr-defined]
     keys = [codec.queue_entry(submit(store, rid), rid, 0, "fcfs")[1] for rid in ("r0", "r1")]
     epoch = run(store.acquire("e", "x", 60_000))
-    run(store.claim("e", epoch, keys))
+    run(store.claim("e", epoch, 0, keys))
     run(store.cancel("r1", Finish.STOP))  # placed: flagged for its loop
     assert run(store.reap("e")) == 1
     assert run(store.r.zrange(store.keys.queue, 0, -1)) == [keys[0]], "r0 is back where it was"
     assert run(store.r.hget(store.keys.req("r1"), "status")) == "finished"
     assert not any(run(store.r.exists(k)) for k in store.keys.executor("e").all())
     with pytest.raises(Fenced):
-        run(store.apply("e", epoch, [["SET", "x", "1"]]))
+        run(store.apply("e", epoch, 1, [["SET", "x", "1"]]))
     assert run(store.acquire("e", "z", 60_000)) is None, "a reaped executor is never led again"

@@ -1,0 +1,55 @@
+"""Rebuilding an executor's scheduler from a snapshot of Redis, on plain data."""
+
+from __future__ import annotations
+
+from pagedserve.tiers import Tier
+from scheduler_svc.core.request import Finish, Params, Request, Status
+from scheduler_svc.core.scheduler import SchedulerConfig
+from scheduler_svc.restore import Snapshot, pool_fields, restore
+
+CONFIG = SchedulerConfig(max_model_len=256, watermark=0.0)
+TOTALS = (8, 4, 0)
+
+
+def running(rid: str, blocks: list[int], arrival: int) -> Request:
+    return Request(rid, list(range(10, 18)), Params(max_tokens=8), arrival=arrival, status=Status.RUNNING,
+                   num_computed=8, blocks=blocks)
+
+
+def snapshot(requests: list[tuple[Request, Finish | None]], free: list[int], seq: int = 7) -> Snapshot:
+    return Snapshot(pool_fields(TOTALS, 4), (free, [0, 1, 2, 3], []), requests, seq)
+
+
+def test_a_consistent_snapshot_is_kept_claims_go_back_and_cancels_finish() -> None:
+    claimed = Request("claimed", [5, 6], Params(), arrival=3)  # claimed, but its step never committed
+    snap = snapshot([(running("a", [0, 1], 1), None), (running("b", [2, 3], 2), Finish.STOP), (claimed, None)],
+                    free=[4, 5, 6, 7])
+    r = restore(snap, TOTALS, CONFIG, 4, applied_seq=7)
+    assert not r.reset
+    assert list(r.sched.requests) == ["a"] and r.sched.requests["a"].blocks == [0, 1]
+    rec = r.sched.take_record()
+    assert [x.request_id for x in rec.requeued] == ["claimed"]
+    assert [(x.request_id, x.finish_reason) for x in rec.finished] == [("b", Finish.STOP)]
+    assert r.sched.blocks.num_free() == 6, "b's blocks came back"
+
+
+def test_inconsistent_ownership_resets_the_pool() -> None:
+    snap = snapshot([(running("a", [0, 1], 1), None), (running("b", [1, 2], 2), None)], free=[3, 4, 5, 6, 7])
+    r = restore(snap, TOTALS, CONFIG, 4)
+    assert r.reset and not r.sched.requests
+    assert sorted(x.request_id for x in r.sched.take_record().requeued) == ["a", "b"]
+    assert r.sched.blocks.num_free() == 8
+
+
+def test_an_executor_ahead_of_redis_means_lost_writes_and_a_reset() -> None:
+    """Redis came back from an older AOF: the executor ran plans built on writes it no longer has."""
+    swapped = Request("s", list(range(10, 18)), Params(), arrival=2, status=Status.SWAPPED, num_computed=8,
+                      swap_blocks=[(Tier.CPU, 0), (Tier.CPU, 1)])
+    snap = Snapshot(pool_fields(TOTALS, 4), ([2, 3, 4, 5, 6, 7], [2, 3], []),
+                    [(running("a", [0, 1], 1), None), (swapped, None)], seq=7)
+    assert not restore(snap, TOTALS, CONFIG, 4, applied_seq=7).reset, "the same writes: the KV can be trusted"
+    r = restore(snap, TOTALS, CONFIG, 4, applied_seq=9)
+    assert r.reset
+    requeued = r.sched.take_record().requeued
+    assert sorted(x.request_id for x in requeued) == ["a", "s"]
+    assert all(x.num_computed == 0 and not x.blocks and not x.swap_blocks for x in requeued)
