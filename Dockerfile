@@ -92,7 +92,7 @@ WORKDIR /app
 USER 10001:10001
 
 # 50051: public Generation API (scheduler); 50061: internal Executor API.
-EXPOSE 50051 50061
+EXPOSE 50051 50061 9401 9402
 
 ENTRYPOINT ["tini", "--"]
 CMD ["python", "-m", "scheduler_svc", "--help"]

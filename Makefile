@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 PROTOS := $(shell find protos -name '*.proto')
 STAMP := $(VENV)/.installed
 
-.PHONY: run test bench proto install model lint clean
+.PHONY: run test bench proto install model prometheus lint clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -29,7 +29,25 @@ model: install
 run: install model
 	$(BIN)/python -m pagedserve.launch $(ARGS)
 
-test: install
+# Debian's prometheus (prometheus + promtool) for tests/test_prometheus.py, installed only as root;
+# without it that test is skipped. A policy-rc.d that exits 101 (the Docker convention), present for
+# the install only, keeps the postinst from starting the system service on :9090; the service stays
+# disabled, the test runs its own server on a free port.
+prometheus:
+	@command -v prometheus >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" -ne 0 ]; then \
+	    echo "prometheus not on PATH (not root, not installing it): tests/test_prometheus.py is skipped"; exit 0; fi; \
+	  echo "installing Debian's prometheus for tests/test_prometheus.py"; \
+	  policy=/usr/sbin/policy-rc.d; own=; \
+	  if [ ! -e $$policy ]; then printf '#!/bin/sh\nexit 101\n' >$$policy && chmod 755 $$policy && own=1; fi; \
+	  trap '[ -z "$$own" ] || rm -f '$$policy EXIT; \
+	  export DEBIAN_FRONTEND=noninteractive; \
+	  install="apt-get install -y -q --no-install-recommends prometheus"; \
+	  $$install >/dev/null || { apt-get update -q >/dev/null && $$install >/dev/null; } || exit 1; \
+	  update-rc.d prometheus disable >/dev/null 2>&1; deb-systemd-helper disable prometheus.service >/dev/null 2>&1; \
+	  command -v promtool >/dev/null; }
+
+test: install prometheus
 	$(BIN)/python -m pytest -q
 
 bench: install model

@@ -10,16 +10,19 @@ import socket
 from pathlib import Path
 
 import redis.asyncio as aioredis
+from prometheus_client import CollectorRegistry
 
 from executor_svc.engine import Engine, EngineConfig
 from executor_svc.lifecycle import Lifecycle, Registration, quiet
+from executor_svc.metrics import ExecutorMetrics
 from executor_svc.model_store import DEFAULT_MODEL, resolve_model
 from executor_svc.server import SERVICE_NAME, ExecutorServicer
 from kernels import BACKENDS
-from pagedserve import rpc
+from pagedserve import logs, metrics, rpc
 from pagedserve.executor.v1 import executor_pb2_grpc as pb_grpc
 from pagedserve.keys import Keys
 from pagedserve.members import Registry
+from pagedserve.tiers import Tier
 
 log = logging.getLogger("executor_svc")
 
@@ -53,7 +56,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--drain-timeout", type=float, default=45.0,
                    help="seconds after SIGTERM to let running requests finish before they move elsewhere "
                         "(fits Kubernetes' 75 s grace period after a 15 s preStop)")
+    p.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus /metrics on this HTTP port (0: off)")
+    p.add_argument("--metrics-host", default="0.0.0.0", help="address the metrics port binds")
     p.add_argument("--log-level", default="INFO")
+    p.add_argument("--log-format", choices=logs.FORMATS, default="text", help="json: one object per line")
     args = p.parse_args(argv)
     if args.block_size < 1 or args.block_size & (args.block_size - 1):
         p.error("--block-size must be a power of two")
@@ -104,7 +110,11 @@ async def serve(args: argparse.Namespace) -> None:
             dtype=args.dtype,
         )
     )
-    servicer = ExecutorServicer(engine, Lifecycle())
+    registry = CollectorRegistry()
+    executor_metrics = ExecutorMetrics(registry, engine.cfg.model.name)
+    executor_metrics.pools({t: engine.pool.count(t) for t in Tier})
+    metrics.serve(args.metrics_port, registry, args.metrics_host)
+    servicer = ExecutorServicer(engine, Lifecycle(), executor_metrics)
     server, health, port = rpc.make_server(
         f"{args.host}:{args.port}", [(pb_grpc.add_ExecutorServicer_to_server, servicer, SERVICE_NAME)]
     )
@@ -142,7 +152,7 @@ async def serve(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    rpc.run_service(serve, args, args.log_level)
+    rpc.run_service(serve, args, args.log_level, args.log_format)
 
 
 if __name__ == "__main__":

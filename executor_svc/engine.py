@@ -97,6 +97,8 @@ class StepOutput:
     swapped_in: int
     forward_ms: float
     step_ms: float
+    swap_in_ms: float = 0.0  # swap-ins and copies before the forward (host time; launch time on CUDA)
+    swap_out_ms: float = 0.0  # swap-outs (host time: inline on CPU, launched onto a side stream on CUDA)
 
 
 def _eos_ids(model_dir: Path, config: object) -> list[int]:
@@ -245,6 +247,7 @@ class Engine:
             self.tables.forget(rid)
         for seq in plan.seqs:
             self._check(seq)
+        ts = time.perf_counter()
         with self._copying():
             self._move(plan.swap_in)
             self._move(plan.copies)
@@ -256,8 +259,10 @@ class Engine:
         logits, sampled = None, []
         if plan.seqs:
             logits, sampled = self._forward(plan.seqs, self.tables.stacked([s.request_id for s in plan.seqs]))
+        t2 = time.perf_counter()
         with self._copying():
             self._move(plan.swap_out)
+        t3 = time.perf_counter()
         if logits is not None and sampled:
             chosen = sample(logits, [plan.seqs[i].sampling for i in sampled],
                             [plan.seqs[i].num_generated for i in sampled])
@@ -273,6 +278,8 @@ class Engine:
             swapped_in=len(plan.swap_in),
             forward_ms=forward_ms,
             step_ms=(time.perf_counter() - t0) * 1e3,
+            swap_in_ms=(t1 - ts) * 1e3,
+            swap_out_ms=(t3 - t2) * 1e3,
         )
 
     @torch.inference_mode()

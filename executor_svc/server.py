@@ -10,6 +10,7 @@ import grpc
 from executor_svc.block_tables import UnknownTable
 from executor_svc.engine import Engine, Move, PlanError, SeqInput, StepInput, StepOutput
 from executor_svc.lifecycle import Lifecycle
+from executor_svc.metrics import ExecutorMetrics
 from executor_svc.sampler import SamplingParams
 from pagedserve.executor.v1 import executor_pb2 as pb
 from pagedserve.executor.v1 import executor_pb2_grpc as pb_grpc
@@ -64,9 +65,11 @@ def result_to_pb(out: StepOutput) -> pb.StepResult:
 
 
 class ExecutorServicer(pb_grpc.ExecutorServicer):
-    def __init__(self, engine: Engine, lifecycle: Lifecycle | None = None) -> None:
+    def __init__(self, engine: Engine, lifecycle: Lifecycle | None = None,
+                 metrics: ExecutorMetrics | None = None) -> None:
         self.engine = engine
         self.lifecycle = lifecycle or Lifecycle()
+        self.metrics = metrics
         self._lock = asyncio.Lock()  # one plan at a time: the pool is not reentrant
         self._epoch = 0  # the highest loop epoch seen: older plans come from deposed leaders
         self._applied_seq = 0  # the highest plan seq executed: a lower one means Redis lost writes
@@ -139,4 +142,6 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
                 log.exception("the engine failed; reporting NOT_SERVING and leaving the namespace")
                 self.lifecycle.fail()
                 await context.abort(grpc.StatusCode.UNAVAILABLE, "the engine failed; this executor is leaving")
+        if self.metrics is not None:
+            self.metrics.observe(out, bool(plan.swap_in or plan.copies), bool(plan.swap_out))
         return result_to_pb(out)

@@ -84,6 +84,7 @@ class Keys:
         self.events = p + "events"  # stream: per step, new tokens and finishes
         self.counters = p + "counters"  # hash: namespace totals (preemptions, swaps, steps...)
         self.usage = p + "usage"  # hash: instance id -> JSON usage of its pool (placement's view)
+        self.metrics_leader = p + "metrics-leader"  # string lease: the replica exporting namespace gauges
 
     def req(self, request_id: str) -> str:
         return f"{self.prefix}req:{request_id}"

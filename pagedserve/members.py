@@ -139,10 +139,9 @@ class Registry:
         return dict(zip(got[::2], got[1::2]))
 
     async def deregister(self, instance_id: str) -> None:
-        pipe = self.r.pipeline(transaction=True)
-        pipe.delete(self.keys.member(instance_id))
-        pipe.zrem(self.keys.members, instance_id)
-        await pipe.execute()
+        """Delete the record; its index entry stays, so that a scheduler sees a dead member
+        and reaps whatever state of it is left (the executor writes nothing else)."""
+        await self.r.delete(self.keys.member(instance_id))
 
     async def fix_identity(self, member: Member) -> dict[str, str]:
         """The namespace identity, set from ``member`` if there is none yet."""

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import asyncio
-import logging
 import signal
 from collections.abc import Awaitable, Callable
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+
+from pagedserve import logs
 
 # A health service name that reports SERVING for as long as the process runs: what a
 # liveness probe asks. Readiness asks the overall status (""), which a service sets
@@ -67,6 +68,7 @@ async def stop_on_signals() -> asyncio.Event:
     return stop
 
 
-def run_service(serve: Callable[[object], Awaitable[None]], args: object, log_level: str) -> None:
-    logging.basicConfig(level=log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+def run_service(serve: Callable[[object], Awaitable[None]], args: object, log_level: str,
+                log_format: str = "text") -> None:
+    logs.setup(log_level, log_format)
     asyncio.run(serve(args))

@@ -11,10 +11,12 @@ import sys
 import uuid
 
 import redis.asyncio as aioredis
+from prometheus_client import CollectorRegistry
 
-from pagedserve import rpc
+from pagedserve import logs, metrics, rpc, tracing
 from pagedserve.keys import Keys
 from pagedserve.members import Registry
+from pagedserve.procs import free_port
 from pagedserve.v1 import generation_pb2_grpc as pb_grpc
 from scheduler_svc import codec
 from scheduler_svc.attachments import DETACH_TIMEOUT_S, Attachments
@@ -22,6 +24,7 @@ from scheduler_svc.core.queue import POLICIES
 from scheduler_svc.core.scheduler import PREEMPTION_MODES, SchedulerConfig
 from scheduler_svc.frontend import EventBus, Frontend
 from scheduler_svc.manager import Manager
+from scheduler_svc.metrics import FrontendMetrics, LoopMetrics, NamespaceMetrics
 from scheduler_svc.server import SERVICE_NAME, GenerationServicer
 from scheduler_svc.store import RedisStore
 from scheduler_svc.watch import ClusterWatch
@@ -54,10 +57,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="seconds a finished request stays readable, and resumable")
     p.add_argument("--detach-timeout", type=float, default=DETACH_TIMEOUT_S,
                    help="seconds a request may go without any stream attached before it is aborted")
+    p.add_argument("--metrics-port", type=int, default=0,
+                   help="serve Prometheus /metrics on this HTTP port (0: off); with role all it includes the "
+                        "loop process's metrics")
+    p.add_argument("--metrics-host", default="0.0.0.0", help="address the metrics port binds")
+    p.add_argument("--otlp-traces-endpoint", default=None,
+                   help="send OpenTelemetry traces (one per request) to this OTLP/HTTP endpoint, "
+                        "e.g. http://collector:4318/v1/traces (default: tracing off)")
     p.add_argument("--step-log", default=None, help="append one JSON line of statistics per step to this file")
     p.add_argument("--role", choices=("all", "frontend", "loop"), default="all",
                    help="all: the API here and the scheduling loops in a child process; or either one alone")
     p.add_argument("--log-level", default="INFO")
+    p.add_argument("--log-format", choices=logs.FORMATS, default="text",
+                   help="json: one object per line, with request_id and executor fields")
     args = p.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
     if not args.redis_url:
@@ -90,20 +102,29 @@ async def run_loops(args: argparse.Namespace) -> None:
     keys = Keys(args.namespace)
     step_log = open(args.step_log, "a") if args.step_log else None  # noqa: SIM115 - lives as long as the loops
     replica = args.replica_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+    registry = CollectorRegistry()
+    metrics.serve(args.metrics_port, registry, args.metrics_host)
+    traces = tracing.setup("scheduler_svc", args.otlp_traces_endpoint)
     manager = Manager(RedisStore(client, args.namespace, args.result_ttl), Registry(client, keys),
                       _scheduler_config(args), replica, lease_ms=args.lease_ms, static=args.executor,
-                      executor_timeout=args.executor_timeout, detach_timeout=args.detach_timeout, step_log=step_log)
+                      executor_timeout=args.executor_timeout, detach_timeout=args.detach_timeout, step_log=step_log,
+                      metrics=LoopMetrics(registry), namespace_metrics=NamespaceMetrics(registry),
+                      tracer=traces.tracer if traces else None)
     stop = await rpc.stop_on_signals()
     await manager.run(stop)
+    if traces is not None:
+        traces.shutdown()
     await client.aclose()
     if step_log:
         step_log.close()
 
 
-async def _supervise(args: argparse.Namespace, stop: asyncio.Event) -> None:
+async def _supervise(args: argparse.Namespace, stop: asyncio.Event, metrics_port: int) -> None:
     """Run the loops as ``python -m scheduler_svc --role loop`` with the same flags, and
-    keep that process alive; if it dies, other replicas take its leases meanwhile."""
-    argv = [sys.executable, "-m", "scheduler_svc", *args.argv, "--role", "loop"]
+    keep that process alive; if it dies, other replicas take its leases meanwhile. Its
+    metrics are served on ``metrics_port`` of the loopback (0: off)."""
+    argv = [sys.executable, "-m", "scheduler_svc", *args.argv, "--role", "loop", "--metrics-port", str(metrics_port),
+            "--metrics-host", "127.0.0.1"]
     proc: asyncio.subprocess.Process | None = None
     while not stop.is_set():
         if proc is None or proc.returncode is not None:
@@ -142,7 +163,14 @@ async def serve(args: argparse.Namespace) -> None:
     watch = ClusterWatch(Registry(client, store.keys), args.max_model_len)
     bus = EventBus(store)
     attachments = Attachments(store, args.policy, args.detach_timeout)
-    frontend = Frontend(store, bus, watch, args.policy, attachments)
+    registry = CollectorRegistry()
+    loop_metrics_port = free_port() if args.metrics_port and args.role == "all" else 0
+    if loop_metrics_port:
+        registry.register(metrics.ChildCollector(f"http://127.0.0.1:{loop_metrics_port}/metrics"))
+    metrics.serve(args.metrics_port, registry, args.metrics_host)
+    traces = tracing.setup("scheduler_svc", args.otlp_traces_endpoint)
+    frontend = Frontend(store, bus, watch, args.policy, attachments, FrontendMetrics(registry),
+                        traces.tracer if traces else None)
     server, health, port = rpc.make_server(
         f"{args.host}:{args.port}",
         [(pb_grpc.add_GenerationServicer_to_server, GenerationServicer(frontend), SERVICE_NAME)],
@@ -154,7 +182,7 @@ async def serve(args: argparse.Namespace) -> None:
     tasks = [asyncio.create_task(bus.run(stop)), asyncio.create_task(watch.run(stop, health, [SERVICE_NAME])),
              asyncio.create_task(attachments.run(stop))]
     if args.role == "all":
-        tasks.append(asyncio.create_task(_supervise(args, stop)))
+        tasks.append(asyncio.create_task(_supervise(args, stop, loop_metrics_port)))
     log.info("scheduler serving on port %d (role %s, namespace %s, %s, %s, executors: %s)", port, args.role,
              args.namespace, args.policy, args.preemption_mode, ", ".join(args.executor) or "registered")
     await stop.wait()
@@ -165,11 +193,13 @@ async def serve(args: argparse.Namespace) -> None:
     await server.stop(grace=5)
     await asyncio.gather(*tasks, return_exceptions=True)
     await client.aclose()
+    if traces is not None:
+        traces.shutdown()
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    rpc.run_service(serve, args, args.log_level)
+    rpc.run_service(serve, args, args.log_level, args.log_format)
 
 
 if __name__ == "__main__":

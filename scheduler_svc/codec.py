@@ -62,6 +62,16 @@ def stop_of(fields: dict[str, str]) -> list[str]:
     return list(json.loads(fields["spec"])["stop"])
 
 
+@dataclass(slots=True)
+class Claimed:
+    """A request a loop took from the queue, as the claim script returned it."""
+
+    req: Request
+    cancel: Finish | None  # a frontend's pending abort or stop
+    submitted_ms: int  # when it was submitted
+    traceparent: str  # its root span, if tracing is on
+
+
 def cancel_of(fields: dict[str, str]) -> Finish | None:
     """A frontend's pending ``abort`` or ``stop`` for this request, if any."""
     return Finish(fields["cancel"]) if fields.get("cancel") else None

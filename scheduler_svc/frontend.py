@@ -14,16 +14,21 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 from typing import Any
 
+from opentelemetry.trace import Span, Tracer
+
+from pagedserve import tracing
 from scheduler_svc import codec
 from scheduler_svc.attachments import Attachments
 from scheduler_svc.codec import Event
 from scheduler_svc.core.request import Finish, Request, Status
 from scheduler_svc.detok import Detokenizer
+from scheduler_svc.metrics import FrontendMetrics
 from scheduler_svc.store import UNAVAILABLE, RedisStore
 from scheduler_svc.validate import Checked, InvalidArgument, Unavailable, check, check_length
 from scheduler_svc.watch import ClusterWatch
@@ -121,8 +126,11 @@ class _Stream:
     request_id: str
     prompt_tokens: int
     detok: Detokenizer
+    submitted: float  # wall time of the submission (s)
     delivered: int = 0  # tokens of the completion given to the detokenizer so far
     done: bool = False
+    first_pending: bool = True  # no token streamed yet: the next one is the first (TTFT)
+    last: float = 0.0  # when the last message with tokens left
 
     def chunk(self, tokens: list[int], offset: int, final: bool = False, reason: str = "") -> Chunk:
         text = self.detok.take(final=final)
@@ -132,14 +140,23 @@ class _Stream:
         return Chunk(self.request_id, tokens, text, offset, reason, self.prompt_tokens, len(self.detok.ids))
 
 
+def _end(span: Span | None, s: _Stream) -> None:
+    if span is not None:
+        span.set_attribute("pagedserve.completion_tokens", s.delivered)
+        span.end()
+
+
 class Frontend:
     def __init__(self, store: RedisStore, bus: EventBus, watch: ClusterWatch, policy: str = "fcfs",
-                 attachments: Attachments | None = None) -> None:
+                 attachments: Attachments | None = None, metrics: FrontendMetrics | None = None,
+                 tracer: Tracer | None = None) -> None:
         self.store = store
         self.bus = bus
         self.watch = watch
         self.policy = policy  # orders the shared queue; every replica of a namespace uses the same
         self.attachments = attachments or Attachments(store, policy)
+        self.metrics = metrics
+        self.tracer = tracer
         self.draining = False
         self._background: set[asyncio.Task[None]] = set()
 
@@ -187,7 +204,7 @@ class Frontend:
         try:
             await self.store.cancel(request_id, reason)
         except UNAVAILABLE as exc:
-            log.warning("could not cancel %s (%s): %s", request_id, reason.value, exc)
+            log.warning("could not cancel %s (%s): %s", request_id, reason.value, exc, extra={"request_id": request_id})
 
     def _cancel_later(self, request_id: str, reason: Finish) -> None:
         """Cancel even while the caller's task is being cancelled."""
@@ -198,7 +215,8 @@ class Frontend:
     async def _fresh(self, s: _Stream, offset: int, tokens: list[int]) -> list[int]:
         """The tokens of an event not yet delivered: overlap dropped, a gap filled from Redis."""
         if offset > s.delivered:
-            log.warning("%s: events skipped tokens %d..%d; reading them back", s.request_id, s.delivered, offset)
+            log.warning("%s: events skipped tokens %d..%d; reading them back", s.request_id, s.delivered, offset,
+                        extra={"request_id": s.request_id})
             return await self.store.output(s.request_id, s.delivered, offset) + tokens
         return tokens[s.delivered - offset :]
 
@@ -236,12 +254,16 @@ class Frontend:
         ``touch`` refreshes that at once. A client that goes away aborts it; a draining replica
         or a Redis outage leaves it running."""
         rid = s.request_id
+        if self.metrics is not None:
+            self.metrics.streams.labels(self.watch.model).inc()
         try:
             if touch and not s.done:
                 await self.attachments.touch(rid)
             for chunk in first:
+                self._observe(s, chunk)
                 yield chunk
             async for chunk in self._follow(s, queue):
+                self._observe(s, chunk)
                 yield chunk
         except StreamDetached:
             s.done = True  # nothing to abort: the client resumes elsewhere
@@ -250,27 +272,55 @@ class Frontend:
             s.done = True  # a Redis outage is no reason to abort: the client resumes once it is back
             raise StreamDetached(rid, s.delivered, f"redis unavailable ({exc})") from exc
         finally:
+            if self.metrics is not None:
+                self.metrics.streams.labels(self.watch.model).dec()
             self.bus.unsubscribe(rid)
             self.attachments.release(rid)
             if not s.done:
                 self._cancel_later(rid, Finish.ABORT)  # the client went away: free its blocks
 
+    def _observe(self, s: _Stream, chunk: Chunk) -> None:
+        """TTFT (streams that submitted), inter-token latency, end-to-end latency."""
+        if self.metrics is None:
+            return
+        now, m = time.time(), self.watch.model
+        if chunk.token_ids:
+            if s.first_pending:
+                self.metrics.ttft.labels(m).observe(now - s.submitted)
+            elif s.last:
+                self.metrics.itl.labels(m).observe(now - s.last)
+            s.first_pending, s.last = False, now
+        if chunk.finish_reason:
+            self.metrics.e2e.labels(m).observe(now - s.submitted)
+
+    def _span(self, name: str, rid: str, traceparent: str = "", **attrs: object) -> Span | None:
+        if self.tracer is None:
+            return None
+        return self.tracer.start_span(name, context=tracing.parent(traceparent),
+                                      attributes={"pagedserve.request_id": rid, **attrs})
+
     async def generate(self, req: Request, stop: list[str]) -> AsyncIterator[Chunk]:
         rid = req.request_id
+        span = self._span("pagedserve.request", rid, **{"pagedserve.prompt_tokens": len(req.prompt_ids),
+                                                        "pagedserve.max_tokens": req.params.max_tokens})
         queue = self.bus.subscribe(rid)
+        submitted = time.time()
+        s = _Stream(rid, len(req.prompt_ids), Detokenizer(self.tokenizer, stop), submitted)
         try:
-            await self.store.submit(req, stop, self.policy)
-        except asyncio.CancelledError:
-            self.bus.unsubscribe(rid)
-            self._cancel_later(rid, Finish.ABORT)  # it may have landed
-            raise
-        except BaseException:
-            self.bus.unsubscribe(rid)
-            raise
-        self.attachments.hold(req, stop)
-        s = _Stream(rid, len(req.prompt_ids), Detokenizer(self.tokenizer, stop))
-        async for chunk in self._attached(s, queue, []):
-            yield chunk
+            try:
+                await self.store.submit(req, stop, self.policy, tracing.traceparent(span) if span else "")
+            except asyncio.CancelledError:
+                self.bus.unsubscribe(rid)
+                self._cancel_later(rid, Finish.ABORT)  # it may have landed
+                raise
+            except BaseException:
+                self.bus.unsubscribe(rid)
+                raise
+            self.attachments.hold(req, stop)
+            async for chunk in self._attached(s, queue, []):
+                yield chunk
+        finally:
+            _end(span, s)
 
     async def resume(self, request_id: str, offset: int) -> AsyncIterator[Chunk]:
         """The tokens from ``offset`` on, the live tail, the final message; raises NotFound, OutOfRange."""
@@ -288,7 +338,8 @@ class Frontend:
             raise
         req = codec.request_from(request_id, fields, out)
         stop = codec.stop_of(fields)
-        s = _Stream(request_id, len(req.prompt_ids), Detokenizer(self.tokenizer, stop))
+        s = _Stream(request_id, len(req.prompt_ids), Detokenizer(self.tokenizer, stop),
+                    int(fields.get("ts", 0)) / 1000, first_pending=False)
         s.detok.add(req.output_ids[:offset])  # what the client has: the text state it left off at
         s.detok.take(final=False)
         s.delivered = offset
@@ -299,8 +350,12 @@ class Frontend:
             first = [c for c in [self._deliver(s, req.output_ids[offset:], finished)] if c is not None]
         if not s.done:
             self.attachments.hold(req, stop)
-        async for chunk in self._attached(s, queue, first, touch=True):
-            yield chunk
+        span = self._span("pagedserve.resume", request_id, fields.get("tp", ""), **{"pagedserve.offset": offset})
+        try:
+            async for chunk in self._attached(s, queue, first, touch=True):
+                yield chunk
+        finally:
+            _end(span, s)
 
     async def abort(self, request_id: str) -> bool:
         return await self.store.cancel(request_id, Finish.ABORT)

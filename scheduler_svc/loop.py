@@ -22,15 +22,19 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import TextIO
 
 import grpc
+from opentelemetry.trace import Tracer
 
 from pagedserve.executor.v1 import executor_pb2 as pb
 from pagedserve.executor.v1 import executor_pb2_grpc as pb_grpc
+from pagedserve import logs
 from pagedserve.members import Member, now_ms
 from scheduler_svc.codec import CommitWriter
 from scheduler_svc.core import placement
 from scheduler_svc.core.blocks import DEVICE
 from scheduler_svc.core.request import Finish
 from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig
+from scheduler_svc.metrics import LoopMetrics
+from scheduler_svc.placements import Placements
 from scheduler_svc.plan import PlanBuilder
 from scheduler_svc.restore import intake, restore
 from scheduler_svc.store import UNAVAILABLE, Fenced, RedisStore, Stale
@@ -114,6 +118,8 @@ class Loop:
         *,
         executor_timeout: float = 60.0,
         step_log: TextIO | None = None,
+        metrics: LoopMetrics | None = None,
+        tracer: Tracer | None = None,
     ) -> None:
         self.store = store
         self.info = info
@@ -132,32 +138,45 @@ class Loop:
         self._published: placement.PoolView | None = None
         self._step_id = 0
         self.idle_block_ms: int | None = IDLE_BLOCK_MS  # how long an idle step waits for the doorbell
+        self.metrics = metrics
+        self.model = info.model
+        self.placements = Placements(self.executor, info.model, metrics, tracer)
+        self.log = logs.for_executor(log, self.executor)
         self.s: Session
 
     async def lead(self, stop: asyncio.Event) -> str:
         """Step the executor until ``stop``; returns why it ended: stopped, fenced or lost."""
+        if self.metrics is not None:
+            self.metrics.lead(self.model, self.executor)
+        try:
+            return await self._lead(stop)
+        finally:
+            if self.metrics is not None:
+                self.metrics.forget(self.model, self.executor)
+
+    async def _lead(self, stop: asyncio.Event) -> str:
         rejected: list[str] = []
         while not stop.is_set():
             try:
                 await self._run(stop, rejected)
                 return "stopped"
             except Fenced as exc:
-                log.warning("executor %s: lost the lease (%s)", self.executor, exc)
+                self.log.warning("executor %s: lost the lease (%s)", self.executor, exc)
                 return "fenced"
             except Stale as exc:
-                log.warning("executor %s: Redis lost writes of this loop (%s); reloading", self.executor, exc)
+                self.log.warning("executor %s: Redis lost writes of this loop (%s); reloading", self.executor, exc)
             except ExecutorLost as exc:
                 requeued = await self.store.reap(self.executor)
-                log.error("executor %s lost (%s): %d requests go back to the queue", self.executor, exc, requeued)
+                self.log.error("executor %s lost (%s): %d requests go back to the queue", self.executor, exc, requeued)
                 return "lost"
             except grpc.aio.AioRpcError as exc:
                 # FAILED_PRECONDITION (a table the executor lacks, or a newer epoch there) heals
                 # here: the reload starts a fresh PlanBuilder, which sends every table in full.
-                log.warning("executor %s refused a plan (%s: %s); reloading", self.executor, exc.code().name,
+                self.log.warning("executor %s refused a plan (%s: %s); reloading", self.executor, exc.code().name,
                             exc.details())
                 rejected = self._in_flight if exc.code() == grpc.StatusCode.INVALID_ARGUMENT else []
             except UNAVAILABLE as exc:
-                log.warning("redis unavailable (%s); retrying", exc)
+                self.log.warning("redis unavailable (%s); retrying", exc)
                 await _sleep(stop, RETRY_S)
         return "stopped"
 
@@ -172,17 +191,17 @@ class Loop:
         sched = restored.sched
         for rid in rejected or []:
             if sched.finish(rid, Finish.ABORT) is not None:
-                log.error("aborting %s: the executor rejected its step", rid)
+                self.log.error("aborting %s: the executor rejected its step", rid)
         writer = CommitWriter(self.store.keys, self.executor, self.config.policy, self.store.result_ttl)
         writer.saw(list(sched.requests.values()))
         ops = writer.reset_ops(totals, info.block_size, max(applied, snap.seq)) if restored.reset else []
         if restored.reset and snap.requests:
-            log.warning("executor %s: pool state unusable (the executor ran plans up to write %d, Redis has %d); "
+            self.log.warning("executor %s: pool state unusable (the executor ran plans up to write %d, Redis has %d); "
                         "%d requests recompute", self.executor, applied, snap.seq, len(snap.requests))
         self._published = None
         ops += writer.ops(sched.take_record(), sched.blocks.is_free, self._view(sched))
         seq = await self.store.apply(self.executor, self.epoch, snap.seq, ops)
-        log.info("executor %s: restored %d live requests; device blocks free %d/%d", self.executor,
+        self.log.info("executor %s: restored %d live requests; device blocks free %d/%d", self.executor,
                  len(sched.requests), sched.blocks.num_free(DEVICE), sched.blocks.total(DEVICE))
         self.s = Session(sched, writer, PlanBuilder(self.epoch, self.executor), cursor, seq)
 
@@ -193,6 +212,8 @@ class Loop:
         if view == self._published:
             return None
         self._published = view
+        if self.metrics is not None:
+            self.metrics.pool(self.model, self.executor, view)
         return view
 
     async def _claim(self, sched: Scheduler, timer: Timer) -> tuple[list, bool]:
@@ -206,14 +227,15 @@ class Loop:
         views[self.executor] = sched.view(self.executor, True)
         picks = placement.pick(candidates, self.executor, views, policy=self.config.policy, seats=seats,
                                budget=tokens)
-        log.debug("executor %s: %d queued, views %s, picks %s", self.executor, len(candidates), views,
+        self.log.debug("executor %s: %d queued, views %s, picks %s", self.executor, len(candidates), views,
                   [c.request_id for c in picks])
         if not picks:
             return [], False
         claimed = await timer.redis_call(self.store.claim(self.executor, self.epoch, self.s.seq,
                                                           [c.queue_key for c in picks]))
         self.s.seq += 1
-        return claimed, len(claimed) < len(picks)
+        self.placements.claimed(claimed)
+        return [(c.req, c.cancel) for c in claimed], len(claimed) < len(picks)
 
     async def _run(self, stop: asyncio.Event, rejected: list[str]) -> None:
         await self.start(rejected)
@@ -238,7 +260,7 @@ class Loop:
         claimed, s.retry = [], False
         if not member.serving:
             if member.evacuate_at_ms and now_ms() >= member.evacuate_at_ms and sched.requests:
-                log.warning("executor %s: drain deadline; moving %d requests elsewhere", self.executor,
+                self.log.warning("executor %s: drain deadline; moving %d requests elsewhere", self.executor,
                             len(sched.requests))
                 sched.evacuate()
         else:
@@ -255,12 +277,18 @@ class Loop:
             self._step_id += 1
         if out is not None:
             sched.update(out, {o.request_id: o.token_id for o in result.outputs} if result else {})
+            self.placements.stepped(out)
         sched.requeue_waiting()
         rec = sched.take_record()
         s.ended += [r.request_id for r in rec.finished] + [r.request_id for r in rec.requeued]
         ops = s.writer.ops(rec, sched.blocks.is_free, self._view(sched))
         if ops:
             s.seq = await timer.redis_call(self.store.apply(self.executor, self.epoch, s.seq, ops))
+        self.placements.left(rec)
+        if self.metrics is not None:
+            self.metrics.committed(self.model, self.executor, rec)
+            if out is not None and out.has_work:
+                self.metrics.step(self.model, self.executor, out.num_tokens)
         timer.stop()
         if self.step_log is not None and out is not None and out.has_work:
             self._log_step(sched, out.num_tokens, queued, timer, result)

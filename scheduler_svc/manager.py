@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import TextIO
 
 import grpc
+from opentelemetry.trace import Tracer
 
 from pagedserve import rpc
 from pagedserve.executor.v1 import executor_pb2 as pb
@@ -29,6 +30,7 @@ from scheduler_svc.attachments import DETACH_TIMEOUT_S
 from scheduler_svc.core.request import Finish
 from scheduler_svc.core.scheduler import SchedulerConfig
 from scheduler_svc.loop import Loop, _sleep
+from scheduler_svc.metrics import LoopMetrics, NamespaceMetrics
 from scheduler_svc.store import UNAVAILABLE, RedisStore
 
 log = logging.getLogger(__name__)
@@ -48,7 +50,9 @@ class Led:
 class Manager:
     def __init__(self, store: RedisStore, registry: Registry, config: SchedulerConfig, replica: str, *,
                  lease_ms: int = 10_000, static: list[str] | None = None, executor_timeout: float = 60.0,
-                 detach_timeout: float = DETACH_TIMEOUT_S, step_log: TextIO | None = None) -> None:
+                 detach_timeout: float = DETACH_TIMEOUT_S, step_log: TextIO | None = None,
+                 metrics: LoopMetrics | None = None, namespace_metrics: NamespaceMetrics | None = None,
+                 tracer: Tracer | None = None) -> None:
         self.store = store
         self.registry = registry
         self.config = config
@@ -58,6 +62,9 @@ class Manager:
         self.executor_timeout = executor_timeout
         self.detach_ms = int(detach_timeout * 1000)
         self.step_log = step_log
+        self.metrics = metrics
+        self.namespace_metrics = namespace_metrics
+        self.tracer = tracer
         self.members: dict[str, Member] = {}  # compatible members as of the last tick
         self.loops: dict[str, Led] = {}
         self._refused: set[str] = set()
@@ -80,18 +87,33 @@ class Manager:
         view = await self.registry.read()
         for eid in view.dead:
             requeued = await self.store.reap(eid)
-            log.warning("executor %s stopped heartbeating: reaped, %d requests back in the queue", eid, requeued)
+            log.warning("executor %s stopped heartbeating: reaped, %d requests back in the queue", eid, requeued,
+                        extra={"executor": eid})
         await self._fix_identity(view)
         self.members = {m.instance_id: m for m in view.compatible()}
         await self._keep()
         await self._balance(view)
         await self._abort_detached()
+        await self._export(view)
+
+    async def _export(self, view: ClusterView) -> None:
+        """Namespace gauges, from the one replica holding the metrics lease (one Redis call a tick)."""
+        if self.namespace_metrics is None:
+            return
+        if not await self.store.lead_metrics(self.replica, self.lease_ms):
+            self.namespace_metrics.clear()
+            return
+        states: dict[str, int] = {}
+        for m in self.members.values():
+            states[m.state] = states.get(m.state, 0) + 1
+        self.namespace_metrics.set(view.identity.get("model", ""), await self.store.queued(), states, view.replicas)
 
     async def _abort_detached(self) -> None:
         """Requests no stream has held for the detach timeout: nobody is waiting for them."""
         for rid in await self.store.detached(self.detach_ms):
             if await self.store.cancel(rid, Finish.ABORT):
-                log.info("%s: no stream attached for %.0f s; aborted", rid, self.detach_ms / 1000)
+                log.info("%s: no stream attached for %.0f s; aborted", rid, self.detach_ms / 1000,
+                         extra={"request_id": rid})
 
     async def _fix_identity(self, view: ClusterView) -> None:
         if not view.identity and view.members:
@@ -156,7 +178,8 @@ class Manager:
             return False
         stop = asyncio.Event()
         loop = Loop(self.store, info, stub, self.config, epoch, lambda: self.members.get(m.instance_id),
-                    executor_timeout=self.executor_timeout, step_log=self.step_log)
+                    executor_timeout=self.executor_timeout, step_log=self.step_log, metrics=self.metrics,
+                    tracer=self.tracer)
         log.info("replica %s leads executor %s at %s (epoch %d)", self.replica, m.instance_id, m.address, epoch)
         self.loops[m.instance_id] = Led(asyncio.create_task(loop.lead(stop)), stop, channel,
                                         asyncio.create_task(self._renew(m.instance_id, stop)))

@@ -87,7 +87,7 @@ local arrival = redis.call('INCR', KEYS[3])
 local qk = string.format('%016d:%s', arrival, ARGV[1])
 redis.call('DEL', KEYS[1], KEYS[2])
 redis.call('HSET', KEYS[1], 'spec', ARGV[2], 'arrival', arrival, 'status', 'waiting', 'executor', '',
-           'plen', ARGV[3], 'maxt', ARGV[4], 'prio', ARGV[5], 'qk', qk, 'qs', ARGV[6])
+           'plen', ARGV[3], 'maxt', ARGV[4], 'prio', ARGV[5], 'qk', qk, 'qs', ARGV[6], 'ts', ARGV[7], 'tp', ARGV[8])
 redis.call('ZADD', KEYS[4], ARGV[6], qk)
 redis.call('SADD', KEYS[5], ARGV[1])
 redis.call('ZADD', KEYS[7], ARGV[7], ARGV[1])
@@ -288,14 +288,15 @@ class RedisStore:
 
     # -- frontends ------------------------------------------------------------
 
-    async def submit(self, req: Request, stop: list[str], policy: str) -> int:
-        """Persist a new request and queue it; returns its arrival number."""
+    async def submit(self, req: Request, stop: list[str], policy: str, trace: str = "") -> int:
+        """Persist a new request and queue it; returns its arrival number. ``trace``: the
+        ``traceparent`` of its root span, for the loops' spans."""
         k, rid = self.keys, req.request_id
         score, _ = codec.queue_entry(0, rid, req.priority, policy)
         arrival = await self._submit(
             keys=[k.req(rid), k.out(rid), k.arrival, k.queue, k.live, k.incoming, k.attached],
             args=[rid, codec.spec_json(req, stop), len(req.prompt_ids), req.params.max_tokens, req.priority,
-                  repr(score), now_ms()])
+                  repr(score), now_ms(), trace])
         if int(arrival) < 0:
             raise DuplicateRequest(rid)
         return int(arrival)
@@ -353,6 +354,15 @@ class RedisStore:
     async def leader(self, executor: str) -> str | None:
         return await self.r.get(self.keys.executor(executor).leader)
 
+    async def lead_metrics(self, replica: str, ttl_ms: int) -> bool:
+        """Take or keep the namespace's metrics lease (only its holder exports namespace gauges)."""
+        if await self._renew(keys=[self.keys.metrics_leader], args=[replica, ttl_ms]):
+            return True
+        return bool(await self.r.set(self.keys.metrics_leader, replica, nx=True, px=ttl_ms))
+
+    async def queued(self) -> int:
+        return int(await self.r.zcard(self.keys.queue))
+
     # -- one executor's loop ----------------------------------------------------
 
     async def load(self, executor: str) -> Snapshot:
@@ -398,8 +408,7 @@ class RedisStore:
         rows, usage = await pipe.execute()
         return [codec.candidate_from(r) for r in rows], {e: codec.view_from(e, v) for e, v in usage.items()}
 
-    async def claim(self, executor: str, epoch: int, seq: int,
-                    queue_keys: list[str]) -> list[tuple[Request, Finish | None]]:
+    async def claim(self, executor: str, epoch: int, seq: int, queue_keys: list[str]) -> list[codec.Claimed]:
         """Take these queued requests for ``executor`` (a write: ``seq`` + 1); returns those it got."""
         try:
             rows = await self._claim(keys=[self.keys.executor(executor).epoch],
@@ -409,7 +418,8 @@ class RedisStore:
         out = []
         for rid, flat, output in rows:
             fields = dict(zip(flat[::2], flat[1::2]))
-            out.append((codec.request_from(rid, fields, output), codec.cancel_of(fields)))
+            out.append(codec.Claimed(codec.request_from(rid, fields, output), codec.cancel_of(fields),
+                                     int(fields.get("ts", 0)), fields.get("tp", "")))
         return out
 
     async def apply(self, executor: str, epoch: int, seq: int, ops: list[list[str]]) -> int:

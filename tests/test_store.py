@@ -60,7 +60,7 @@ def test_a_request_is_claimed_by_one_executor_only(store: RedisStore) -> None:
     ea, eb = run(store.acquire("ea", "x", 60_000)), run(store.acquire("eb", "y", 60_000))
     got_a = run(store.claim("ea", ea, 0, [key]))
     got_b = run(store.claim("eb", eb, 0, [key]))
-    assert [r.request_id for r, _ in got_a] == ["r"] and got_b == []
+    assert [c.req.request_id for c in got_a] == ["r"] and got_b == []
     assert run(store.r.smembers(store.keys.executor("ea").live)) == {"r"}
     assert run(store.r.hget(store.keys.req("r"), "executor")) == "ea"
 

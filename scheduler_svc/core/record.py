@@ -21,6 +21,7 @@ class Counters:
     swapped_in_blocks: int = 0
     disk_spilled_blocks: int = 0
     steps: int = 0
+    generated_tokens: int = 0
 
     def as_dict(self) -> dict[str, int]:
         return {f.name: getattr(self, f.name) for f in fields(self)}

@@ -312,6 +312,7 @@ class Scheduler:
                 continue
             req.output_ids.append(token)
             self.record.new_tokens.setdefault(req.request_id, []).append(token)
+            self._count("generated_tokens")
             reason = self._check_finish(req, token)
             if reason is not None:
                 finished.append(self.finish(req.request_id, reason))

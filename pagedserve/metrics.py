@@ -1,0 +1,76 @@
+"""Prometheus plumbing shared by both services: the name prefix, the HTTP endpoint,
+and a collector that re-exports another process's metrics.
+
+Names follow vLLM's under the ``pagedserve:`` prefix (``docs/metrics.md`` lists
+every one with its vLLM counterpart). A scheduler replica is two processes, the
+API and its loops: the loop process serves its metrics on a loopback port, and
+the API process's ``/metrics`` includes them (``ChildCollector``), so each
+service has one endpoint to scrape. A scrape never touches Redis.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import urllib.request
+from collections.abc import Callable, Iterator
+from wsgiref.simple_server import WSGIRequestHandler, make_server
+
+from prometheus_client import CollectorRegistry, make_wsgi_app
+from prometheus_client.exposition import ThreadingWSGIServer
+from prometheus_client.metrics_core import Metric
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.registry import Collector
+
+log = logging.getLogger(__name__)
+PREFIX = "pagedserve:"
+# Seconds: from a millisecond to minutes (CPU prefills of long prompts take seconds).
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                   10.0, 20.0, 40.0, 80.0, 160.0)
+
+
+def name(metric: str) -> str:
+    return PREFIX + metric
+
+
+class _Quiet(WSGIRequestHandler):
+    def log_message(self, format: str, *args: object) -> None:  # noqa: A002 - the base class's name
+        pass
+
+
+def _text_format(app: Callable) -> Callable:
+    """Always the classic text format: asked for OpenMetrics without UTF-8 names (as
+    Prometheus 2 asks), prometheus_client turns the ':' of names into '_'
+    (prometheus/client_python#1177), and ``pagedserve:`` names would vanish."""
+
+    def wrapped(environ: dict, start_response: Callable) -> object:
+        return app({k: v for k, v in environ.items() if k != "HTTP_ACCEPT"}, start_response)
+
+    return wrapped
+
+
+def serve(port: int, registry: CollectorRegistry, host: str = "0.0.0.0") -> None:
+    """``/metrics`` on ``port`` in a daemon thread (0: off)."""
+    if not port:
+        return
+    server = make_server(host, port, _text_format(make_wsgi_app(registry)), ThreadingWSGIServer,
+                         handler_class=_Quiet)
+    threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
+    log.info("metrics on http://%s:%d/metrics", host, port)
+
+
+class ChildCollector(Collector):
+    """The metrics another process serves at ``url``, fetched at each scrape (loopback, ~1 ms)."""
+
+    def __init__(self, url: str, timeout: float = 2.0) -> None:
+        self.url = url
+        self.timeout = timeout
+
+    def collect(self) -> Iterator[Metric]:
+        try:
+            with urllib.request.urlopen(self.url, timeout=self.timeout) as resp:  # noqa: S310 - loopback
+                text = resp.read().decode()
+        except OSError as exc:
+            log.debug("child metrics at %s unavailable: %s", self.url, exc)
+            return
+        yield from text_string_to_metric_families(text)

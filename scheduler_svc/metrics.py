@@ -1,0 +1,151 @@
+"""The scheduler's Prometheus metrics (names as vLLM's, under ``pagedserve:``).
+
+Who exports what, so that nothing is counted twice across replicas:
+- ``LoopMetrics`` (loop process): per executor, by the replica that leads its
+  loop — gauges of its pool and counters of what its committed steps did.
+  When a lease moves, the old leader drops that executor's gauges; counters
+  restart on the new leader, which ``rate()``/``increase()`` handle.
+- ``NamespaceMetrics`` (loop process): the queue and the membership, exported
+  only by the replica holding the namespace's metrics lease.
+- ``FrontendMetrics`` (API process): latencies of the streams it serves.
+"""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from pagedserve.metrics import LATENCY_BUCKETS, name
+from pagedserve.tiers import Tier
+from scheduler_svc.core.placement import PoolView
+from scheduler_svc.core.record import StepRecord
+from scheduler_svc.core.request import Finish
+
+TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
+def _usage(view: PoolView, tier: Tier) -> float:
+    total = view.blocks[tier]
+    return 0.0 if total == 0 else 1 - view.free[tier] / total
+
+
+class LoopMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        ex = ["model_name", "executor"]
+        self.running = Gauge(name("num_requests_running"), "Requests running on the executor", ex,
+                             registry=registry)
+        self.swapped = Gauge(name("num_requests_swapped"), "Requests swapped out to the executor's CPU or disk tier",
+                             ex, registry=registry)
+        self.kv = Gauge(name("kv_cache_usage_perc"), "Fraction of the executor's device KV blocks in use (0-1)", ex,
+                        registry=registry)
+        self.cpu_swap = Gauge(name("cpu_swap_usage_perc"), "Fraction of the executor's CPU swap blocks in use (0-1)",
+                              ex, registry=registry)
+        self.disk_swap = Gauge(name("disk_swap_usage_perc"),
+                               "Fraction of the executor's disk swap blocks in use (0-1)", ex, registry=registry)
+        self.preemptions = Counter(name("num_preemptions"), "Requests preempted, by mode", [*ex, "mode"],
+                                   registry=registry)
+        self.prompt_tokens = Counter(name("prompt_tokens"), "Prompt tokens of finished requests", ex,
+                                     registry=registry)
+        self.generation_tokens = Counter(name("generation_tokens"), "Tokens generated (committed steps)", ex,
+                                         registry=registry)
+        self.success = Counter(name("request_success"), "Finished requests, by finish reason",
+                               [*ex, "finished_reason"], registry=registry)
+        self.swapped_blocks = Counter(name("swapped_blocks"), "KV blocks moved between tiers",
+                                      [*ex, "direction", "tier"], registry=registry)
+        self.prefix_queries = Counter(name("prefix_cache_queries"), "Prompt tokens looked up in the prefix cache",
+                                      ex, registry=registry)
+        self.prefix_hits = Counter(name("prefix_cache_hits"), "Prompt tokens found in the prefix cache", ex,
+                                   registry=registry)
+        self.iteration_tokens = Histogram(name("iteration_tokens_total"), "Tokens scheduled per step", ex,
+                                          buckets=TOKEN_BUCKETS, registry=registry)
+        self.queue_time = Histogram(name("request_queue_time_seconds"),
+                                    "From submission to first admission on an executor", ex,
+                                    buckets=LATENCY_BUCKETS, registry=registry)
+        self._gauges = (self.running, self.swapped, self.kv, self.cpu_swap, self.disk_swap)
+
+    def lead(self, model: str, executor: str) -> None:
+        """A loop starts: its counters exist (at 0) from now on, as vLLM's do."""
+        labels = (model, executor)
+        for c in (self.prompt_tokens, self.generation_tokens, self.prefix_queries, self.prefix_hits):
+            c.labels(*labels)
+        for mode in ("swap", "recompute"):
+            self.preemptions.labels(*labels, mode)
+
+    def pool(self, model: str, executor: str, view: PoolView) -> None:
+        labels = (model, executor)
+        self.running.labels(*labels).set(view.running)
+        self.swapped.labels(*labels).set(view.swapped)
+        self.kv.labels(*labels).set(_usage(view, Tier.DEVICE))
+        self.cpu_swap.labels(*labels).set(_usage(view, Tier.CPU))
+        self.disk_swap.labels(*labels).set(_usage(view, Tier.DISK))
+
+    def step(self, model: str, executor: str, scheduled_tokens: int) -> None:
+        self.iteration_tokens.labels(model, executor).observe(scheduled_tokens)
+
+    def admitted(self, model: str, executor: str, submitted_ms: int) -> None:
+        """A request runs for the first time: how long it waited since its submission."""
+        self.queue_time.labels(model, executor).observe(max(0.0, time.time() - submitted_ms / 1000))
+
+    def committed(self, model: str, executor: str, rec: StepRecord) -> None:
+        """What a step that landed in Redis did."""
+        labels = (model, executor)
+        c = rec.counters
+        self.generation_tokens.labels(*labels).inc(sum(len(t) for t in rec.new_tokens.values()))
+        for mode, n in (("swap", c.preemptions_swap), ("recompute", c.preemptions_recompute)):
+            if n:
+                self.preemptions.labels(*labels, mode).inc(n)
+        for direction, tier, n in (("out", "cpu", c.swapped_out_blocks - c.disk_spilled_blocks),
+                                   ("out", "disk", c.disk_spilled_blocks), ("in", "any", c.swapped_in_blocks)):
+            if n:
+                self.swapped_blocks.labels(*labels, direction, tier).inc(n)
+        for req in rec.finished:
+            self.prompt_tokens.labels(*labels).inc(len(req.prompt_ids))
+            self.success.labels(*labels, (req.finish_reason or Finish.ABORT).value).inc()
+
+    def forget(self, model: str, executor: str) -> None:
+        """The lease went elsewhere: its new leader exports these gauges now."""
+        for g in self._gauges:
+            try:
+                g.remove(model, executor)
+            except KeyError:
+                pass
+
+
+class NamespaceMetrics:
+    """Exported by the one replica that holds the namespace's metrics lease."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.waiting = Gauge(name("num_requests_waiting"), "Requests in the shared queue", ["model_name"],
+                             registry=registry)
+        self.executors = Gauge(name("num_executors"), "Registered executors, by state", ["model_name", "state"],
+                               registry=registry)
+        self.replicas = Gauge(name("num_scheduler_replicas"), "Scheduler replicas with a live heartbeat",
+                              ["model_name"], registry=registry)
+        self._model: str | None = None
+
+    def set(self, model: str, waiting: int, executors: dict[str, int], replicas: int) -> None:
+        if model != self._model:  # the namespace's model became known (or changed): no series under the old one
+            self.clear()
+            self._model = model
+        self.waiting.labels(model).set(waiting)
+        for state in ("serving", "draining"):
+            self.executors.labels(model, state).set(executors.get(state, 0))
+        self.replicas.labels(model).set(replicas)
+
+    def clear(self) -> None:
+        for g in (self.waiting, self.executors, self.replicas):
+            g.clear()
+        self._model = None
+
+
+class FrontendMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        m = ["model_name"]
+        self.ttft = Histogram(name("time_to_first_token_seconds"), "From submission to the first token streamed", m,
+                              buckets=LATENCY_BUCKETS, registry=registry)
+        self.itl = Histogram(name("inter_token_latency_seconds"), "Between two streamed messages of a request", m,
+                             buckets=LATENCY_BUCKETS, registry=registry)
+        self.e2e = Histogram(name("e2e_request_latency_seconds"), "From submission to the last message", m,
+                             buckets=LATENCY_BUCKETS, registry=registry)
+        self.streams = Gauge(name("num_streams"), "Streams open on this replica", m, registry=registry)
