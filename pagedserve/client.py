@@ -3,6 +3,8 @@
     pagedserve generate "Write a haiku about paging"                       # chat prompt
     pagedserve generate --raw "The capital of France is" -n 8              # plain completion
     pagedserve generate --address host-a:50051 --address host-b:50051 --json "Hi"
+    pagedserve status --json --redis-url redis://localhost:6379/0          # the deployment, once
+    pagedserve top --redis-url redis://localhost:6379/0                    # refreshing (pagedserve/status.py)
 
 A stream survives the replica behind it. The protocol, for clients in other
 languages too (see ``protos/pagedserve/v1/generation.proto``):
@@ -28,6 +30,7 @@ from typing import TextIO
 
 import grpc
 
+from pagedserve import status
 from pagedserve.rpc import CHANNEL_OPTIONS
 from pagedserve.v1 import generation_pb2 as pb
 from pagedserve.v1 import generation_pb2_grpc as pb_grpc
@@ -132,7 +135,17 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stop", action="append", default=[])
     g.add_argument("--priority", type=int, default=0)
+    st = sub.add_parser("status", help="the deployment as Redis holds it: executors, queue, replicas (once)")
+    status.add_arguments(st, interval=None)
+    st.add_argument("--json", action="store_true", help="one JSON object (top-level key `executors`), for scripts")
+    tp = sub.add_parser("top", help="the deployment as Redis holds it, refreshing until Ctrl-C")
+    status.add_arguments(tp, interval=1.0)
+    tp.add_argument("--once", action="store_true", help="print one frame and exit")
     args = p.parse_args(argv)
+    if args.command in ("status", "top"):
+        if not args.redis_url:
+            p.error("--redis-url (or $REDIS_URL) is required")
+        return status.status_main(args) if args.command == "status" else status.top_main(args)
     sampling = pb.SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, stop=args.stop)
     for name in ("top_p", "top_k", "seed"):
         if getattr(args, name) is not None:
