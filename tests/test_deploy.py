@@ -7,8 +7,15 @@ The rest asserts behaviour the schemas cannot see: probes hit declared ports,
 Services select real workloads, executors register in the Redis the schedulers
 use (advertising their pod IP in k8s) and can be scaled, no scheduler is tied
 to a fixed executor, PDBs never block every drain, graceful-shutdown timings,
-and that every CLI flag we pass is one the services' `--help` lists (skipped
-until a service has a `__main__`).
+metrics ports and scrape annotations, and that every CLI flag we pass is one the
+services' `--help` lists (skipped until a service has a `__main__`).
+
+k8s/extras/ (not in the kustomization) holds the autoscaling add-ons: the
+executor HPA and the Prometheus adapter rules it needs are validated strictly
+like k8s/; the KEDA ScaledObject has no schema in kubernetes-validate, so it is
+checked structurally and against the HPA it must match (its behaviour block is
+validated inside a synthetic HPA). That their PromQL names real metrics is
+checked in tests/test_dashboard.py.
 """
 
 from __future__ import annotations
@@ -34,6 +41,13 @@ DOCKERFILE = ROOT / "Dockerfile"
 DOCKERIGNORE = ROOT / ".dockerignore"
 K8S_DIR = ROOT / "k8s"
 KUSTOMIZATION = K8S_DIR / "kustomization.yaml"
+EXTRAS_DIR = K8S_DIR / "extras"
+HPA_FILE = EXTRAS_DIR / "executor-hpa.yaml"
+ADAPTER_FILE = EXTRAS_DIR / "prometheus-adapter-rules.yaml"
+KEDA_FILE = EXTRAS_DIR / "keda-scaledobject.yaml"
+# Extras that are Kubernetes objects with a schema in kubernetes-validate / not.
+EXTRAS_VALIDATED = (HPA_FILE, ADAPTER_FILE)
+EXTRAS_UNVALIDATED = (KEDA_FILE, EXTRAS_DIR / "grafana-dashboard.json")
 
 IMAGE = "pagedserve:latest"
 # Oldest Kubernetes we support (native gRPC probes are GA since 1.27) and the
@@ -41,6 +55,8 @@ IMAGE = "pagedserve:latest"
 K8S_VERSIONS = ["1.30.0", None]
 SERVICES = ("scheduler_svc", "executor_svc")
 PORTS = {"scheduler_svc": 50051, "executor_svc": 50061}
+# Prometheus /metrics (docs/metrics.md), the same in k8s and compose.
+METRICS_PORTS = {"scheduler_svc": 9401, "executor_svc": 9402}
 
 # The CLI contract as agreed with the service owners; a flag outside it is a
 # typo here even before the CLIs exist.
@@ -48,17 +64,19 @@ CONTRACT_FLAGS = {
     "scheduler_svc": {
         "--port", "--redis-url", "--executor", "--executor-timeout", "--policy",
         "--preemption-mode", "--max-num-seqs", "--max-num-batched-tokens",
-        "--namespace", "--lease-ms",
+        "--namespace", "--lease-ms", "--metrics-port", "--metrics-host",
     },
     "executor_svc": {
         "--port", "--model", "--kv-cache-memory", "--gpu-memory-utilization",
         "--block-size", "--max-model-len", "--swap-space", "--swap-dir",
         "--disk-swap-space", "--attention-backend",
         "--redis-url", "--advertise-address", "--namespace", "--lease-ms", "--drain-timeout",
+        "--metrics-port", "--metrics-host",
     },
 }
 # Flags whose value is not a number (nor one of CHOICES).
-TEXT_FLAGS = {"--redis-url", "--executor", "--model", "--swap-dir", "--advertise-address", "--namespace"}
+TEXT_FLAGS = {"--redis-url", "--executor", "--model", "--swap-dir", "--advertise-address", "--namespace",
+              "--metrics-host"}
 # Both services' --namespace default: executors join the schedulers' namespace.
 DEFAULT_NAMESPACE = "pagedserve"
 CHOICES = {
@@ -482,9 +500,13 @@ def test_probe_ports_match_container_ports():
             module = service_module(k8s_argv(c))
             if module:
                 declared = set(container_ports(c).values())
-                cli_port = int(flag_values(k8s_argv(c))["--port"])
-                assert declared == {cli_port} == {PORTS[module]}, (declared, cli_port)
-                for probe_name in ("readinessProbe", "livenessProbe"):
+                flags = flag_values(k8s_argv(c))
+                cli_port = int(flags["--port"])
+                metrics_port = int(flags["--metrics-port"])
+                # The gRPC port and the Prometheus port, nothing else.
+                assert declared == {cli_port, metrics_port} == {PORTS[module], METRICS_PORTS[module]}, (
+                    declared, cli_port, metrics_port)
+                for probe_name in PROBES:
                     kind, port = probe_port(c[probe_name])
                     assert kind == "grpc" and ports[port] == cli_port, (probe_name, kind, port)
     executor = containers(workload_for("executor"))[0]
@@ -788,3 +810,212 @@ def test_dockerignore_keeps_sources_and_drops_local_state():
     for p in (".venv/bin/python", ".git/HEAD", "pagedserve/v1/generation_pb2.py",
               "pagedserve/executor/v1/executor_pb2.py", "kernels/__pycache__/x.pyc"):
         assert ignored(p), f".dockerignore lets {p} into the build context"
+
+
+# ---------------------------------------------------------------- metrics endpoints
+def metrics_flag(argv: list[str]) -> int:
+    value = flag_values(argv).get("--metrics-port")
+    assert value is not None, f"no --metrics-port in {argv}"
+    return int(value)
+
+
+@pytest.mark.parametrize("comp,module", [("scheduler", "scheduler_svc"), ("executor", "executor_svc")])
+def test_k8s_metrics_port_and_scrape_annotations(comp, module):
+    w = workload_for(comp)
+    c = containers(w)[0]
+    port = metrics_flag(resolved_argv(c))
+    assert port == METRICS_PORTS[module] != PORTS[module]
+    named = {p["name"]: p for p in c["ports"]}
+    assert named["metrics"]["containerPort"] == port and named["metrics"].get("protocol", "TCP") == "TCP"
+    # The endpoint must listen on the pod IP, not only the loopback.
+    assert flag_values(resolved_argv(c)).get("--metrics-host", "0.0.0.0") == "0.0.0.0"
+    annotations = w["spec"]["template"]["metadata"].get("annotations", {})
+    assert annotations.get("prometheus.io/scrape") == "true", annotations
+    assert annotations.get("prometheus.io/port") == str(port), annotations
+    assert annotations.get("prometheus.io/path", "/metrics") == "/metrics", annotations
+
+
+@pytest.mark.parametrize("name,module", [("scheduler", "scheduler_svc"), ("executor", "executor_svc")])
+def test_compose_metrics_ports_are_exposed_not_published(name, module):
+    svc = load_compose()["services"][name]
+    port = metrics_flag(compose_argv(svc))
+    assert port == METRICS_PORTS[module]
+    # Reachable on the compose network (a Prometheus service added to the project
+    # scrapes it); not published, which would clash between scaled executors.
+    assert str(port) in [str(p) for p in svc.get("expose", [])], svc.get("expose")
+    published = [str(p) for p in svc.get("ports", [])]
+    assert not any(p.split(":")[-1].split("/")[0] == str(port) for p in published), published
+
+
+# ---------------------------------------------------------------- k8s/extras: autoscaling
+def load_yaml_docs(path: Path) -> list[dict]:
+    return [d for d in yaml.safe_load_all(path.read_text()) if d]
+
+
+def one_doc(path: Path) -> dict:
+    docs = load_yaml_docs(path)
+    assert len(docs) == 1, f"{path.name}: expected one object, found {len(docs)}"
+    return docs[0]
+
+
+def adapter_rules() -> list[dict]:
+    cm = one_doc(ADAPTER_FILE)
+    assert cm["kind"] == "ConfigMap"
+    config = yaml.safe_load(cm["data"]["config.yaml"])
+    assert set(config) == {"externalRules"}, set(config)
+    return config["externalRules"]
+
+
+def quantity(value) -> float:
+    """A Kubernetes quantity as HPA targets use them ('4', '800m', '1.5')."""
+    s = str(value)
+    return float(s[:-1]) / 1000 if s.endswith("m") else float(s)
+
+
+def normalized_promql(expr: str) -> str:
+    """Whitespace and the order of label matchers do not matter."""
+    def matchers(m: re.Match) -> str:
+        return "{" + ",".join(sorted(x.strip() for x in m.group(1).split(",") if x.strip())) + "}"
+    return re.sub(r"\{([^}]*)\}", matchers, re.sub(r"\s+", "", expr))
+
+
+def test_extras_are_classified_and_not_in_the_kustomization():
+    found = sorted(p for p in EXTRAS_DIR.iterdir() if p.is_file())
+    assert found == sorted(EXTRAS_VALIDATED + EXTRAS_UNVALIDATED), found
+    kust = yaml.safe_load(KUSTOMIZATION.read_text())
+    assert not any("extras" in r for r in kust["resources"]), kust["resources"]
+
+
+@pytest.mark.parametrize("version", K8S_VERSIONS, ids=lambda v: v or "latest-shipped")
+def test_extras_validate_strict_offline(version):
+    args = [tool("kubernetes-validate"), "--strict", "--quiet"]
+    if version:
+        args += ["-k", version]
+    res = run_tool(args + [str(f) for f in EXTRAS_VALIDATED])
+    out = res.stdout + res.stderr
+    assert res.returncode == 0 and "Couldn't find schema" not in out, out
+    for path in EXTRAS_VALIDATED:
+        for doc in load_yaml_docs(path):
+            md = doc["metadata"]
+            assert "namespace" not in md, f"{path.name} hard-codes a namespace"
+            assert md["labels"]["app.kubernetes.io/name"] == "pagedserve", path.name
+
+
+def test_hpa_scales_the_executor_deployment_and_drains_one_pod_at_a_time():
+    hpa = one_doc(HPA_FILE)
+    assert (hpa["apiVersion"], hpa["kind"]) == ("autoscaling/v2", "HorizontalPodAutoscaler")
+    spec = hpa["spec"]
+    executor = workload_for("executor")
+    assert spec["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": executor["kind"],
+                                      "name": executor["metadata"]["name"]}
+    assert spec["minReplicas"] == 2 <= executor["spec"]["replicas"] <= spec["maxReplicas"] == 8
+    # Waiting requests per serving executor and KV usage, each one value from the
+    # Prometheus adapter's external metrics.
+    served = {r["name"]["as"] for r in adapter_rules()}
+    names = []
+    for m in spec["metrics"]:
+        assert m["type"] == "External", m
+        assert m["external"]["target"]["type"] == "Value", m
+        assert quantity(m["external"]["target"]["value"]) > 0, m
+        names.append(m["external"]["metric"]["name"])
+    assert sorted(names) == sorted(served), (names, served)
+    assert any("waiting" in n for n in names) and any("kv_cache" in n for n in names), names
+    kv_target = next(quantity(m["external"]["target"]["value"]) for m in spec["metrics"]
+                     if "kv_cache" in m["external"]["metric"]["name"])
+    assert 0 < kv_target < 1, kv_target
+
+    pod = pod_spec(executor)
+    down = spec["behavior"]["scaleDown"]
+    assert down.get("selectPolicy", "Max") != "Disabled"
+    assert down["policies"], "scale-down needs a policy"
+    # At most one executor leaves per period, and the period outlasts a whole
+    # termination (preStop + drain < grace): drains never overlap.
+    for policy in down["policies"]:
+        assert policy["type"] == "Pods" and policy["value"] == 1, policy
+        assert policy["periodSeconds"] >= pod["terminationGracePeriodSeconds"], policy
+    # A pod still loading the model is not ready and does not count: the HPA
+    # must not remove it because of the lower recommendations meanwhile.
+    startup = containers(executor)[0]["startupProbe"]
+    assert down["stabilizationWindowSeconds"] >= startup["periodSeconds"] * startup["failureThreshold"]
+    up = spec["behavior"]["scaleUp"]
+    assert up.get("selectPolicy", "Max") != "Disabled" and up["policies"]
+
+
+def test_adapter_rules_are_namespaced_external_metrics():
+    rules = adapter_rules()
+    assert rules
+    names = [r["name"]["as"] for r in rules]
+    assert len(names) == len(set(names)), names
+    for r in rules:
+        assert r["resources"] == {"overrides": {"namespace": {"resource": "namespace"}}}, r
+        series = re.fullmatch(r'\{__name__="([^"]+)",namespace!=""\}', r["seriesQuery"])
+        assert series, r["seriesQuery"]
+        assert re.fullmatch(r["name"]["matches"], series.group(1)), (r["name"]["matches"], series.group(1))
+        assert re.fullmatch(r"[a-z0-9_]+", r["name"]["as"]), r["name"]["as"]
+        # Every selector is scoped to the HPA's namespace.
+        selectors = re.findall(r"\{([^}]*)\}", r["metricsQuery"])
+        assert selectors and all("<<.LabelMatchers>>" in s for s in selectors), r["metricsQuery"]
+        # One series out: the HPA sums whatever comes back.
+        assert re.match(r"\s*(max|avg|sum|min)\s*\(", r["metricsQuery"]), r["metricsQuery"]
+
+
+def test_keda_scaledobject_matches_the_hpa():
+    """No schema for ScaledObject here: check its structure, and that it is the
+    HPA's twin (target, bounds, behaviour, the same queries and thresholds)."""
+    so = one_doc(KEDA_FILE)
+    assert (so["apiVersion"], so["kind"]) == ("keda.sh/v1alpha1", "ScaledObject")
+    assert "namespace" not in so["metadata"]
+    hpa = one_doc(HPA_FILE)["spec"]
+    spec = so["spec"]
+    assert set(spec) <= {"scaleTargetRef", "minReplicaCount", "maxReplicaCount", "pollingInterval",
+                         "cooldownPeriod", "idleReplicaCount", "fallback", "advanced", "triggers"}, set(spec)
+    assert spec["scaleTargetRef"] == hpa["scaleTargetRef"]
+    assert (spec["minReplicaCount"], spec["maxReplicaCount"]) == (hpa["minReplicas"], hpa["maxReplicas"])
+    hpa_config = spec["advanced"]["horizontalPodAutoscalerConfig"]
+    assert hpa_config["behavior"] == hpa["behavior"]
+    assert hpa_config["name"] != one_doc(HPA_FILE)["metadata"]["name"]
+
+    targets = {m["external"]["metric"]["name"]: quantity(m["external"]["target"]["value"]) for m in hpa["metrics"]}
+    by_name = {r["name"]["as"]: r for r in adapter_rules()}
+    matched = []
+    for trig in spec["triggers"]:
+        assert trig["type"] == "prometheus" and trig.get("metricType") == "Value", trig
+        md = trig["metadata"]
+        assert set(md) >= {"serverAddress", "query", "threshold"}, md
+        assert urlparse(md["serverAddress"]).scheme in ("http", "https"), md["serverAddress"]
+        namespaces = set(re.findall(r'namespace="([^"]*)"', md["query"]))
+        assert len(namespaces) == 1, md["query"]
+        query = normalized_promql(md["query"])
+        same = [n for n, r in by_name.items()
+                if normalized_promql(r["metricsQuery"].replace("<<.LabelMatchers>>",
+                                                               f'namespace="{next(iter(namespaces))}"')) == query]
+        assert len(same) == 1, f"KEDA query matches no adapter rule: {md['query']}"
+        assert float(md["threshold"]) == targets[same[0]], (md["threshold"], targets[same[0]])
+        matched.append(same[0])
+    assert sorted(matched) == sorted(targets), (matched, targets)
+
+
+def test_keda_behaviour_validates_as_an_hpa(tmp_path):
+    """KEDA hands `advanced.horizontalPodAutoscalerConfig.behavior` to the HPA it
+    creates: validate it strictly inside an autoscaling/v2 HPA."""
+    so = one_doc(KEDA_FILE)
+    spec = so["spec"]
+    hpa = {
+        "apiVersion": "autoscaling/v2",
+        "kind": "HorizontalPodAutoscaler",
+        "metadata": {"name": spec["advanced"]["horizontalPodAutoscalerConfig"]["name"]},
+        "spec": {
+            "scaleTargetRef": spec["scaleTargetRef"],
+            "minReplicas": spec["minReplicaCount"],
+            "maxReplicas": spec["maxReplicaCount"],
+            "metrics": [{"type": "External",
+                         "external": {"metric": {"name": f"s{i}-prometheus"},
+                                      "target": {"type": "Value", "value": t["metadata"]["threshold"]}}}
+                        for i, t in enumerate(spec["triggers"])],
+            "behavior": spec["advanced"]["horizontalPodAutoscalerConfig"]["behavior"],
+        },
+    }
+    path = tmp_path / "keda-hpa.yaml"
+    path.write_text(yaml.safe_dump(hpa))
+    res = run_tool([tool("kubernetes-validate"), "--strict", "--quiet", "-k", K8S_VERSIONS[0], str(path)])
+    assert res.returncode == 0, res.stdout + res.stderr
