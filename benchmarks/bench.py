@@ -14,11 +14,13 @@ from dataclasses import asdict
 from pathlib import Path
 
 from benchmarks import analysis, report
-from benchmarks.config import Config, kv_bytes_per_token
+from benchmarks.config import PREVIOUS_QUICK, Config, kv_bytes_per_token
 from benchmarks.kv_spread import SpreadResult
 from benchmarks.metrics import summarize
 from benchmarks.overhead import OverheadPoint
 from benchmarks.preemption import PreemptionPoint
+from benchmarks.reattach import ReattachResult
+from benchmarks.sampling_cost import SamplingPoint, ratio_at, share_at
 from benchmarks.scale_out import ScaleOutConfig, ScaleOutPoint, efficiency
 from benchmarks.workload import Vocab, WorkloadSpec, make_workload
 
@@ -39,6 +41,8 @@ def run_all(args: argparse.Namespace, cfg: Config, out: Path, started: float) ->
     preemption: list[PreemptionPoint] = []
     scale: list[ScaleOutPoint] = []
     spread: SpreadResult | None = None
+    reattached: ReattachResult | None = None
+    sampling: list[SamplingPoint] = []
     scale_cfg = ScaleOutConfig(executors=cfg.scale_out_executors, running=cfg.scale_out_running,
                                window_s=cfg.scale_out_window_s, step_ms=cfg.scale_out_step_ms)
     static_util, static_series = None, analysis.Series([], [])
@@ -113,6 +117,22 @@ def run_all(args: argparse.Namespace, cfg: Config, out: Path, started: float) ->
                         per_token, logs / "kv_spread")
         (out / "kv_spread_series.json").write_text(__import__("json").dumps(spread.series))
 
+    def reattach() -> None:
+        from benchmarks import reattach as ra
+
+        nonlocal reattached
+        reattached = ra.run(model_dir, ra.ReattachConfig(
+            requests=cfg.reattach_requests, rounds=cfg.reattach_rounds, failover_rounds=cfg.reattach_failover_rounds,
+            step_ms=cfg.reattach_step_ms), logs / "reattach")
+        errors.extend(f"reattach: {e}" for e in reattached.errors)
+
+    def sampling_cost() -> None:
+        from benchmarks import sampling_cost as sc
+
+        nonlocal sampling
+        sampling = sc.run(model_dir, sc.SamplingConfig(batches=cfg.sampling_batches, reps=cfg.sampling_reps),
+                          steps, args.threads)
+
     if "pagedserve" in cfg.arms:
         attempt("pagedserve (+ preemption probe)", paged)
     if "overhead" in cfg.arms:
@@ -121,6 +141,10 @@ def run_all(args: argparse.Namespace, cfg: Config, out: Path, started: float) ->
         attempt("scale-out sweep", scale_out)
     if "kv_spread" in cfg.arms:
         attempt("KV usage spread", kv_spread)
+    if "reattach" in cfg.arms:
+        attempt("reattach latency", reattach)
+    if "sampling_cost" in cfg.arms:  # after pagedserve: its step log gives the decode forward per batch
+        attempt("seeded sampling cost", sampling_cost)
     if "hf_static" in cfg.arms or "hf_continuous" in cfg.arms:
         attempt("hugging face arms", hf)
 
@@ -148,7 +172,9 @@ def run_all(args: argparse.Namespace, cfg: Config, out: Path, started: float) ->
         "preemption": report.plot_preemption(preemption, out),
         "scale_out": report.plot_scale_out(scale, out),
         "kv_spread": report.plot_kv_spread(spread, out),
+        "streams": report.plot_streams(reattached, out),
     }
+    re_dict = reattached.as_dict() if reattached else None
     summary = {
         "output_tokens_per_s": tps,
         "throughput_ratio_vs_hf_static": ratio("hf_static"),
@@ -174,11 +200,21 @@ def run_all(args: argparse.Namespace, cfg: Config, out: Path, started: float) ->
         "scale_out_efficiency_4": efficiency(scale, 4),
         "scale_out_efficiency_8": efficiency(scale, 8),
         "kv_usage_spread": spread.as_dict() if spread else None,
+        "reattach": re_dict,
+        "reattach_ms_p50": re_dict["reattach_ms"]["p50"] if re_dict else None,
+        "reattach_ms_p99": re_dict["reattach_ms"]["p99"] if re_dict else None,
+        "failover_resume_ms_p50": re_dict["failover_resume_ms"]["p50"] if re_dict else None,
+        "failover_resume_ms_p99": re_dict["failover_resume_ms"]["p99"] if re_dict else None,
+        "sampling_cost": [asdict(p) for p in sampling],
+        "seeded_sampling_cost_ratio": ratio_at(sampling),
+        "seeded_sampling_share_of_forward": share_at(sampling),
+        "throughput_ratio_vs_hf_continuous_previous": PREVIOUS_QUICK.ratio("hf_continuous"),
+        "previous_run": {"label": PREVIOUS_QUICK.label, "output_tokens_per_s": PREVIOUS_QUICK.output_tokens_per_s},
         "targets": [t.as_dict() for t in targets],
         "plots": plots,
         "errors": errors,
         "wall_time_s": time.monotonic() - started,
     }
     report.write_summary(summary, out)
-    report.write_markdown(summary, arms, targets, overhead, preemption, plots, out, scale=scale)
+    report.write_markdown(summary, arms, targets, overhead, preemption, plots, out, scale=scale, sampling=sampling)
     return summary

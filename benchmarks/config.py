@@ -25,12 +25,36 @@ class Config:
     scale_out_step_ms: float = 20.0  # the stub executors' simulated step
     kv_spread_budget_tokens: int = 1024  # per executor
     kv_spread_requests: int = 48
+    reattach_requests: int = 32  # per round
+    reattach_rounds: int = 3
+    reattach_failover_rounds: int = 2  # rounds in which the front replica is SIGKILLed
+    reattach_step_ms: float = 20.0  # the stub executors' simulated step
+    sampling_batches: list[int] = field(default_factory=lambda: [1, 8, 32, 64])
+    sampling_reps: int = 7
 
 
-ARMS = ("pagedserve", "hf_static", "hf_continuous", "overhead", "scale_out", "kv_spread")
+ARMS = ("pagedserve", "hf_static", "hf_continuous", "overhead", "scale_out", "kv_spread", "reattach", "sampling_cost")
 QUICK = Config("quick", 64, 0.125, 512, 2048, [1, 64, 256], [0, 1024, 2048], 1.5, [32, 128, 512])
 FULL = Config("full", 256, 0.25, 1024, 4096, [1, 16, 64, 128, 256], [0, 256, 1024, 4096], 4.0, [16, 64, 256, 1024],
-              scale_out_window_s=10.0, kv_spread_requests=96)
+              scale_out_window_s=10.0, kv_spread_requests=96, reattach_rounds=5, reattach_failover_rounds=3,
+              sampling_reps=15)
+
+
+@dataclass(frozen=True, slots=True)
+class PreviousRun:
+    """A recorded run to compare with: tokens/s move with the machine, ratios within one run do not."""
+
+    label: str
+    output_tokens_per_s: dict[str, float]
+
+    def ratio(self, other: str) -> float:
+        return round(self.output_tokens_per_s["pagedserve"] / self.output_tokens_per_s[other], 3)
+
+
+# docs/benchmarks.md, "Latest quick run (2026-11-30, after the scale-out change)": before stream offsets and
+# replayable seeds.
+PREVIOUS_QUICK = PreviousRun("quick run of 2026-11-30 (after the scale-out change, before offsets and seeds)",
+                             {"pagedserve": 142.3, "hf_continuous": 127.4, "hf_static": 53.0})
 
 
 def kv_bytes_per_token(model_dir: Path, dtype_bytes: int = 4) -> int:

@@ -12,11 +12,14 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import NullFormatter, ScalarFormatter  # noqa: E402
 
 from benchmarks.analysis import Series, Target  # noqa: E402
 from benchmarks.kv_spread import SpreadResult  # noqa: E402
 from benchmarks.overhead import OverheadPoint  # noqa: E402
 from benchmarks.preemption import PreemptionPoint  # noqa: E402
+from benchmarks.reattach import ReattachResult  # noqa: E402
+from benchmarks.sampling_cost import RATIO_BATCH, SamplingPoint  # noqa: E402
 from benchmarks.scale_out import ScaleOutPoint  # noqa: E402
 
 ARMS = ("pagedserve", "hf_static", "hf_continuous")
@@ -151,6 +154,33 @@ def plot_kv_spread(spread: SpreadResult | None, out: Path) -> str:
     return _save(fig, out / "kv_spread.png")
 
 
+def _cdf(ax: plt.Axes, xs: list[float], label: str) -> None:
+    if xs:
+        ys = sorted(xs)
+        ax.step(ys, [(i + 1) / len(ys) for i in range(len(ys))], where="post", label=f"{label} ({len(ys)})")
+
+
+def plot_streams(result: ReattachResult | None, out: Path) -> str:
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 3.8))
+    if result is not None:
+        _cdf(ax, [s.reattach_ms for s in result.samples], "Resume -> first replayed token")
+        _cdf(ax, [s.first_live_ms for s in result.samples if s.first_live_ms is not None], "-> first live token")
+        _cdf(ax2, [ms for r in result.failover for ms in r.survivor_ms], "loop on the surviving replica")
+        _cdf(ax2, [ms for r in result.failover for ms in r.handover_ms], "loop on the killed replica (handover)")
+    ax.set_title("reattach on another replica")
+    ax2.set_title("SIGKILL of the replica -> next token (client library)")
+    for a in (ax, ax2):
+        a.set_xlabel("ms")
+        a.set_ylabel("fraction of streams")
+        a.set_ylim(0, 1.02)
+        if a.lines:  # an arm that did not run leaves empty, linear plots
+            a.set_xscale("log")
+            a.xaxis.set_major_formatter(ScalarFormatter())
+            a.xaxis.set_minor_formatter(NullFormatter())
+            a.legend(fontsize=7)
+    return _save(fig, out / "streams.png")
+
+
 def _clean(x: object) -> object:
     """JSON without NaN: missing figures are null."""
     if isinstance(x, float) and not math.isfinite(x):
@@ -204,9 +234,85 @@ def _scale_out_lines(summary: dict, points: list[ScaleOutPoint], plots: dict[str
     return lines
 
 
+def _previous_run_line(summary: dict) -> str:
+    prev = summary.get("previous_run") or {}
+    then = prev.get("output_tokens_per_s") or {}
+    now = summary.get("throughput_ratio_vs_hf_continuous")
+    caveat = "" if summary.get("config") == "quick" else " (that was the quick configuration, this is not)"
+    return (f"Against the {prev.get('label', 'previous run')}, SmolLM2-135M{caveat}: pagedserve / HF continuous "
+            f"**{_f(now, 3)}x** now vs **{_f(summary.get('throughput_ratio_vs_hf_continuous_previous'), 3)}x** then "
+            f"(pagedserve {then.get('pagedserve')}, HF continuous {then.get('hf_continuous')}, HF static "
+            f"{then.get('hf_static')} tok/s then; vs HF static {_f(summary.get('throughput_ratio_vs_hf_static'), 2)}x "
+            "now). What offsets and replayable seeds cost shows as a change of the ratio; tokens/s move with the "
+            "machine, and run-to-run noise on a shared 2-core box is about 20%.")
+
+
+def _streams_lines(summary: dict, sampling: list[SamplingPoint], plots: dict[str, str]) -> list[str]:
+    ra = summary.get("reattach") or {}
+    c = ra.get("config") or {}
+    lines = ["## Streams: reattach, failover, replayable seeds", "",
+             f"{c.get('executors', '–')} stub executors ({c.get('step_ms', '–')} ms simulated step), 2 real scheduler "
+             f"replicas A and B (`--lease-ms {c.get('lease_ms', '–')}`). **Reattach** ({c.get('rounds', '–')} x {c.get('requests', '–')} "
+             "samples): per round, that many long requests through A; once each has generated "
+             f"{c.get('warm_tokens', '–')} tokens, one at a time, `Resume(request_id, offset = half of what it has "
+             "generated)` on B over a fresh connection; time from the call to the first response carrying tokens "
+             f"(the replay from Redis, {_f(ra.get('replayed_tokens_mean'))} tokens on average), and to the next one "
+             f"(the first live token). **Failover** ({c.get('failover_rounds', '–')} x "
+             f"{c.get('requests', '–')}): per round, that many streams through `pagedserve.client.generate([A, B])`, "
+             "A's API and loop "
+             "processes SIGKILLed; per stream, from the kill to the first token past what Redis held just after it. "
+             "That includes the client noticing UNAVAILABLE, the library's backoff (0.2 s, A once more, 0.4 s, then "
+             "B) and the Resume; for requests on an executor whose loop A led, also the lease handover (B's manager "
+             "takes the loop once A's lease expires) and the loop's restore from Redis.", "",
+             "| figure | samples | p50 ms | p99 ms | mean ms | max ms |", "|---|---|---|---|---|---|"]
+    rows = [("reattach: Resume on B -> first replayed token", "reattach_ms"),
+            ("reattach: -> first live token after the replay", "first_live_ms"),
+            ("failover: kill -> next token, every stream", "failover_resume_ms"),
+            ("failover: its executor's loop on the surviving replica", "failover_survivor_loop_ms"),
+            ("failover: its executor's loop on the killed replica (handover)", "failover_handover_ms")]
+    for label, key in rows:
+        st = ra.get(key) or {}
+        lines.append(f"| {label} | {st.get('n', '–')} | {_f(st.get('p50'))} | {_f(st.get('p99'))} | "
+                     f"{_f(st.get('mean'))} | {_f(st.get('max'))} |")
+    cpu = ra.get("cpu_cores") or {}
+    lines += ["", f"Loops the killed replica led at each kill: {ra.get('failover_loops_on_killed', '–')}; streams that "
+              f"did not move on: {ra.get('failover_lost', '–')}. CPU over the reattach rounds: "
+              f"{_f(cpu.get('deployment'), 2)} cores for the harness and the deployment, {_f(cpu.get('other'), 2)} for "
+              f"anything else on the machine (of {os.cpu_count()}).", "", f"![streams]({plots.get('streams', '')})", "",
+              "Replayable seeds on the executor: `executor_svc.sampler.sample` on fp32 logits of the model's "
+              "vocabulary, temperature 0.8, top-k 50, every row seeded (every sampled request today) vs none (an "
+              "unseeded request before); median ms per call. Unseeded calls are timed twice, interleaved: their ratio "
+              "(A/A) is the noise floor of the comparison. The decode forward at the same batch comes from the "
+              "pagedserve run's step log (a local fit over decode-only steps near that batch; that arm samples "
+              "greedily) or, where it has none, from a decode forward of the model measured here.", "",
+              "| batch | vocab | unseeded ms | seeded ms | seeded / unseeded | A/A | seeds' extra ms | decode forward ms "
+              "| seeds / forward | sampling / forward | forward from |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for p in sampling:
+        lines.append(f"| {p.batch} | {p.vocab} | {_f(p.unseeded_ms, 2)} | {_f(p.seeded_ms, 2)} | {_f(p.ratio, 3)} | "
+                     f"{_f(p.noise_ratio, 3)} | "
+                     f"{_f(p.extra_ms, 2)} | {_f(p.forward_ms)} | {_pct(p.seeds_share_of_forward)} | "
+                     f"{_pct(p.sampling_share_of_forward)} | {p.forward_source or '–'} |")
+    lines += ["", f"Seeded / unseeded at batch {RATIO_BATCH}: **{_f(summary.get('seeded_sampling_cost_ratio'), 3)}**; "
+              f"the seeds cost **{_pct(summary.get('seeded_sampling_share_of_forward'))}** of a decode step's forward "
+              "there.", ""]
+    return lines
+
+
+def _arrivals(rate: float | None) -> str:
+    return f"Poisson {rate:.2f} req/s" if rate else "all at once"
+
+
+def _trio(arm: dict, key: str) -> str:
+    return "/".join(_f(arm[key][q], 0) for q in ("p50", "p90", "p99"))
+
+
+def _pct(x: float | None) -> str:
+    return "–" if x is None or not math.isfinite(x) else f"{100 * x:.1f}%"
+
+
 def write_markdown(summary: dict, arms: dict[str, dict], targets: list[Target], overhead: list[OverheadPoint],
                    preemption: list[PreemptionPoint], plots: dict[str, str], out: Path,
-                   scale: list[ScaleOutPoint] | None = None) -> None:
+                   scale: list[ScaleOutPoint] | None = None, sampling: list[SamplingPoint] | None = None) -> None:
     w = summary["workload"]
     lines = [
         "# pagedserve benchmark", "",
@@ -216,7 +322,7 @@ def write_markdown(summary: dict, arms: dict[str, dict], targets: list[Target], 
         "",
         f"Workload: {w['distribution']} (scale {w['scale']}), {w['num_requests']} requests, "
         f"prompt mean {w['prompt_len_mean']:.1f} / max {w['prompt_len_max']}, output mean {w['output_len_mean']:.1f} / "
-        f"max {w['output_len_max']}, arrivals {'Poisson %.2f req/s' % w['rate'] if w['rate'] else 'all at once'}, "
+        f"max {w['output_len_max']}, arrivals {_arrivals(w['rate'])}, "
         f"seed {w['seed']}, ignore_eos.", "",
         "## Targets", "", "| target | goal | measured | verdict |", "|---|---|---|---|",
     ]
@@ -228,10 +334,10 @@ def write_markdown(summary: dict, arms: dict[str, dict], targets: list[Target], 
         if name not in arms:
             continue
         a = arms[name]
-        trio = lambda k: "/".join(_f(a[k][q], 0) for q in ("p50", "p90", "p99"))  # noqa: E731
-        lines.append(f"| {name} | {_f(a['output_tokens_per_s'])} | {_f(a['requests_per_s'], 2)} | {trio('ttft_ms')} | "
-                     f"{trio('tpot_ms')} | {trio('e2e_ms')} | {a['peak_concurrent_seqs']} / "
+        lines.append(f"| {name} | {_f(a['output_tokens_per_s'])} | {_f(a['requests_per_s'], 2)} | "
+                     f"{_trio(a, 'ttft_ms')} | {_trio(a, 'tpot_ms')} | {_trio(a, 'e2e_ms')} | {a['peak_concurrent_seqs']} / "
                      f"{_f(a['mean_concurrent_seqs'])} |")
+    lines += ["", _previous_run_line(summary)]
     for err in summary.get("errors", []):
         lines.append(f"\n**Arm failed:** {err}")
     lines += ["", f"![throughput]({plots.get('throughput', '')})", f"![latency]({plots.get('latency', '')})", "",
@@ -260,6 +366,7 @@ def write_markdown(summary: dict, arms: dict[str, dict], targets: list[Target], 
               for p in preemption]
     lines += ["", f"![preemption]({plots.get('preemption', '')})", ""]
     lines += _scale_out_lines(summary, scale or [], plots)
+    lines += _streams_lines(summary, sampling or [], plots)
     (out / "report.md").write_text("\n".join(lines))
 
 

@@ -3,9 +3,11 @@
 Arms: pagedserve deployed for real (Redis + scheduler_svc + executor_svc,
 driven over gRPC), HF static batching, HF continuous batching. Also the
 scheduler-overhead sweep (stub executor), the swap-vs-recompute probe, the
-scale-out sweep (registered stub executors behind two scheduler replicas) and
-the KV-usage spread across two real executors. The
-results directory's path is the last line printed.
+scale-out sweep (registered stub executors behind two scheduler replicas), the
+KV-usage spread across two real executors, the reattach latency of a stream
+resumed on another replica (and after its replica is killed) and what
+replayable seeds cost the sampler. The results directory's path is the last
+line printed.
 """
 
 from __future__ import annotations
@@ -51,6 +53,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--kv-spread-budget-tokens", type=int, default=None,
                    help="KV budget per executor of the kv_spread arm, in tokens (default: 1024)")
     p.add_argument("--kv-spread-requests", type=int, default=None, help="requests of the kv_spread arm")
+    p.add_argument("--reattach-requests", type=int, default=None,
+                   help="requests per round of the reattach arm (default: 32)")
+    p.add_argument("--reattach-rounds", type=int, default=None, help="Resume rounds of the reattach arm (default: 3)")
+    p.add_argument("--reattach-failover-rounds", type=int, default=None,
+                   help="rounds in which the reattach arm SIGKILLs the front replica (default: 2; 0: none)")
+    p.add_argument("--reattach-step-ms", type=float, default=None,
+                   help="the reattach arm's stub executors' simulated step (default: 20)")
+    p.add_argument("--sampling-batches", type=int, nargs="+", default=None,
+                   help="batch sizes of the sampling_cost arm (default: 1 8 32 64)")
+    p.add_argument("--sampling-reps", type=int, default=None, help="timed calls per batch and mode (default: 7)")
     p.add_argument("--preemption-mode", choices=("swap", "recompute"), default="recompute",
                    help="pagedserve's preemption mode (the scheduler's --preemption-mode)")
     return p.parse_args(argv)
@@ -74,6 +86,12 @@ def build_config(args: argparse.Namespace) -> Config:
         scale_out_step_ms=pick(args.scale_out_step_ms, base.scale_out_step_ms),
         kv_spread_budget_tokens=pick(args.kv_spread_budget_tokens, base.kv_spread_budget_tokens),
         kv_spread_requests=pick(args.kv_spread_requests, base.kv_spread_requests),
+        reattach_requests=pick(args.reattach_requests, base.reattach_requests),
+        reattach_rounds=pick(args.reattach_rounds, base.reattach_rounds),
+        reattach_failover_rounds=pick(args.reattach_failover_rounds, base.reattach_failover_rounds),
+        reattach_step_ms=pick(args.reattach_step_ms, base.reattach_step_ms),
+        sampling_batches=pick(args.sampling_batches, base.sampling_batches),
+        sampling_reps=pick(args.sampling_reps, base.sampling_reps),
     )
 
 

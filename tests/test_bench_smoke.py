@@ -15,7 +15,9 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 NUMERIC_KEYS = ("throughput_ratio_vs_hf_static", "throughput_ratio_vs_hf_continuous", "kv_utilization_steady_state",
                 "static_allocation_utilization", "scheduler_overhead_ms_p50", "scheduler_overhead_share_real_run",
-                "kv_budget_bytes")
+                "kv_budget_bytes", "reattach_ms_p50", "reattach_ms_p99", "failover_resume_ms_p50",
+                "failover_resume_ms_p99", "seeded_sampling_cost_ratio", "seeded_sampling_share_of_forward",
+                "throughput_ratio_vs_hf_continuous_previous")
 
 
 @pytest.fixture(scope="module")
@@ -48,6 +50,8 @@ def test_harness_writes_report(tiny_model: Path, tmp_path: Path, capsys: pytest.
         "--preemption-lengths", "16", "32",
         "--scale-out-executors", "1", "2", "--scale-out-running", "4", "--scale-out-window", "1",
         "--kv-spread-budget-tokens", "256", "--kv-spread-requests", "32",
+        "--reattach-requests", "4", "--reattach-rounds", "1", "--reattach-failover-rounds", "1",
+        "--sampling-batches", "1", "32", "--sampling-reps", "2",
     ])
     assert rc == 0
     assert capsys.readouterr().out.strip().splitlines()[-1] == str(out.resolve())
@@ -72,10 +76,17 @@ def test_harness_writes_report(tiny_model: Path, tmp_path: Path, capsys: pytest.
     assert {"scale_out_efficiency_4", "scale_out_efficiency_8"} <= set(summary)  # null: 4 and 8 not run here
     spread = summary["kv_usage_spread"]
     assert spread["executors"] == 2 and all(isinstance(spread[k], float) for k in ("mean", "max"))
-    assert len(summary["targets"]) == 6
+    reattach = summary["reattach"]
+    assert reattach["samples"] == 4 and reattach["failover_samples"] + reattach["failover_lost"] == 4
+    assert {"p50", "p99", "mean", "max"} <= set(reattach["first_live_ms"]) and reattach["failover_loops_on_killed"]
+    assert [p["batch"] for p in summary["sampling_cost"]] == [1, 32]
+    for point in summary["sampling_cost"]:
+        figures = [point[k] for k in ("unseeded_ms", "seeded_ms", "ratio", "forward_ms", "seeds_share_of_forward")]
+        assert all(isinstance(v, int | float) and math.isfinite(v) for v in figures) and point["forward_source"]
+    assert len(summary["targets"]) == 6  # the streams figures are informational: no target
 
     report = (out / "report.md").read_text()
-    assert "## Targets" in report
+    assert "## Targets" in report and "## Streams" in report
     for name in summary["plots"].values():
         assert (out / name).read_bytes()[:8] == PNG_MAGIC
         assert f"]({name})" in report
