@@ -282,9 +282,10 @@ class Loop:
         rec = sched.take_record()
         s.ended += [r.request_id for r in rec.finished] + [r.request_id for r in rec.requeued]
         ops = s.writer.ops(rec, sched.blocks.is_free, self._view(sched))
+        left_ns = time.time_ns()
         if ops:
             s.seq = await timer.redis_call(self.store.apply(self.executor, self.epoch, s.seq, ops))
-        self.placements.left(rec)
+        self.placements.left(rec, left_ns)
         if self.metrics is not None:
             self.metrics.committed(self.model, self.executor, rec)
             if out is not None and out.has_work:

@@ -61,11 +61,15 @@ class Placements:
                     self.metrics.admitted(self.model, self.executor, stay.submitted_ms)
                 self._span("pagedserve.queue", x.req.request_id, stay, stay.submitted_ms * 1_000_000, now, {})
 
-    def left(self, rec: StepRecord) -> None:
+    def left(self, rec: StepRecord, now: int) -> None:
+        """Requests that finished or went back to the queue in a step whose result came back at `now` (ns).
+
+        `now` is taken before the commit: once committed, the tokens are streamed and the frontend may end
+        the request's root span, which must not end before its children.
+        """
         for rid, toks in rec.new_tokens.items():
             if (stay := self._stays.get(rid)) is not None:
                 stay.tokens += len(toks)
-        now = time.time_ns()
         for req in rec.finished:
             self._leave(req.request_id, now, {"pagedserve.finish_reason": str(req.finish_reason or "abort"),
                                              "pagedserve.preemptions": req.num_preemptions})
