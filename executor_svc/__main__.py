@@ -16,12 +16,14 @@ from executor_svc.engine import Engine, EngineConfig
 from executor_svc.lifecycle import Lifecycle, Registration, quiet
 from executor_svc.metrics import ExecutorMetrics
 from executor_svc.model_store import DEFAULT_MODEL, resolve_model
-from executor_svc.server import SERVICE_NAME, ExecutorServicer
+from executor_svc.server import SERVICE_NAME, ExecutorServicer, add_to_server
 from kernels import BACKENDS
 from pagedserve import logs, metrics, rpc
-from pagedserve.executor.v1 import executor_pb2_grpc as pb_grpc
+from pagedserve.auth import SecretFile, internal_token_interceptor
 from pagedserve.keys import Keys
 from pagedserve.members import Registry
+from pagedserve.redis_check import require as require_redis
+from pagedserve.security import TLSFiles, reload_on_sighup, server_tls
 from pagedserve.tiers import Tier
 
 log = logging.getLogger("executor_svc")
@@ -58,9 +60,30 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "(fits Kubernetes' 75 s grace period after a 15 s preStop)")
     p.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus /metrics on this HTTP port (0: off)")
     p.add_argument("--metrics-host", default="0.0.0.0", help="address the metrics port binds")
+    p.add_argument("--tls-cert", default=None, metavar="PATH",
+                   help="serve TLS with this certificate (PEM; with --tls-key); reloaded on change or SIGHUP")
+    p.add_argument("--tls-key", default=None, metavar="PATH", help="the private key of --tls-cert (PEM)")
+    p.add_argument("--tls-ca", default=None, metavar="PATH",
+                   help="with --tls-cert: require a client certificate signed by this CA bundle (mutual TLS): "
+                        "only schedulers holding one can connect, health checks included")
+    p.add_argument("--internal-token-file", default=None, metavar="PATH",
+                   help="require this shared token (first line of the file) in metadata "
+                        "x-pagedserve-internal-token on every call but health; the protection when TLS is off, "
+                        "and checked too when it is on; reloaded on change or SIGHUP")
     p.add_argument("--log-level", default="INFO")
     p.add_argument("--log-format", choices=logs.FORMATS, default="text", help="json: one object per line")
     args = p.parse_args(argv)
+    args.tls = TLSFiles.from_args(args)
+    if (problem := args.tls.problem()) is not None:
+        p.error(problem)
+    if args.tls.ca is not None and args.tls.cert is None:
+        p.error("--tls-ca needs --tls-cert and --tls-key (the executor's own certificate)")
+    args.internal_token = None
+    if args.internal_token_file:
+        try:
+            args.internal_token = SecretFile(Path(args.internal_token_file), "--internal-token-file")
+        except ValueError as exc:
+            p.error(str(exc))
     if args.block_size < 1 or args.block_size & (args.block_size - 1):
         p.error("--block-size must be a power of two")
     if args.drain_timeout < 0:
@@ -94,6 +117,7 @@ async def _drain(args: argparse.Namespace, servicer: ExecutorServicer, registrat
 
 
 async def serve(args: argparse.Namespace) -> None:
+    await require_redis(args.redis_url)  # wrong or missing credentials: one clear line, exit 2
     engine = Engine(
         EngineConfig(
             model=resolve_model(args.model, args.cache_dir),
@@ -115,12 +139,18 @@ async def serve(args: argparse.Namespace) -> None:
     executor_metrics.pools({t: engine.pool.count(t) for t in Tier})
     metrics.serve(args.metrics_port, registry, args.metrics_host)
     servicer = ExecutorServicer(engine, Lifecycle(), executor_metrics)
+    certificate = server_tls(args.tls, verify_clients=True)
     server, health, port = rpc.make_server(
-        f"{args.host}:{args.port}", [(pb_grpc.add_ExecutorServicer_to_server, servicer, SERVICE_NAME)]
+        f"{args.host}:{args.port}", [(add_to_server, servicer, SERVICE_NAME)],
+        credentials=certificate.credentials() if certificate else None,
+        interceptors=[internal_token_interceptor(args.internal_token)] if args.internal_token else (),
     )
+    reload_on_sighup([certificate, args.internal_token])
     await server.start()
     await rpc.set_serving(health, [SERVICE_NAME], True)
     pool = engine.pool
+    log.info("port %d: %s, %s", port, "mutual TLS" if args.tls.ca else "TLS" if certificate else "plaintext",
+             "internal token required" if args.internal_token else "no internal token")
     log.info(
         "executor %s serving %s on port %d: %s, %s attention, blocks device=%d cpu=%d disk=%d (block %d tokens, "
         "%d bytes)", engine.instance_id, args.model, port, engine.device, engine.backend.name, pool.count(0),

@@ -1,4 +1,9 @@
-"""Thin gRPC servicer: protobuf in, one Engine call, protobuf out."""
+"""Thin gRPC servicer: protobuf in, one Engine call, protobuf out.
+
+``add_to_server`` registers it taking each request as bytes and parsing it in
+the handler, so that bytes that are no plan get INVALID_ARGUMENT, not grpcio's
+UNKNOWN.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +17,7 @@ from executor_svc.engine import Engine, Move, PlanError, SeqInput, StepInput, St
 from executor_svc.lifecycle import Lifecycle
 from executor_svc.metrics import ExecutorMetrics
 from executor_svc.sampler import SamplingParams
+from pagedserve import handlers
 from pagedserve.executor.v1 import executor_pb2 as pb
 from pagedserve.executor.v1 import executor_pb2_grpc as pb_grpc
 from pagedserve.members import Member
@@ -145,3 +151,14 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
         if self.metrics is not None:
             self.metrics.observe(out, bool(plan.swap_in or plan.copies), bool(plan.swap_out))
         return result_to_pb(out)
+
+
+
+def add_to_server(servicer: ExecutorServicer, server: grpc.aio.Server) -> None:
+    """Register the Executor service, parsing requests in the handlers (in place of
+    ``executor_pb2_grpc.add_ExecutorServicer_to_server``; same names, same messages).
+    The server's receive limit bounds their size."""
+    handlers.register(server, pb.DESCRIPTOR.services_by_name["Executor"], {
+        "Info": handlers.unary(servicer.Info, pb.InfoRequest),
+        "Step": handlers.unary(servicer.Step, pb.StepPlan),
+    })

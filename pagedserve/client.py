@@ -5,6 +5,8 @@
     pagedserve generate --address host-a:50051 --address host-b:50051 --json "Hi"
     pagedserve status --json --redis-url redis://localhost:6379/0          # the deployment, once
     pagedserve top --redis-url redis://localhost:6379/0                    # refreshing (pagedserve/status.py)
+    pagedserve generate --tls-ca ca.crt --api-key KEY "Hi"                # TLS and an API key (docs/security.md)
+    pagedserve health --address localhost:50061 --tls-ca ca.crt --tls-cert c.crt --tls-key c.key  # a probe
 
 A stream survives the replica behind it. The protocol, for clients in other
 languages too (see ``protos/pagedserve/v1/generation.proto``):
@@ -22,16 +24,21 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 import uuid
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import TextIO
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pagedserve import status
+from pagedserve.auth import AUTHORIZATION
 from pagedserve.rpc import CHANNEL_OPTIONS
+from pagedserve.security import channel_credentials
 from pagedserve.v1 import generation_pb2 as pb
 from pagedserve.v1 import generation_pb2_grpc as pb_grpc
 
@@ -55,13 +62,27 @@ def _fresh(resp: pb.GenerateResponse, have: int) -> pb.GenerateResponse | None:
     return trimmed
 
 
+def open_channel(address: str, tls_ca: str | Path | None = None) -> grpc.Channel:
+    """A channel to a scheduler: TLS trusting ``tls_ca`` if given, else plaintext."""
+    if tls_ca is None:
+        return grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+    return grpc.secure_channel(address, channel_credentials(Path(tls_ca)), options=CHANNEL_OPTIONS)
+
+
+def auth_metadata(api_key: str | None) -> list[tuple[str, str]]:
+    return [(AUTHORIZATION, f"Bearer {api_key}")] if api_key else []
+
+
 def generate(addresses: str | Sequence[str], request: pb.GenerateRequest, timeout: float | None = None,
-             retries: int = RETRIES) -> Iterator[pb.GenerateResponse]:
+             retries: int = RETRIES, *, api_key: str | None = None,
+             tls_ca: str | Path | None = None) -> Iterator[pb.GenerateResponse]:
     """Stream one request, each token exactly once, across replica failures and drains.
 
     On UNAVAILABLE it reconnects (the same address first, then the next one) and
-    resumes from the last offset delivered; other errors are raised.
+    resumes from the last offset delivered; other errors are raised (UNAUTHENTICATED:
+    no or a wrong ``api_key``). ``tls_ca``: speak TLS, trusting this CA bundle.
     """
+    metadata = auth_metadata(api_key)
     addrs = [addresses] if isinstance(addresses, str) else list(addresses)
     req = pb.GenerateRequest()
     req.CopyFrom(request)
@@ -69,10 +90,11 @@ def generate(addresses: str | Sequence[str], request: pb.GenerateRequest, timeou
     have, resume, failures, i = 0, False, 0, 0
     while True:
         try:
-            with grpc.insecure_channel(addrs[i % len(addrs)], options=CHANNEL_OPTIONS) as channel:
+            with open_channel(addrs[i % len(addrs)], tls_ca) as channel:
                 stub = pb_grpc.GenerationStub(channel)
-                call = (stub.Resume(pb.ResumeRequest(request_id=req.request_id, offset=have), timeout=timeout)
-                        if resume else stub.Generate(req, timeout=timeout))
+                call = (stub.Resume(pb.ResumeRequest(request_id=req.request_id, offset=have), timeout=timeout,
+                                    metadata=metadata)
+                        if resume else stub.Generate(req, timeout=timeout, metadata=metadata))
                 for resp in call:
                     failures = 0
                     fresh = _fresh(resp, have)
@@ -99,13 +121,14 @@ def generate(addresses: str | Sequence[str], request: pb.GenerateRequest, timeou
             time.sleep(min(2.0, BACKOFF_S * 2 ** (failures - 1)))
 
 
-def stream_chat(address: str | Sequence[str], prompt: str, out: TextIO, max_tokens: int = 128) -> pb.GenerateResponse:
+def stream_chat(address: str | Sequence[str], prompt: str, out: TextIO, max_tokens: int = 128, *,
+                api_key: str | None = None, tls_ca: str | Path | None = None) -> pb.GenerateResponse:
     req = pb.GenerateRequest(
         messages=[pb.ChatMessage(role="user", content=prompt)],
         sampling=pb.SamplingParams(max_tokens=max_tokens, temperature=0.0),
     )
     last = pb.GenerateResponse()
-    for last in generate(address, req):
+    for last in generate(address, req, api_key=api_key, tls_ca=tls_ca):
         out.write(last.text)
         out.flush()
     return last
@@ -114,6 +137,28 @@ def stream_chat(address: str | Sequence[str], prompt: str, out: TextIO, max_toke
 def _as_json(resp: pb.GenerateResponse) -> str:
     return json.dumps({"request_id": resp.request_id, "offset": resp.offset, "token_ids": list(resp.token_ids),
                        "text": resp.text, "finish_reason": resp.finish_reason})
+
+
+def _health_main(args: argparse.Namespace) -> int:
+    if (args.tls_cert is None) != (args.tls_key is None):
+        sys.stderr.write("error: --tls-cert and --tls-key go together\n")
+        return 2
+    try:
+        creds = channel_credentials(args.tls_ca, args.tls_cert, args.tls_key) if args.tls_ca else None
+    except ValueError as exc:
+        sys.stderr.write(f"error: {exc}\n")
+        return 2
+    channel = grpc.secure_channel(args.address, creds) if creds else grpc.insecure_channel(args.address)
+    with channel:
+        try:
+            resp = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=args.service),
+                                                             timeout=args.timeout)
+        except grpc.RpcError as exc:
+            sys.stderr.write(f"{args.address}: {exc.code().name}: {exc.details()}\n")
+            return 1
+    name = health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+    print(f"{args.address}: {name}")
+    return 0 if resp.status == health_pb2.HealthCheckResponse.SERVING else 1
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -135,6 +180,19 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stop", action="append", default=[])
     g.add_argument("--priority", type=int, default=0)
+    g.add_argument("--api-key", default=os.environ.get("PAGEDSERVE_API_KEY"),
+                   help="sent as authorization: Bearer KEY (default: $PAGEDSERVE_API_KEY)")
+    g.add_argument("--tls-ca", default=None, metavar="PATH",
+                   help="speak TLS, trusting this CA bundle (PEM) for the scheduler's certificate")
+    h = sub.add_parser("health", help="exit 0 if a scheduler or executor reports SERVING (a probe that speaks TLS)")
+    h.add_argument("--address", default="localhost:50051", help="HOST:PORT (default: %(default)s)")
+    h.add_argument("--service", default="", help="the health service name (default: the overall status; "
+                                                   "`liveness`: merely up)")
+    h.add_argument("--tls-ca", default=None, metavar="PATH", help="speak TLS, trusting this CA bundle")
+    h.add_argument("--tls-cert", default=None, metavar="PATH",
+                   help="client certificate, for an executor with --tls-ca (with --tls-key)")
+    h.add_argument("--tls-key", default=None, metavar="PATH", help="the key of --tls-cert")
+    h.add_argument("--timeout", type=float, default=1.0, help="seconds (default: %(default)s)")
     st = sub.add_parser("status", help="the deployment as Redis holds it: executors, queue, replicas (once)")
     status.add_arguments(st, interval=None)
     st.add_argument("--json", action="store_true", help="one JSON object (top-level key `executors`), for scripts")
@@ -142,6 +200,8 @@ def main(argv: list[str] | None = None) -> int:
     status.add_arguments(tp, interval=1.0)
     tp.add_argument("--once", action="store_true", help="print one frame and exit")
     args = p.parse_args(argv)
+    if args.command == "health":
+        return _health_main(args)
     if args.command in ("status", "top"):
         if not args.redis_url:
             p.error("--redis-url (or $REDIS_URL) is required")
@@ -156,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         req.messages.append(pb.ChatMessage(role="user", content=args.prompt))
     try:
-        for resp in generate(args.address or ["localhost:50051"], req):
+        for resp in generate(args.address or ["localhost:50051"], req, api_key=args.api_key, tls_ca=args.tls_ca):
             if args.json:
                 print(_as_json(resp), flush=True)
                 continue

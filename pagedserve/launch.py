@@ -16,14 +16,26 @@ import tempfile
 import time
 from pathlib import Path
 
+import grpc
+
+from pagedserve.auth import SecretFile
+from pagedserve.devcerts import DevCerts
+from pagedserve.devcerts import write as write_devcerts
 from pagedserve.procs import RedisServer, Service, free_port
+from pagedserve.redis_check import where
 from pagedserve.rpc import LIVENESS
+from pagedserve.security import channel_credentials
 
 
 class Cluster:
     """``executors`` executor processes register in Redis (``--redis-url``,
     ``--advertise-address``) under ``namespace``; one scheduler (no
-    ``--executor``) serves them all. More of either can be started later."""
+    ``--executor``) serves them all. More of either can be started later.
+
+    ``tls`` (a ``pagedserve.devcerts`` set): TLS on every port, mutual TLS between
+    scheduler and executors. ``api_key_file``: the scheduler requires a key from it;
+    ``internal_token_file``: executors require, and schedulers send, that token.
+    ``credentials`` and ``api_key`` are then what a client of the cluster uses."""
 
     def __init__(
         self,
@@ -39,6 +51,9 @@ class Cluster:
         log_dir: Path | None = None,
         namespace: str = "pagedserve",
         executors: int = 1,
+        tls: DevCerts | None = None,
+        api_key_file: Path | None = None,
+        internal_token_file: Path | None = None,
     ) -> None:
         self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="pagedserve-logs-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -46,6 +61,13 @@ class Cluster:
         self._redis: RedisServer | None = None
         self.executors: list[Service] = []
         self.schedulers: list[Service] = []
+        self.tls = tls
+        self.api_key_file = api_key_file
+        self.internal_token_file = internal_token_file
+        token = ["--internal-token-file", str(internal_token_file)] if internal_token_file else []
+        self._executor_security = [*_tls_args(tls, "executor"), *token]
+        self._scheduler_security = [*_tls_args(tls, "scheduler"), *token,
+                                    *(["--api-key-file", str(api_key_file)] if api_key_file else [])]
         self._executor_args = ["--block-size", str(block_size), *(executor_args or [])]
         if model:
             self._executor_args += ["--model", str(model)]
@@ -63,25 +85,49 @@ class Cluster:
             self.close()
             raise
 
-    def add_executor(self, args: list[str] | None = None, port: int | None = None) -> Service:
-        """Start one more executor; it registers itself and schedulers pick it up."""
+    @property
+    def credentials(self) -> grpc.ChannelCredentials | None:
+        """For a client of the public port: trust the cluster's CA (None without TLS)."""
+        return channel_credentials(self.tls.ca_cert) if self.tls else None
+
+    @property
+    def internal_credentials(self) -> grpc.ChannelCredentials | None:
+        """For a peer of the executors: the CA and the scheduler's client certificate."""
+        return channel_credentials(self.tls.ca_cert, self.tls.scheduler_cert, self.tls.scheduler_key) if self.tls \
+            else None
+
+    @property
+    def api_key(self) -> str | None:
+        """The first key of ``api_key_file``."""
+        return SecretFile(self.api_key_file, "--api-key-file").first() if self.api_key_file else None
+
+    def add_executor(self, args: list[str] | None = None, port: int | None = None, *, secure: bool = True,
+                     credentials: grpc.ChannelCredentials | None = None) -> Service:
+        """Start one more executor; it registers itself and schedulers pick it up. ``secure``
+        False: without the cluster's TLS and token flags (pass your own in ``args``, and
+        ``credentials`` for its health check if its port speaks TLS)."""
         port = port or free_port()
         svc = Service("executor_svc", [
             *self._executor_args, "--redis-url", self.redis_url, "--advertise-address", f"127.0.0.1:{port}",
-            "--namespace", self.namespace, *(args or []),
-        ], port, self.log_dir / f"executor-{len(self.executors)}.log")
+            "--namespace", self.namespace, *(self._executor_security if secure else []), *(args or []),
+        ], port, self.log_dir / f"executor-{len(self.executors)}.log",
+            credentials=self.internal_credentials if secure else credentials)
         self.executors.append(svc)
         return svc
 
-    def start_scheduler(self, args: list[str], port: int | None = None, ready: str = "") -> Service:
+    def start_scheduler(self, args: list[str], port: int | None = None, ready: str = "", *, secure: bool = True,
+                        credentials: grpc.ChannelCredentials | None = None) -> Service:
         """Start one more scheduler replica (API and loops) on the same namespace; ``ready``
-        as for ``Service`` (a scheduler is SERVING only once an executor serves)."""
+        as for ``Service`` (a scheduler is SERVING only once an executor serves); ``secure``
+        and ``credentials`` as for ``add_executor``."""
         svc = Service(
             "scheduler_svc",
-            ["--redis-url", self.redis_url, "--namespace", self.namespace, *args],
+            ["--redis-url", self.redis_url, "--namespace", self.namespace,
+             *(self._scheduler_security if secure else []), *args],
             port or free_port(),
             self.log_dir / f"scheduler-{len(self.schedulers)}.log",
             ready=ready,
+            credentials=self.credentials if secure else credentials,
         )
         self.schedulers.append(svc)
         return svc
@@ -111,6 +157,13 @@ class Cluster:
         self.close()
 
 
+def _tls_args(tls: DevCerts | None, role: str) -> list[str]:
+    if tls is None:
+        return []
+    return ["--tls-cert", str(getattr(tls, f"{role}_cert")), "--tls-key", str(getattr(tls, f"{role}_key")),
+            "--tls-ca", str(tls.ca_cert)]
+
+
 SAMPLE = "What is PagedAttention, in one sentence?"
 
 
@@ -123,9 +176,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv-cache-memory", type=int, default=256 << 20)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--prompt", default=SAMPLE, help="sample chat prompt streamed once at start")
+    p.add_argument("--secure", type=Path, default=None, metavar="DIR",
+                   help="TLS on every port, mutual TLS to executors, an API key and the internal token, from the "
+                        "development certificates in DIR (written by pagedserve.devcerts if missing)")
     args = p.parse_args(argv)
+    tls = write_devcerts(args.secure, keep=True) if args.secure else None
     redis_url = os.environ.get("REDIS_URL")
-    print(f"starting pagedserve (redis: {redis_url or 'embedded redis-server'}) ...", flush=True)
+    print(f"starting pagedserve (redis: {where(redis_url) if redis_url else 'embedded redis-server'}) ...", flush=True)
     with Cluster(
         args.model,
         kv_cache_memory=args.kv_cache_memory,
@@ -135,14 +192,20 @@ def main(argv: list[str] | None = None) -> int:
         executor_port=args.executor_port,
         log_dir=Path(".cache/logs"),
         executors=args.executors,
+        tls=tls,
+        api_key_file=tls.api_keys if tls else None,
+        internal_token_file=tls.internal_token if tls else None,
     ) as cluster:
         from pagedserve.client import stream_chat
 
         print(f"serving pagedserve.v1.Generation on {cluster.address} with {len(cluster.executors)} executor(s); "
               f"logs in {cluster.log_dir}/")
         print(f"> {args.prompt}")
-        stream_chat(cluster.address, args.prompt, out=sys.stdout)
-        print(f"\nready: try `.venv/bin/pagedserve generate --address {cluster.address} \"Hello\"`. Ctrl-C stops.")
+        stream_chat(cluster.address, args.prompt, out=sys.stdout, api_key=cluster.api_key,
+                    tls_ca=tls.ca_cert if tls else None)
+        flags = f" --tls-ca {tls.ca_cert} --api-key \"$(tail -1 {tls.api_keys})\"" if tls else ""
+        print(f"\nready: try `.venv/bin/pagedserve generate --address {cluster.address}{flags} \"Hello\"`. "
+              "Ctrl-C stops.")
         signal.signal(signal.SIGTERM, signal.default_int_handler)
         try:
             while True:

@@ -15,6 +15,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from urllib.parse import quote
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -47,9 +48,11 @@ def wait_until(check: Callable[[], bool], timeout: float, what: str, proc: subpr
     raise TimeoutError(f"{what} not ready after {timeout:.0f} s")
 
 
-def grpc_healthy(address: str, service: str = "") -> bool:
-    """Whether ``service`` (default: the overall status) reports SERVING."""
-    with grpc.insecure_channel(address) as ch:
+def grpc_healthy(address: str, service: str = "", credentials: grpc.ChannelCredentials | None = None) -> bool:
+    """Whether ``service`` (default: the overall status) reports SERVING; over TLS with
+    ``credentials`` (``pagedserve.security.channel_credentials``: the CA, and a client
+    certificate for an executor that requires one)."""
+    with (grpc.secure_channel(address, credentials) if credentials else grpc.insecure_channel(address)) as ch:
         try:
             resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service), timeout=1)
         except grpc.RpcError:
@@ -69,26 +72,54 @@ def _stop(proc: subprocess.Popen, timeout: float = 10) -> None:
 
 class RedisServer:
     """A throwaway ``redis-server`` on a loopback port: no persistence, or an AOF with
-    ``appendfsync`` (``always``/``everysec``) that ``restart`` reloads, as after a crash."""
+    ``appendfsync`` (``always``/``everysec``) that ``restart`` reloads, as after a crash.
 
-    def __init__(self, appendfsync: str | None = None) -> None:
+    With ``password`` the server requires it (``requirepass``); with ``user`` too, the
+    default user is switched off and only that ACL user (all keys, channels and
+    commands) may connect. ``url`` carries the credentials; ``bare_url`` does not.
+    """
+
+    def __init__(self, appendfsync: str | None = None, password: str | None = None,
+                 user: str | None = None) -> None:
+        if user is not None and not password:
+            raise ValueError("an ACL user needs a password")
         self.port = free_port()
         self.dir = tempfile.mkdtemp(prefix="pagedserve-redis-")
+        self.password, self.user = password, user
         persistence = ["--appendonly", "no"] if appendfsync is None else [
             "--appendonly", "yes", "--appendfsync", appendfsync]
+        auth: list[str] = []
+        if user is not None:
+            auth = ["--user", "default", "off", "--user", user, "on", f">{password}", "~*", "&*", "+@all"]
+        elif password:
+            auth = ["--requirepass", password]
         self.argv = [redis_server_binary(), "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-                     *persistence, "--dir", self.dir]
-        self.url = f"redis://127.0.0.1:{self.port}/0"
+                     *persistence, "--dir", self.dir, *auth]
+        self.bare_url = f"redis://127.0.0.1:{self.port}/0"
+        userinfo = ""
+        if password:
+            userinfo = f"{quote(user or '', safe='')}:{quote(password, safe='')}@"
+        self.url = f"redis://{userinfo}127.0.0.1:{self.port}/0"
         self.proc = self._start()
 
     def _start(self) -> subprocess.Popen:
         proc = subprocess.Popen(self.argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        hello = b""
+        if self.password:
+            args = [b"AUTH", *([self.user.encode()] if self.user else []), self.password.encode()]
+            hello = b"*%d\r\n" % len(args) + b"".join(b"$%d\r\n%s\r\n" % (len(a), a) for a in args)
 
         def ping() -> bool:
             try:
                 with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as s:
-                    s.sendall(b"PING\r\n")
-                    return s.recv(16).startswith(b"+PONG")
+                    s.sendall(hello + b"PING\r\n")
+                    reply = b""
+                    while b"PONG" not in reply and not reply.startswith(b"-"):
+                        chunk = s.recv(64)
+                        if not chunk:
+                            break
+                        reply += chunk
+                    return b"+PONG" in reply and not reply.startswith(b"-")
             except OSError:
                 return False
 
@@ -111,11 +142,14 @@ class RedisServer:
 
 class Service:
     """``python -m <module> ...`` as a child process, ready once gRPC health says SERVING
-    for ``ready`` (the overall status by default; ``rpc.LIVENESS``: merely up)."""
+    for ``ready`` (the overall status by default; ``rpc.LIVENESS``: merely up), asked over
+    TLS with ``credentials`` when its port speaks TLS."""
 
     def __init__(self, module: str, args: list[str], port: int, log_path: Path | None = None,
-                 env: dict[str, str] | None = None, timeout: float = 180, ready: str = "") -> None:
+                 env: dict[str, str] | None = None, timeout: float = 180, ready: str = "",
+                 credentials: grpc.ChannelCredentials | None = None) -> None:
         self.address = f"127.0.0.1:{port}"
+        self.credentials = credentials
         self.log_path = log_path
         out = open(log_path, "ab") if log_path else subprocess.DEVNULL  # noqa: SIM115
         root = str(Path(__file__).resolve().parent.parent)
@@ -126,7 +160,7 @@ class Service:
             stdout=out, stderr=subprocess.STDOUT, env=child_env,
         )
         try:
-            wait_until(lambda: grpc_healthy(self.address, ready), timeout, module, self.proc)
+            wait_until(lambda: grpc_healthy(self.address, ready, credentials), timeout, module, self.proc)
         except BaseException:
             self.stop()
             if log_path and log_path.exists():

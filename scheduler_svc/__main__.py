@@ -4,20 +4,24 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import logging
 import os
 import socket
 import sys
 import uuid
+from pathlib import Path
 
 import redis.asyncio as aioredis
 from prometheus_client import CollectorRegistry
 
 from pagedserve import logs, metrics, rpc, tracing
+from pagedserve.auth import SecretFile, api_key_interceptor
 from pagedserve.keys import Keys
 from pagedserve.members import Registry
 from pagedserve.procs import free_port
-from pagedserve.v1 import generation_pb2_grpc as pb_grpc
+from pagedserve.redis_check import require as require_redis
+from pagedserve.security import Dialer, TLSFiles, reload_on_sighup, server_tls
 from scheduler_svc import codec
 from scheduler_svc.attachments import DETACH_TIMEOUT_S, Attachments
 from scheduler_svc.core.queue import POLICIES
@@ -25,7 +29,8 @@ from scheduler_svc.core.scheduler import PREEMPTION_MODES, SchedulerConfig
 from scheduler_svc.frontend import EventBus, Frontend
 from scheduler_svc.manager import Manager
 from scheduler_svc.metrics import FrontendMetrics, LoopMetrics, NamespaceMetrics
-from scheduler_svc.server import SERVICE_NAME, GenerationServicer
+from scheduler_svc import validate
+from scheduler_svc.server import SERVICE_NAME, GenerationServicer, add_to_server
 from scheduler_svc.store import RedisStore
 from scheduler_svc.watch import ClusterWatch
 
@@ -70,15 +75,84 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--log-level", default="INFO")
     p.add_argument("--log-format", choices=logs.FORMATS, default="text",
                    help="json: one object per line, with request_id and executor fields")
+    _security_arguments(p)
+    _admission_arguments(p)
     args = p.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
+    _check_security(p, args)
     if not args.redis_url:
         p.error("--redis-url (or $REDIS_URL) is required")
     if args.max_num_seqs < 1 or args.max_num_batched_tokens < 1:
         p.error("--max-num-seqs and --max-num-batched-tokens must be positive")
     if args.result_ttl < 1 or args.detach_timeout <= 0:
         p.error("--result-ttl and --detach-timeout must be positive")
+    if args.max_pending_requests < 0:
+        p.error("--max-pending-requests must be >= 0 (0: no limit)")
+    if min(args.max_stop_strings, args.max_stop_string_length, args.max_prompt_bytes, args.max_request_bytes) < 1:
+        p.error("--max-stop-strings, --max-stop-string-length, --max-prompt-bytes and --max-request-bytes "
+                "must be positive")
     return args
+
+
+def _security_arguments(p: argparse.ArgumentParser) -> None:
+    """TLS and authentication (docs/security.md)."""
+    p.add_argument("--tls-cert", default=None, metavar="PATH",
+                   help="serve TLS on the public port with this certificate (PEM; with --tls-key), reloaded on "
+                        "change or SIGHUP; with --tls-ca the same pair is the client certificate shown to executors")
+    p.add_argument("--tls-key", default=None, metavar="PATH", help="the private key of --tls-cert (PEM)")
+    p.add_argument("--tls-ca", default=None, metavar="PATH",
+                   help="dial executors over TLS and verify their certificates against this CA bundle (mutual "
+                        "TLS with --tls-cert/--tls-key); without it executors are dialled in plaintext")
+    p.add_argument("--executor-tls-server-name", default=None, metavar="NAME",
+                   help="with --tls-ca: the name executors' certificates must carry, when it is not the host of "
+                        "the address they register (e.g. pod IPs, certificates for `executor`)")
+    p.add_argument("--api-key-file", default=None, metavar="PATH",
+                   help="require an API key (metadata authorization: Bearer KEY) on the public API: one key per "
+                        "line, several for rotation, blank lines and # comments ignored; reloaded on change or "
+                        "SIGHUP; health and reflection stay open")
+    p.add_argument("--internal-token-file", default=None, metavar="PATH",
+                   help="send the token in this file (its first line) to executors in metadata "
+                        "x-pagedserve-internal-token, for executors started with the same file")
+
+
+def _check_security(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Files are read now: a typo is one clear line at start, not a refusal at the first call."""
+    args.tls = TLSFiles.from_args(args)
+    if (problem := args.tls.problem()) is not None:
+        p.error(problem)
+    if args.executor_tls_server_name and args.tls.ca is None:
+        p.error("--executor-tls-server-name needs --tls-ca")
+    args.api_keys = args.internal_token = None
+    try:
+        if args.api_key_file:
+            args.api_keys = SecretFile(Path(args.api_key_file), "--api-key-file")
+        if args.internal_token_file:
+            args.internal_token = SecretFile(Path(args.internal_token_file), "--internal-token-file")
+        args.dialer = Dialer(args.tls, args.internal_token, args.executor_tls_server_name)
+    except ValueError as exc:
+        p.error(str(exc))
+
+
+def _admission_arguments(p: argparse.ArgumentParser) -> None:
+    """Admission control and caps on what one request may ask (docs/architecture.md, "Admission")."""
+    p.add_argument("--max-pending-requests", type=int, default=0, metavar="N",
+                   help="refuse new requests with RESOURCE_EXHAUSTED (and trailing metadata retry-after, seconds) "
+                        "while N requests wait in this namespace's queue, whichever replicas queued them "
+                        "(0: no limit; the same on every replica)")
+    p.add_argument("--max-stop-strings", type=int, default=validate.MAX_STOP_STRINGS, metavar="N",
+                   help="stop strings one request may give (sampling.stop)")
+    p.add_argument("--max-stop-string-length", type=int, default=validate.MAX_STOP_STRING_LENGTH, metavar="N",
+                   help="characters in one stop string")
+    p.add_argument("--max-prompt-bytes", type=int, default=validate.MAX_PROMPT_BYTES, metavar="N",
+                   help="UTF-8 bytes of prompt text, or of all messages' roles and contents")
+    p.add_argument("--max-request-bytes", type=int, default=validate.MAX_REQUEST_BYTES, metavar="N",
+                   help="bytes of one serialized request on the public port (INVALID_ARGUMENT over it; the "
+                        "transport refuses messages over the larger of this and 4 MiB with RESOURCE_EXHAUSTED)")
+
+
+def _caps(args: argparse.Namespace) -> validate.Caps:
+    return validate.Caps(max_stop_strings=args.max_stop_strings, max_stop_string_length=args.max_stop_string_length,
+                         max_prompt_bytes=args.max_prompt_bytes)
 
 
 def _scheduler_config(args: argparse.Namespace) -> SchedulerConfig:
@@ -109,8 +183,9 @@ async def run_loops(args: argparse.Namespace) -> None:
                       _scheduler_config(args), replica, lease_ms=args.lease_ms, static=args.executor,
                       executor_timeout=args.executor_timeout, detach_timeout=args.detach_timeout, step_log=step_log,
                       metrics=LoopMetrics(registry), namespace_metrics=NamespaceMetrics(registry),
-                      tracer=traces.tracer if traces else None)
+                      tracer=traces.tracer if traces else None, dial=args.dialer.channel)
     stop = await rpc.stop_on_signals()
+    reload_on_sighup([args.internal_token])
     await manager.run(stop)
     if traces is not None:
         traces.shutdown()
@@ -151,6 +226,7 @@ async def serve(args: argparse.Namespace) -> None:
     not stall the steps the executors wait on. Both sides talk only via Redis.
     The API answers at once; health says SERVING once an executor serves.
     """
+    await require_redis(args.redis_url)  # wrong or missing credentials: one clear line, exit 2
     if args.role == "loop":
         await run_loops(args)
         return
@@ -160,7 +236,7 @@ async def serve(args: argparse.Namespace) -> None:
                                                      decode_responses=True)
     client = aioredis.Redis.from_pool(pool)
     store = RedisStore(client, args.namespace, args.result_ttl)
-    watch = ClusterWatch(Registry(client, store.keys), args.max_model_len)
+    watch = ClusterWatch(Registry(client, store.keys), args.max_model_len, dial=args.dialer.channel)
     bus = EventBus(store)
     attachments = Attachments(store, args.policy, args.detach_timeout)
     registry = CollectorRegistry()
@@ -170,12 +246,19 @@ async def serve(args: argparse.Namespace) -> None:
     metrics.serve(args.metrics_port, registry, args.metrics_host)
     traces = tracing.setup("scheduler_svc", args.otlp_traces_endpoint)
     frontend = Frontend(store, bus, watch, args.policy, attachments, FrontendMetrics(registry),
-                        traces.tracer if traces else None)
+                        traces.tracer if traces else None, caps=_caps(args), max_pending=args.max_pending_requests)
+    certificate = server_tls(args.tls, verify_clients=False)
     server, health, port = rpc.make_server(
         f"{args.host}:{args.port}",
-        [(pb_grpc.add_GenerationServicer_to_server, GenerationServicer(frontend), SERVICE_NAME)],
+        [(functools.partial(add_to_server, max_request_bytes=args.max_request_bytes), GenerationServicer(frontend),
+          SERVICE_NAME)],
         reflect=True,
+        credentials=certificate.credentials() if certificate else None,
+        interceptors=[api_key_interceptor(args.api_keys)] if args.api_keys else (),
+        max_receive_bytes=max(rpc.PUBLIC_MAX_MESSAGE_BYTES, args.max_request_bytes),
+        max_concurrent_streams=rpc.PUBLIC_MAX_CONCURRENT_STREAMS,
     )
+    reload_on_sighup([certificate, args.api_keys, args.internal_token])
     await rpc.set_serving(health, [SERVICE_NAME], False)
     stop = await rpc.stop_on_signals()
     await server.start()
@@ -185,6 +268,9 @@ async def serve(args: argparse.Namespace) -> None:
         tasks.append(asyncio.create_task(_supervise(args, stop, loop_metrics_port)))
     log.info("scheduler serving on port %d (role %s, namespace %s, %s, %s, executors: %s)", port, args.role,
              args.namespace, args.policy, args.preemption_mode, ", ".join(args.executor) or "registered")
+    log.info("public port: %s, %s; executors dialled %s%s", "TLS" if certificate else "plaintext",
+             "API key required" if args.api_keys else "no API key", "over TLS" if args.tls.ca else "in plaintext",
+             " with the internal token" if args.internal_token else "")
     await stop.wait()
     # Drain: open streams end UNAVAILABLE with where to resume; their requests go on, and
     # this replica's loops hand their leases over as the loop process stops.

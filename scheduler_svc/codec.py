@@ -54,6 +54,7 @@ def request_from(request_id: str, fields: dict[str, str], output: list[str], com
         blocks=[int(b) for b in fields.get("blocks", "").split(",") if b],
         swap_blocks=[(Tier(int(t)), int(b)) for t, b in (x.split(":") for x in fields.get("swap", "").split(",") if x)],
         num_preemptions=int(fields.get("preemptions", 0)),
+        deadline_ms=int(fields.get("dl") or 0),
     )
 
 

@@ -23,19 +23,23 @@ from typing import Any
 from opentelemetry.trace import Span, Tracer
 
 from pagedserve import tracing
+from pagedserve.members import now_ms
 from scheduler_svc import codec
 from scheduler_svc.attachments import Attachments
 from scheduler_svc.codec import Event
+from scheduler_svc.core.admission import FinishRate, retry_after
+from scheduler_svc.core.deadline import deadline_ms
 from scheduler_svc.core.request import Finish, Request, Status
 from scheduler_svc.detok import Detokenizer
 from scheduler_svc.metrics import FrontendMetrics
-from scheduler_svc.store import UNAVAILABLE, RedisStore
-from scheduler_svc.validate import Checked, InvalidArgument, Unavailable, check, check_length
+from scheduler_svc.store import UNAVAILABLE, Expiry, Overloaded, RedisStore
+from scheduler_svc.validate import DEFAULT_CAPS, Caps, Checked, InvalidArgument, Unavailable, check, check_length
 from scheduler_svc.watch import ClusterWatch
 from pagedserve.v1 import generation_pb2 as pb
 
 log = logging.getLogger(__name__)
 DRAIN = "drain"  # put in every stream's queue when the replica drains
+EXPIRE_RETRY_S = 0.5  # a request past its deadline that a loop holds: ask again this often
 
 
 class NotFound(LookupError):
@@ -44,6 +48,26 @@ class NotFound(LookupError):
 
 class OutOfRange(ValueError):
     """Maps to OUT_OF_RANGE: a resume offset past the tokens generated."""
+
+
+class TooManyPending(RuntimeError):
+    """Maps to RESOURCE_EXHAUSTED (HTTP: 429) with ``retry_after`` seconds as the retry hint
+    (gRPC trailing metadata ``retry-after``; HTTP ``Retry-After``): the namespace's queue is
+    at ``--max-pending-requests``."""
+
+    def __init__(self, queued: int, limit: int, retry_after_s: int) -> None:
+        super().__init__(f"{queued} requests are waiting in this namespace, the limit is {limit} "
+                         f"(--max-pending-requests); retry after {retry_after_s} s")
+        self.retry_after = retry_after_s
+
+
+class QueueTimeout(RuntimeError):
+    """Maps to DEADLINE_EXCEEDED: the request's queue deadline passed before it started; it
+    was removed and holds nothing."""
+
+    def __init__(self, request_id: str) -> None:
+        super().__init__(f"queue_timeout: request {request_id} did not start before its deadline (queue_timeout "
+                         f"or the call's deadline); it was removed from the queue")
 
 
 class StreamDetached(RuntimeError):
@@ -83,19 +107,27 @@ class EventBus:
 
     def __init__(self, store: RedisStore) -> None:
         self.store = store
-        self._queues: dict[str, asyncio.Queue[tuple[str, Any]]] = {}
+        # Several streams may follow one request (a Generate and Resumes, or a Generate whose
+        # duplicate is being refused): each has its own queue, and leaving removes only its
+        # own (tests/test_fuzz.py found a refused duplicate silencing the running stream).
+        self._queues: dict[str, list[asyncio.Queue[tuple[str, Any]]]] = {}
 
     def subscribe(self, request_id: str) -> asyncio.Queue[tuple[str, Any]]:
         q: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
-        self._queues[request_id] = q
+        self._queues.setdefault(request_id, []).append(q)
         return q
 
-    def unsubscribe(self, request_id: str) -> None:
-        self._queues.pop(request_id, None)
+    def unsubscribe(self, request_id: str, queue: asyncio.Queue[tuple[str, Any]]) -> None:
+        queues = self._queues.get(request_id, [])
+        if queue in queues:
+            queues.remove(queue)
+        if not queues:
+            self._queues.pop(request_id, None)
 
     def broadcast(self, kind: str) -> None:
-        for q in self._queues.values():
-            q.put_nowait((kind, None))
+        for queues in self._queues.values():
+            for q in queues:
+                q.put_nowait((kind, None))
 
     async def run(self, stop: asyncio.Event) -> None:
         last = await self.store.events_tail()
@@ -112,10 +144,10 @@ class EventBus:
 
     def _route(self, event: Event) -> None:
         for rid, tokens in event.tokens.items():
-            if (q := self._queues.get(rid)) is not None:
+            for q in self._queues.get(rid, ()):
                 q.put_nowait(("t", tokens))
         for rid, fin in event.finished.items():
-            if (q := self._queues.get(rid)) is not None:
+            for q in self._queues.get(rid, ()):
                 q.put_nowait(("f", fin))
 
 
@@ -149,7 +181,7 @@ def _end(span: Span | None, s: _Stream) -> None:
 class Frontend:
     def __init__(self, store: RedisStore, bus: EventBus, watch: ClusterWatch, policy: str = "fcfs",
                  attachments: Attachments | None = None, metrics: FrontendMetrics | None = None,
-                 tracer: Tracer | None = None) -> None:
+                 tracer: Tracer | None = None, caps: Caps = DEFAULT_CAPS, max_pending: int = 0) -> None:
         self.store = store
         self.bus = bus
         self.watch = watch
@@ -158,6 +190,9 @@ class Frontend:
         self.metrics = metrics
         self.tracer = tracer
         self.draining = False
+        self.caps = caps
+        self.max_pending = max_pending  # --max-pending-requests; 0: no limit
+        self.finish_rate = FinishRate()
         self._background: set[asyncio.Task[None]] = set()
 
     @property
@@ -182,23 +217,26 @@ class Frontend:
         if self.watch.limits is None or self.tokenizer is None:
             raise Unavailable("no executor has registered in this namespace yet")
 
-    def prepare(self, req: pb.GenerateRequest) -> tuple[Request, list[str]]:
+    def prepare(self, req: pb.GenerateRequest, time_remaining: float | None = None) -> tuple[Request, list[str]]:
         """Validate and tokenize; raises InvalidArgument, OverCapacity or Unavailable.
 
         A sampled request without a seed gets one here, stored with it, so that a
         recompute after any failure produces the tokens it would have produced.
+        Its queue deadline is the earlier of ``queue_timeout`` and ``time_remaining``
+        (the call's gRPC deadline, seconds).
         """
         self._check_open()
         limits = self.watch.limits
         assert limits is not None
-        checked = check(req, limits)
+        checked = check(req, limits, self.caps)
         prompt = self._tokenize(req, checked)
         check_length(checked.kind, len(prompt), checked.params, limits)
         params = checked.params
         if params.temperature > 0 and params.seed is None:
             params = replace(params, seed=secrets.randbits(63))
         rid = checked.request_id or uuid.uuid4().hex
-        return Request(rid, prompt, params, priority=checked.priority), checked.stop
+        return (Request(rid, prompt, params, priority=checked.priority,
+                        deadline_ms=deadline_ms(now_ms(), checked.queue_timeout, time_remaining)), checked.stop)
 
     async def _cancel(self, request_id: str, reason: Finish) -> None:
         try:
@@ -244,6 +282,9 @@ class Frontend:
                 chunk = self._deliver(s, await self._fresh(s, offset, toks))
             else:
                 reason, total = payload
+                if reason == Finish.DEADLINE.value:
+                    s.done = True
+                    raise QueueTimeout(s.request_id)
                 chunk = self._deliver(s, await self._fresh(s, total, []), finished=reason)
             if chunk is not None:
                 yield chunk
@@ -268,13 +309,16 @@ class Frontend:
         except StreamDetached:
             s.done = True  # nothing to abort: the client resumes elsewhere
             raise
+        except QueueTimeout:
+            s.done = True  # it ended (expired): nothing to abort
+            raise
         except UNAVAILABLE as exc:
             s.done = True  # a Redis outage is no reason to abort: the client resumes once it is back
             raise StreamDetached(rid, s.delivered, f"redis unavailable ({exc})") from exc
         finally:
             if self.metrics is not None:
                 self.metrics.streams.labels(self.watch.model).dec()
-            self.bus.unsubscribe(rid)
+            self.bus.unsubscribe(rid, queue)
             self.attachments.release(rid)
             if not s.done:
                 self._cancel_later(rid, Finish.ABORT)  # the client went away: free its blocks
@@ -299,6 +343,43 @@ class Frontend:
         return self.tracer.start_span(name, context=tracing.parent(traceparent),
                                       attributes={"pagedserve.request_id": rid, **attrs})
 
+    async def _submit(self, req: Request, stop: list[str], trace: str) -> None:
+        """Submit under admission control; raises TooManyPending with a retry hint."""
+        try:
+            seen = await self.store.admit(req, stop, self.policy, trace, self.max_pending)
+        except Overloaded as exc:
+            self.finish_rate.add(time.monotonic(), exc.seen.finished)
+            hint = retry_after(exc.seen.queued, self.max_pending, self.finish_rate.per_s())
+            raise TooManyPending(exc.seen.queued, self.max_pending, hint) from None
+        self.finish_rate.add(time.monotonic(), seen.finished)
+
+    def _expire_at(self, request_id: str, deadline: int) -> asyncio.Task[None] | None:
+        """A task that expires the request at its deadline (ms) if it has not started; the
+        stream that holds the request cancels it when it ends."""
+        if not deadline:
+            return None
+        task = asyncio.get_running_loop().create_task(self._expire_when_due(request_id, deadline))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        return task
+
+    async def _expire_when_due(self, request_id: str, deadline: int) -> None:
+        """Queued past its deadline: it is removed here (one Lua call). A loop that holds it
+        (claimed, preempted, swapped) expires it itself at the end of its step; until the
+        request has started, finished or expired, ask again."""
+        while True:
+            await asyncio.sleep(max(0.0, min((deadline - now_ms()) / 1000, 60.0)))
+            if now_ms() < deadline:
+                continue
+            try:
+                outcome = await self.store.expire(request_id)
+            except UNAVAILABLE as exc:
+                log.warning("could not expire %s: %s", request_id, exc, extra={"request_id": request_id})
+                outcome = Expiry.LATER
+            if outcome != Expiry.LATER:
+                return
+            await asyncio.sleep(EXPIRE_RETRY_S)
+
     async def generate(self, req: Request, stop: list[str]) -> AsyncIterator[Chunk]:
         rid = req.request_id
         span = self._span("pagedserve.request", rid, **{"pagedserve.prompt_tokens": len(req.prompt_ids),
@@ -306,20 +387,24 @@ class Frontend:
         queue = self.bus.subscribe(rid)
         submitted = time.time()
         s = _Stream(rid, len(req.prompt_ids), Detokenizer(self.tokenizer, stop), submitted)
+        timer = None
         try:
             try:
-                await self.store.submit(req, stop, self.policy, tracing.traceparent(span) if span else "")
+                await self._submit(req, stop, tracing.traceparent(span) if span else "")
             except asyncio.CancelledError:
-                self.bus.unsubscribe(rid)
+                self.bus.unsubscribe(rid, queue)
                 self._cancel_later(rid, Finish.ABORT)  # it may have landed
                 raise
             except BaseException:
-                self.bus.unsubscribe(rid)
+                self.bus.unsubscribe(rid, queue)
                 raise
             self.attachments.hold(req, stop)
+            timer = self._expire_at(rid, req.deadline_ms)
             async for chunk in self._attached(s, queue, []):
                 yield chunk
         finally:
+            if timer is not None:
+                timer.cancel()
             _end(span, s)
 
     async def resume(self, request_id: str, offset: int) -> AsyncIterator[Chunk]:
@@ -334,7 +419,7 @@ class Frontend:
             if offset > len(out):
                 raise OutOfRange(f"offset: {offset} is past the {len(out)} tokens generated so far")
         except BaseException:
-            self.bus.unsubscribe(request_id)
+            self.bus.unsubscribe(request_id, queue)
             raise
         req = codec.request_from(request_id, fields, out)
         stop = codec.stop_of(fields)
@@ -344,6 +429,9 @@ class Frontend:
         s.detok.take(final=False)
         s.delivered = offset
         finished = fields.get("finish_reason") if req.status == Status.FINISHED else None
+        if finished == Finish.DEADLINE.value:
+            self.bus.unsubscribe(request_id, queue)
+            raise QueueTimeout(request_id)
         if s.detok.stopped:
             first = [s.chunk([], offset, final=True, reason=Finish.STOP.value)]
         else:
@@ -351,10 +439,13 @@ class Frontend:
         if not s.done:
             self.attachments.hold(req, stop)
         span = self._span("pagedserve.resume", request_id, fields.get("tp", ""), **{"pagedserve.offset": offset})
+        timer = None if s.done else self._expire_at(request_id, req.deadline_ms)
         try:
             async for chunk in self._attached(s, queue, first, touch=True):
                 yield chunk
         finally:
+            if timer is not None:
+                timer.cancel()
             _end(span, s)
 
     async def abort(self, request_id: str) -> bool:

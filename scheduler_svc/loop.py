@@ -266,6 +266,7 @@ class Loop:
         else:
             claimed, s.retry = await self._claim(sched, timer)
         intake(sched, claimed, [(rid, r) for rid, r in cancels if rid in sched.requests])
+        sched.expire(now_ms())  # queue deadlines: nothing past its own starts now
         out = sched.schedule() if sched.has_work else None
         result = None
         if out is not None and out.has_work:
@@ -278,6 +279,7 @@ class Loop:
         if out is not None:
             sched.update(out, {o.request_id: o.token_id for o in result.outputs} if result else {})
             self.placements.stepped(out)
+        sched.expire(now_ms())  # what would go back to the queue (or stays swapped) past its deadline ends here
         sched.requeue_waiting()
         rec = sched.take_record()
         s.ended += [r.request_id for r in rec.finished] + [r.request_id for r in rec.requeued]

@@ -22,10 +22,10 @@ from typing import TextIO
 import grpc
 from opentelemetry.trace import Tracer
 
-from pagedserve import rpc
 from pagedserve.executor.v1 import executor_pb2 as pb
 from pagedserve.executor.v1 import executor_pb2_grpc as pb_grpc
 from pagedserve.members import ClusterView, Member, Registry, describe_mismatch
+from pagedserve.security import DialFn, insecure
 from scheduler_svc.attachments import DETACH_TIMEOUT_S
 from scheduler_svc.core.request import Finish
 from scheduler_svc.core.scheduler import SchedulerConfig
@@ -52,7 +52,9 @@ class Manager:
                  lease_ms: int = 10_000, static: list[str] | None = None, executor_timeout: float = 60.0,
                  detach_timeout: float = DETACH_TIMEOUT_S, step_log: TextIO | None = None,
                  metrics: LoopMetrics | None = None, namespace_metrics: NamespaceMetrics | None = None,
-                 tracer: Tracer | None = None) -> None:
+                 tracer: Tracer | None = None, dial: DialFn = insecure) -> None:
+        """``dial``: a channel to an executor's address (``pagedserve.security.Dialer.channel``:
+        TLS and the internal token as configured)."""
         self.store = store
         self.registry = registry
         self.config = config
@@ -65,6 +67,7 @@ class Manager:
         self.metrics = metrics
         self.namespace_metrics = namespace_metrics
         self.tracer = tracer
+        self.dial = dial
         self.members: dict[str, Member] = {}  # compatible members as of the last tick
         self.loops: dict[str, Led] = {}
         self._refused: set[str] = set()
@@ -164,7 +167,7 @@ class Manager:
         epoch = await self.store.acquire(m.instance_id, self.replica, self.lease_ms)
         if epoch is None:
             return False
-        channel = grpc.aio.insecure_channel(m.address, options=rpc.CHANNEL_OPTIONS)
+        channel = self.dial(m.address)
         stub = pb_grpc.ExecutorStub(channel)
         try:
             info = await stub.Info(pb.InfoRequest(omit_tokenizer_files=True), timeout=INFO_TIMEOUT_S)
@@ -199,7 +202,7 @@ class Manager:
 
     async def _register_static(self, address: str) -> None:
         """Keep a statically configured executor's membership record alive, as it cannot."""
-        async with grpc.aio.insecure_channel(address, options=rpc.CHANNEL_OPTIONS) as channel:
+        async with self.dial(address) as channel:
             stub = pb_grpc.ExecutorStub(channel)
             try:
                 info = await stub.Info(pb.InfoRequest(omit_tokenizer_files=True), timeout=INFO_TIMEOUT_S)

@@ -1,4 +1,10 @@
-"""Thin gRPC servicer for the public API: protobuf in, one Frontend call, protobuf out."""
+"""Thin gRPC servicer for the public API: protobuf in, one Frontend call, protobuf out.
+
+The service is registered with ``add_to_server``, which takes each request as
+bytes and parses it here: grpcio answers a message it cannot deserialize with
+UNKNOWN, while a malformed request deserves INVALID_ARGUMENT, and a request
+over ``--max-request-bytes`` is refused before it is parsed at all.
+"""
 
 from __future__ import annotations
 
@@ -6,9 +12,11 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from scheduler_svc.frontend import Chunk, Frontend, NotFound, OutOfRange, StreamDetached
+from pagedserve import handlers
+from scheduler_svc.frontend import (Chunk, Frontend, NotFound, OutOfRange, QueueTimeout, StreamDetached,
+                                    TooManyPending)
 from scheduler_svc.store import UNAVAILABLE, DuplicateRequest
-from scheduler_svc.validate import InvalidArgument, OverCapacity, Unavailable
+from scheduler_svc.validate import MAX_REQUEST_BYTES, InvalidArgument, OverCapacity, Unavailable
 from pagedserve.v1 import generation_pb2 as pb
 from pagedserve.v1 import generation_pb2_grpc as pb_grpc
 
@@ -17,6 +25,9 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
 
 # Trailing metadata of a stream a draining replica ends: where to resume it.
 RESUME_ID, RESUME_OFFSET = "pagedserve-request-id", "pagedserve-offset"
+# Trailing metadata of a request refused under --max-pending-requests: seconds to wait
+# (an integer >= 1, as HTTP's Retry-After).
+RETRY_AFTER = "retry-after"
 
 
 async def _stream(chunks: AsyncIterator[Chunk],
@@ -38,7 +49,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
         try:
-            req, stop = self.frontend.prepare(request)
+            req, stop = self.frontend.prepare(request, context.time_remaining())
         except InvalidArgument as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except OverCapacity as exc:
@@ -50,6 +61,11 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 yield resp
         except DuplicateRequest:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id: {req.request_id!r} is already running")
+        except TooManyPending as exc:
+            context.set_trailing_metadata(((RETRY_AFTER, str(exc.retry_after)),))
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        except QueueTimeout as exc:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(exc))
         except UNAVAILABLE as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"redis unavailable: {exc}")
 
@@ -64,6 +80,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
         except OutOfRange as exc:
             await context.abort(grpc.StatusCode.OUT_OF_RANGE, str(exc))
+        except QueueTimeout as exc:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(exc))
         except Unavailable as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         except UNAVAILABLE as exc:
@@ -76,3 +94,15 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             return pb.AbortResponse(found=await self.frontend.abort(request.request_id))
         except UNAVAILABLE as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"redis unavailable: {exc}")
+
+
+
+def add_to_server(servicer: GenerationServicer, server: grpc.aio.Server,
+                  max_request_bytes: int = MAX_REQUEST_BYTES) -> None:
+    """Register the Generation service, parsing requests in the handlers (in place of
+    ``generation_pb2_grpc.add_GenerationServicer_to_server``; same names, same messages)."""
+    handlers.register(server, pb.DESCRIPTOR.services_by_name["Generation"], {
+        "Generate": handlers.stream(servicer.Generate, pb.GenerateRequest, max_request_bytes),
+        "Resume": handlers.stream(servicer.Resume, pb.ResumeRequest, max_request_bytes),
+        "Abort": handlers.unary(servicer.Abort, pb.AbortRequest, max_request_bytes),
+    })

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from enum import IntEnum
 
 import redis.asyncio as aioredis
 from redis import exceptions as redis_exceptions
@@ -78,21 +79,32 @@ return {redis.call('HGETALL', x .. 'pool'), redis.call('GET', x .. 'free:0') or 
 
 # A request enters the shared queue. Queue members are "<arrival, 16 digits>:<id>"
 # (codec.queue_entry); the score is the priority under the priority policy.
+# Admission control lives here, not in a replica: with ARGV[10] > 0, a request
+# is refused while that many wait in the namespace's queue, whichever replicas
+# queued them. Returns {arrival (-1: duplicate id, -2: refused), queue length,
+# the namespace's finished counter (for the retry hint)}.
 _SUBMIT = """
 local status = redis.call('HGET', KEYS[1], 'status')
+local finished = tonumber(redis.call('HGET', KEYS[8], 'finished') or '0')
 if status and status ~= 'finished' then
-  return -1
+  return {-1, 0, finished}
+end
+local queued = redis.call('ZCARD', KEYS[4])
+local limit = tonumber(ARGV[10])
+if limit > 0 and queued >= limit then
+  return {-2, queued, finished}
 end
 local arrival = redis.call('INCR', KEYS[3])
-local qk = string.format('%016d:%s', arrival, ARGV[1])
+local qk = string.format('%016d:', arrival) .. ARGV[1]
 redis.call('DEL', KEYS[1], KEYS[2])
 redis.call('HSET', KEYS[1], 'spec', ARGV[2], 'arrival', arrival, 'status', 'waiting', 'executor', '',
-           'plen', ARGV[3], 'maxt', ARGV[4], 'prio', ARGV[5], 'qk', qk, 'qs', ARGV[6], 'ts', ARGV[7], 'tp', ARGV[8])
+           'plen', ARGV[3], 'maxt', ARGV[4], 'prio', ARGV[5], 'qk', qk, 'qs', ARGV[6], 'ts', ARGV[7], 'tp', ARGV[8],
+           'dl', ARGV[9])
 redis.call('ZADD', KEYS[4], ARGV[6], qk)
 redis.call('SADD', KEYS[5], ARGV[1])
 redis.call('ZADD', KEYS[7], ARGV[7], ARGV[1])
 redis.call('XADD', KEYS[6], 'MAXLEN', '~', '10000', '*', 'op', 'submit', 'id', ARGV[1])
-return arrival
+return {arrival, queued + 1, finished}
 """
 
 # Finishing a request that holds nothing (queued): the same fields and event
@@ -128,6 +140,30 @@ else
   redis.call('XADD', p .. 'incoming', 'MAXLEN', '~', '10000', '*', 'op', 'cancel', 'id', rid, 'reason', reason)
 end
 return 1
+"""
+
+# A request's queue deadline (field 'dl', ms) may have passed: if it is in the shared
+# queue and has not started (core/deadline.py), it finishes here with 'deadline'.
+# Returns 1 if it expired now, 0 if it never will (finished, started, no deadline),
+# 2 if not yet, or if a loop holds it (claimed, running, swapped): that loop expires
+# what it holds, and the caller asks again a little later.
+_EXPIRE = _FINISH_QUEUED + """
+local p, rid, now = ARGV[1], ARGV[2], tonumber(ARGV[3])
+local rk = p .. 'req:' .. rid
+local f = redis.call('HMGET', rk, 'status', 'qk', 'dl', 'executor')
+local dl = tonumber(f[3] or '0') or 0
+if not f[1] or f[1] == 'finished' or dl <= 0 or redis.call('LLEN', p .. 'out:' .. rid) > 0 then
+  return 0
+end
+if now < dl then
+  return 2
+end
+if f[1] == 'waiting' and (f[4] or '') == '' and redis.call('ZREM', p .. 'queue', f[2]) == 1 then
+  redis.call('HINCRBY', p .. 'counters', 'finished', 1)
+  finish_queued(p, rid, 'deadline', ARGV[4])
+  return 1
+end
+return 2
 """
 
 # Streams hold these requests now: refresh their attachment. Returns the ids
@@ -259,6 +295,32 @@ class DuplicateRequest(ValueError):
     """A live request already has this id."""
 
 
+class Expiry(IntEnum):
+    """What the expire script did with a request past its queue deadline."""
+
+    NEVER = 0  # finished, started, or no deadline: it never expires now
+    EXPIRED = 1  # it was queued: finished now, with reason ``deadline``
+    LATER = 2  # not due yet, or a loop holds it (that loop expires it): ask again later
+
+
+@dataclass(frozen=True, slots=True)
+class Submitted:
+    """What the submit script saw: the arrival number, the namespace's queue length (with
+    this request, if queued) and its cumulative count of finished requests."""
+
+    arrival: int
+    queued: int
+    finished: int
+
+
+class Overloaded(RuntimeError):
+    """The namespace's queue is at ``--max-pending-requests``: refused, nothing was stored."""
+
+    def __init__(self, seen: Submitted) -> None:
+        super().__init__(f"{seen.queued} requests are waiting in this namespace")
+        self.seen = seen
+
+
 @dataclass(slots=True)
 class Op:
     """An entry of the incoming stream: a doorbell, and for ``cancel`` what to end."""
@@ -278,6 +340,7 @@ class RedisStore:
         self._apply = client.register_script(_APPLY)
         self._submit = client.register_script(_SUBMIT)
         self._cancel = client.register_script(_CANCEL)
+        self._expire = client.register_script(_EXPIRE)
         self._attach = client.register_script(_ATTACH)
         self._peek = client.register_script(_PEEK)
         self._claim = client.register_script(_CLAIM)
@@ -291,21 +354,35 @@ class RedisStore:
     async def submit(self, req: Request, stop: list[str], policy: str, trace: str = "") -> int:
         """Persist a new request and queue it; returns its arrival number. ``trace``: the
         ``traceparent`` of its root span, for the loops' spans."""
+        return (await self.admit(req, stop, policy, trace)).arrival
+
+    async def admit(self, req: Request, stop: list[str], policy: str, trace: str = "",
+                    max_pending: int = 0) -> Submitted:
+        """``submit``, under admission control: with ``max_pending`` > 0 the request is refused
+        (``Overloaded``) while that many requests wait in the namespace's queue."""
         k, rid = self.keys, req.request_id
         score, _ = codec.queue_entry(0, rid, req.priority, policy)
-        arrival = await self._submit(
-            keys=[k.req(rid), k.out(rid), k.arrival, k.queue, k.live, k.incoming, k.attached],
+        arrival, queued, finished = await self._submit(
+            keys=[k.req(rid), k.out(rid), k.arrival, k.queue, k.live, k.incoming, k.attached, k.counters],
             args=[rid, codec.spec_json(req, stop), len(req.prompt_ids), req.params.max_tokens, req.priority,
-                  repr(score), now_ms(), trace])
-        if int(arrival) < 0:
+                  repr(score), now_ms(), trace, req.deadline_ms or "", max_pending])
+        got = Submitted(int(arrival), int(queued), int(finished))
+        if got.arrival == -1:
             raise DuplicateRequest(rid)
-        return int(arrival)
+        if got.arrival == -2:
+            raise Overloaded(got)
+        return got
 
     async def cancel(self, request_id: str, reason: Finish) -> bool:
         """End a request (``abort`` or ``stop``) wherever it is; False if it is not live."""
         found = await self._cancel(keys=[self.keys.req(request_id)],
                                    args=[self.keys.prefix, request_id, reason.value, self.result_ttl])
         return bool(found)
+
+    async def expire(self, request_id: str) -> Expiry:
+        """Expire a request whose queue deadline passed, if it is queued and has not started."""
+        return Expiry(await self._expire(keys=[self.keys.req(request_id)],
+                                        args=[self.keys.prefix, request_id, now_ms(), self.result_ttl]))
 
     async def attach(self, request_ids: list[str]) -> list[str]:
         """Streams hold these requests: refresh them; returns those Redis lost (to submit again)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from scheduler_svc.core.request import Params
@@ -9,6 +10,9 @@ from pagedserve.v1 import generation_pb2 as pb
 
 MAX_REQUEST_ID = 256
 MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_LENGTH = 256  # characters; the detokenizer searches each new piece of text for every stop string
+MAX_PROMPT_BYTES = 512 << 10  # UTF-8 bytes of prompt text, or of all messages' roles and contents
+MAX_REQUEST_BYTES = 1 << 20  # a serialized GenerateRequest (checked in server.py, before parsing)
 
 
 class InvalidArgument(ValueError):
@@ -32,6 +36,24 @@ class Limits:
 
 
 @dataclass(frozen=True, slots=True)
+class Caps:
+    """What one request may ask for, whatever the model could take (the scheduler's
+    ``--max-stop-strings``, ``--max-stop-string-length``, ``--max-prompt-bytes``). There is
+    no ``n`` (parallel sampling) or logprobs yet, so nothing to cap there."""
+
+    max_stop_strings: int = MAX_STOP_STRINGS
+    max_stop_string_length: int = MAX_STOP_STRING_LENGTH
+    max_prompt_bytes: int = MAX_PROMPT_BYTES
+
+
+DEFAULT_CAPS = Caps()
+
+
+def _utf8(text: str) -> int:
+    return len(text.encode("utf-8", "surrogatepass"))
+
+
+@dataclass(frozen=True, slots=True)
 class Checked:
     """A request whose fields are valid; the prompt is not yet tokenized."""
 
@@ -40,9 +62,28 @@ class Checked:
     params: Params
     stop: list[str]
     priority: int
+    queue_timeout: float | None = None  # seconds; None: no limit
 
 
-def check(req: pb.GenerateRequest, limits: Limits) -> Checked:
+def _check_caps(req: pb.GenerateRequest, caps: Caps) -> None:
+    if req.prompt and (n := _utf8(req.prompt)) > caps.max_prompt_bytes:
+        raise InvalidArgument(f"prompt: {n} bytes, over the limit of {caps.max_prompt_bytes} (--max-prompt-bytes)")
+    if req.messages and (n := sum(_utf8(m.role) + _utf8(m.content) for m in req.messages)) > caps.max_prompt_bytes:
+        raise InvalidArgument(f"messages: {n} bytes of roles and contents, over the limit of "
+                              f"{caps.max_prompt_bytes} (--max-prompt-bytes)")
+    stop = req.sampling.stop
+    if len(stop) > caps.max_stop_strings:
+        raise InvalidArgument(f"sampling.stop: {len(stop)} strings, at most {caps.max_stop_strings} allowed "
+                              f"(--max-stop-strings)")
+    for i, x in enumerate(stop):
+        if len(x) > caps.max_stop_string_length:
+            raise InvalidArgument(f"sampling.stop[{i}]: {len(x)} characters, at most {caps.max_stop_string_length} "
+                                  f"allowed (--max-stop-string-length)")
+    if req.HasField("queue_timeout") and not (math.isfinite(req.queue_timeout) and req.queue_timeout > 0):
+        raise InvalidArgument(f"queue_timeout: must be a finite number of seconds > 0 (got {req.queue_timeout})")
+
+
+def check(req: pb.GenerateRequest, limits: Limits, caps: Caps = DEFAULT_CAPS) -> Checked:
     given = [name for name, present in (
         ("prompt", bool(req.prompt)),
         ("prompt_token_ids", len(req.prompt_token_ids) > 0),
@@ -53,6 +94,11 @@ def check(req: pb.GenerateRequest, limits: Limits) -> Checked:
         raise InvalidArgument(f"exactly one of prompt, prompt_token_ids, messages must be set (got: {found})")
     if len(req.request_id) > MAX_REQUEST_ID:
         raise InvalidArgument(f"request_id: longer than {MAX_REQUEST_ID} characters")
+    if not all(" " <= c <= "~" for c in req.request_id):
+        # Ids go into Redis keys, queue entries built by Lua (whose string.format cut them at a
+        # NUL: found by tests/test_fuzz.py) and gRPC metadata (printable ASCII only).
+        raise InvalidArgument("request_id: printable ASCII only (space to '~')")
+    _check_caps(req, caps)
     s = req.sampling
     if s.HasField("max_tokens") and s.max_tokens <= 0:
         raise InvalidArgument("sampling.max_tokens: must be positive")
@@ -62,10 +108,13 @@ def check(req: pb.GenerateRequest, limits: Limits) -> Checked:
         raise InvalidArgument("sampling.top_p: must be in (0, 1]")
     if s.HasField("top_k") and s.top_k < 0:
         raise InvalidArgument("sampling.top_k: must be >= 0 (0 disables it)")
-    if len(s.stop) > MAX_STOP_STRINGS or any(not x for x in s.stop):
-        raise InvalidArgument(f"sampling.stop: at most {MAX_STOP_STRINGS} non-empty strings")
+    if any(not x for x in s.stop):
+        raise InvalidArgument("sampling.stop: stop strings must be non-empty")
     if any(t >= limits.vocab_size for t in s.stop_token_ids):
         raise InvalidArgument(f"sampling.stop_token_ids: ids must be below the vocabulary size {limits.vocab_size}")
+    if len(req.prompt_token_ids) >= limits.max_model_len:  # before walking them
+        raise InvalidArgument(f"prompt_token_ids: {len(req.prompt_token_ids)} tokens, but the model's context is "
+                              f"{limits.max_model_len} tokens")
     if any(t >= limits.vocab_size for t in req.prompt_token_ids):
         raise InvalidArgument(f"prompt_token_ids: ids must be below the vocabulary size {limits.vocab_size}")
     for i, m in enumerate(req.messages):
@@ -80,7 +129,8 @@ def check(req: pb.GenerateRequest, limits: Limits) -> Checked:
         stop_token_ids=tuple(s.stop_token_ids),
         ignore_eos=s.ignore_eos,
     )
-    return Checked(req.request_id, given[0], params, list(s.stop), req.priority)
+    return Checked(req.request_id, given[0], params, list(s.stop), req.priority,
+                   req.queue_timeout if req.HasField("queue_timeout") else None)
 
 
 def check_length(kind: str, num_prompt: int, params: Params, limits: Limits) -> None:

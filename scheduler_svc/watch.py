@@ -23,6 +23,7 @@ from pagedserve import rpc
 from pagedserve.executor.v1 import executor_pb2 as epb
 from pagedserve.executor.v1 import executor_pb2_grpc as epb_grpc
 from pagedserve.members import Member, Registry
+from pagedserve.security import DialFn, insecure
 from scheduler_svc.store import UNAVAILABLE
 from scheduler_svc.validate import Limits
 
@@ -46,8 +47,9 @@ def limits_of(members: list[Member], vocab_size: int, max_model_len: int = 0) ->
 
 
 class ClusterWatch:
-    def __init__(self, registry: Registry, max_model_len: int = 0) -> None:
+    def __init__(self, registry: Registry, max_model_len: int = 0, dial: DialFn = insecure) -> None:
         self.registry = registry
+        self.dial = dial
         self.max_model_len = max_model_len
         self.limits: Limits | None = None
         self.tokenizer: Any = None
@@ -58,7 +60,7 @@ class ClusterWatch:
     async def _info(self, members: list[Member]) -> None:
         for m in members:
             try:
-                async with grpc.aio.insecure_channel(m.address, options=rpc.CHANNEL_OPTIONS) as ch:
+                async with self.dial(m.address) as ch:
                     info = await epb_grpc.ExecutorStub(ch).Info(epb.InfoRequest(), timeout=10)
             except grpc.aio.AioRpcError as exc:
                 log.info("executor %s at %s: %s; trying another", m.instance_id, m.address, exc.code().name)

@@ -22,6 +22,7 @@ class Counters:
     disk_spilled_blocks: int = 0
     steps: int = 0
     generated_tokens: int = 0
+    finished: int = 0  # requests that ended here (the finish rate behind admission's retry hint)
 
     def as_dict(self) -> dict[str, int]:
         return {f.name: getattr(self, f.name) for f in fields(self)}

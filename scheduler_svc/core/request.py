@@ -19,6 +19,7 @@ class Finish(StrEnum):
     STOP = "stop"
     LENGTH = "length"
     ABORT = "abort"
+    DEADLINE = "deadline"  # its queue deadline passed before it started (the API answers DEADLINE_EXCEEDED)
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +52,7 @@ class Request:
     swap_blocks: list[tuple[Tier, int]] = field(default_factory=list)  # (tier, block) while swapped
     finish_reason: Finish | None = None
     num_preemptions: int = 0
+    deadline_ms: int = 0  # wall clock (ms) by which it must have started; 0: none (core/deadline.py)
 
     @property
     def num_tokens(self) -> int:

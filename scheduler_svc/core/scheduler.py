@@ -28,6 +28,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from scheduler_svc.core.blocks import DEVICE, DISK, TIERS, BlockManager, Move, blocks_needed
+from scheduler_svc.core.deadline import expired_among
 from scheduler_svc.core.placement import PoolView
 from scheduler_svc.core.queue import make_queue
 from scheduler_svc.core.record import Counters, StepRecord
@@ -135,7 +136,16 @@ class Scheduler:
         req.status = Status.FINISHED
         req.finish_reason = reason
         self.record.finished.append(req)
+        self._count("finished")
         return req
+
+    def expire(self, now_ms: int) -> list[Request]:
+        """Finish (``deadline``) the waiting and swapped requests whose queue deadline passed
+        before they started; their blocks, swapped ones included, are freed."""
+        gone = expired_among([*self.waiting, *self.swapped], now_ms)
+        for req in gone:
+            self.finish(req.request_id, Finish.DEADLINE)
+        return gone
 
     def requeue(self, req: Request) -> None:
         """``req`` leaves this executor for the shared queue, holding nothing: recomputed wherever it runs next."""
