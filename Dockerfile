@@ -39,6 +39,9 @@ RUN if [ -n "$TORCH_INDEX_URL" ]; then \
 RUN pip install "grpcio-tools>=1.60"
 
 WORKDIR /app
+# Includes scripts/: healthcheck.py (the TLS-aware probe of k8s and compose) and
+# with-certs.sh (compose's entrypoint wrapper). certs/ is in .dockerignore: dev keys
+# never enter the image.
 COPY . /app
 
 # Same command as `make proto`; the stubs land in pagedserve/v1 and

@@ -10,6 +10,17 @@ to a fixed executor, PDBs never block every drain, graceful-shutdown timings,
 metrics ports and scrape annotations, and that every CLI flag we pass is one the
 services' `--help` lists (skipped until a service has a `__main__`).
 
+Security (docs/deploy.md, "Security"): the NetworkPolicies are evaluated on a
+matrix of who-talks-to-whom (only schedulers reach executors, only schedulers and
+executors reach Redis, clients reach only the API port, Prometheus in the
+monitoring namespace only the metrics ports, DNS for all); every Secret the
+workloads use exists in k8s/examples/secrets.yaml (placeholders only, the output of
+scripts/k8s-secrets.py --placeholders) and the real output of that script from a
+dev-certs directory validates strictly; the TLS, key and token flags point into the
+mounted Secrets and the exec probes present the same files; the compose wrapper
+(scripts/with-certs.sh) and health check (scripts/healthcheck.py) run here for real:
+a stack started through the wrapper with certs/ serves TLS + API keys + mutual TLS.
+
 k8s/extras/ (not in the kustomization) holds the autoscaling add-ons: the
 executor HPA and the Prometheus adapter rules it needs are validated strictly
 like k8s/; the KEDA ScaledObject has no schema in kubernetes-validate, so it is
@@ -29,6 +40,7 @@ import shutil
 import subprocess
 import sys
 from concurrent import futures
+from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -45,6 +57,11 @@ EXTRAS_DIR = K8S_DIR / "extras"
 HPA_FILE = EXTRAS_DIR / "executor-hpa.yaml"
 ADAPTER_FILE = EXTRAS_DIR / "prometheus-adapter-rules.yaml"
 KEDA_FILE = EXTRAS_DIR / "keda-scaledobject.yaml"
+SECRETS_EXAMPLE = K8S_DIR / "examples" / "secrets.yaml"
+SCRIPTS = ROOT / "scripts"
+HEALTHCHECK = SCRIPTS / "healthcheck.py"
+WITH_CERTS = SCRIPTS / "with-certs.sh"
+K8S_SECRETS = SCRIPTS / "k8s-secrets.py"
 # Extras that are Kubernetes objects with a schema in kubernetes-validate / not.
 EXTRAS_VALIDATED = (HPA_FILE, ADAPTER_FILE)
 EXTRAS_UNVALIDATED = (KEDA_FILE, EXTRAS_DIR / "grafana-dashboard.json")
@@ -65,6 +82,8 @@ CONTRACT_FLAGS = {
         "--port", "--redis-url", "--executor", "--executor-timeout", "--policy",
         "--preemption-mode", "--max-num-seqs", "--max-num-batched-tokens",
         "--namespace", "--lease-ms", "--metrics-port", "--metrics-host",
+        "--tls-cert", "--tls-key", "--tls-ca", "--executor-tls-server-name", "--api-key-file",
+        "--internal-token-file",
     },
     "executor_svc": {
         "--port", "--model", "--kv-cache-memory", "--gpu-memory-utilization",
@@ -72,11 +91,15 @@ CONTRACT_FLAGS = {
         "--disk-swap-space", "--attention-backend",
         "--redis-url", "--advertise-address", "--namespace", "--lease-ms", "--drain-timeout",
         "--metrics-port", "--metrics-host",
+        "--tls-cert", "--tls-key", "--tls-ca", "--internal-token-file",
     },
 }
 # Flags whose value is not a number (nor one of CHOICES).
 TEXT_FLAGS = {"--redis-url", "--executor", "--model", "--swap-dir", "--advertise-address", "--namespace",
-              "--metrics-host"}
+              "--metrics-host", "--tls-cert", "--tls-key", "--tls-ca", "--executor-tls-server-name",
+              "--api-key-file", "--internal-token-file"}
+# Flags naming a file (in k8s: in a mounted Secret).
+FILE_FLAGS = ("--tls-cert", "--tls-key", "--tls-ca", "--api-key-file", "--internal-token-file")
 # Both services' --namespace default: executors join the schedulers' namespace.
 DEFAULT_NAMESPACE = "pagedserve"
 CHOICES = {
@@ -212,13 +235,24 @@ def configmap_data() -> dict[str, dict]:
 
 
 def resolved_argv(container: dict) -> list[str]:
-    """Args with $(VAR) references expanded from env literals / ConfigMap keys;
-    a downward-API variable becomes `<fieldPath>` (e.g. `<status.podIP>`)."""
+    """Args with $(VAR) references expanded from container_env."""
+    env = container_env(container)
+    return [expand(a, env) for a in k8s_argv(container)]
+
+
+def expand(value: str, env: dict[str, str | None]) -> str:
+    return re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", lambda m: str(env.get(m.group(1), m.group(0))), value)
+
+
+def container_env(container: dict) -> dict[str, str | None]:
+    """The container's env: literals (expanding earlier variables, as Kubernetes does),
+    ConfigMap keys, a downward-API variable as `<fieldPath>` (e.g. `<status.podIP>`), a
+    Secret key as `<secret:NAME:KEY>`."""
     cms = configmap_data()
-    env = {}
+    env: dict[str, str | None] = {}
     for e in container.get("env", []):
         if "value" in e:
-            env[e["name"]] = e["value"]
+            env[e["name"]] = expand(e["value"], env)
         else:
             ref = e.get("valueFrom", {}).get("configMapKeyRef")
             if ref:
@@ -226,10 +260,15 @@ def resolved_argv(container: dict) -> list[str]:
             field = e.get("valueFrom", {}).get("fieldRef")
             if field:
                 env[e["name"]] = f"<{field['fieldPath']}>"
-    return [
-        re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", lambda m: str(env.get(m.group(1), m.group(0))), a)
-        for a in k8s_argv(container)
-    ]
+            secret = e.get("valueFrom", {}).get("secretKeyRef")
+            if secret:
+                env[e["name"]] = f"<secret:{secret['name']}:{secret['key']}>"
+    return env
+
+
+def redis_url_of(container: dict) -> str:
+    """The Redis URL a service container uses: --redis-url, else $REDIS_URL (the default of both CLIs)."""
+    return flag_values(resolved_argv(container)).get("--redis-url") or container_env(container).get("REDIS_URL") or ""
 
 
 def image_has_registry_host(image: str) -> bool:
@@ -247,10 +286,31 @@ def container_ports(container: dict) -> dict:
     return ports
 
 
+def healthcheck_module():
+    """scripts/healthcheck.py, imported (its parser reads the probes' arguments)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("pagedserve_healthcheck", HEALTHCHECK)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def healthcheck_args(argv: list[str]):
+    """The parsed arguments of `python /app/scripts/healthcheck.py ...`, else None."""
+    if len(argv) < 2 or argv[0] != "python" or argv[1] != "/app/scripts/healthcheck.py":
+        return None
+    return healthcheck_module().parse_args(argv[2:])
+
+
 def probe_port(probe: dict):
     for kind in ("grpc", "tcpSocket", "httpGet"):
         if kind in probe:
             return kind, probe[kind]["port"]
+    if "exec" in probe:
+        args = healthcheck_args([str(a) for a in probe["exec"]["command"]])
+        if args is not None:
+            return "healthcheck", args.port
     return None, None
 
 
@@ -433,37 +493,154 @@ def test_compose_healthchecks_probe_the_service_port():
         if not service_module(argv):
             continue
         test = svc["healthcheck"]["test"]
-        assert test[0] == "CMD" and test[1:3] == ["python", "-c"], test
-        assert test[-1] == flag_values(argv)["--port"], f"{name}: health check on {test[-1]}"
+        assert test[0] == "CMD", test
+        args = healthcheck_args(test[1:])
+        assert args is not None, test
+        assert str(args.port) == flag_values(argv)["--port"], f"{name}: health check on {args.port}"
+        # TLS with the service's own certificate when the mounted certs/ is complete.
+        assert args.role == name and str(args.certs) == "/certs", test
 
 
-def test_compose_grpc_healthcheck_command_works():
-    """Run the compose health check against a real gRPC health server."""
+def test_compose_wires_certs_through_the_entrypoint_wrapper():
+    """tini stays PID 1; the wrapper and the health check read the certs/ bind mount."""
+    for name in ("scheduler", "executor"):
+        svc = load_compose()["services"][name]
+        assert svc["entrypoint"] == ["tini", "--", "/app/scripts/with-certs.sh"], svc["entrypoint"]
+        [mount] = [v for v in svc["volumes"] if isinstance(v, dict) and v.get("target") == "/certs"]
+        assert mount["type"] == "bind" and mount["source"] == "./certs" and mount["read_only"] is True, mount
+    assert os.access(WITH_CERTS, os.X_OK) and os.access(SCRIPTS / "dev-certs.sh", os.X_OK)
+    # Neither dev keys nor a certs/ directory go into the image or into git.
+    assert ignored("certs/scheduler.key") and ignored("certs")
+
+
+def test_wrapper_adds_flags_the_services_accept():
+    """Every flag scripts/with-certs.sh can add is listed by the service's --help."""
+    text = WITH_CERTS.read_text()
+    code = "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("#"))
+    added = set(re.findall(r"(--[a-z][a-z-]+)", code))
+    assert {"--tls-cert", "--tls-key", "--tls-ca", "--internal-token-file", "--api-key-file",
+            "--executor-tls-server-name"} <= added, added
+    assert added <= CONTRACT_FLAGS["scheduler_svc"] | CONTRACT_FLAGS["executor_svc"], added
+
+
+def dev_certs(directory: Path) -> Path:
+    """scripts/dev-certs.sh DIR, as an operator runs it."""
+    res = subprocess.run(["sh", str(SCRIPTS / "dev-certs.sh"), str(directory)], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120)
+    assert res.returncode == 0, res.stdout + res.stderr
+    return directory
+
+
+def run_healthcheck(*args: str) -> int:
+    return subprocess.run([sys.executable, str(HEALTHCHECK), *args], capture_output=True, text=True,
+                          timeout=60).returncode
+
+
+def test_compose_healthcheck_script_works(tmp_path):
+    """Run the compose/k8s health check against real gRPC health servers: plaintext, then
+    mutual TLS as the executor serves it (a client certificate signed by the CA required)."""
     grpc = pytest.importorskip("grpc")
     health = pytest.importorskip("grpc_health.v1.health")
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    test = load_compose()["services"]["scheduler"]["healthcheck"]["test"]
-    code = test[3]
+    def serve(credentials=None):
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+        servicer = health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+        port = (server.add_secure_port("127.0.0.1:0", credentials) if credentials
+                else server.add_insecure_port("127.0.0.1:0"))
+        server.start()
+        return server, servicer, port
 
-    def check(port: int) -> int:
-        return subprocess.run(
-            [sys.executable, "-c", code, str(port)], capture_output=True, text=True, timeout=60
-        ).returncode
-
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
-    servicer = health.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
+    server, servicer, port = serve()
     try:
         servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-        assert check(port) == 0
+        assert run_healthcheck(str(port)) == 0
+        # certs/ missing or incomplete: plaintext, as the wrapper does.
+        assert run_healthcheck("--certs", str(tmp_path / "none"), "--role", "scheduler", str(port)) == 0
         servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
-        assert check(port) != 0
+        assert run_healthcheck(str(port)) != 0
+        servicer.set("liveness", health_pb2.HealthCheckResponse.SERVING)
+        assert run_healthcheck("--service", "liveness", str(port)) == 0
     finally:
         server.stop(None)
-    assert check(port) != 0  # nothing listening
+    assert run_healthcheck(str(port)) != 0  # nothing listening
+
+    certs = dev_certs(tmp_path / "certs")
+    creds = grpc.ssl_server_credentials([((certs / "executor.key").read_bytes(), (certs / "executor.crt").read_bytes())],
+                                        root_certificates=(certs / "ca.crt").read_bytes(),
+                                        require_client_auth=True)
+    server, servicer, port = serve(creds)
+    try:
+        servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+        assert run_healthcheck("--certs", str(certs), "--role", "executor", str(port)) == 0
+        assert run_healthcheck("--certs", str(certs), "--role", "executor", "--server-name", "executor", str(port)) == 0
+        assert run_healthcheck(str(port)) != 0  # plaintext against TLS
+        assert run_healthcheck("--tls-ca", str(certs / "ca.crt"), str(port)) != 0  # no client certificate
+    finally:
+        server.stop(None)
+
+
+def test_compose_wrapper_starts_a_tls_stack(tmp_path, tiny_llama, redis_url):
+    """scripts/with-certs.sh as compose runs it, on real processes: with the dev-certs set
+    the scheduler serves TLS and wants an API key, executors take only mutual TLS, and a
+    request with the CA and the key is served; without the set, plaintext as before."""
+    import grpc
+
+    from pagedserve.procs import free_port, wait_until
+    from pagedserve.v1 import generation_pb2 as pb
+    from pagedserve.v1 import generation_pb2_grpc as pb_grpc
+
+    certs = dev_certs(tmp_path / "certs")
+    env = {**os.environ, "PAGEDSERVE_CERTS": str(certs), "PYTHONPATH": str(ROOT)}
+    e_port, s_port = free_port(), free_port()
+    common = ["--redis-url", redis_url, "--namespace", "deploy-tls"]
+    procs = []
+    logs = {}
+
+    def start(role: str, args: list[str]) -> None:
+        logs[role] = open(tmp_path / f"{role}.log", "wb")  # noqa: SIM115 - closed below
+        procs.append(subprocess.Popen(["sh", str(WITH_CERTS), sys.executable, "-m", f"{role}_svc", *args],
+                                      cwd=ROOT, env=env, stdout=logs[role], stderr=subprocess.STDOUT))
+
+    def healthy(role: str, port: int) -> bool:
+        return run_healthcheck("--certs", str(certs), "--role", role, str(port)) == 0
+
+    try:
+        start("executor", ["--port", str(e_port), "--model", str(tiny_llama), "--kv-cache-memory", str(1 << 20),
+                           "--advertise-address", f"127.0.0.1:{e_port}", *common])
+        start("scheduler", ["--port", str(s_port), *common])
+        for role, port, proc in (("executor", e_port, procs[0]), ("scheduler", s_port, procs[1])):
+            wait_until(lambda role=role, port=port: healthy(role, port), 180, role, proc)
+        log = (tmp_path / "scheduler.log").read_text()
+        assert "with TLS and keys from" in log, log
+        assert run_healthcheck(str(s_port)) != 0 and run_healthcheck(str(e_port)) != 0  # no plaintext
+        assert run_healthcheck("--tls-ca", str(certs / "ca.crt"), str(e_port)) != 0  # mTLS: no client cert
+        key = next(line for line in (certs / "api-keys").read_text().splitlines() if line and line[0] != "#")
+        creds = grpc.ssl_channel_credentials((certs / "ca.crt").read_bytes())
+        req = pb.GenerateRequest(prompt_token_ids=[5, 6, 7], sampling=pb.SamplingParams(max_tokens=3, temperature=0))
+        with grpc.secure_channel(f"localhost:{s_port}", creds) as ch:
+            stub = pb_grpc.GenerationStub(ch)
+            with pytest.raises(grpc.RpcError) as info:
+                list(stub.Generate(req, timeout=60))
+            assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            out = list(stub.Generate(req, timeout=120, metadata=[("authorization", f"Bearer {key}")]))
+        assert out[-1].finish_reason == "length" and sum(len(o.token_ids) for o in out) == 3
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        for f in logs.values():
+            f.close()
+    # Without a complete set the wrapper changes nothing.
+    res = subprocess.run(["sh", str(WITH_CERTS), sys.executable, "-c", "import sys; print(sys.argv[1:])", "-m",
+                          "scheduler_svc"], env={**env, "PAGEDSERVE_CERTS": str(tmp_path / "none")},
+                         capture_output=True, text=True, timeout=30)
+    assert res.returncode == 0 and "plaintext" in res.stderr and "--tls" not in res.stdout, res
 
 
 # ---------------------------------------------------------------- k8s behaviour
@@ -508,10 +685,28 @@ def test_probe_ports_match_container_ports():
                     declared, cli_port, metrics_port)
                 for probe_name in PROBES:
                     kind, port = probe_port(c[probe_name])
-                    assert kind == "grpc" and ports[port] == cli_port, (probe_name, kind, port)
+                    assert kind == "healthcheck" and ports[port] == cli_port, (probe_name, kind, port)
     executor = containers(workload_for("executor"))[0]
     kind, port = probe_port(executor["startupProbe"])
-    assert kind == "grpc" and port == PORTS["executor_svc"]
+    assert kind == "healthcheck" and port == PORTS["executor_svc"]
+
+
+def test_probes_speak_the_tls_the_port_serves():
+    """Native gRPC probes speak no TLS: each probe runs scripts/healthcheck.py with the
+    container's own CA, certificate and key, the name its certificate carries, and (the
+    executor's port being mutual TLS) that certificate as the client's."""
+    for comp in ("scheduler", "executor"):
+        c = containers(workload_for(comp))[0]
+        flags = flag_values(resolved_argv(c))
+        for probe_name in PROBES:
+            args = healthcheck_args([str(a) for a in c[probe_name]["exec"]["command"]])
+            assert args is not None, (comp, probe_name)
+            assert (str(args.tls_ca), str(args.tls_cert), str(args.tls_key)) == (
+                flags["--tls-ca"], flags["--tls-cert"], flags["--tls-key"]), (comp, probe_name)
+            assert args.server_name == comp, (comp, probe_name, args.server_name)
+            assert c[probe_name]["timeoutSeconds"] >= 3, "a Python probe needs a few seconds to start"
+    sched = flag_values(resolved_argv(containers(workload_for("scheduler"))[0]))
+    assert sched["--executor-tls-server-name"] == "executor"
 
 
 def test_liveness_probes_ask_the_liveness_service_and_readiness_the_overall_status():
@@ -519,9 +714,13 @@ def test_liveness_probes_ask_the_liveness_service_and_readiness_the_overall_stat
 
     for comp in ("scheduler", "executor"):
         c = containers(workload_for(comp))[0]
-        assert c["livenessProbe"]["grpc"].get("service") == LIVENESS, comp
+
+        def service(probe: str, c=c) -> str:
+            return healthcheck_args([str(a) for a in c[probe]["exec"]["command"]]).service
+
+        assert service("livenessProbe") == LIVENESS, comp
         for probe in ("startupProbe", "readinessProbe"):
-            assert c[probe]["grpc"].get("service", "") == "", f"{comp} {probe} must ask the overall status"
+            assert service(probe) == "", f"{comp} {probe} must ask the overall status"
 
 
 def test_liveness_stays_serving_while_readiness_says_not_serving():
@@ -655,6 +854,14 @@ def test_env_references_resolve():
                     assert var in env_names, f"{w['metadata']['name']}/{c['name']}: $({var}) undefined"
 
 
+def redis_password_ref() -> str:
+    """What the Redis server's --requirepass resolves to: a Secret key, never a literal."""
+    argv = resolved_argv(containers(workload_for("redis"))[0])
+    password = flag_values(argv)["--requirepass"]
+    assert re.fullmatch(r"<secret:[a-z0-9-]+:[a-z0-9.-]+>", password or ""), password
+    return password
+
+
 def assert_service_port(host: str, port: int, comp: str) -> None:
     services = {s["metadata"]["name"]: s for s in by_kind("Service")}
     assert host in services, f"no Service named {host}"
@@ -667,11 +874,15 @@ def test_redis_urls_resolve_and_no_scheduler_names_an_executor():
     flags = {comp: flag_values(resolved_argv(containers(workload_for(comp))[0])) for comp in ("scheduler", "executor")}
     # Schedulers serve every executor registered in their namespace.
     assert "--executor" not in flags["scheduler"], "k8s scheduler is tied to a fixed executor"
-    for comp, f in flags.items():
-        url = urlparse(f.get("--redis-url") or "")
-        assert url.scheme == "redis", f"{comp}: --redis-url {url.geturl()!r}"
+    urls = {comp: redis_url_of(containers(workload_for(comp))[0]) for comp in ("scheduler", "executor")}
+    for comp, u in urls.items():
+        url = urlparse(u)
+        assert url.scheme == "redis", f"{comp}: redis URL {u!r}"
         assert_service_port(url.hostname, url.port, "redis")
-    assert same_redis(flags["scheduler"]["--redis-url"], flags["executor"]["--redis-url"])
+        # The password from the Secret the Redis server requires, kept out of args.
+        assert "--redis-url" not in flags[comp], f"{comp}: the password would be in the pod's argv"
+        assert url.password == redis_password_ref(), (comp, u)
+    assert same_redis(urls["scheduler"], urls["executor"])
     assert flags["scheduler"].get("--namespace", DEFAULT_NAMESPACE) == flags["executor"].get("--namespace", DEFAULT_NAMESPACE)
 
 
@@ -689,7 +900,7 @@ def test_executor_registers_with_its_pod_ip():
     resolved = flag_values(resolved_argv(c))
     assert resolved["--advertise-address"] == f"<status.podIP>:{PORTS['executor_svc']}"
     # Registration in the redis Service.
-    url = urlparse(resolved["--redis-url"])
+    url = urlparse(redis_url_of(c))
     assert url.scheme == "redis"
     assert_service_port(url.hostname, url.port, "redis")
     # The drain timeout is a tunable from the ConfigMap and fits the grace period.
@@ -805,6 +1016,7 @@ def test_dockerignore_keeps_sources_and_drops_local_state():
                 needed.append(rel)
     if (ROOT / "README.md").exists():
         needed.append("README.md")
+    needed += ["scripts/healthcheck.py", "scripts/with-certs.sh"]  # the probes and compose's entrypoint
     kept_out = [p for p in needed if ignored(p)]
     assert not kept_out, f".dockerignore drops files the build needs: {kept_out}"
     for p in (".venv/bin/python", ".git/HEAD", "pagedserve/v1/generation_pb2.py",
@@ -1019,3 +1231,212 @@ def test_keda_behaviour_validates_as_an_hpa(tmp_path):
     path.write_text(yaml.safe_dump(hpa))
     res = run_tool([tool("kubernetes-validate"), "--strict", "--quiet", "-k", K8S_VERSIONS[0], str(path)])
     assert res.returncode == 0, res.stdout + res.stderr
+
+
+# ---------------------------------------------------------------- k8s: network policies
+@dataclass(frozen=True)
+class Pod:
+    """A pod as NetworkPolicies see it: labels and its namespace's labels (None: ours)."""
+
+    name: str
+    labels: tuple[tuple[str, str], ...]
+    namespace: tuple[tuple[str, str], ...] | None = None
+
+    @property
+    def ours(self) -> bool:
+        return self.namespace is None
+
+
+def pod_of(comp: str) -> Pod:
+    return Pod(comp, tuple(workload_for(comp)["spec"]["template"]["metadata"]["labels"].items()))
+
+
+def ns(name: str) -> tuple[tuple[str, str], ...]:
+    return (("kubernetes.io/metadata.name", name),)
+
+
+def selects(selector: dict, labels: tuple[tuple[str, str], ...]) -> bool:
+    assert set(selector) <= {"matchLabels"}, f"the evaluator handles matchLabels only: {selector}"
+    return selector.get("matchLabels", {}).items() <= dict(labels).items()
+
+
+def peer_matches(peer: dict, pod: Pod) -> bool:
+    assert "ipBlock" not in peer, "the evaluator does not handle ipBlock"
+    if "namespaceSelector" in peer:
+        ns_labels = ns("pagedserve") if pod.ours else pod.namespace
+        if not selects(peer["namespaceSelector"], ns_labels):
+            return False
+    elif not pod.ours:  # a podSelector alone means the policy's own namespace
+        return False
+    return selects(peer.get("podSelector", {}), pod.labels)
+
+
+def rule_allows(rule: dict, peers_key: str, other: Pod, port: int, protocol: str) -> bool:
+    peers = rule.get(peers_key)
+    if peers is not None and not any(peer_matches(p, other) for p in peers):
+        return False
+    ports = rule.get("ports")
+    return ports is None or any(p.get("protocol", "TCP") == protocol and p.get("port") in (None, port)
+                                for p in ports)
+
+
+def policy_allows(direction: str, pod: Pod, other: Pod, port: int, protocol: str) -> bool:
+    """Whether the policies of our namespace let `pod` take (Ingress) or make (Egress) the connection."""
+    if not pod.ours:
+        return True  # no policy of ours applies elsewhere
+    key, peers_key = ("ingress", "from") if direction == "Ingress" else ("egress", "to")
+    applying = [p["spec"] for p in by_kind("NetworkPolicy") if selects(p["spec"]["podSelector"], pod.labels)
+                and direction in p["spec"].get("policyTypes", ["Ingress"])]
+    if not applying:
+        return True
+    return any(rule_allows(r, peers_key, other, port, protocol) for spec in applying for r in spec.get(key, []))
+
+
+def connects(src: Pod, dst: Pod, port: int, protocol: str = "TCP") -> bool:
+    return policy_allows("Egress", src, dst, port, protocol) and policy_allows("Ingress", dst, src, port, protocol)
+
+
+def test_network_policies_only_schedulers_reach_executors_and_redis():
+    sched, ex, redis_pod = pod_of("scheduler"), pod_of("executor"), pod_of("redis")
+    client = Pod("client", (("app", "client"),), ns("apps"))
+    neighbour = Pod("debug", (("app", "debug"),))  # another pod in pagedserve's namespace
+    prometheus = Pod("prometheus", (("app.kubernetes.io/name", "prometheus"),), ns("monitoring"))
+    grafana = Pod("grafana", (("app.kubernetes.io/name", "grafana"),), ns("monitoring"))
+    stray_prometheus = Pod("prometheus", (("app.kubernetes.io/name", "prometheus"),), ns("apps"))
+    dns = Pod("coredns", (("k8s-app", "kube-dns"),), ns("kube-system"))
+    outside = Pod("web", (("app", "web"),), ns("internet"))
+    api, grpc_x, redis_port = PORTS["scheduler_svc"], PORTS["executor_svc"], 6379
+    m_sched, m_ex = METRICS_PORTS["scheduler_svc"], METRICS_PORTS["executor_svc"]
+    expected = [
+        # Clients reach the API port and nothing else.
+        (client, sched, api, True), (neighbour, sched, api, True), (client, sched, m_sched, False),
+        (client, ex, grpc_x, False), (client, redis_pod, redis_port, False), (client, ex, m_ex, False),
+        (neighbour, ex, grpc_x, False), (neighbour, redis_pod, redis_port, False),
+        # Step plans only from schedulers; Redis only from schedulers and executors (registration).
+        (sched, ex, grpc_x, True), (sched, redis_pod, redis_port, True), (ex, redis_pod, redis_port, True),
+        (ex, ex, grpc_x, False), (redis_pod, ex, grpc_x, False), (ex, sched, api, False),
+        (sched, ex, m_ex, False), (sched, redis_pod, grpc_x, False), (redis_pod, sched, api, False),
+        # Metrics: Prometheus in the monitoring namespace only, metrics ports only.
+        (prometheus, sched, m_sched, True), (prometheus, ex, m_ex, True), (prometheus, ex, grpc_x, False),
+        (prometheus, redis_pod, redis_port, False), (grafana, sched, m_sched, False),
+        (stray_prometheus, ex, m_ex, False),
+        # Nothing leaves but DNS and the paths above.
+        (sched, outside, 443, False), (ex, outside, 443, False), (redis_pod, outside, 443, False),
+        (sched, dns, 80, False),
+    ]
+    wrong = [(s.name, d.name, port, want) for s, d, port, want in expected if connects(s, d, port) != want]
+    assert not wrong, f"(source, destination, port, expected) the policies get wrong: {wrong}"
+    for pod in (sched, ex, redis_pod):
+        assert connects(pod, dns, 53, "UDP") and connects(pod, dns, 53, "TCP"), f"{pod.name} cannot resolve names"
+
+
+def test_network_policies_deny_by_default_and_match_real_ports():
+    policies = by_kind("NetworkPolicy")
+    deny = [p for p in policies if p["spec"]["podSelector"] == {"matchLabels": {"app.kubernetes.io/name": "pagedserve"}}
+            and set(p["spec"]["policyTypes"]) == {"Ingress", "Egress"} and not p["spec"].get("ingress")
+            and not p["spec"].get("egress")]
+    assert len(deny) == 1, "no default-deny policy for every pagedserve pod"
+    declared = {}
+    for comp in ("scheduler", "executor", "redis"):
+        declared[comp] = {p["containerPort"] for c in containers(workload_for(comp)) for p in c.get("ports", [])}
+    for p in policies:
+        sel = p["spec"]["podSelector"]
+        targets = [w for w in workloads() if selects(sel, tuple(w["spec"]["template"]["metadata"]["labels"].items()))]
+        assert targets, f"NetworkPolicy {p['metadata']['name']} selects no workload"
+        # Ingress ports are ports the selected pods declare.
+        for rule in p["spec"].get("ingress", []):
+            for port in rule.get("ports", []):
+                assert all(port["port"] in declared[component(w)] for w in targets), (p["metadata"]["name"], port)
+
+
+# ---------------------------------------------------------------- k8s: secrets
+def secrets_example() -> list[dict]:
+    return load_yaml_docs(SECRETS_EXAMPLE)
+
+
+def referenced_secrets() -> dict[str, set[str]]:
+    """Secret name -> keys, for every Secret the workloads read (env and volumes)."""
+    refs: dict[str, set[str]] = {}
+    for w in workloads():
+        for c in containers(w):
+            for e in c.get("env", []):
+                ref = e.get("valueFrom", {}).get("secretKeyRef")
+                if ref:
+                    refs.setdefault(ref["name"], set()).add(ref["key"])
+        for v in pod_spec(w).get("volumes", []):
+            sources = [s["secret"] for s in v.get("projected", {}).get("sources", []) if "secret" in s]
+            sources += [v["secret"] | {"name": v["secret"]["secretName"]}] if "secret" in v else []
+            for src in sources:
+                refs.setdefault(src["name"], set()).update(i["key"] for i in src.get("items", []))
+    return refs
+
+
+def test_secrets_example_holds_placeholders_for_every_secret_used():
+    docs = secrets_example()
+    by_name = {d["metadata"]["name"]: d for d in docs}
+    refs = referenced_secrets()
+    assert {"pagedserve-redis", "pagedserve-api-keys", "pagedserve-internal-token", "pagedserve-scheduler-tls",
+            "pagedserve-executor-tls"} <= set(refs), refs
+    assert set(by_name) == set(refs), (set(by_name), set(refs))
+    for name, keys in refs.items():
+        doc = by_name[name]
+        assert "data" not in doc and keys <= set(doc["stringData"]), (name, keys, doc)
+        assert all(str(v).startswith("REPLACE-ME") for v in doc["stringData"].values()), name
+        assert doc["metadata"]["labels"]["app.kubernetes.io/name"] == "pagedserve"
+        assert "namespace" not in doc["metadata"]
+    assert "EXAMPLE ONLY" in SECRETS_EXAMPLE.read_text()
+    # The example is the script's --placeholders output, so the two never drift apart.
+    res = subprocess.run([sys.executable, str(K8S_SECRETS), "--placeholders"], capture_output=True, text=True,
+                         timeout=60)
+    assert res.returncode == 0 and res.stdout == SECRETS_EXAMPLE.read_text(), res.stderr
+    # The Secrets are created apart from the kustomization, which would overwrite real ones.
+    kust = yaml.safe_load(KUSTOMIZATION.read_text())
+    assert not any("secret" in r for r in kust["resources"]), kust["resources"]
+
+
+@pytest.mark.parametrize("version", K8S_VERSIONS, ids=lambda v: v or "latest-shipped")
+def test_secrets_validate_strict_offline(version, tmp_path):
+    """The example, and real Secrets made by scripts/k8s-secrets.py from a dev-certs directory."""
+    certs = dev_certs(tmp_path / "certs")
+    real = tmp_path / "secrets.yaml"
+    res = subprocess.run([sys.executable, str(K8S_SECRETS), str(certs)], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    real.write_text(res.stdout)
+    args = [tool("kubernetes-validate"), "--strict", "--quiet"] + (["-k", version] if version else [])
+    out = run_tool(args + [str(SECRETS_EXAMPLE), str(real)])
+    assert out.returncode == 0 and "Couldn't find schema" not in out.stdout + out.stderr, out.stdout + out.stderr
+    docs = {d["metadata"]["name"]: d for d in load_yaml_docs(real)}
+    assert docs["pagedserve-scheduler-tls"]["stringData"]["tls.crt"] == (certs / "scheduler.crt").read_text()
+    assert docs["pagedserve-executor-tls"]["stringData"]["tls.key"] == (certs / "executor.key").read_text()
+    assert docs["pagedserve-api-keys"]["stringData"]["api-keys"] == (certs / "api-keys").read_text()
+    password = docs["pagedserve-redis"]["stringData"]["password"]
+    assert re.fullmatch(r"[0-9a-f]{64}", password), "the generated Redis password must be URL-safe"
+    bad = subprocess.run([sys.executable, str(K8S_SECRETS), str(certs), "--redis-password", "a@b/c"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode != 0 and "URL-safe" in bad.stderr
+
+
+def test_tls_key_and_token_flags_point_into_mounted_secrets():
+    for comp in ("scheduler", "executor"):
+        w = workload_for(comp)
+        c = containers(w)[0]
+        volumes = {v["name"]: v for v in pod_spec(w).get("volumes", [])}
+        files = {}
+        for m in c.get("volumeMounts", []):
+            projected = volumes[m["name"]].get("projected")
+            if projected:
+                assert m.get("readOnly") is True, m
+                for src in projected["sources"]:
+                    for item in src["secret"]["items"]:
+                        files[f"{m['mountPath']}/{item['path']}"] = (src["secret"]["name"], item["key"])
+        flags = flag_values(resolved_argv(c))
+        wanted = {"--tls-cert", "--tls-key", "--tls-ca", "--internal-token-file"}
+        if comp == "scheduler":
+            wanted.add("--api-key-file")
+        assert wanted <= set(flags), (comp, sorted(flags))
+        for flag in wanted:
+            assert flags[flag] in files, f"{comp}: {flag} {flags[flag]} is not in a mounted Secret"
+        tls = {flags[f]: files[flags[f]] for f in ("--tls-cert", "--tls-key", "--tls-ca")}
+        assert {name for name, _ in tls.values()} == {f"pagedserve-{comp}-tls"}, tls
+        # Readable by the non-root user the container runs as.
+        assert pod_spec(w)["securityContext"]["fsGroup"] == pod_spec(w)["securityContext"]["runAsUser"]
