@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 PROTOS := $(shell find protos -name '*.proto')
 STAMP := $(VENV)/.installed
 
-.PHONY: run test bench proto install model prometheus lint clean
+.PHONY: run test fuzz bench proto install model prometheus lint clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -49,6 +49,18 @@ prometheus:
 
 test: install prometheus
 	$(BIN)/python -m pytest -q
+
+# The fuzzing campaign of tests/test_fuzz.py, long: FUZZ_EXAMPLES batches of calls against one live stack
+# (make test runs a bounded number). Prints how many ran; the JSON summary lands in .cache/fuzz-summary.json.
+FUZZ_EXAMPLES ?= 5000
+fuzz: install
+	@mkdir -p .cache
+	PAGEDSERVE_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) PAGEDSERVE_FUZZ_REPORT=.cache/fuzz-summary.json \
+	  $(BIN)/python -m pytest -q -s tests/test_fuzz.py
+	@$(BIN)/python -c "import json; d = json.load(open('.cache/fuzz-summary.json')); print(f\"fuzz: {d['cases']} cases ran: {d['status_codes']}\")"
+
+lint: install
+	$(BIN)/ruff check --select F,E9,B,UP --ignore B905 --line-length 120 --exclude pagedserve/v1,pagedserve/executor .
 
 bench: install model
 	$(BIN)/python -m benchmarks.run $(ARGS)
