@@ -44,3 +44,30 @@ def test_temperature_sampling_follows_the_distribution() -> None:
     for n in range(1000):
         top_p[sample(logits, [SamplingParams(temperature=1.0, top_p=0.8, seed=7)], [n])[0]] += 1
     assert top_p[2] == 0 and top_p[3] == 0, "tokens outside the 0.8 nucleus are never drawn"
+
+
+def _full_sort_filter(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """The reference: sort the whole vocabulary, cut at k, then at the nucleus."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    ranks = torch.arange(logits.shape[-1])[None, :]
+    k = torch.where(top_k > 0, top_k, logits.shape[-1])[:, None]
+    sorted_logits = sorted_logits.masked_fill(ranks >= k, float("-inf"))
+    probs = sorted_logits.softmax(dim=-1)
+    drop = ((probs.cumsum(dim=-1) - probs) >= top_p[:, None]) & (top_p[:, None] < 1.0)
+    return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
+
+
+def test_filter_keeps_exactly_what_a_full_sort_keeps() -> None:
+    from executor_svc.sampler import _filter
+
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 3000, generator=gen) * 3
+    cases = [([50, 50, 1, 7, 2999, 3000], [1.0, 0.9, 0.5, 1.0, 0.3, 1.0]),  # every row bounded: topk
+             ([0, 50, 5, 0, 40, 3], [1.0, 0.95, 1.0, 0.7, 1.0, 1.0]),  # some unbounded: a full sort
+             ([0, 10, 0, 0, 0, 0], [1.0] * 6),  # one row filters, the others keep everything
+             ([0] * 6, [1.0] * 6)]  # nothing to filter
+    for ks, ps in cases:
+        top_k, top_p = torch.tensor(ks), torch.tensor(ps)
+        got, want = _filter(logits, top_k, top_p), _full_sort_filter(logits, top_k, top_p)
+        assert torch.equal(torch.isinf(got), torch.isinf(want)), (ks, ps)
+        assert torch.equal(got[~torch.isinf(got)], want[~torch.isinf(want)])
