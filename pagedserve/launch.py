@@ -9,11 +9,15 @@ manager for tests and benchmarks.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
+import socket
+import ssl
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 import grpc
@@ -35,7 +39,9 @@ class Cluster:
     ``tls`` (a ``pagedserve.devcerts`` set): TLS on every port, mutual TLS between
     scheduler and executors. ``api_key_file``: the scheduler requires a key from it;
     ``internal_token_file``: executors require, and schedulers send, that token.
-    ``credentials`` and ``api_key`` are then what a client of the cluster uses."""
+    ``credentials`` and ``api_key`` are then what a client of the cluster uses.
+    ``http_port``: the first scheduler also serves the OpenAI-compatible HTTP API there
+    (``http_url``; HTTPS with ``tls``)."""
 
     def __init__(
         self,
@@ -54,6 +60,7 @@ class Cluster:
         tls: DevCerts | None = None,
         api_key_file: Path | None = None,
         internal_token_file: Path | None = None,
+        http_port: int | None = None,
     ) -> None:
         self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="pagedserve-logs-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -64,6 +71,7 @@ class Cluster:
         self.tls = tls
         self.api_key_file = api_key_file
         self.internal_token_file = internal_token_file
+        self.http_port = http_port
         token = ["--internal-token-file", str(internal_token_file)] if internal_token_file else []
         self._executor_security = [*_tls_args(tls, "executor"), *token]
         self._scheduler_security = [*_tls_args(tls, "scheduler"), *token,
@@ -80,7 +88,8 @@ class Cluster:
             self.redis_url = redis_url
             for i in range(executors):
                 self.add_executor(port=executor_port if i == 0 else None)
-            self.start_scheduler(scheduler_args or [], port, ready="" if executors else LIVENESS)
+            http = ["--http-port", str(http_port)] if http_port else []
+            self.start_scheduler([*http, *(scheduler_args or [])], port, ready="" if executors else LIVENESS)
         except BaseException:
             self.close()
             raise
@@ -95,6 +104,13 @@ class Cluster:
         """For a peer of the executors: the CA and the scheduler's client certificate."""
         return channel_credentials(self.tls.ca_cert, self.tls.scheduler_cert, self.tls.scheduler_key) if self.tls \
             else None
+
+    @property
+    def http_url(self) -> str | None:
+        """The first scheduler's HTTP API (``https://`` with TLS), without ``/v1``; None without ``http_port``."""
+        if not self.http_port:
+            return None
+        return f"{'https' if self.tls else 'http'}://127.0.0.1:{self.http_port}"
 
     @property
     def api_key(self) -> str | None:
@@ -165,6 +181,42 @@ def _tls_args(tls: DevCerts | None, role: str) -> list[str]:
 
 
 SAMPLE = "What is PagedAttention, in one sentence?"
+HTTP_PORT = 8000  # vLLM's
+
+
+def _port_or_free(port: int) -> int:
+    """``port`` if nothing listens there, else a free one."""
+    try:
+        with socket.create_server(("0.0.0.0", port)):
+            return port
+    except OSError:
+        return free_port()
+
+
+def _served_model(cluster: Cluster) -> str:
+    """The model name the HTTP API answers to, from its ``/v1/models``."""
+    assert cluster.http_url is not None
+    ctx = ssl.create_default_context(cafile=str(cluster.tls.ca_cert)) if cluster.tls else None
+    req = urllib.request.Request(f"{cluster.http_url}/v1/models",
+                                 headers={"Authorization": f"Bearer {cluster.api_key}"} if cluster.api_key else {})
+    with urllib.request.urlopen(req, timeout=10, context=ctx) as resp:
+        return json.load(resp)["data"][0]["id"]
+
+
+def http_usage(base: str, model: str, tls: DevCerts | None) -> str:
+    """How to call the HTTP API: curl, and the ``openai`` client."""
+    key = f"$(tail -1 {tls.api_keys})" if tls else "EMPTY"
+    curl_tls = f" --cacert {tls.ca_cert} -H \"Authorization: Bearer {key}\"" if tls else ""
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 64})
+    client = (f'OpenAI(base_url="{base}/v1", api_key=open("{tls.api_keys}").read().split()[-1], '
+              f'http_client=httpx.Client(verify=ssl.create_default_context(cafile="{tls.ca_cert}")))' if tls
+              else f'OpenAI(base_url="{base}/v1", api_key="EMPTY")')
+    return (f"OpenAI-compatible HTTP on {base}/v1 (docs/http.md):\n"
+            f"  curl {base}/v1/chat/completions{curl_tls} -H 'Content-Type: application/json' \\\n"
+            f"    -d '{body}'\n"
+            f"  .venv/bin/python -c '{'import httpx, ssl; ' if tls else ''}from openai import OpenAI; client = {client}; "
+            f"print(client.chat.completions.create(model=\"{model}\", max_tokens=64, "
+            f"messages=[{{\"role\": \"user\", \"content\": \"Hello\"}}]).choices[0].message.content)'")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -176,12 +228,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv-cache-memory", type=int, default=256 << 20)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--prompt", default=SAMPLE, help="sample chat prompt streamed once at start")
+    p.add_argument("--http-port", type=int, default=HTTP_PORT,
+                   help="the OpenAI-compatible HTTP API's port (a free one if it is taken; 0: off)")
     p.add_argument("--secure", type=Path, default=None, metavar="DIR",
                    help="TLS on every port, mutual TLS to executors, an API key and the internal token, from the "
                         "development certificates in DIR (written by pagedserve.devcerts if missing)")
     args = p.parse_args(argv)
     tls = write_devcerts(args.secure, keep=True) if args.secure else None
     redis_url = os.environ.get("REDIS_URL")
+    http_port = _port_or_free(args.http_port) if args.http_port else None
     print(f"starting pagedserve (redis: {where(redis_url) if redis_url else 'embedded redis-server'}) ...", flush=True)
     with Cluster(
         args.model,
@@ -195,6 +250,7 @@ def main(argv: list[str] | None = None) -> int:
         tls=tls,
         api_key_file=tls.api_keys if tls else None,
         internal_token_file=tls.internal_token if tls else None,
+        http_port=http_port,
     ) as cluster:
         from pagedserve.client import stream_chat
 
@@ -204,8 +260,10 @@ def main(argv: list[str] | None = None) -> int:
         stream_chat(cluster.address, args.prompt, out=sys.stdout, api_key=cluster.api_key,
                     tls_ca=tls.ca_cert if tls else None)
         flags = f" --tls-ca {tls.ca_cert} --api-key \"$(tail -1 {tls.api_keys})\"" if tls else ""
-        print(f"\nready: try `.venv/bin/pagedserve generate --address {cluster.address}{flags} \"Hello\"`. "
-              "Ctrl-C stops.")
+        print(f"\nready: try `.venv/bin/pagedserve generate --address {cluster.address}{flags} \"Hello\"`.")
+        if cluster.http_url:
+            print(http_usage(cluster.http_url.replace("127.0.0.1", "localhost"), _served_model(cluster), tls))
+        print("Ctrl-C stops.")
         signal.signal(signal.SIGTERM, signal.default_int_handler)
         try:
             while True:

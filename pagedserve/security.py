@@ -7,7 +7,8 @@ certificate, key or CA file changed (mtime, size or inode) or after SIGHUP.
 Established connections keep the certificate they were made with; new ones
 get the new one, with no restart. A half-replaced pair (a key that does not
 match the certificate, a file that does not parse) is not loaded: the current
-one stays until the files are consistent again.
+one stays until the files are consistent again. ``ReloadingSSLContext`` does the same
+for the scheduler's HTTPS port (an ``ssl.SSLContext`` for uvicorn).
 
 With a client CA (``--tls-ca`` on an executor) the handshake requires a client
 certificate signed by it: the TLS layer, not the handler, turns away whoever
@@ -26,6 +27,7 @@ import asyncio
 import logging
 import os
 import signal
+import ssl
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -146,6 +148,58 @@ class ReloadingCertificate:
     def credentials(self) -> grpc.ServerCredentials:
         return grpc.dynamic_ssl_server_credentials(self._initial, self.fetch,
                                                    require_client_authentication=self.client_ca is not None)
+
+
+class ReloadingSSLContext:
+    """The HTTPS port's ``ssl.SSLContext`` (``context``), reloaded as ``ReloadingCertificate``
+    is: at every handshake its ``sni_callback`` (OpenSSL calls it for every ClientHello, with
+    or without a server name) swaps in a context loaded afresh when ``cert`` or ``key``
+    changed (mtime, size or inode) or after SIGHUP. A pair that does not load (a key that is
+    not the certificate's, a half-written file) leaves the current one in place."""
+
+    def __init__(self, cert: Path, key: Path) -> None:
+        self.cert, self.key = Path(cert), Path(key)
+        self._stamp = self._stat()
+        self._force = False
+        self._failed: str | None = None
+        self._current = self._load()
+        self.context = self._load()
+        self.context.sni_callback = self._on_hello
+
+    def _stat(self) -> tuple[tuple[int, int, int], ...]:
+        return tuple((st.st_mtime_ns, st.st_size, st.st_ino) for st in map(os.stat, (self.cert, self.key)))
+
+    def _load(self) -> ssl.SSLContext:
+        check_pair(read_pem(self.cert, "--tls-cert"), read_pem(self.key, "--tls-key"), self.cert, self.key)
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+        try:
+            ctx.load_cert_chain(self.cert, self.key)  # checks the pair again: the files may have changed since
+        except ssl.SSLError as exc:
+            raise ValueError(f"--tls-cert/--tls-key: {self.cert}, {self.key}: {exc}") from exc
+        return ctx
+
+    def request_reload(self) -> None:
+        self._force = True
+
+    def current(self) -> ssl.SSLContext:
+        """The context new connections get, reloaded first if the files changed. Never raises."""
+        try:
+            stamp = self._stat()
+            if stamp == self._stamp and not self._force:
+                return self._current
+            fresh = self._load()
+        except (OSError, ValueError) as exc:
+            if self._failed != str(exc):
+                log.error("HTTPS certificate not reloaded, keeping the current one: %s", exc)
+                self._failed = str(exc)
+            return self._current
+        self._current, self._stamp, self._force, self._failed = fresh, stamp, False, None
+        log.info("HTTPS certificate reloaded from %s", self.cert)
+        return fresh
+
+    def _on_hello(self, conn: ssl.SSLObject | ssl.SSLSocket, server_name: str | None, _ctx: ssl.SSLContext) -> None:
+        conn.context = self.current()
 
 
 def server_tls(files: TLSFiles, verify_clients: bool) -> ReloadingCertificate | None:

@@ -21,8 +21,8 @@ from pagedserve.keys import Keys
 from pagedserve.members import Registry
 from pagedserve.procs import free_port
 from pagedserve.redis_check import require as require_redis
-from pagedserve.security import Dialer, TLSFiles, reload_on_sighup, server_tls
-from scheduler_svc import codec
+from pagedserve.security import Dialer, ReloadingSSLContext, TLSFiles, reload_on_sighup, server_tls
+from scheduler_svc import codec, openai_http
 from scheduler_svc.attachments import DETACH_TIMEOUT_S, Attachments
 from scheduler_svc.core.queue import POLICIES
 from scheduler_svc.core.scheduler import PREEMPTION_MODES, SchedulerConfig
@@ -66,6 +66,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="serve Prometheus /metrics on this HTTP port (0: off); with role all it includes the "
                         "loop process's metrics")
     p.add_argument("--metrics-host", default="0.0.0.0", help="address the metrics port binds")
+    p.add_argument("--http-port", type=int, default=0,
+                   help="serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models, "
+                        "/health) on this port (0: off; vLLM's is 8000); HTTPS with --tls-cert, API keys with "
+                        "--api-key-file, as the gRPC port (docs/http.md)")
+    p.add_argument("--http-host", default="0.0.0.0", help="address the HTTP port binds")
     p.add_argument("--otlp-traces-endpoint", default=None,
                    help="send OpenTelemetry traces (one per request) to this OTLP/HTTP endpoint, "
                         "e.g. http://collector:4318/v1/traces (default: tracing off)")
@@ -86,6 +91,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--max-num-seqs and --max-num-batched-tokens must be positive")
     if args.result_ttl < 1 or args.detach_timeout <= 0:
         p.error("--result-ttl and --detach-timeout must be positive")
+    if not 0 <= args.http_port <= 65535:
+        p.error("--http-port must be a port number (0: off)")
     if args.max_pending_requests < 0:
         p.error("--max-pending-requests must be >= 0 (0: no limit)")
     if min(args.max_stop_strings, args.max_stop_string_length, args.max_prompt_bytes, args.max_request_bytes) < 1:
@@ -258,9 +265,15 @@ async def serve(args: argparse.Namespace) -> None:
         max_receive_bytes=max(rpc.PUBLIC_MAX_MESSAGE_BYTES, args.max_request_bytes),
         max_concurrent_streams=rpc.PUBLIC_MAX_CONCURRENT_STREAMS,
     )
-    reload_on_sighup([certificate, args.api_keys, args.internal_token])
+    https = ReloadingSSLContext(certificate.cert, certificate.key) if args.http_port and certificate else None
+    reload_on_sighup([certificate, https, args.api_keys, args.internal_token])
     await rpc.set_serving(health, [SERVICE_NAME], False)
     stop = await rpc.stop_on_signals()
+    try:
+        http = await openai_http.serve(frontend, args.http_host, args.http_port, api_keys=args.api_keys, tls=https,
+                                       max_request_bytes=args.max_request_bytes) if args.http_port else None
+    except OSError as exc:
+        raise SystemExit(f"error: {exc}") from None  # one line, exit 1
     await server.start()
     tasks = [asyncio.create_task(bus.run(stop)), asyncio.create_task(watch.run(stop, health, [SERVICE_NAME])),
              asyncio.create_task(attachments.run(stop))]
@@ -271,12 +284,15 @@ async def serve(args: argparse.Namespace) -> None:
     log.info("public port: %s, %s; executors dialled %s%s", "TLS" if certificate else "plaintext",
              "API key required" if args.api_keys else "no API key", "over TLS" if args.tls.ca else "in plaintext",
              " with the internal token" if args.internal_token else "")
+    if http is not None:
+        log.info("OpenAI-compatible HTTP on port %d (%s, %s)", http.port, "HTTPS" if http.tls else "plain HTTP",
+                 "API key required" if args.api_keys else "no API key")
     await stop.wait()
-    # Drain: open streams end UNAVAILABLE with where to resume; their requests go on, and
-    # this replica's loops hand their leases over as the loop process stops.
+    # Drain: open streams end UNAVAILABLE (HTTP: an error event) with where to resume; their
+    # requests go on, and this replica's loops hand their leases over as the loop process stops.
     frontend.drain()
     await health.enter_graceful_shutdown()
-    await server.stop(grace=5)
+    await asyncio.gather(server.stop(grace=5), *([http.stop()] if http is not None else []))
     await asyncio.gather(*tasks, return_exceptions=True)
     await client.aclose()
     if traces is not None:

@@ -57,6 +57,12 @@ class ClusterWatch:
         self._vocab = 0
         self._serving: bool | None = None
 
+    @property
+    def serving(self) -> bool:
+        """What the last refresh found: the tokenizer is loaded and an executor serves
+        (what gRPC health says, read without a Redis round trip)."""
+        return bool(self._serving)
+
     async def _info(self, members: list[Member]) -> None:
         for m in members:
             try:

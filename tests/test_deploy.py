@@ -74,6 +74,8 @@ SERVICES = ("scheduler_svc", "executor_svc")
 PORTS = {"scheduler_svc": 50051, "executor_svc": 50061}
 # Prometheus /metrics (docs/metrics.md), the same in k8s and compose.
 METRICS_PORTS = {"scheduler_svc": 9401, "executor_svc": 9402}
+# The OpenAI-compatible HTTP API (docs/http.md): the scheduler's only.
+HTTP_PORTS = {"scheduler_svc": 8000}
 
 # The CLI contract as agreed with the service owners; a flag outside it is a
 # typo here even before the CLIs exist.
@@ -83,7 +85,7 @@ CONTRACT_FLAGS = {
         "--preemption-mode", "--max-num-seqs", "--max-num-batched-tokens",
         "--namespace", "--lease-ms", "--metrics-port", "--metrics-host",
         "--tls-cert", "--tls-key", "--tls-ca", "--executor-tls-server-name", "--api-key-file",
-        "--internal-token-file",
+        "--internal-token-file", "--http-port", "--http-host",
     },
     "executor_svc": {
         "--port", "--model", "--kv-cache-memory", "--gpu-memory-utilization",
@@ -97,7 +99,7 @@ CONTRACT_FLAGS = {
 # Flags whose value is not a number (nor one of CHOICES).
 TEXT_FLAGS = {"--redis-url", "--executor", "--model", "--swap-dir", "--advertise-address", "--namespace",
               "--metrics-host", "--tls-cert", "--tls-key", "--tls-ca", "--executor-tls-server-name",
-              "--api-key-file", "--internal-token-file"}
+              "--api-key-file", "--internal-token-file", "--http-host"}
 # Flags naming a file (in k8s: in a mounted Secret).
 FILE_FLAGS = ("--tls-cert", "--tls-key", "--tls-ca", "--api-key-file", "--internal-token-file")
 # Both services' --namespace default: executors join the schedulers' namespace.
@@ -680,8 +682,10 @@ def test_probe_ports_match_container_ports():
                 flags = flag_values(k8s_argv(c))
                 cli_port = int(flags["--port"])
                 metrics_port = int(flags["--metrics-port"])
-                # The gRPC port and the Prometheus port, nothing else.
-                assert declared == {cli_port, metrics_port} == {PORTS[module], METRICS_PORTS[module]}, (
+                http = {int(flags["--http-port"])} if "--http-port" in flags else set()
+                # The gRPC port, the Prometheus port and (scheduler) the HTTP port, nothing else.
+                assert http == ({HTTP_PORTS[module]} if module in HTTP_PORTS else set()), (module, http)
+                assert declared == {cli_port, metrics_port, *http} == {PORTS[module], METRICS_PORTS[module], *http}, (
                     declared, cli_port, metrics_port)
                 for probe_name in PROBES:
                     kind, port = probe_port(c[probe_name])

@@ -1,0 +1,391 @@
+"""OpenAI's JSON and pagedserve.v1, both ways: pure functions on plain data (no I/O).
+
+``parse`` turns the body of ``/v1/completions`` or ``/v1/chat/completions`` into a
+``pb.GenerateRequest`` (what the gRPC API takes, checked afterwards by the same
+``Frontend.prepare``); ``Shape`` builds OpenAI's response objects and stream chunks
+from the frontend's ``Chunk``s; ``error_for`` maps the frontend's exceptions to an
+HTTP status and OpenAI's error object. docs/http.md has the tables.
+
+Only the JSON types are checked here, and what pagedserve.v1 cannot represent
+(ranges of its integer types, float32, lone surrogates); the values themselves are
+checked by ``validate.check`` as for gRPC, and its messages are renamed to the
+OpenAI field (``sampling.max_tokens: ...`` becomes ``max_tokens: ...``).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from scheduler_svc.frontend import Chunk, QueueTimeout, StreamDetached, TooManyPending
+from scheduler_svc.store import UNAVAILABLE, DuplicateRequest
+from scheduler_svc.validate import InvalidArgument, Limits, OverCapacity, Unavailable
+from pagedserve.v1 import generation_pb2 as pb
+
+U32, I32, U64 = (1 << 32) - 1, (1 << 31) - 1, (1 << 64) - 1
+FLOAT32_MAX = 3.4028234663852886e38
+# Fields OpenAI or vLLM define that pagedserve cannot honour yet: refused, never ignored
+# (issue 12 adds them). Each maps to the value that means "off", which is accepted.
+NOT_YET: dict[str, tuple[Any, ...]] = {
+    "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "repetition_penalty": (1, 1.0),
+    "min_p": (0, 0.0), "min_tokens": (0,), "logit_bias": ({},), "prompt_logprobs": (),
+    "top_logprobs": (0,), "best_of": (1,), "echo": (False,), "suffix": ("",), "tools": ([],),
+    "functions": ([],), "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (),
+    "structured_outputs": (),
+}
+# validate.check names pagedserve.v1 fields; these are their OpenAI names.
+RENAMES = {"sampling.": "", "prompt_token_ids": "prompt", "request_id": "X-Request-Id"}
+PARAM = re.compile(r"^([A-Za-z_][\w.\[\]-]*): ")
+
+
+class ApiError(Exception):
+    """An HTTP error answer: ``status`` and OpenAI's ``{"error": {...}}`` object."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: dict[str, str] | None = None,
+                 extra: dict[str, Any] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.headers = headers or {}
+        self.extra = extra or {}
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code,
+                          **self.extra}}
+
+
+def bad(name: str, what: str) -> ApiError:
+    return ApiError(400, f"{name}: {what}", param=name)
+
+
+def rename(message: str) -> tuple[str, str | None]:
+    """A frontend message with its leading field in OpenAI's terms, and that field."""
+    m = PARAM.match(message)
+    if m is None:
+        return message, None
+    name = m.group(1)
+    for old, new in RENAMES.items():
+        if name.startswith(old):
+            name = new + name[len(old):]
+            break
+    return name + message[m.end(1):], name
+
+
+def error_for(exc: BaseException) -> ApiError | None:
+    """The HTTP answer to an exception of ``Frontend.prepare``/``generate``; None: not one of theirs."""
+    if isinstance(exc, ApiError):
+        return exc
+    if isinstance(exc, InvalidArgument):
+        message, param = rename(str(exc))
+        code = "context_length_exceeded" if "the model's context is" in message else None
+        return ApiError(400, message, param=param, code=code)
+    if isinstance(exc, OverCapacity):  # could never fit any KV pool: OpenAI answers an overlong context 400
+        return ApiError(400, str(exc).replace("sampling.", ""), code="context_length_exceeded")
+    if isinstance(exc, TooManyPending):
+        return ApiError(429, str(exc), "requests", code="rate_limit_exceeded",
+                        headers={"Retry-After": str(exc.retry_after)})
+    if isinstance(exc, QueueTimeout):
+        # The client's own queue_timeout passed: say so at once rather than let the SDK
+        # resubmit it (it retries 408 and 5xx), which would wait longer than it asked.
+        return ApiError(504, str(exc), "timeout", "queue_timeout", "queue_timeout",
+                        headers={"x-should-retry": "false"})
+    if isinstance(exc, DuplicateRequest):  # the SDK retries 409, which cannot help while it runs
+        return ApiError(409, "X-Request-Id: a live request already has this id", param="X-Request-Id",
+                        code="duplicate_request_id", headers={"x-should-retry": "false"})
+    if isinstance(exc, Unavailable):
+        return ApiError(503, str(exc), "server_error", code="unavailable")
+    if isinstance(exc, StreamDetached):
+        return detached(exc)
+    if isinstance(exc, UNAVAILABLE):
+        return ApiError(503, f"redis unavailable: {exc}", "server_error", code="unavailable")
+    return None
+
+
+def detached(exc: StreamDetached) -> ApiError:
+    """The stream ended, its request goes on: where to resume it (gRPC ``Resume``)."""
+    return ApiError(503, str(exc), "server_error", code="stream_detached",
+                    extra={"request_id": exc.request_id, "offset": exc.offset})
+
+
+# --- reading JSON ----------------------------------------------------------------
+
+
+def _integer(name: str, v: Any, lo: int, hi: int) -> int:
+    if isinstance(v, float) and v.is_integer():
+        v = int(v)
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise bad(name, "must be an integer")
+    if not lo <= v <= hi:
+        raise bad(name, f"must be between {lo} and {hi}")
+    return v
+
+
+def _number(name: str, v: Any) -> float:
+    """A finite float that a float32 holds (pagedserve.v1's sampling floats)."""
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        raise bad(name, "must be a number")
+    if not (math.isfinite(v) and abs(v) <= FLOAT32_MAX):
+        raise bad(name, "must be a finite number")
+    return float(v)
+
+
+def _text(name: str, v: Any) -> str:
+    if not isinstance(v, str):
+        raise bad(name, "must be a string")
+    try:
+        v.encode("utf-8")
+    except UnicodeEncodeError:
+        raise bad(name, "must be valid Unicode (no lone surrogates)") from None
+    return v
+
+
+def _flag(name: str, v: Any) -> bool:
+    if not isinstance(v, bool):
+        raise bad(name, "must be true or false")
+    return v
+
+
+def _ints(name: str, v: Any, hi: int) -> list[int]:
+    if not isinstance(v, list):
+        raise bad(name, "must be a list of integers")
+    return [_integer(f"{name}[{i}]", x, 0, hi) for i, x in enumerate(v)]
+
+
+def _stops(v: Any) -> list[str]:
+    if isinstance(v, str):
+        return [_text("stop", v)]
+    if not isinstance(v, list):
+        raise bad("stop", "must be a string or a list of strings")
+    return [_text(f"stop[{i}]", x) for i, x in enumerate(v)]
+
+
+def _refuse_unsupported(body: dict[str, Any], chat: bool) -> None:
+    n = body.get("n")
+    if n is not None and _integer("n", n, 0, I32) != 1:
+        raise bad("n", "parallel sampling is not supported yet (only n=1)")
+    logprobs = body.get("logprobs")  # chat: a flag; completions: how many alternatives (0 too means some)
+    if logprobs is not None and (not chat or _flag("logprobs", logprobs)):
+        raise bad("logprobs", "log-probabilities are not supported yet")
+    for name, off in NOT_YET.items():
+        if body.get(name) is not None and body[name] not in off:
+            raise bad(name, "not supported yet")
+    fmt = body.get("response_format")
+    if fmt is not None and fmt != {"type": "text"}:
+        raise bad("response_format", "structured output is not supported yet (only {\"type\": \"text\"})")
+
+
+def _sampling(body: dict[str, Any], chat: bool) -> pb.SamplingParams:
+    s = pb.SamplingParams()
+    get = body.get
+    name = "max_completion_tokens" if chat and get("max_completion_tokens") is not None else "max_tokens"
+    if get(name) is not None:
+        s.max_tokens = _integer(name, get(name), 1, U32)
+    for name in ("temperature", "top_p"):
+        if get(name) is not None:
+            setattr(s, name, _number(name, get(name)))
+    if (top_k := get("top_k")) is not None and (top_k := _integer("top_k", top_k, -1, I32)) != -1:
+        s.top_k = top_k  # vLLM's -1 (like 0) means off
+    if get("seed") is not None:
+        s.seed = _integer("seed", get("seed"), 0, U64)
+    if get("stop") is not None:
+        s.stop.extend(_stops(get("stop")))
+    if get("stop_token_ids") is not None:
+        s.stop_token_ids.extend(_ints("stop_token_ids", get("stop_token_ids"), U32))
+    if get("ignore_eos") is not None:
+        s.ignore_eos = _flag("ignore_eos", get("ignore_eos"))
+    return s
+
+
+def _prompt(req: pb.GenerateRequest, v: Any) -> None:
+    """A string, token ids, or a list of exactly one of either."""
+    if isinstance(v, list) and v and all(isinstance(x, str | list) for x in v):
+        if len(v) != 1:
+            raise bad("prompt", f"{len(v)} prompts in one request: send one per request (batches are not "
+                                f"supported yet)")
+        v = v[0]
+    if isinstance(v, str):
+        if not v:
+            raise bad("prompt", "must not be empty")
+        req.prompt = _text("prompt", v)
+    elif isinstance(v, list) and v:
+        req.prompt_token_ids.extend(_ints("prompt", v, U32))
+    else:
+        raise bad("prompt", "must be a non-empty string or list of token ids")
+
+
+def _content(i: int, v: Any) -> str:
+    """A message's content: a string, or text parts joined with newlines (as vLLM joins them)."""
+    name = f"messages[{i}].content"
+    if v is None:
+        return ""
+    if isinstance(v, str):
+        return _text(name, v)
+    if not isinstance(v, list):
+        raise bad(name, "must be a string or a list of content parts")
+    texts = []
+    for j, part in enumerate(v):
+        if not isinstance(part, dict) or part.get("type") != "text":
+            raise bad(f"{name}[{j}]", "only parts of type \"text\" are supported")
+        texts.append(_text(f"{name}[{j}].text", part.get("text")))
+    return "\n".join(texts)
+
+
+def _messages(req: pb.GenerateRequest, v: Any) -> None:
+    if not isinstance(v, list) or not v:
+        raise bad("messages", "must be a non-empty list of messages")
+    for i, m in enumerate(v):
+        if not isinstance(m, dict):
+            raise bad(f"messages[{i}]", "must be an object with role and content")
+        req.messages.append(pb.ChatMessage(role=_text(f"messages[{i}].role", m.get("role")),
+                                           content=_content(i, m.get("content"))))
+
+
+@dataclass(frozen=True, slots=True)
+class Parsed:
+    """One OpenAI request: the pagedserve.v1 request and how to answer it."""
+
+    request: pb.GenerateRequest
+    model: str
+    chat: bool
+    stream: bool = False
+    include_usage: bool = False
+    return_token_ids: bool = False  # vLLM's extension: token ids in the choices
+
+
+def _stream_options(body: dict[str, Any], stream: bool) -> bool:
+    opts = body.get("stream_options")
+    if opts is None:
+        return False
+    if not stream:
+        raise bad("stream_options", "only allowed when stream is true")
+    if not isinstance(opts, dict):
+        raise bad("stream_options", "must be an object")
+    return opts.get("include_usage") is not None and _flag("stream_options.include_usage", opts["include_usage"])
+
+
+def parse(body: dict[str, Any], chat: bool, request_id: str = "") -> Parsed:
+    """The request of a completion (``chat`` False) or chat completion body; raises ApiError."""
+    if body.get("model") is None:
+        raise bad("model", "required")
+    model = _text("model", body["model"])
+    _refuse_unsupported(body, chat)
+    req = pb.GenerateRequest(request_id=_text("X-Request-Id", request_id), sampling=_sampling(body, chat))
+    if chat:
+        _messages(req, body.get("messages"))
+    else:
+        _prompt(req, body.get("prompt"))
+    if body.get("priority") is not None:
+        req.priority = _integer("priority", body["priority"], -I32 - 1, I32)
+    if body.get("queue_timeout") is not None:
+        req.queue_timeout = _number("queue_timeout", body["queue_timeout"])
+    stream = body.get("stream") is not None and _flag("stream", body["stream"])
+    ids = body.get("return_token_ids") is not None and _flag("return_token_ids", body["return_token_ids"])
+    return Parsed(req, model, chat, stream, _stream_options(body, stream), ids)
+
+
+def context_room(limits: Limits, num_prompt: int) -> int:
+    """The most tokens a prompt of ``num_prompt`` tokens can be followed by on some executor:
+    to the end of its context, as far as its KV pool holds. OpenAI's (and vLLM's) chat default
+    when neither ``max_tokens`` nor ``max_completion_tokens`` is sent."""
+    rooms = (min(max_len, blocks * limits.block_size) - num_prompt for blocks, max_len in limits.pools)
+    return max(1, *rooms)
+
+
+# --- building responses ----------------------------------------------------------
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+@dataclass(slots=True)
+class Collected:
+    """A whole completion, gathered from its chunks (non-streaming answers)."""
+
+    texts: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str = ""
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+    def add(self, chunk: Chunk) -> None:
+        self.texts.append(chunk.text)
+        self.token_ids += chunk.token_ids
+        if chunk.finish_reason:
+            self.finish_reason = chunk.finish_reason
+            self.prompt_tokens, self.completion_tokens = chunk.prompt_tokens, chunk.completion_tokens
+
+
+@dataclass(slots=True)
+class Shape:
+    """OpenAI's objects for one request. Finish reasons pass through: ``stop``, ``length``,
+    and ``abort`` (as vLLM reports a request stopped by an abort)."""
+
+    parsed: Parsed
+    request_id: str
+    created: int
+    model: str
+    prompt_ids: list[int] = field(default_factory=list)
+    final: Chunk | None = None  # the last chunk, once seen (its token counts)
+
+    @property
+    def id(self) -> str:
+        return ("chatcmpl-" if self.parsed.chat else "cmpl-") + self.request_id
+
+    def _head(self, obj: str) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    def _choice(self, text: str, finish: str | None, token_ids: list[int], delta: bool) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": 0}
+        if not self.parsed.chat:
+            choice["text"] = text
+        elif delta:
+            choice["delta"] = {"content": text} if text else {}
+        else:
+            choice["message"] = {"role": "assistant", "content": text}
+        choice |= {"logprobs": None, "finish_reason": finish or None}
+        if self.parsed.return_token_ids:
+            choice["token_ids"] = token_ids
+            if not self.parsed.chat and not delta:
+                choice["prompt_token_ids"] = self.prompt_ids
+        return choice
+
+    def body(self, done: Collected) -> dict[str, Any]:
+        """The non-streaming answer."""
+        out = self._head("chat.completion" if self.parsed.chat else "text_completion")
+        out["choices"] = [self._choice("".join(done.texts), done.finish_reason, done.token_ids, delta=False)]
+        out["usage"] = usage(done.prompt_tokens, done.completion_tokens)
+        if self.parsed.chat and self.parsed.return_token_ids:
+            out["prompt_token_ids"] = self.prompt_ids
+        return out
+
+    def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        out = self._head("chat.completion.chunk" if self.parsed.chat else "text_completion") | {"choices": choices}
+        if self.parsed.include_usage:
+            out["usage"] = None
+        return out
+
+    def opening(self) -> list[dict[str, Any]]:
+        """What a stream starts with: the assistant's role, for chat."""
+        if not self.parsed.chat:
+            return []
+        first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+        return [self._chunk([first])]
+
+    def events(self, chunk: Chunk) -> list[dict[str, Any]]:
+        """The stream chunks for one frontend chunk (none for tokens that are no text yet)."""
+        if chunk.finish_reason:
+            self.final = chunk
+        elif not chunk.text and not (self.parsed.return_token_ids and chunk.token_ids):
+            return []
+        return [self._chunk([self._choice(chunk.text, chunk.finish_reason, chunk.token_ids, delta=True)])]
+
+    def closing(self) -> list[dict[str, Any]]:
+        """After the last chunk: the usage chunk, when ``stream_options.include_usage`` asked for it."""
+        if not self.parsed.include_usage or self.final is None:
+            return []
+        out = self._head("chat.completion.chunk" if self.parsed.chat else "text_completion")
+        return [out | {"choices": [], "usage": usage(self.final.prompt_tokens, self.final.completion_tokens)}]

@@ -1,0 +1,441 @@
+"""The OpenAI-compatible HTTP door (``--http-port``) on real deployments: tiny Llama, real
+Redis, the scheduler's uvicorn, and the official ``openai`` client (sync and async) or raw
+``httpx`` where a test needs the bytes.
+
+Greedy output through HTTP is token-identical to the gRPC API's (which
+tests/test_e2e_oracle.py ties to transformers); bad input is a 400 naming the field and
+never a 500; an unknown model is a 404; over ``--max-pending-requests`` a 429 with
+``Retry-After`` while accepted requests complete; a client that hangs up, mid-stream or
+while queued, aborts its request and frees its blocks; a draining replica ends its streams
+with an error event saying where to resume. With keys and TLS: 401 without a key or with a
+wrong one, either of two keys served, ``/health`` open, HTTPS only, certificates reloaded
+without a restart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import ssl
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import httpx
+import openai
+import pytest
+import redis
+from cryptography import x509
+
+from pagedserve import devcerts
+from pagedserve.keys import Keys
+from pagedserve.launch import Cluster
+from pagedserve.procs import free_port, wait_until
+from pagedserve.rpc import CHANNEL_OPTIONS
+from pagedserve.security import ReloadingSSLContext
+from pagedserve.v1 import generation_pb2 as pb
+from pagedserve.v1 import generation_pb2_grpc as pb_grpc
+from tests.conftest import make_cluster
+from tests.helpers import Result, greedy, run_all, wait_all_free
+
+NS, SECURE_NS = "http", "http-secure"
+MAX_PENDING = 2
+PROMPT = list(range(300, 340))
+KEYS = ("http-key-one-aaaaaaaaaaaaaaaaaaaaaa", "http-key-two-bbbbbbbbbbbbbbbbbbbbbb")
+HANG_GUARD_S = 120  # only against a hang: nothing here is timed
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_llama: Path, redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    """One sequence at a time (``--max-num-seqs 1``), so that a long request ahead keeps the
+    others queued for the admission tests; every other test sends one request at a time."""
+    block_bytes = 2 * 2 * 16 * 2 * 16 * 4  # K+V, layers, block, kv heads, head dim, fp32
+    args = ["--max-num-seqs", "1", "--max-pending-requests", str(MAX_PENDING)]
+    with make_cluster(tiny_llama, redis_url, NS, tmp_path_factory.mktemp("logs"), kv_cache_memory=40 * block_bytes,
+                      scheduler_args=args, http_port=free_port()) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def client(cluster: Cluster) -> Iterator[openai.OpenAI]:
+    assert cluster.http_url is not None
+    with openai.OpenAI(base_url=cluster.http_url + "/v1", api_key="EMPTY", max_retries=0,
+                       timeout=HANG_GUARD_S) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def model(tiny_llama: Path) -> str:
+    return tiny_llama.name  # what the executor reports, and /v1/models lists
+
+
+@pytest.fixture()
+def rclient(redis_url: str) -> Iterator[redis.Redis]:
+    c = redis.Redis.from_url(redis_url, decode_responses=True)
+    yield c
+    c.close()
+
+
+def grpc_greedy(cluster: Cluster, req: pb.GenerateRequest) -> Result:
+    return run_all(cluster.address, [req])[0]
+
+
+def sse_events(lines: Iterator[str]) -> Iterator[Any]:
+    """The parsed ``data:`` payloads of an event stream (``[DONE]`` as the string)."""
+    for line in lines:
+        if line.startswith("data: "):
+            data = line[len("data: "):]
+            yield data if data == "[DONE]" else json.loads(data)
+
+
+# --- answers ----------------------------------------------------------------------
+
+
+def test_completions_match_the_grpc_api_token_for_token(cluster: Cluster, client: openai.OpenAI,
+                                                        model: str) -> None:
+    want = grpc_greedy(cluster, greedy(PROMPT, 24, ignore_eos=True))
+    got = client.completions.create(model=model, prompt=PROMPT, max_tokens=24, temperature=0,
+                                    extra_body={"ignore_eos": True, "return_token_ids": True})
+    choice = got.choices[0]
+    assert choice.model_extra["token_ids"] == want.token_ids and choice.text == want.text
+    assert choice.finish_reason == "length" and got.object == "text_completion" and got.model == model
+    assert got.usage is not None and (got.usage.prompt_tokens, got.usage.completion_tokens) == (40, 24)
+    assert got.usage.total_tokens == 64 and got.id.startswith("cmpl-")
+
+    text = pb.GenerateRequest(prompt="Hello there, how are", sampling=pb.SamplingParams(max_tokens=16,
+                                                                                         temperature=0))
+    want = grpc_greedy(cluster, text)
+    chunks = list(client.completions.create(model=model, prompt="Hello there, how are", max_tokens=16,
+                                            temperature=0, stream=True, stream_options={"include_usage": True},
+                                            extra_body={"return_token_ids": True}))
+    assert [t for c in chunks if c.choices for t in c.choices[0].model_extra["token_ids"]] == want.token_ids
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == want.text
+    assert len(chunks) > 2 and chunks[-2].choices[0].finish_reason == want.finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == want.completion_tokens
+
+
+def test_chat_completions_match_the_grpc_api(cluster: Cluster, client: openai.OpenAI, model: str) -> None:
+    messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a colour."}]
+    want = grpc_greedy(cluster, pb.GenerateRequest(
+        messages=[pb.ChatMessage(**m) for m in messages],
+        sampling=pb.SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)))
+    got = client.chat.completions.create(model=model, messages=messages, max_completion_tokens=20, temperature=0,
+                                         extra_body={"ignore_eos": True, "return_token_ids": True},
+                                         extra_headers={"X-Request-Id": "chat-by-id"})
+    assert got.id == "chatcmpl-chat-by-id" and got.object == "chat.completion"
+    assert got.choices[0].message.role == "assistant" and got.choices[0].message.content == want.text
+    assert got.choices[0].model_extra["token_ids"] == want.token_ids
+    assert got.usage is not None and got.usage.prompt_tokens == want.prompt_tokens
+
+    async def stream() -> list[Any]:
+        async with openai.AsyncOpenAI(base_url=f"{cluster.http_url}/v1", api_key="EMPTY", max_retries=0) as c:
+            out = await c.chat.completions.create(model=model, messages=messages, max_tokens=20, temperature=0,
+                                                  stream=True, extra_body={"ignore_eos": True})
+            return [chunk async for chunk in out]
+
+    chunks = asyncio.run(stream())
+    assert chunks[0].choices[0].delta.role == "assistant" and chunks[0].object == "chat.completion.chunk"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == want.text
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert all(c.usage is None for c in chunks), "no usage chunk unless stream_options asks for it"
+
+
+def test_stop_strings_and_seeds_behave_as_on_grpc(cluster: Cluster, client: openai.OpenAI, model: str) -> None:
+    free = client.completions.create(model=model, prompt=PROMPT, max_tokens=30, temperature=0,
+                                     extra_body={"ignore_eos": True}).choices[0].text
+    stop = free[len(free) // 2: len(free) // 2 + 3]
+    cut = client.completions.create(model=model, prompt=PROMPT, max_tokens=30, temperature=0, stop=[stop],
+                                    extra_body={"ignore_eos": True}).choices[0]
+    assert cut.finish_reason == "stop" and cut.text == free[: free.index(stop)]
+    sampled = [client.completions.create(model=model, prompt=PROMPT, max_tokens=12, temperature=0.9, seed=seed,
+                                         extra_body={"ignore_eos": True, "return_token_ids": True})
+               .choices[0].model_extra["token_ids"] for seed in (7, 7)]
+    want = grpc_greedy(cluster, pb.GenerateRequest(prompt_token_ids=PROMPT, sampling=pb.SamplingParams(
+        max_tokens=12, temperature=0.9, seed=7, ignore_eos=True)))
+    assert sampled == [want.token_ids, want.token_ids]
+
+
+def test_models_and_health(cluster: Cluster, client: openai.OpenAI, model: str) -> None:
+    listed = client.models.list()
+    assert [m.id for m in listed.data] == [model] and listed.data[0].owned_by == "pagedserve"
+    assert client.models.retrieve(model).id == model
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("not-" + model)
+    health = httpx.get(f"{cluster.http_url}/health", timeout=10)
+    assert health.status_code == 200 and health.json() == {"status": "serving"}
+
+
+# --- refusals ---------------------------------------------------------------------
+
+BAD_JSON: list[tuple[str, bytes, str | None]] = [
+    ("temperature -1", b'{"prompt": "hi", "temperature": -1}', "temperature"),
+    ("temperature NaN", b'{"prompt": "hi", "temperature": NaN}', "temperature"),
+    ("max_tokens 0", b'{"prompt": "hi", "max_tokens": 0}', "max_tokens"),
+    ("max_tokens a string", b'{"prompt": "hi", "max_tokens": "8"}', "max_tokens"),
+    ("n 2", b'{"prompt": "hi", "n": 2}', "n"),
+    ("top_p 0", b'{"prompt": "hi", "top_p": 0}', "top_p"),
+    ("empty stop string", b'{"prompt": "hi", "stop": [""]}', "stop"),
+    ("token id out of vocabulary", b'{"prompt": [5, 1000000]}', "prompt"),
+    ("prompt over the context", b'{"prompt": [' + b"7," * 599 + b'7]}', "prompt"),
+    ("lone surrogate", b'{"prompt": "a\\ud800"}', "prompt"),
+    ("presence_penalty", b'{"prompt": "hi", "presence_penalty": 1}', "presence_penalty"),
+    ("two prompts", b'{"prompt": ["a", "b"]}', "prompt"),
+    ("not JSON", b'{"prompt": ', None),
+    ("not an object", b'["prompt"]', None),
+    ("nested too deep", b"[" * 100_000, None),
+    ("not UTF-8", b'{"prompt": "\xff"}', None),
+]
+
+
+def _with_model(raw: bytes, model: str) -> bytes:
+    return raw.replace(b"{", b'{"model": "' + model.encode() + b'", ', 1) if raw.startswith(b"{\"prompt") else raw
+
+
+def test_bad_input_is_400_naming_the_field_and_others_go_on(cluster: Cluster, client: openai.OpenAI,
+                                                            model: str) -> None:
+    with httpx.Client(base_url=f"{cluster.http_url}/v1", timeout=HANG_GUARD_S) as h:
+        for name, raw, param in BAD_JSON:
+            resp = h.post("/completions", content=_with_model(raw, model),
+                          headers={"Content-Type": "application/json"})
+            assert resp.status_code == 400, (name, resp.text)
+            error = resp.json()["error"]
+            assert error["type"] == "invalid_request_error" and error["param"] == param, (name, error)
+            assert param is None or error["message"].startswith(param), (name, error)
+        for path, method, status in (("/nowhere", "GET", 404), ("/completions", "GET", 405)):
+            resp = h.request(method, path)
+            assert resp.status_code == status and "message" in resp.json()["error"]
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=model, messages=[{"role": "user", "content": "x"}], n=2)
+    assert info.value.param == "n" and "parallel sampling" in info.value.message
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=model, prompt="hi", max_tokens=-1)
+    assert info.value.param == "max_tokens"
+    with pytest.raises(openai.NotFoundError) as info:
+        client.completions.create(model="gpt-4o", prompt="hi")
+    assert info.value.code == "model_not_found" and info.value.status_code == 404
+    after = client.completions.create(model=model, prompt=PROMPT, max_tokens=6, temperature=0,
+                                      extra_body={"ignore_eos": True, "return_token_ids": True})
+    assert after.choices[0].model_extra["token_ids"] == grpc_greedy(cluster, greedy(PROMPT, 6)).token_ids
+
+
+async def until(predicate, what: str) -> None:  # type: ignore[no-untyped-def]
+    for _ in range(HANG_GUARD_S * 50):
+        if predicate():
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"never happened: {what}")
+
+
+def test_over_max_pending_requests_is_429_with_retry_after(cluster: Cluster, model: str, rclient: redis.Redis,
+                                                           ) -> None:
+    """A blocker holds the only seat; two requests wait; a third is refused 429 with
+    Retry-After; one waiting client hangs up (its request leaves the queue), which makes room
+    for another; the accepted ones complete token-identical."""
+    keys, prompts = Keys(NS), [PROMPT[i:] + [7] * i for i in (1, 2, 3)]
+
+    async def go() -> tuple[list[Any], openai.RateLimitError]:
+        async with grpc.aio.insecure_channel(cluster.address, options=CHANNEL_OPTIONS) as ch, \
+                openai.AsyncOpenAI(base_url=f"{cluster.http_url}/v1", api_key="EMPTY", max_retries=0) as c:
+            stub = pb_grpc.GenerationStub(ch)
+            blocker = greedy(PROMPT, 400, ignore_eos=True)
+            blocker.request_id = "http-blocker"
+            call = stub.Generate(blocker, timeout=HANG_GUARD_S)
+            await call.read()  # it runs
+
+            def ask(prompt: list[int], rid: str) -> asyncio.Task[Any]:
+                return asyncio.create_task(c.completions.create(
+                    model=model, prompt=prompt, max_tokens=8, temperature=0, extra_headers={"X-Request-Id": rid},
+                    extra_body={"ignore_eos": True, "return_token_ids": True}))
+
+            first, leaving = ask(prompts[0], "waits-1"), ask(prompts[1], "leaves")
+            await until(lambda: rclient.zcard(keys.queue) == MAX_PENDING, "two requests queued")
+            with pytest.raises(openai.RateLimitError) as refused:
+                await c.completions.create(model=model, prompt=prompts[2], max_tokens=8)
+            leaving.cancel()  # the client hangs up while its request waits
+            await until(lambda: rclient.hget(keys.req("leaves"), "finish_reason") == "abort", "it was aborted")
+            assert rclient.zcard(keys.queue) == 1
+            with pytest.raises(openai.APIStatusError) as late:  # its queue_timeout passes before it starts
+                await c.completions.create(model=model, prompt=prompts[2], max_tokens=8,
+                                           extra_body={"queue_timeout": 0.3})
+            assert late.value.status_code == 504 and late.value.code == "queue_timeout"
+            assert late.value.response.headers["x-should-retry"] == "false"
+            second = ask(prompts[2], "waits-2")
+            await until(lambda: rclient.zcard(keys.queue) == MAX_PENDING, "room again")
+            await stub.Abort(pb.AbortRequest(request_id="http-blocker"))
+            return list(await asyncio.gather(first, second)), refused.value
+
+    done, refused = asyncio.run(go())
+    assert refused.status_code == 429 and refused.code == "rate_limit_exceeded"
+    retry_after = refused.response.headers["retry-after"]
+    assert retry_after.isdigit() and int(retry_after) >= 1 and "--max-pending-requests" in refused.message
+    want = run_all(cluster.address, [greedy(prompts[0], 8, ignore_eos=True), greedy(prompts[2], 8, ignore_eos=True)])
+    assert [d.choices[0].model_extra["token_ids"] for d in done] == [w.token_ids for w in want]
+    free, totals = wait_all_free(rclient, NS)
+    assert free == totals
+
+
+def test_a_client_that_hangs_up_mid_stream_aborts_its_request(cluster: Cluster, model: str,
+                                                              rclient: redis.Redis) -> None:
+    body = {"model": model, "prompt": PROMPT, "max_tokens": 400, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    with httpx.Client(timeout=HANG_GUARD_S) as h, \
+            h.stream("POST", f"{cluster.http_url}/v1/completions", json=body,
+                     headers={"X-Request-Id": "hangs-up"}) as resp:
+        assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/event-stream")
+        assert resp.headers["x-request-id"] == "hangs-up"
+        events = sse_events(resp.iter_lines())  # held: closing it would hang up at once
+        first = next(events)
+        assert first["id"] == "cmpl-hangs-up" and first["choices"][0]["finish_reason"] is None
+        assert rclient.sismember(Keys(NS).live, "hangs-up")
+        again = h.post(f"{cluster.http_url}/v1/completions", json=body, headers={"X-Request-Id": "hangs-up"})
+        assert again.status_code == 409 and again.json()["error"]["code"] == "duplicate_request_id"
+        assert again.headers["x-should-retry"] == "false"
+    wait_until(lambda: rclient.hget(Keys(NS).req("hangs-up"), "finish_reason") is not None, 30, "the abort")
+    assert rclient.hget(Keys(NS).req("hangs-up"), "finish_reason") == "abort"
+    assert rclient.llen(Keys(NS).out("hangs-up")) < 400
+    free, totals = wait_all_free(rclient, NS)
+    assert free == totals
+
+
+def test_a_draining_replica_ends_its_streams_with_where_to_resume(cluster: Cluster, model: str) -> None:
+    """SIGTERM on a second replica mid-stream: an error event names the request and offset,
+    no ``[DONE]``; gRPC Resume on the first replica delivers the rest, every token once."""
+    port = free_port()
+    replica = cluster.start_scheduler(["--http-port", str(port), "--max-num-seqs", "1"])
+    body = {"model": model, "prompt": PROMPT, "max_tokens": 120, "temperature": 0, "ignore_eos": True,
+            "stream": True, "return_token_ids": True}
+    tokens: list[int] = []
+    try:
+        with httpx.Client(timeout=HANG_GUARD_S) as h, \
+                h.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body,
+                         headers={"X-Request-Id": "drained"}) as resp:
+            events = list(_read_until_signalled(sse_events(resp.iter_lines()), replica.proc.pid, tokens))
+        assert replica.proc.wait(30) == 0
+    finally:
+        replica.stop()
+        cluster.schedulers.remove(replica)
+    error = events[-1]["error"]
+    assert (error["code"], error["request_id"], error["offset"]) == ("stream_detached", "drained", len(tokens))
+    assert "[DONE]" not in events
+    with grpc.insecure_channel(cluster.address, options=CHANNEL_OPTIONS) as ch:
+        rest = list(pb_grpc.GenerationStub(ch).Resume(pb.ResumeRequest(request_id="drained", offset=error["offset"]),
+                                                      timeout=HANG_GUARD_S))
+    assert rest[-1].finish_reason == "length"
+    assert tokens + [t for r in rest for t in r.token_ids] == grpc_greedy(cluster, greedy(PROMPT, 120)).token_ids
+
+
+def _read_until_signalled(events: Iterator[Any], pid: int, tokens: list[int]) -> Iterator[Any]:
+    """Pass the events on, collecting token ids; SIGTERM ``pid`` after the first."""
+    for event in events:
+        if isinstance(event, dict) and "choices" in event:
+            tokens += event["choices"][0]["token_ids"]
+            if len(tokens) == len(event["choices"][0]["token_ids"]):
+                os.kill(pid, signal.SIGTERM)
+        yield event
+
+
+# --- keys and TLS -----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory: pytest.TempPathFactory) -> devcerts.DevCerts:
+    out = devcerts.write(tmp_path_factory.mktemp("certs"))
+    out.api_keys.write_text(f"# two keys during a rotation\n{KEYS[0]}\n{KEYS[1]}\n")
+    return out
+
+
+@pytest.fixture(scope="module")
+def secure(tiny_llama: Path, redis_url: str, certs: devcerts.DevCerts,
+           tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    with make_cluster(tiny_llama, redis_url, SECURE_NS, tmp_path_factory.mktemp("logs"), tls=certs,
+                      api_key_file=certs.api_keys, http_port=free_port()) as c:
+        yield c
+
+
+def _trusting(certs: devcerts.DevCerts) -> ssl.SSLContext:
+    return ssl.create_default_context(cafile=str(certs.ca_cert))
+
+
+def test_api_keys_guard_everything_but_health(secure: Cluster, certs: devcerts.DevCerts, model: str) -> None:
+    assert secure.http_url is not None and secure.http_url.startswith("https://")
+    base = f"{secure.http_url}/v1"
+    with openai.OpenAI(base_url=base, api_key="wrong-key", max_retries=0,
+                       http_client=httpx.Client(verify=_trusting(certs))) as c:
+        with pytest.raises(openai.AuthenticationError) as info:
+            c.completions.create(model=model, prompt="hi", max_tokens=2)
+        assert info.value.code == "invalid_api_key"
+        assert info.value.response.headers["www-authenticate"] == "Bearer"
+        with pytest.raises(openai.AuthenticationError):
+            c.models.list()
+    for key in KEYS:
+        with openai.OpenAI(base_url=base, api_key=key, max_retries=0,
+                           http_client=httpx.Client(verify=_trusting(certs))) as c:
+            got = c.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
+                                            temperature=0)
+            assert got.choices[0].finish_reason in ("stop", "length")
+    with httpx.Client(verify=_trusting(certs)) as h:  # no key at all, or not as a bearer token
+        assert h.get(f"{secure.http_url}/health").status_code == 200
+        for headers in ({}, {"Authorization": f"Basic {KEYS[0]}"}, {"Authorization": "Bearer"}):
+            for method, path in (("GET", "/models"), ("POST", "/chat/completions")):
+                resp = h.request(method, base + path, headers=headers, json={"model": model})
+                assert resp.status_code == 401, (headers, path)
+                assert resp.json()["error"]["code"] == "invalid_api_key"
+
+
+def test_the_http_port_speaks_https_only(secure: Cluster, certs: devcerts.DevCerts) -> None:
+    assert secure.http_url is not None
+    plain = secure.http_url.replace("https://", "http://")
+    with pytest.raises(httpx.TransportError):
+        httpx.get(f"{plain}/health", timeout=10)
+    with pytest.raises(httpx.ConnectError, match="CERTIFICATE_VERIFY_FAILED"):
+        httpx.get(f"{secure.http_url}/health", timeout=10)  # the system's roots do not know the dev CA
+
+
+def _served_serial(url: str, ca: Path) -> int:
+    host, port = url.removeprefix("https://").rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=10) as raw, \
+            ssl.create_default_context(cafile=str(ca)).wrap_socket(raw, server_hostname=host) as conn:
+        der = conn.getpeercert(binary_form=True)
+    assert der is not None
+    return x509.load_der_x509_certificate(der).serial_number
+
+
+def test_the_https_certificate_reloads_without_a_restart(secure: Cluster, certs: devcerts.DevCerts) -> None:
+    assert secure.http_url is not None
+    pid = secure.scheduler.proc.pid
+    serial = lambda: x509.load_pem_x509_certificate(certs.scheduler_cert.read_bytes()).serial_number  # noqa: E731
+    assert _served_serial(secure.http_url, certs.ca_cert) == serial()
+    ca, ca_key = devcerts.load_ca(certs)
+    devcerts.write_leaf(certs.scheduler_cert, certs.scheduler_key, ca, ca_key, "scheduler", ["127.0.0.1"])
+    assert _served_serial(secure.http_url, certs.ca_cert) == serial()
+    os.kill(pid, signal.SIGHUP)  # as an operator would: nothing more changes, nothing dies
+    assert _served_serial(secure.http_url, certs.ca_cert) == serial()
+    with httpx.Client(verify=_trusting(certs)) as h:
+        assert h.get(f"{secure.http_url}/health").status_code == 200
+    assert secure.scheduler.proc.pid == pid and secure.scheduler.proc.poll() is None
+
+
+def test_the_ssl_context_keeps_a_mismatched_pair_out(tmp_path: Path) -> None:
+    """The pure part: reload on change or request; a certificate whose key has not arrived
+    yet is not loaded."""
+    out = devcerts.write(tmp_path / "c")
+    tls = ReloadingSSLContext(out.scheduler_cert, out.scheduler_key)
+    first = tls.current()
+    assert tls.current() is first
+    tls.request_reload()
+    second = tls.current()
+    assert second is not first and tls.current() is second
+    ca, ca_key = devcerts.load_ca(out)
+    cert, _ = devcerts.make_leaf(ca, ca_key, "scheduler", ["127.0.0.1"])
+    from cryptography.hazmat.primitives import serialization
+
+    out.scheduler_cert.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    assert tls.current() is second, "a certificate without its key: the current pair stays"
+    devcerts.write_leaf(out.scheduler_cert, out.scheduler_key, ca, ca_key, "scheduler", ["127.0.0.1"])
+    assert tls.current() is not second
+    with pytest.raises(ValueError, match="--tls-key"):
+        ReloadingSSLContext(out.scheduler_cert, out.executor_key)

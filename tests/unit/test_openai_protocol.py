@@ -1,0 +1,233 @@
+"""OpenAI JSON <-> pagedserve.v1 (scheduler_svc/openai_protocol.py) on plain data: what each
+body becomes, the 400s that name the field, the mapping of the frontend's exceptions to
+HTTP statuses, and the exact response and stream-chunk shapes. No processes, no I/O."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import redis
+
+from pagedserve.v1 import generation_pb2 as pb
+from scheduler_svc import openai_protocol as proto
+from scheduler_svc.frontend import Chunk, QueueTimeout, StreamDetached, TooManyPending
+from scheduler_svc.store import DuplicateRequest
+from scheduler_svc.validate import InvalidArgument, OverCapacity, Unavailable
+
+M = "tiny"
+
+
+def completion(**kw: Any) -> dict[str, Any]:
+    return {"model": M, "prompt": "Hello", **kw}
+
+
+def chat(**kw: Any) -> dict[str, Any]:
+    return {"model": M, "messages": [{"role": "user", "content": "Hi"}], **kw}
+
+
+def test_a_completion_body_becomes_the_same_request_as_on_grpc() -> None:
+    p = proto.parse(completion(max_tokens=7, temperature=0.5, top_p=0.9, top_k=40, seed=3, stop="END",
+                               stop_token_ids=[2, 5], ignore_eos=True, priority=-2, queue_timeout=1.5,
+                               user="ignored", unknown_extra={"x": 1}), chat=False, request_id="r-1")
+    assert p.request == pb.GenerateRequest(
+        request_id="r-1", prompt="Hello", priority=-2, queue_timeout=1.5,
+        sampling=pb.SamplingParams(max_tokens=7, temperature=0.5, top_p=0.9, top_k=40, seed=3, stop=["END"],
+                                   stop_token_ids=[2, 5], ignore_eos=True))
+    assert (p.model, p.chat, p.stream, p.include_usage, p.return_token_ids) == (M, False, False, False, False)
+
+
+def test_unset_fields_stay_unset_so_the_grpc_defaults_apply() -> None:
+    s = proto.parse(completion(), chat=False).request.sampling
+    assert not any(s.HasField(f) for f in ("max_tokens", "temperature", "top_p", "top_k", "seed"))
+    nulls = proto.parse(completion(max_tokens=None, temperature=None, stop=None, n=None, logprobs=None), chat=False)
+    assert nulls.request.sampling == pb.SamplingParams()
+
+
+@pytest.mark.parametrize("prompt,field,value", [
+    ("text", "prompt", "text"),
+    (["text"], "prompt", "text"),
+    ([5, 6, 7], "prompt_token_ids", [5, 6, 7]),
+    ([[5, 6]], "prompt_token_ids", [5, 6]),
+    ([5.0, 6], "prompt_token_ids", [5, 6]),
+])
+def test_prompt_forms(prompt: Any, field: str, value: Any) -> None:
+    got = getattr(proto.parse(completion(prompt=prompt), chat=False).request, field)
+    assert (list(got) if field == "prompt_token_ids" else got) == value
+
+
+def test_chat_messages_content_parts_and_max_completion_tokens() -> None:
+    body = chat(messages=[
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "text", "text": "one"}, {"type": "text", "text": "two"}]},
+        {"role": "assistant", "content": None, "name": "bot"},
+    ], max_tokens=9, max_completion_tokens=4, stream=True, stream_options={"include_usage": True},
+        return_token_ids=True)
+    p = proto.parse(body, chat=True)
+    assert [(m.role, m.content) for m in p.request.messages] == [("system", "Be brief."), ("user", "one\ntwo"),
+                                                                 ("assistant", "")]
+    assert p.request.sampling.max_tokens == 4, "max_completion_tokens wins, as in vLLM"
+    assert (p.stream, p.include_usage, p.return_token_ids) == (True, True, True)
+    assert proto.parse(chat(max_tokens=9), chat=True).request.sampling.max_tokens == 9
+    assert not proto.parse(chat(top_k=-1), chat=True).request.sampling.HasField("top_k"), "vLLM's -1: off"
+
+
+def test_off_values_of_unsupported_fields_are_accepted() -> None:
+    off = dict(n=1, presence_penalty=0, frequency_penalty=0.0, repetition_penalty=1.0, min_p=0, logit_bias={},
+               response_format={"type": "text"}, best_of=1, echo=False, tools=[], top_logprobs=0)
+    proto.parse(completion(**off), chat=False)
+    proto.parse(chat(logprobs=False, **off), chat=True)
+
+
+BAD: list[tuple[str, dict[str, Any], bool, str]] = [
+    ("no model", {"prompt": "x"}, False, "model"),
+    ("model not a string", completion(model=5), False, "model"),
+    ("max_tokens 0", completion(max_tokens=0), False, "max_tokens"),
+    ("max_tokens negative", completion(max_tokens=-3), False, "max_tokens"),
+    ("max_tokens a string", completion(max_tokens="8"), False, "max_tokens"),
+    ("max_tokens a bool", completion(max_tokens=True), False, "max_tokens"),
+    ("max_tokens over uint32", completion(max_tokens=1 << 40), False, "max_tokens"),
+    ("max_completion_tokens 0", chat(max_completion_tokens=0), True, "max_completion_tokens"),
+    ("temperature a string", completion(temperature="hot"), False, "temperature"),
+    ("temperature NaN", completion(temperature=float("nan")), False, "temperature"),
+    ("temperature over float32", completion(temperature=1e39), False, "temperature"),
+    ("top_k -2", completion(top_k=-2), False, "top_k"),
+    ("seed negative", completion(seed=-1), False, "seed"),
+    ("stop a number", completion(stop=3), False, "stop"),
+    ("stop item a number", completion(stop=["a", 3]), False, "stop[1]"),
+    ("stop_token_ids negative", completion(stop_token_ids=[-1]), False, "stop_token_ids[0]"),
+    ("ignore_eos a string", completion(ignore_eos="yes"), False, "ignore_eos"),
+    ("priority a float", completion(priority=0.5), False, "priority"),
+    ("n 2", completion(n=2), False, "n"),
+    ("n a string", completion(n="1"), False, "n"),
+    ("logprobs on a completion", completion(logprobs=0), False, "logprobs"),
+    ("logprobs on a chat", chat(logprobs=True), True, "logprobs"),
+    ("top_logprobs", chat(top_logprobs=3), True, "top_logprobs"),
+    ("presence_penalty", completion(presence_penalty=0.5), False, "presence_penalty"),
+    ("frequency_penalty", chat(frequency_penalty=-1), True, "frequency_penalty"),
+    ("logit_bias", completion(logit_bias={"5": 10}), False, "logit_bias"),
+    ("min_p", completion(min_p=0.1), False, "min_p"),
+    ("response_format", chat(response_format={"type": "json_object"}), True, "response_format"),
+    ("tools", chat(tools=[{"type": "function", "function": {"name": "f"}}]), True, "tools"),
+    ("echo", completion(echo=True), False, "echo"),
+    ("several prompts", completion(prompt=["a", "b"]), False, "prompt"),
+    ("empty prompt", completion(prompt=""), False, "prompt"),
+    ("empty prompt list", completion(prompt=[]), False, "prompt"),
+    ("prompt an object", completion(prompt={"text": "a"}), False, "prompt"),
+    ("no prompt", {"model": M}, False, "prompt"),
+    ("prompt with a lone surrogate", completion(prompt="a\ud800"), False, "prompt"),
+    ("token id a string", completion(prompt=[1, "2"]), False, "prompt[1]"),
+    ("no messages", {"model": M}, True, "messages"),
+    ("messages not a list", chat(messages="hi"), True, "messages"),
+    ("message not an object", chat(messages=["hi"]), True, "messages[0]"),
+    ("role missing", chat(messages=[{"content": "hi"}]), True, "messages[0].role"),
+    ("content a number", chat(messages=[{"role": "user", "content": 5}]), True, "messages[0].content"),
+    ("image part", chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]), True,
+     "messages[0].content[0]"),
+    ("stream a string", completion(stream="yes"), False, "stream"),
+    ("stream_options without stream", completion(stream_options={"include_usage": True}), False, "stream_options"),
+    ("include_usage a string", completion(stream=True, stream_options={"include_usage": "y"}), False,
+     "stream_options.include_usage"),
+]
+
+
+@pytest.mark.parametrize("body,is_chat,param", [b[1:] for b in BAD], ids=[b[0] for b in BAD])
+def test_bad_values_are_400_naming_the_field(body: dict[str, Any], is_chat: bool, param: str) -> None:
+    with pytest.raises(proto.ApiError) as info:
+        proto.parse(body, chat=is_chat)
+    err = info.value
+    assert err.status == 400 and err.param == param and err.message.startswith(param + ":"), err.message
+    assert err.body() == {"error": {"message": err.message, "type": "invalid_request_error", "param": param,
+                                    "code": None}}
+
+
+def test_frontend_messages_are_renamed_to_openai_fields() -> None:
+    assert proto.rename("sampling.max_tokens: must be positive") == ("max_tokens: must be positive", "max_tokens")
+    assert proto.rename("sampling.stop[1]: 9 characters") == ("stop[1]: 9 characters", "stop[1]")
+    assert proto.rename("prompt_token_ids: ids must be below") == ("prompt: ids must be below", "prompt")
+    assert proto.rename("request_id: printable ASCII only") == ("X-Request-Id: printable ASCII only", "X-Request-Id")
+    assert proto.rename("exactly one of prompt, messages must be set (got: none)")[1] is None
+
+
+def test_exceptions_map_to_statuses() -> None:
+    def status(exc: BaseException) -> tuple[int, str, str | None, str | None, dict[str, str]]:
+        err = proto.error_for(exc)
+        assert err is not None
+        return err.status, err.type, err.param, err.code, err.headers
+
+    assert status(InvalidArgument("sampling.top_p: must be in (0, 1]")) == (
+        400, "invalid_request_error", "top_p", None, {})
+    assert status(InvalidArgument("prompt: 600 tokens, but the model's context is 512 tokens"))[3] == \
+        "context_length_exceeded"
+    over = proto.error_for(OverCapacity("prompt + sampling.max_tokens need 40 KV blocks; the largest pool has 24"))
+    assert over is not None and (over.status, over.code) == (400, "context_length_exceeded")
+    assert "sampling." not in over.message
+    assert status(TooManyPending(2, 2, 3)) == (429, "requests", None, "rate_limit_exceeded", {"Retry-After": "3"})
+    assert status(QueueTimeout("r"))[:4] == (504, "timeout", "queue_timeout", "queue_timeout")
+    assert status(QueueTimeout("r"))[4] == {"x-should-retry": "false"}
+    assert status(DuplicateRequest("r"))[0::3] == (409, "duplicate_request_id")
+    assert status(Unavailable("draining"))[:2] == (503, "server_error")
+    assert status(redis.ConnectionError("down"))[0] == 503
+    detached = proto.error_for(StreamDetached("r-9", 12))
+    assert detached is not None and detached.status == 503
+    assert detached.body()["error"] | {"message": ""} == {"message": "", "type": "server_error", "param": None,
+                                                          "code": "stream_detached", "request_id": "r-9",
+                                                          "offset": 12}
+    assert proto.error_for(KeyError("x")) is None, "a bug is not mapped: it is a 500"
+
+
+def _shape(body: dict[str, Any], is_chat: bool) -> proto.Shape:
+    return proto.Shape(proto.parse(body, chat=is_chat), "rid", 1700, M, [1, 2, 3])
+
+
+CHUNKS = [Chunk("rid", [10], "Hel", 0), Chunk("rid", [11], "", 1), Chunk("rid", [12], "lo", 2, "length", 3, 3)]
+
+
+def test_non_streaming_bodies() -> None:
+    done = proto.Collected()
+    for c in CHUNKS:
+        done.add(c)
+    assert _shape(completion(), False).body(done) == {
+        "id": "cmpl-rid", "object": "text_completion", "created": 1700, "model": M,
+        "choices": [{"index": 0, "text": "Hello", "logprobs": None, "finish_reason": "length"}],
+        "usage": {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}}
+    body = _shape(chat(return_token_ids=True), True).body(done)
+    assert body["id"] == "chatcmpl-rid" and body["object"] == "chat.completion"
+    assert body["choices"] == [{"index": 0, "message": {"role": "assistant", "content": "Hello"}, "logprobs": None,
+                                "finish_reason": "length", "token_ids": [10, 11, 12]}]
+    assert body["prompt_token_ids"] == [1, 2, 3]
+
+
+def test_chat_stream_chunks_with_usage() -> None:
+    shape = _shape(chat(stream=True, stream_options={"include_usage": True}), True)
+    events = [*shape.opening(), *(e for c in CHUNKS for e in shape.events(c)), *shape.closing()]
+    head = {"id": "chatcmpl-rid", "object": "chat.completion.chunk", "created": 1700, "model": M}
+    assert events == [
+        head | {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                             "finish_reason": None}], "usage": None},
+        head | {"choices": [{"index": 0, "delta": {"content": "Hel"}, "logprobs": None, "finish_reason": None}],
+                "usage": None},
+        # the chunk with no text yet is skipped
+        head | {"choices": [{"index": 0, "delta": {"content": "lo"}, "logprobs": None, "finish_reason": "length"}],
+                "usage": None},
+        head | {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}},
+    ]
+
+
+def test_completion_stream_chunks_carry_token_ids_when_asked() -> None:
+    shape = _shape(completion(stream=True, return_token_ids=True), False)
+    events = [*shape.opening(), *(e for c in CHUNKS for e in shape.events(c)), *shape.closing()]
+    assert [e["choices"][0]["token_ids"] for e in events] == [[10], [11], [12]]
+    assert [e["choices"][0]["text"] for e in events] == ["Hel", "", "lo"]
+    assert all("usage" not in e for e in events), "no usage chunk unless include_usage"
+
+
+def test_chat_without_a_limit_runs_to_the_end_of_the_context_a_pool_holds() -> None:
+    from scheduler_svc.validate import Limits
+
+    # Two executors: a 512-token context on a pool of 24 blocks of 16 (384 tokens), and a
+    # 256-token context on a pool of 64 blocks: the first lets a 100-token prompt go furthest.
+    limits = Limits(512, 1000, 16, ((24, 512), (64, 256)))
+    assert proto.context_room(limits, 100) == 384 - 100
+    assert proto.context_room(Limits(512, 1000, 16, ((64, 512),)), 100) == 512 - 100
+    assert proto.context_room(limits, 400) == 1, "never less than one token"
