@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc
@@ -95,3 +96,13 @@ def wait_all_free(client: redis.Redis, namespace: str, timeout: float = 30) -> t
         if (states and free == totals and client.scard(keys.live) == 0) or time.monotonic() > deadline:
             return free, totals
         time.sleep(0.1)
+
+
+async def until(predicate: Callable[[], bool], what: str, timeout: float = 120) -> None:
+    """Poll ``predicate`` every 20 ms; AssertionError naming ``what`` after ``timeout`` s
+    (a guard against a hang, not a timing check)."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"never happened: {what}")
+        await asyncio.sleep(0.02)

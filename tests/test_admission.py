@@ -30,7 +30,7 @@ from pagedserve.v1 import generation_pb2_grpc as pb_grpc
 from scheduler_svc.core.request import Params, Request
 from scheduler_svc.store import Expiry, Overloaded, RedisStore
 from tests.conftest import make_cluster
-from tests.helpers import Result, greedy, wait_all_free
+from tests.helpers import Result, greedy, until, wait_all_free
 from tests.test_e2e_oracle import hf_greedy
 
 NS = "admission"
@@ -77,14 +77,6 @@ async def start_blocker(stub: pb_grpc.GenerationStub, rid: str) -> asyncio.Task[
     task = asyncio.create_task(collect(stub, req, started=started))
     await asyncio.wait_for(started.wait(), HANG_GUARD_S)
     return task
-
-
-async def until(predicate, what: str) -> None:  # type: ignore[no-untyped-def]
-    for _ in range(HANG_GUARD_S * 50):
-        if predicate():
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError(f"never happened: {what}")
 
 
 def named(req: pb.GenerateRequest, rid: str, queue_timeout: float | None = None) -> pb.GenerateRequest:

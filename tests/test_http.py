@@ -40,7 +40,7 @@ from pagedserve.security import ReloadingSSLContext
 from pagedserve.v1 import generation_pb2 as pb
 from pagedserve.v1 import generation_pb2_grpc as pb_grpc
 from tests.conftest import make_cluster
-from tests.helpers import Result, greedy, run_all, wait_all_free
+from tests.helpers import Result, greedy, run_all, until, wait_all_free
 
 NS, SECURE_NS = "http", "http-secure"
 MAX_PENDING = 2
@@ -220,14 +220,6 @@ def test_bad_input_is_400_naming_the_field_and_others_go_on(cluster: Cluster, cl
     after = client.completions.create(model=model, prompt=PROMPT, max_tokens=6, temperature=0,
                                       extra_body={"ignore_eos": True, "return_token_ids": True})
     assert after.choices[0].model_extra["token_ids"] == grpc_greedy(cluster, greedy(PROMPT, 6)).token_ids
-
-
-async def until(predicate, what: str) -> None:  # type: ignore[no-untyped-def]
-    for _ in range(HANG_GUARD_S * 50):
-        if predicate():
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError(f"never happened: {what}")
 
 
 def test_over_max_pending_requests_is_429_with_retry_after(cluster: Cluster, model: str, rclient: redis.Redis,
