@@ -61,7 +61,9 @@ class StepStats:
     scheduled_tokens: int
     live_tokens: int  # tokens whose KV is held on the device
     allocated_slots: int  # device blocks in use x block size
-    schedule_ms: float
+    schedule_ms: float  # the loop's own work: everything but Redis and the Step round trip
+    plan_ms: float  # of which: building the step plan
+    commit_ms: float  # of which: building the step's Redis commands
     redis_ms: float
     executor_ms: float  # the Step round trip
     forward_ms: float
@@ -74,12 +76,18 @@ class Timer:
 
     redis: float = 0.0
     executor: float = 0.0
+    plan: float = 0.0
+    commit: float = 0.0
     total: float = 0.0
     t0: float = 0.0
 
     def start(self) -> None:
-        self.redis = self.executor = 0.0
+        self.redis = self.executor = self.plan = self.commit = 0.0
         self.t0 = time.perf_counter()
+
+    def since(self, t: float) -> float:
+        """Milliseconds since ``t`` (a ``perf_counter`` reading)."""
+        return (time.perf_counter() - t) * 1e3
 
     async def redis_call(self, aw):  # type: ignore[no-untyped-def]
         t = time.perf_counter()
@@ -272,8 +280,10 @@ class Loop:
         if out is not None and out.has_work:
             self._in_flight = [x.req.request_id for x in out.scheduled]
             t = time.perf_counter()
-            result = await self._step(s.plans.build(out, self._step_id, s.ended, s.seq))
-            timer.executor = (time.perf_counter() - t) * 1e3
+            plan = s.plans.build(out, self._step_id, s.ended, s.seq)
+            timer.plan, t = timer.since(t), time.perf_counter()
+            result = await self._step(plan)
+            timer.executor = timer.since(t)
             s.ended = []
             self._step_id += 1
         if out is not None:
@@ -283,7 +293,9 @@ class Loop:
         sched.requeue_waiting()
         rec = sched.take_record()
         s.ended += [r.request_id for r in rec.finished] + [r.request_id for r in rec.requeued]
+        t = time.perf_counter()
         ops = s.writer.ops(rec, sched.blocks.is_free, self._view(sched))
+        timer.commit = timer.since(t)
         left_ns = time.time_ns()
         if ops:
             s.seq = await timer.redis_call(self.store.apply(self.executor, self.epoch, s.seq, ops))
@@ -327,6 +339,8 @@ class Loop:
             live_tokens=sum(r.num_computed for r in sched.running),
             allocated_slots=bm.used(DEVICE) * bm.block_size,
             schedule_ms=timer.total - timer.redis - timer.executor,
+            plan_ms=timer.plan,
+            commit_ms=timer.commit,
             redis_ms=timer.redis,
             executor_ms=timer.executor,
             forward_ms=result.forward_ms if result else 0.0,
