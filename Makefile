@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 PROTOS := $(shell find protos -name '*.proto')
 STAMP := $(VENV)/.installed
 
-.PHONY: run test fuzz bench proto install model prometheus lint clean
+.PHONY: run test fuzz bench gpu-check proto install model prometheus lint clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -64,6 +64,10 @@ lint: install
 
 bench: install model
 	$(BIN)/python -m benchmarks.run $(ARGS)
+
+# Kernels + an end-to-end bf16 run against transformers on a CUDA GPU, under 5 min (docs/benchmarks.md, "GPU check").
+gpu-check: install model
+	$(BIN)/python -m benchmarks.gpu_check $(ARGS)
 
 clean:
 	rm -rf pagedserve/v1 pagedserve/executor $(VENV)
