@@ -31,13 +31,17 @@ class Config:
     reattach_step_ms: float = 20.0  # the stub executors' simulated step
     sampling_batches: list[int] = field(default_factory=lambda: [1, 8, 32, 64])
     sampling_reps: int = 7
+    machine_batches: list[int] = field(default_factory=lambda: [1, 8, 32])
+    machine_reps: int = 7  # timed executor / transformers pairs per batch
+    gemm_size: int = 2048  # square fp32 matrices of the roofline's GEMM
 
 
-ARMS = ("pagedserve", "hf_static", "hf_continuous", "overhead", "scale_out", "kv_spread", "reattach", "sampling_cost")
+ARMS = ("pagedserve", "hf_static", "hf_continuous", "overhead", "scale_out", "kv_spread", "reattach", "sampling_cost",
+        "machine")
 QUICK = Config("quick", 64, 0.125, 512, 2048, [1, 64, 256], [0, 1024, 2048], 1.5, [32, 128, 512])
 FULL = Config("full", 256, 0.25, 1024, 4096, [1, 16, 64, 128, 256], [0, 256, 1024, 4096], 4.0, [16, 64, 256, 1024],
               scale_out_window_s=10.0, kv_spread_requests=96, reattach_rounds=5, reattach_failover_rounds=3,
-              sampling_reps=15)
+              sampling_reps=15, machine_reps=11)
 
 
 @dataclass(frozen=True, slots=True)

@@ -372,3 +372,54 @@ def write_markdown(summary: dict, arms: dict[str, dict], targets: list[Target], 
 
 def overhead_dicts(points: list[OverheadPoint]) -> list[dict]:
     return [asdict(p) for p in points]
+
+
+def plot_duty(series: list[dict], out: Path) -> str:
+    """The executor's duty cycle (time inside Step / wall time) per number of running sequences, real run."""
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    if series:
+        running = [p["running"] for p in series]
+        ax.plot(running, [p["duty"] for p in series], marker="o", ms=3, lw=1)
+        ax2 = ax.twinx()
+        ax2.bar(running, [p["steps"] for p in series], color="tab:gray", alpha=0.25, width=0.8)
+        ax2.set_ylabel("steps")
+        ax.set_zorder(ax2.get_zorder() + 1)
+        ax.patch.set_visible(False)
+    ax.set_ylim(0, 1.05)
+    ax.set_xlabel("running sequences")
+    ax.set_ylabel("executor duty cycle")
+    ax.set_title("pagedserve run: time inside Step / wall time, per step's running count", fontsize=9)
+    return _save(fig, out / "duty_cycle.png")
+
+
+def _machine_lines(summary: dict) -> list[str]:
+    fl = summary.get("model_flops_per_token") or {}
+    gemm = summary.get("gemm_flops_per_s")
+    lines = ["", "## Against the machine", "",
+             "Informational, no target. **Model-runner ratio**: the executor's own decode step (`Engine.step` in "
+             "the harness process, a hand-made plan of one token per row behind "
+             f"{(summary.get('model_runner') or [{}])[0].get('context', '–')} prefilled tokens) against "
+             "transformers' eager decode step (the same weights, one token per row on a DynamicCache of as many "
+             "tokens, plus the argmax), alternating; medians, ratio = median of the per-pair ratios.", "",
+             "| batch | executor ms | transformers ms | executor / transformers |", "|---|---|---|---|"]
+    lines += [f"| {p['batch']} | {_f(p['executor_ms'])} | {_f(p['transformers_ms'])} | {_f(p['ratio'], 3)} |"
+              for p in summary.get("model_runner") or []]
+    fractions = summary.get("roofline_fraction_by_arm") or {}
+    per_arm = ", ".join(f"{a} {_f(v, 3)}" for a, v in fractions.items()) or "–"
+    lines += ["", f"**Roofline**: fp32 GEMM ({summary.get('gemm_size') or '–'}^2 `torch.mm`, best of {summary.get('gemm_reps') or '–'}, "
+              f"{summary.get('threads')} threads): **{_f(gemm / 1e9 if gemm else None)} GFLOP/s**. FLOPs per output "
+              f"token = 2 x {fl.get('matmul_params', '–')} matmul parameters + 2 x 2 x {fl.get('layers', '–')} "
+              f"layers x {_f(fl.get('context'))} context x {fl.get('hidden', '–')} hidden = "
+              f"**{_f(fl['flops'] / 1e6 if fl else None)} MFLOP**. Output tokens/s x FLOPs/token / GEMM FLOP/s: "
+              f"pagedserve **{_f(summary.get('roofline_fraction'), 3)}** (every arm: {per_arm}; prefill FLOPs not "
+              "counted).", "",
+              f"**Executor busy fraction** in the pagedserve run: **{_f(summary.get('executor_busy_fraction'), 3)}** "
+              "(sum of the executor's own `step_ms` / the wall time its step log spans).", "",
+              f"![duty cycle]({(summary.get('plots') or {}).get('duty_cycle', '')})", ""]
+    lines += [f"- error: {e}" for e in summary.get("errors") or [] if e.startswith("machine:")]
+    return lines
+
+
+def append_machine_section(summary: dict, out: Path) -> None:
+    path = out / "report.md"
+    path.write_text(path.read_text() + "\n".join(_machine_lines(summary)))

@@ -6,21 +6,29 @@ scheduler-overhead sweep (stub executor), the swap-vs-recompute probe, the
 scale-out sweep (registered stub executors behind two scheduler replicas), the
 KV-usage spread across two real executors, the reattach latency of a stream
 resumed on another replica (and after its replica is killed) and what
-replayable seeds cost the sampler. The results directory's path is the last
-line printed.
+replayable seeds cost the sampler. Last, against the machine rather than
+peers (``benchmarks/machine.py``): the executor's decode step against
+transformers', the output tokens' share of the fp32 GEMM roofline and the
+executor's duty cycle in the real run. The results directory's path is the
+last line printed.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
 import traceback
 from datetime import datetime
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from benchmarks.config import ARMS, FULL, QUICK, Config
+
+if TYPE_CHECKING:
+    from benchmarks.machine import MachineResult
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -63,6 +71,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--sampling-batches", type=int, nargs="+", default=None,
                    help="batch sizes of the sampling_cost arm (default: 1 8 32 64)")
     p.add_argument("--sampling-reps", type=int, default=None, help="timed calls per batch and mode (default: 7)")
+    p.add_argument("--machine-batches", type=int, nargs="+", default=None,
+                   help="batch sizes of the machine arm's executor vs transformers decode step (default: 1 8 32)")
+    p.add_argument("--machine-reps", type=int, default=None, help="timed step pairs per batch (default: 7)")
+    p.add_argument("--gemm-size", type=int, default=None, help="side of the roofline's fp32 GEMM (default: 2048)")
     p.add_argument("--preemption-mode", choices=("swap", "recompute"), default="recompute",
                    help="pagedserve's preemption mode (the scheduler's --preemption-mode)")
     return p.parse_args(argv)
@@ -92,7 +104,49 @@ def build_config(args: argparse.Namespace) -> Config:
         reattach_step_ms=pick(args.reattach_step_ms, base.reattach_step_ms),
         sampling_batches=pick(args.sampling_batches, base.sampling_batches),
         sampling_reps=pick(args.sampling_reps, base.sampling_reps),
+        machine_batches=pick(args.machine_batches, base.machine_batches),
+        machine_reps=pick(args.machine_reps, base.machine_reps),
+        gemm_size=pick(args.gemm_size, base.gemm_size),
     )
+
+
+def run_machine(args: argparse.Namespace, cfg: Config, model_dir: Path, errors: list[str]) -> MachineResult | None:
+    """The machine arm, in this process after every other arm; a failure is recorded, not raised."""
+    from benchmarks import machine
+    from benchmarks.workload import Vocab, WorkloadSpec, make_workload
+
+    t = time.monotonic()
+    print("[bench] against the machine ...", flush=True)
+    spec = WorkloadSpec(args.distribution, cfg.num_requests, cfg.scale, tuple(args.input_range),
+                        tuple(args.output_range), cfg.max_total_len, args.rate, args.seed)  # as bench.run_all's
+    mcfg = machine.MachineConfig(batches=cfg.machine_batches, reps=cfg.machine_reps, gemm_size=cfg.gemm_size)
+    try:
+        return machine.run(model_dir, mcfg, make_workload(spec, Vocab.from_model_dir(model_dir)), args.threads)
+    except Exception as exc:
+        errors.append(f"machine: {type(exc).__name__}: {exc}")
+        traceback.print_exc()
+        return None
+    finally:
+        print(f"[bench] against the machine done in {time.monotonic() - t:.0f} s", flush=True)
+
+
+def against_machine(args: argparse.Namespace, cfg: Config, out: Path, summary: dict, started: float) -> None:
+    """Adds the "against the machine" keys, plot and report section to a finished run's results.
+
+    The duty cycle comes from the pagedserve arm's step log whenever that arm ran in this invocation,
+    the model-runner ratio and roofline only when the machine arm ran.
+    """
+    from benchmarks import machine, report
+
+    result = run_machine(args, cfg, Path(summary["model"]), summary["errors"]) if "machine" in cfg.arms else None
+    log = out / "pagedserve_steps.jsonl"
+    ran = "pagedserve" in summary["arms"] and log.exists()
+    steps = [json.loads(line) for line in log.read_text().splitlines() if line.strip()] if ran else []
+    summary.update(machine.summary_keys(result, summary["output_tokens_per_s"], steps))
+    summary["plots"]["duty_cycle"] = report.plot_duty(summary["duty_by_running"], out)
+    summary["wall_time_s"] = time.monotonic() - started
+    report.write_summary(summary, out)
+    report.append_machine_section(summary, out)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -105,7 +159,8 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     try:
-        bench.run_all(args, cfg, out, started=t0)
+        summary = bench.run_all(args, cfg, out, started=t0)
+        against_machine(args, cfg, out, summary, started=t0)
     except Exception:
         traceback.print_exc()
         print(out.resolve())

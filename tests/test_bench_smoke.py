@@ -17,7 +17,8 @@ NUMERIC_KEYS = ("throughput_ratio_vs_hf_static", "throughput_ratio_vs_hf_continu
                 "static_allocation_utilization", "scheduler_overhead_ms_p50", "scheduler_overhead_share_real_run",
                 "kv_budget_bytes", "reattach_ms_p50", "reattach_ms_p99", "failover_resume_ms_p50",
                 "failover_resume_ms_p99", "seeded_sampling_cost_ratio", "seeded_sampling_share_of_forward",
-                "throughput_ratio_vs_hf_continuous_previous")
+                "throughput_ratio_vs_hf_continuous_previous", "model_runner_ratio_32", "gemm_flops_per_s",
+                "roofline_fraction", "executor_busy_fraction")
 
 
 @pytest.fixture(scope="module")
@@ -52,6 +53,7 @@ def test_harness_writes_report(tiny_model: Path, tmp_path: Path, capsys: pytest.
         "--kv-spread-budget-tokens", "256", "--kv-spread-requests", "32",
         "--reattach-requests", "4", "--reattach-rounds", "1", "--reattach-failover-rounds", "1",
         "--sampling-batches", "1", "32", "--sampling-reps", "2",
+        "--machine-batches", "1", "32", "--machine-reps", "2", "--gemm-size", "256",
     ])
     assert rc == 0
     assert capsys.readouterr().out.strip().splitlines()[-1] == str(out.resolve())
@@ -83,10 +85,19 @@ def test_harness_writes_report(tiny_model: Path, tmp_path: Path, capsys: pytest.
     for point in summary["sampling_cost"]:
         figures = [point[k] for k in ("unseeded_ms", "seeded_ms", "ratio", "forward_ms", "seeds_share_of_forward")]
         assert all(isinstance(v, int | float) and math.isfinite(v) for v in figures) and point["forward_source"]
+    assert [p["batch"] for p in summary["model_runner"]] == [1, 32]
+    for point in summary["model_runner"]:
+        figures = [point[k] for k in ("executor_ms", "transformers_ms", "ratio")]
+        assert all(isinstance(v, int | float) and math.isfinite(v) for v in figures)
+    flops = summary["model_flops_per_token"]
+    assert flops["flops"] > 2 * flops["matmul_params"] > 0 and flops["context"] > 0
+    assert set(summary["roofline_fraction_by_arm"]) == set(summary["output_tokens_per_s"])
+    duty = summary["duty_by_running"]
+    assert duty and all(isinstance(p["duty"], float) and p["steps"] > 0 for p in duty)
     assert len(summary["targets"]) == 6  # the streams figures are informational: no target
 
     report = (out / "report.md").read_text()
-    assert "## Targets" in report and "## Streams" in report
+    assert "## Targets" in report and "## Streams" in report and "## Against the machine" in report
     for name in summary["plots"].values():
         assert (out / name).read_bytes()[:8] == PNG_MAGIC
         assert f"]({name})" in report
