@@ -8,10 +8,13 @@ the others.
 from __future__ import annotations
 
 import argparse
+import functools
+import json
 import time
 import traceback
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from benchmarks import analysis, report
 from benchmarks.config import PREVIOUS_QUICK, Config, kv_bytes_per_token
@@ -22,7 +25,114 @@ from benchmarks.preemption import PreemptionPoint
 from benchmarks.reattach import ReattachResult
 from benchmarks.sampling_cost import SamplingPoint, ratio_at, share_at
 from benchmarks.scale_out import ScaleOutConfig, ScaleOutPoint, efficiency
-from benchmarks.workload import Vocab, WorkloadSpec, make_workload
+from benchmarks.workload import Vocab, Workload, WorkloadSpec, make_workload
+
+if TYPE_CHECKING:
+    import torch
+
+    from benchmarks.arm_pagedserve import ServeConfig
+
+
+def short_spec(args: argparse.Namespace, cfg: Config) -> WorkloadSpec:
+    return WorkloadSpec(args.distribution, cfg.num_requests, cfg.scale, tuple(args.input_range),
+                        tuple(args.output_range), cfg.max_total_len, args.rate, args.seed)
+
+
+def long_spec(args: argparse.Namespace, cfg: Config) -> WorkloadSpec:
+    """Always ShareGPT-like: the point is long, long-tailed sequences, whatever the short workload draws from."""
+    return WorkloadSpec("sharegpt", cfg.long_num_requests, cfg.long_scale, tuple(args.input_range),
+                        tuple(args.output_range), cfg.long_max_total_len, args.rate, args.seed)
+
+
+@dataclass(slots=True)
+class CoreRun:
+    """What the pagedserve and transformers arms measured on one workload and KV budget (the short or long run)."""
+
+    workload: Workload
+    budget_tokens: int
+    per_token: int  # KV bytes per token
+    arms: dict[str, dict] = field(default_factory=dict)
+    steps: list[dict[str, float]] = field(default_factory=list)  # pagedserve's step log
+    static_util: float | None = None
+    static_series: analysis.Series = field(default_factory=lambda: analysis.Series([], []))
+    static_requests: int | None = None  # how many requests HF static served (a prefix of the workload)
+
+    @property
+    def budget_bytes(self) -> int:
+        return self.budget_tokens * self.per_token
+
+    def tokens_per_s(self) -> dict[str, float]:
+        return {a: v["output_tokens_per_s"] for a, v in self.arms.items()}
+
+    def ratio(self, other: str) -> float | None:
+        tps = self.tokens_per_s()
+        return tps["pagedserve"] / tps[other] if "pagedserve" in tps and tps.get(other) else None
+
+
+def serve_config(args: argparse.Namespace, run: CoreRun, max_model_len: int) -> ServeConfig:
+    from benchmarks.arm_pagedserve import ServeConfig
+
+    return ServeConfig(run.budget_bytes, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                       preemption_mode=args.preemption_mode, max_model_len=max_model_len)
+
+
+def serve(run: CoreRun, model_dir: Path, scfg: ServeConfig, log_dir: Path, errors: list[str], label: str) -> None:
+    from benchmarks import arm_pagedserve
+
+    res = arm_pagedserve.run(model_dir, run.workload, scfg, log_dir)
+    if res.failures:
+        errors.append(f"{label}: {len(res.failures)} requests failed, e.g. {res.failures[0]}")
+    run.arms["pagedserve"] = summarize(res.records, res.duration)
+    run.steps = res.steps
+
+
+def hf_static(run: CoreRun, model: torch.nn.Module, limit: int | None) -> None:
+    """HF static batching on the workload's first ``limit`` requests (all when None): it is the slowest arm."""
+    from benchmarks import arm_hf
+
+    workload = run.workload if limit is None else Workload(run.workload.spec, run.workload.requests[:limit])
+    res = arm_hf.run_static(model, workload, run.budget_tokens)
+    run.arms["hf_static"] = summarize(res.records, res.duration)
+    run.static_util, run.static_series = analysis.static_utilization(res.batches, res.batch_times)
+    run.static_requests = len(workload.requests)
+
+
+def hf_continuous(run: CoreRun, model: torch.nn.Module, args: argparse.Namespace) -> None:
+    from benchmarks import arm_hf
+
+    res = arm_hf.run_continuous(model, run.workload, arm_hf.CBConfig(
+        run.budget_tokens, max_batch_tokens=args.max_num_batched_tokens, max_requests_per_batch=args.max_num_seqs))
+    run.arms["hf_continuous"] = summarize(res.records, res.duration)
+
+
+def overhead_grid(cfg: Config) -> list[tuple[list[int], list[int]]]:
+    """(running levels, waiting levels) sweeps: the full grid, or queued requests at the largest running level only.
+
+    On 2 cores a level that never reaches its waiting target costs the sweep's 90 s timeout, and filling a
+    queue behind few running requests says little the target point does not.
+    """
+    if not cfg.overhead_waiting_top_only or not cfg.overhead_running:
+        return [(cfg.overhead_running, cfg.overhead_waiting)]
+    *lower, top = sorted(cfg.overhead_running)
+    return [g for g in ((lower, [0]), ([top], cfg.overhead_waiting)) if g[0]]
+
+
+def long_summary(run: CoreRun | None, util: float | None) -> dict[str, object]:
+    """The long run's ``summary.json`` keys (null when it did not run); ``util``: its steady-state KV utilization."""
+    return {
+        "throughput_ratio_vs_hf_continuous_long": run.ratio("hf_continuous") if run else None,
+        "throughput_ratio_vs_hf_static_long": run.ratio("hf_static") if run else None,
+        "kv_utilization_steady_state_long": util,
+        "long": None if run is None else {
+            "output_tokens_per_s": run.tokens_per_s(),
+            "static_allocation_utilization": run.static_util,
+            "hf_static_requests": run.static_requests,
+            "workload": run.workload.describe(),
+            "kv_budget_tokens": run.budget_tokens,
+            "kv_budget_bytes": run.budget_bytes,
+            "arms": run.arms,
+        },
+    }
 
 
 def run_all(args: argparse.Namespace, cfg: Config, out: Path, started: float) -> dict:
@@ -30,13 +140,18 @@ def run_all(args: argparse.Namespace, cfg: Config, out: Path, started: float) ->
 
     model_dir = resolve_model(args.model)
     per_token = kv_bytes_per_token(model_dir)
-    budget_bytes = cfg.kv_budget_tokens * per_token
-    spec = WorkloadSpec(args.distribution, cfg.num_requests, cfg.scale, tuple(args.input_range),
-                        tuple(args.output_range), cfg.max_total_len, args.rate, args.seed)
-    workload = make_workload(spec, Vocab.from_model_dir(model_dir))
-    arms: dict[str, dict] = {}
+    vocab = Vocab.from_model_dir(model_dir)
+    short = CoreRun(make_workload(short_spec(args, cfg), vocab), cfg.kv_budget_tokens, per_token)
+    long = CoreRun(make_workload(long_spec(args, cfg), vocab), cfg.long_kv_budget_tokens, per_token) \
+        if cfg.long_num_requests > 0 else None
+
+    @functools.cache
+    def hf_model() -> torch.nn.Module:  # loaded once for the short and the long run
+        from benchmarks import arm_hf
+
+        return arm_hf.load_model(model_dir, args.threads)
+
     errors: list[str] = []
-    steps: list[dict[str, float]] = []
     overhead: list[OverheadPoint] = []
     preemption: list[PreemptionPoint] = []
     scale: list[ScaleOutPoint] = []
@@ -45,7 +160,6 @@ def run_all(args: argparse.Namespace, cfg: Config, out: Path, started: float) ->
     sampling: list[SamplingPoint] = []
     scale_cfg = ScaleOutConfig(executors=cfg.scale_out_executors, running=cfg.scale_out_running,
                                window_s=cfg.scale_out_window_s, step_ms=cfg.scale_out_step_ms)
-    static_util, static_series = None, analysis.Series([], [])
     logs = out / "logs"
 
     def attempt(name: str, fn) -> None:  # type: ignore[no-untyped-def]
@@ -61,43 +175,27 @@ def run_all(args: argparse.Namespace, cfg: Config, out: Path, started: float) ->
     def paged() -> None:
         from benchmarks import arm_pagedserve, preemption as pre
 
-        nonlocal steps, preemption
-        scfg = arm_pagedserve.ServeConfig(budget_bytes, max_num_seqs=args.max_num_seqs,
-                                          max_num_batched_tokens=args.max_num_batched_tokens,
-                                          preemption_mode=args.preemption_mode,
-                                          max_model_len=max(cfg.max_total_len, max(cfg.preemption_lengths, default=0)) + 16)
-        res = arm_pagedserve.run(model_dir, workload, scfg, logs / "pagedserve")
-        if res.failures:
-            errors.append(f"pagedserve: {len(res.failures)} requests failed, e.g. {res.failures[0]}")
-        arms["pagedserve"] = summarize(res.records, res.duration)
-        steps = res.steps
-        (out / "pagedserve_steps.jsonl").write_text("".join(__import__("json").dumps(r) + "\n" for r in steps))
+        nonlocal preemption
+        scfg = serve_config(args, short, max(cfg.max_total_len, max(cfg.preemption_lengths, default=0)) + 16)
+        serve(short, model_dir, scfg, logs / "pagedserve", errors, "pagedserve")
+        write_steps(short.steps, out / "pagedserve_steps.jsonl")
         if cfg.preemption_lengths:  # on an executor of its own: the cluster's is fenced by its loop's epoch
             preemption = pre.measure_standalone(arm_pagedserve.standalone_executor_args(model_dir, scfg),
                                                 cfg.preemption_lengths, Vocab.from_model_dir(model_dir),
                                                 logs / "pagedserve" / "preemption-executor.log")
 
-    def hf() -> None:
-        from benchmarks import arm_hf
-
-        nonlocal static_util, static_series
-        model = arm_hf.load_model(model_dir, args.threads)
-        if "hf_static" in cfg.arms:
-            res = arm_hf.run_static(model, workload, cfg.kv_budget_tokens)
-            arms["hf_static"] = summarize(res.records, res.duration)
-            static_util, static_series = analysis.static_utilization(res.batches, res.batch_times)
-        if "hf_continuous" in cfg.arms:
-            res = arm_hf.run_continuous(model, workload, arm_hf.CBConfig(
-                cfg.kv_budget_tokens, max_batch_tokens=args.max_num_batched_tokens,
-                max_requests_per_batch=args.max_num_seqs))
-            arms["hf_continuous"] = summarize(res.records, res.duration)
+    def long_paged(run: CoreRun) -> None:
+        serve(run, model_dir, serve_config(args, run, cfg.long_max_total_len + 16), logs / "pagedserve_long", errors,
+              "pagedserve (long)")
+        write_steps(run.steps, out / "pagedserve_long_steps.jsonl")
 
     def sweep() -> None:
         from benchmarks import overhead as ovh
 
         nonlocal overhead
-        overhead = ovh.sweep(model_dir, cfg.overhead_running, cfg.overhead_waiting, cfg.overhead_window_s,
-                             logs / "overhead")
+        overhead = [p for running, waiting in overhead_grid(cfg)
+                    for p in ovh.sweep(model_dir, running, waiting, cfg.overhead_window_s, logs / "overhead",
+                                         reach_s=cfg.overhead_reach_s)]
 
     def scale_out() -> None:
         from benchmarks import scale_out as so
@@ -115,7 +213,7 @@ def run_all(args: argparse.Namespace, cfg: Config, out: Path, started: float) ->
         nonlocal spread
         spread = ks.run(model_dir, ks.SpreadConfig(cfg.kv_spread_budget_tokens, cfg.kv_spread_requests, seed=args.seed),
                         per_token, logs / "kv_spread")
-        (out / "kv_spread_series.json").write_text(__import__("json").dumps(spread.series))
+        (out / "kv_spread_series.json").write_text(json.dumps(spread.series))
 
     def reattach() -> None:
         from benchmarks import reattach as ra
@@ -131,7 +229,7 @@ def run_all(args: argparse.Namespace, cfg: Config, out: Path, started: float) ->
 
         nonlocal sampling
         sampling = sc.run(model_dir, sc.SamplingConfig(batches=cfg.sampling_batches, reps=cfg.sampling_reps),
-                          steps, args.threads)
+                          short.steps, args.threads)
 
     if "pagedserve" in cfg.arms:
         attempt("pagedserve (+ preemption probe)", paged)
@@ -145,12 +243,23 @@ def run_all(args: argparse.Namespace, cfg: Config, out: Path, started: float) ->
         attempt("reattach latency", reattach)
     if "sampling_cost" in cfg.arms:  # after pagedserve: its step log gives the decode forward per batch
         attempt("seeded sampling cost", sampling_cost)
-    if "hf_static" in cfg.arms or "hf_continuous" in cfg.arms:
-        attempt("hugging face arms", hf)
+    if "hf_static" in cfg.arms:
+        attempt("HF static", lambda: hf_static(short, hf_model(), None))
+    if "hf_continuous" in cfg.arms:
+        attempt("HF continuous", lambda: hf_continuous(short, hf_model(), args))
+    if long is not None and "pagedserve" in cfg.arms:  # the long workload: the same arms after the short run's
+        attempt("long workload: pagedserve", lambda: long_paged(long))
+    if long is not None and "hf_static" in cfg.arms:
+        attempt("long workload: HF static", lambda: hf_static(long, hf_model(), cfg.long_static_requests))
+    if long is not None and "hf_continuous" in cfg.arms:
+        attempt("long workload: HF continuous", lambda: hf_continuous(long, hf_model(), args))
+    hf_model.cache_clear()
 
+    arms, steps, ratio = short.arms, short.steps, short.ratio
     kv_util, paged_series = analysis.paged_utilization(steps)
-    tps = {a: v["output_tokens_per_s"] for a, v in arms.items()}
-    ratio = lambda other: tps["pagedserve"] / tps[other] if "pagedserve" in tps and tps.get(other) else None  # noqa: E731
+    tps = short.tokens_per_s()
+    long_util, long_series = analysis.paged_utilization(long.steps if long else [])
+    long_keys = long_summary(long, long_util)
     top = max(overhead, key=lambda p: (p.running, p.waiting), default=None)
     share = analysis.overhead_share(steps)
     targets = [
@@ -162,11 +271,15 @@ def run_all(args: argparse.Namespace, cfg: Config, out: Path, started: float) ->
                         " ms"),
         analysis.Target("overhead share of step time (real run)", "<= 0.10", share, 0.10, False),
         analysis.Target("scale-out efficiency at 4 executors", ">= 0.85", efficiency(scale, 4), 0.85, True),
+        analysis.Target("throughput vs HF continuous, long workload", ">= 1.5x",
+                        long_keys["throughput_ratio_vs_hf_continuous_long"], 1.5, True, "x"),
+        analysis.Target("KV utilization (steady state), long workload", ">= 0.95",
+                        long_keys["kv_utilization_steady_state_long"], 0.95, True),
     ]
     plots = {
         "throughput": report.plot_throughput(arms, out),
         "latency": report.plot_latency(arms, out),
-        "kv_utilization": report.plot_kv(paged_series, static_series, out),
+        "kv_utilization": report.plot_kv(paged_series, short.static_series, out),
         "scheduler_overhead": report.plot_overhead(overhead, out),
         "step_breakdown": report.plot_steps(steps, out),
         "preemption": report.plot_preemption(preemption, out),
@@ -174,20 +287,23 @@ def run_all(args: argparse.Namespace, cfg: Config, out: Path, started: float) ->
         "kv_spread": report.plot_kv_spread(spread, out),
         "streams": report.plot_streams(reattached, out),
     }
+    if long is not None:
+        plots["kv_utilization_long"] = report.plot_kv(long_series, long.static_series, out, "kv_utilization_long.png")
     re_dict = reattached.as_dict() if reattached else None
     summary = {
         "output_tokens_per_s": tps,
         "throughput_ratio_vs_hf_static": ratio("hf_static"),
         "throughput_ratio_vs_hf_continuous": ratio("hf_continuous"),
         "kv_utilization_steady_state": kv_util,
-        "static_allocation_utilization": static_util,
+        "static_allocation_utilization": short.static_util,
         "scheduler_overhead_ms_p50": top.p50_ms if top else None,
         "scheduler_overhead_ms_p99": top.p99_ms if top else None,
         "scheduler_overhead_at": {"running": top.running, "waiting": top.waiting} if top else None,
         "scheduler_overhead_share_real_run": share,
-        "workload": workload.describe(),
+        **long_keys,
+        "workload": short.workload.describe(),
         "model": str(model_dir),
-        "kv_budget_bytes": budget_bytes,
+        "kv_budget_bytes": short.budget_bytes,
         "kv_budget_tokens": cfg.kv_budget_tokens,
         "kv_bytes_per_token": per_token,
         "threads": args.threads,
@@ -218,3 +334,7 @@ def run_all(args: argparse.Namespace, cfg: Config, out: Path, started: float) ->
     report.write_summary(summary, out)
     report.write_markdown(summary, arms, targets, overhead, preemption, plots, out, scale=scale, sampling=sampling)
     return summary
+
+
+def write_steps(steps: list[dict[str, float]], path: Path) -> None:
+    path.write_text("".join(json.dumps(r) + "\n" for r in steps))

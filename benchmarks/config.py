@@ -18,6 +18,8 @@ class Config:
     overhead_waiting: list[int]
     overhead_window_s: float
     preemption_lengths: list[int]
+    overhead_waiting_top_only: bool = False  # waiting levels > 0 only at the largest running level (the target's)
+    overhead_reach_s: float = 90.0  # how long a level may take to fill before it is skipped
     arms: list[str] = field(default_factory=lambda: list(ARMS))
     scale_out_executors: list[int] = field(default_factory=lambda: [1, 2, 4, 8])
     scale_out_running: int = 64  # per executor
@@ -34,11 +36,23 @@ class Config:
     machine_batches: list[int] = field(default_factory=lambda: [1, 8, 32])
     machine_reps: int = 7  # timed executor / transformers pairs per batch
     gemm_size: int = 2048  # square fp32 matrices of the roofline's GEMM
+    # The long workload (0 requests: none): ShareGPT x long_scale through the pagedserve and HF arms after the
+    # short one, where sequences are long enough for block tails and a fixed budget's packing to matter.
+    long_num_requests: int = 48
+    long_scale: float = 0.5
+    long_max_total_len: int = 1024
+    long_kv_budget_tokens: int = 4096
+    long_static_requests: int | None = None  # HF static serves only the first N of them (None: all)
 
 
 ARMS = ("pagedserve", "hf_static", "hf_continuous", "overhead", "scale_out", "kv_spread", "reattach", "sampling_cost",
         "machine")
-QUICK = Config("quick", 64, 0.125, 512, 2048, [1, 64, 256], [0, 1024, 2048], 1.5, [32, 128, 512])
+# Quick: under 10 min on 2 cores with the long workload, so HF static serves the long workload's first batch only
+# (6 requests: ~45 s instead of ~4 min), and the overhead grid tries queued requests only at the target point (256
+# running / 1024 waiting); the scale-out windows and the machine arm's pairs are shorter than they were.
+QUICK = Config("quick", 64, 0.125, 512, 2048, [1, 64, 256], [0, 1024], 1.5, [32, 128, 512],
+               overhead_waiting_top_only=True, overhead_reach_s=30.0, scale_out_window_s=3.0, machine_reps=5,
+               long_static_requests=6)
 FULL = Config("full", 256, 0.25, 1024, 4096, [1, 16, 64, 128, 256], [0, 256, 1024, 4096], 4.0, [16, 64, 256, 1024],
               scale_out_window_s=10.0, kv_spread_requests=96, reattach_rounds=5, reattach_failover_rounds=3,
               sampling_reps=15, machine_reps=11)

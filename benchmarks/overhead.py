@@ -91,7 +91,7 @@ async def _wait_for(tail: StepTail, running: int, waiting: int, timeout: float) 
 
 
 async def _sweep_level(address: str, step_log: Path, running: int, waiting_levels: list[int], window_s: float,
-                       prompt: list[int]) -> list[OverheadPoint]:
+                       prompt: list[int], reach_s: float) -> list[OverheadPoint]:
     points: list[OverheadPoint] = []
     tasks: list[asyncio.Task[None]] = []
     tail = StepTail(step_log)
@@ -109,7 +109,7 @@ async def _sweep_level(address: str, step_log: Path, running: int, waiting_level
                 while len(tasks) < running + waiting:
                     stub = stubs[len(tasks) // STREAMS_PER_CHANNEL]
                     tasks.append(asyncio.create_task(_consume(stub, prompt, f"ovh-{running}-{len(tasks)}")))
-                if not await _wait_for(tail, running, waiting, timeout=90):
+                if not await _wait_for(tail, running, waiting, timeout=reach_s):
                     log.warning("scheduler never reached %d running / %d waiting; skipping", running, waiting)
                     break
                 await asyncio.sleep(min(1.0, window_s / 2))  # let the intake burst pass
@@ -126,21 +126,22 @@ async def _sweep_level(address: str, step_log: Path, running: int, waiting_level
 
 
 def sweep(model_dir: Path, running_levels: list[int], waiting_levels: list[int], window_s: float,
-          log_dir: Path, prompt_len: int = 8) -> list[OverheadPoint]:
+          log_dir: Path, prompt_len: int = 8, reach_s: float = 90.0) -> list[OverheadPoint]:
+    """Overhead points per (running, waiting) level; a level not filled within ``reach_s`` is skipped."""
     log_dir.mkdir(parents=True, exist_ok=True)
     prompt = list(range(100, 100 + prompt_len))
     redis = RedisServer()
     points: list[OverheadPoint] = []
     try:
         for running in running_levels:
-            points += _level(model_dir, redis.url, running, waiting_levels, window_s, log_dir, prompt)
+            points += _level(model_dir, redis.url, running, waiting_levels, window_s, log_dir, prompt, reach_s)
     finally:
         redis.stop()
     return points
 
 
 def _level(model_dir: Path, redis_url: str, running: int, waiting_levels: list[int], window_s: float,
-           log_dir: Path, prompt: list[int]) -> list[OverheadPoint]:
+           log_dir: Path, prompt: list[int], reach_s: float) -> list[OverheadPoint]:
     """One running level: a fresh stub (its fencing epoch starts over), a fresh scheduler and namespace.
 
     The scheduler registers the stub itself (``--executor``): the stub is static, as in a fixed deployment."""
@@ -155,7 +156,7 @@ def _level(model_dir: Path, redis_url: str, running: int, waiting_levels: list[i
             "--step-log", str(step_log), "--log-level", "WARNING",
         ], free_port(), log_dir / f"scheduler-r{running}.log")
         try:
-            return asyncio.run(_sweep_level(sched.address, step_log, running, waiting_levels, window_s, prompt))
+            return asyncio.run(_sweep_level(sched.address, step_log, running, waiting_levels, window_s, prompt, reach_s))
         finally:
             sched.stop()
     finally:

@@ -55,7 +55,7 @@ def plot_latency(arms: dict[str, dict], out: Path) -> str:
     return _save(fig, out / "latency.png")
 
 
-def plot_kv(paged: Series, static: Series, out: Path) -> str:
+def plot_kv(paged: Series, static: Series, out: Path, name: str = "kv_utilization.png") -> str:
     fig, ax = plt.subplots(figsize=(8, 3.5))
     ax.plot(paged.t, paged.util, label="pagedserve: live / allocated slots", lw=1)
     ax.plot(static.t, static.util, label="static max-length allocation (HF static batches)", lw=1)
@@ -63,7 +63,7 @@ def plot_kv(paged: Series, static: Series, out: Path) -> str:
     ax.set_ylabel("KV slots holding live tokens")
     ax.set_ylim(0, 1.05)
     ax.legend(loc="lower left")
-    return _save(fig, out / "kv_utilization.png")
+    return _save(fig, out / name)
 
 
 def plot_overhead(points: list[OverheadPoint], out: Path) -> str:
@@ -310,33 +310,57 @@ def _pct(x: float | None) -> str:
     return "–" if x is None or not math.isfinite(x) else f"{100 * x:.1f}%"
 
 
+def _workload_line(w: dict) -> str:
+    return (f"Workload: {w['distribution']} (scale {w['scale']}), {w['num_requests']} requests, "
+            f"prompt mean {w['prompt_len_mean']:.1f} / max {w['prompt_len_max']}, output mean "
+            f"{w['output_len_mean']:.1f} / max {w['output_len_max']}, arrivals {_arrivals(w['rate'])}, "
+            f"seed {w['seed']}, ignore_eos.")
+
+
+def _arm_table(arms: dict[str, dict]) -> list[str]:
+    lines = ["| arm | out tok/s | req/s | TTFT p50/p90/p99 ms | TPOT p50/p90/p99 ms | E2E p50/p90/p99 ms | "
+             "peak / mean seqs |", "|---|---|---|---|---|---|---|"]
+    for name in (a for a in ARMS if a in arms):
+        a = arms[name]
+        lines.append(f"| {name} | {_f(a['output_tokens_per_s'])} | {_f(a['requests_per_s'], 2)} | "
+                     f"{_trio(a, 'ttft_ms')} | {_trio(a, 'tpot_ms')} | {_trio(a, 'e2e_ms')} | {a['peak_concurrent_seqs']} / "
+                     f"{_f(a['mean_concurrent_seqs'])} |")
+    return lines
+
+
+def _long_lines(summary: dict, plots: dict[str, str]) -> list[str]:
+    """The long workload's section: the short run's table and KV figures, on ShareGPT x 0.5 lengths."""
+    lg = summary.get("long")
+    if not lg:
+        return []
+    arms = lg["arms"]
+    n_static, n_all = lg.get("hf_static_requests"), lg["workload"]["num_requests"]
+    subset = (f" (HF static served only the first {n_static} of the {n_all} requests, to fit the run's time: its "
+              "tokens/s are those requests')") if n_static is not None and n_static < n_all else ""
+    return ["## Long workload", "",
+            f"The same arms after the short run, on longer sequences: KV budget {lg['kv_budget_bytes']:,} bytes "
+            f"({lg['kv_budget_tokens']} tokens) for every arm.", "", _workload_line(lg["workload"]), "",
+            *_arm_table(arms), "",
+            f"pagedserve / HF continuous **{_f(summary.get('throughput_ratio_vs_hf_continuous_long'), 3)}x**, "
+            f"/ HF static **{_f(summary.get('throughput_ratio_vs_hf_static_long'), 3)}x**{subset}. KV utilization "
+            f"(steady state): **{_f(summary.get('kv_utilization_steady_state_long'), 3)}**; static max-length "
+            f"allocation: **{_f(lg.get('static_allocation_utilization'), 3)}**.", "",
+            f"![kv long]({plots.get('kv_utilization_long', '')})", ""]
+
+
 def write_markdown(summary: dict, arms: dict[str, dict], targets: list[Target], overhead: list[OverheadPoint],
                    preemption: list[PreemptionPoint], plots: dict[str, str], out: Path,
                    scale: list[ScaleOutPoint] | None = None, sampling: list[SamplingPoint] | None = None) -> None:
-    w = summary["workload"]
     lines = [
         "# pagedserve benchmark", "",
         f"Model `{summary['model']}`; KV budget {summary['kv_budget_bytes']:,} bytes "
         f"({summary['kv_budget_tokens']} tokens at {summary['kv_bytes_per_token']} B/token) for every arm; "
         f"{summary['threads']} torch threads; config `{summary['config']}`; wall time {summary['wall_time_s']:.0f} s.",
-        "",
-        f"Workload: {w['distribution']} (scale {w['scale']}), {w['num_requests']} requests, "
-        f"prompt mean {w['prompt_len_mean']:.1f} / max {w['prompt_len_max']}, output mean {w['output_len_mean']:.1f} / "
-        f"max {w['output_len_max']}, arrivals {_arrivals(w['rate'])}, "
-        f"seed {w['seed']}, ignore_eos.", "",
+        "", _workload_line(summary["workload"]), "",
         "## Targets", "", "| target | goal | measured | verdict |", "|---|---|---|---|",
     ]
     lines += [f"| {t.name} | {t.goal} | {_f(t.value, 3)}{t.unit} | {t.verdict()} |" for t in targets]
-    lines += ["", "## Throughput and latency per arm", "",
-              "| arm | out tok/s | req/s | TTFT p50/p90/p99 ms | TPOT p50/p90/p99 ms | E2E p50/p90/p99 ms | "
-              "peak / mean seqs |", "|---|---|---|---|---|---|---|"]
-    for name in ARMS:
-        if name not in arms:
-            continue
-        a = arms[name]
-        lines.append(f"| {name} | {_f(a['output_tokens_per_s'])} | {_f(a['requests_per_s'], 2)} | "
-                     f"{_trio(a, 'ttft_ms')} | {_trio(a, 'tpot_ms')} | {_trio(a, 'e2e_ms')} | {a['peak_concurrent_seqs']} / "
-                     f"{_f(a['mean_concurrent_seqs'])} |")
+    lines += ["", "## Throughput and latency per arm", "", *_arm_table(arms)]
     lines += ["", _previous_run_line(summary)]
     for err in summary.get("errors", []):
         lines.append(f"\n**Arm failed:** {err}")
@@ -347,6 +371,7 @@ def write_markdown(summary: dict, arms: dict[str, dict], targets: list[Target], 
               f"requests (HF static batches, rows of longest prompt + longest output): "
               f"**{_f(summary['static_allocation_utilization'], 3)}**.", "",
               f"![kv]({plots.get('kv_utilization', '')})", "",
+              *_long_lines(summary, plots),
               "## Scheduler overhead (stub executor)", "",
               "| running | waiting | steps | p50 ms | p99 ms | schedule p50 | Redis p50 | gRPC p50 |",
               "|---|---|---|---|---|---|---|---|"]

@@ -1,7 +1,8 @@
 """``python -m benchmarks.run [--full]``: every arm on one workload and KV budget; report into a results dir.
 
 Arms: pagedserve deployed for real (Redis + scheduler_svc + executor_svc,
-driven over gRPC), HF static batching, HF continuous batching. Also the
+driven over gRPC), HF static batching, HF continuous batching, on the short
+workload and then again on a long one (ShareGPT x 0.5, its own KV budget). Also the
 scheduler-overhead sweep (stub executor), the swap-vs-recompute probe, the
 scale-out sweep (registered stub executors behind two scheduler replicas), the
 KV-usage spread across two real executors, the reattach latency of a stream
@@ -73,8 +74,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--sampling-reps", type=int, default=None, help="timed calls per batch and mode (default: 7)")
     p.add_argument("--machine-batches", type=int, nargs="+", default=None,
                    help="batch sizes of the machine arm's executor vs transformers decode step (default: 1 8 32)")
-    p.add_argument("--machine-reps", type=int, default=None, help="timed step pairs per batch (default: 7)")
+    p.add_argument("--machine-reps", type=int, default=None, help="timed step pairs per batch (default: quick 5, full 11)")
     p.add_argument("--gemm-size", type=int, default=None, help="side of the roofline's fp32 GEMM (default: 2048)")
+    p.add_argument("--long-num-requests", type=int, default=None,
+                   help="requests of the long workload, run after the short one (default: 48; 0: none)")
+    p.add_argument("--long-scale", type=float, default=None, help="the long workload's ShareGPT scale (default: 0.5)")
+    p.add_argument("--long-max-total-len", type=int, default=None, help="the long workload's total cap (default: 1024)")
+    p.add_argument("--long-kv-budget-tokens", type=int, default=None,
+                   help="KV budget of the long workload's arms, in tokens (default: 4096)")
+    p.add_argument("--long-static-requests", type=int, default=None,
+                   help="HF static serves only the first N long requests (default: quick 6, full all)")
     p.add_argument("--preemption-mode", choices=("swap", "recompute"), default="recompute",
                    help="pagedserve's preemption mode (the scheduler's --preemption-mode)")
     return p.parse_args(argv)
@@ -90,6 +99,7 @@ def build_config(args: argparse.Namespace) -> Config:
         overhead_running=pick(args.overhead_running, base.overhead_running),
         overhead_waiting=pick(args.overhead_waiting, base.overhead_waiting),
         overhead_window_s=pick(args.overhead_window, base.overhead_window_s),
+        overhead_waiting_top_only=base.overhead_waiting_top_only,
         preemption_lengths=pick(args.preemption_lengths, base.preemption_lengths),
         arms=args.arms.split(",") if args.arms else base.arms,
         scale_out_executors=pick(args.scale_out_executors, base.scale_out_executors),
@@ -107,18 +117,23 @@ def build_config(args: argparse.Namespace) -> Config:
         machine_batches=pick(args.machine_batches, base.machine_batches),
         machine_reps=pick(args.machine_reps, base.machine_reps),
         gemm_size=pick(args.gemm_size, base.gemm_size),
+        long_num_requests=pick(args.long_num_requests, base.long_num_requests),
+        long_scale=pick(args.long_scale, base.long_scale),
+        long_max_total_len=pick(args.long_max_total_len, base.long_max_total_len),
+        long_kv_budget_tokens=pick(args.long_kv_budget_tokens, base.long_kv_budget_tokens),
+        long_static_requests=pick(args.long_static_requests, base.long_static_requests),
     )
 
 
 def run_machine(args: argparse.Namespace, cfg: Config, model_dir: Path, errors: list[str]) -> MachineResult | None:
     """The machine arm, in this process after every other arm; a failure is recorded, not raised."""
     from benchmarks import machine
-    from benchmarks.workload import Vocab, WorkloadSpec, make_workload
+    from benchmarks.bench import short_spec
+    from benchmarks.workload import Vocab, make_workload
 
     t = time.monotonic()
     print("[bench] against the machine ...", flush=True)
-    spec = WorkloadSpec(args.distribution, cfg.num_requests, cfg.scale, tuple(args.input_range),
-                        tuple(args.output_range), cfg.max_total_len, args.rate, args.seed)  # as bench.run_all's
+    spec = short_spec(args, cfg)
     mcfg = machine.MachineConfig(batches=cfg.machine_batches, reps=cfg.machine_reps, gemm_size=cfg.gemm_size)
     try:
         return machine.run(model_dir, mcfg, make_workload(spec, Vocab.from_model_dir(model_dir)), args.threads)

@@ -18,7 +18,8 @@ NUMERIC_KEYS = ("throughput_ratio_vs_hf_static", "throughput_ratio_vs_hf_continu
                 "kv_budget_bytes", "reattach_ms_p50", "reattach_ms_p99", "failover_resume_ms_p50",
                 "failover_resume_ms_p99", "seeded_sampling_cost_ratio", "seeded_sampling_share_of_forward",
                 "throughput_ratio_vs_hf_continuous_previous", "model_runner_ratio_32", "gemm_flops_per_s",
-                "roofline_fraction", "executor_busy_fraction")
+                "roofline_fraction", "executor_busy_fraction", "throughput_ratio_vs_hf_continuous_long",
+                "throughput_ratio_vs_hf_static_long", "kv_utilization_steady_state_long")
 
 
 @pytest.fixture(scope="module")
@@ -54,6 +55,8 @@ def test_harness_writes_report(tiny_model: Path, tmp_path: Path, capsys: pytest.
         "--reattach-requests", "4", "--reattach-rounds", "1", "--reattach-failover-rounds", "1",
         "--sampling-batches", "1", "32", "--sampling-reps", "2",
         "--machine-batches", "1", "32", "--machine-reps", "2", "--gemm-size", "256",
+        "--long-num-requests", "3", "--long-scale", "0.1", "--long-max-total-len", "64",
+        "--long-kv-budget-tokens", "320", "--long-static-requests", "2",
     ])
     assert rc == 0
     assert capsys.readouterr().out.strip().splitlines()[-1] == str(out.resolve())
@@ -94,10 +97,17 @@ def test_harness_writes_report(tiny_model: Path, tmp_path: Path, capsys: pytest.
     assert set(summary["roofline_fraction_by_arm"]) == set(summary["output_tokens_per_s"])
     duty = summary["duty_by_running"]
     assert duty and all(isinstance(p["duty"], float) and p["steps"] > 0 for p in duty)
-    assert len(summary["targets"]) == 6  # the streams figures are informational: no target
+    long = summary["long"]
+    assert set(long["output_tokens_per_s"]) == set(long["arms"]) == {"pagedserve", "hf_static", "hf_continuous"}
+    assert all(isinstance(v, int | float) and math.isfinite(v) for v in long["output_tokens_per_s"].values())
+    assert long["workload"]["num_requests"] == 3 and long["kv_budget_tokens"] == 320
+    assert long["hf_static_requests"] == 2 and long["arms"]["hf_static"]["num_requests"] == 2
+    assert long["arms"]["pagedserve"]["num_requests"] == long["arms"]["hf_continuous"]["num_requests"] == 3
+    assert len(summary["targets"]) == 8  # the streams figures are informational: no target
 
     report = (out / "report.md").read_text()
     assert "## Targets" in report and "## Streams" in report and "## Against the machine" in report
+    assert "## Long workload" in report
     for name in summary["plots"].values():
         assert (out / name).read_bytes()[:8] == PNG_MAGIC
         assert f"]({name})" in report
