@@ -161,9 +161,7 @@ def _health_main(args: argparse.Namespace) -> int:
     return 0 if resp.status == health_pb2.HealthCheckResponse.SERVING else 1
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="pagedserve", description="Client for a pagedserve deployment.")
-    sub = p.add_subparsers(dest="command", required=True)
+def _generate_parser(sub: argparse._SubParsersAction) -> None:
     g = sub.add_parser("generate", help="stream a completion to stdout")
     g.add_argument("prompt")
     g.add_argument("--address", action="append", default=None,
@@ -184,6 +182,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="sent as authorization: Bearer KEY (default: $PAGEDSERVE_API_KEY)")
     g.add_argument("--tls-ca", default=None, metavar="PATH",
                    help="speak TLS, trusting this CA bundle (PEM) for the scheduler's certificate")
+
+
+def _health_parser(sub: argparse._SubParsersAction) -> None:
     h = sub.add_parser("health", help="exit 0 if a scheduler or executor reports SERVING (a probe that speaks TLS)")
     h.add_argument("--address", default="localhost:50051", help="HOST:PORT (default: %(default)s)")
     h.add_argument("--service", default="", help="the health service name (default: the overall status; "
@@ -193,19 +194,27 @@ def main(argv: list[str] | None = None) -> int:
                    help="client certificate, for an executor with --tls-ca (with --tls-key)")
     h.add_argument("--tls-key", default=None, metavar="PATH", help="the key of --tls-cert")
     h.add_argument("--timeout", type=float, default=1.0, help="seconds (default: %(default)s)")
+
+
+def _status_parsers(sub: argparse._SubParsersAction) -> None:
     st = sub.add_parser("status", help="the deployment as Redis holds it: executors, queue, replicas (once)")
     status.add_arguments(st, interval=None)
     st.add_argument("--json", action="store_true", help="one JSON object (top-level key `executors`), for scripts")
     tp = sub.add_parser("top", help="the deployment as Redis holds it, refreshing until Ctrl-C")
     status.add_arguments(tp, interval=1.0)
     tp.add_argument("--once", action="store_true", help="print one frame and exit")
-    args = p.parse_args(argv)
-    if args.command == "health":
-        return _health_main(args)
-    if args.command in ("status", "top"):
-        if not args.redis_url:
-            p.error("--redis-url (or $REDIS_URL) is required")
-        return status.status_main(args) if args.command == "status" else status.top_main(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pagedserve", description="Client for a pagedserve deployment.")
+    sub = p.add_subparsers(dest="command", required=True)
+    _generate_parser(sub)
+    _health_parser(sub)
+    _status_parsers(sub)
+    return p
+
+
+def _request_of(args: argparse.Namespace) -> pb.GenerateRequest:
     sampling = pb.SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, stop=args.stop)
     for name in ("top_p", "top_k", "seed"):
         if getattr(args, name) is not None:
@@ -215,8 +224,13 @@ def main(argv: list[str] | None = None) -> int:
         req.prompt = args.prompt
     else:
         req.messages.append(pb.ChatMessage(role="user", content=args.prompt))
+    return req
+
+
+def _generate_main(args: argparse.Namespace) -> int:
     try:
-        for resp in generate(args.address or ["localhost:50051"], req, api_key=args.api_key, tls_ca=args.tls_ca):
+        for resp in generate(args.address or ["localhost:50051"], _request_of(args), api_key=args.api_key,
+                             tls_ca=args.tls_ca):
             if args.json:
                 print(_as_json(resp), flush=True)
                 continue
@@ -230,6 +244,18 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.write(f"error: {exc.code().name}: {exc.details()}\n")
         return 1
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = build_parser()
+    args = p.parse_args(argv)
+    if args.command == "health":
+        return _health_main(args)
+    if args.command in ("status", "top"):
+        if not args.redis_url:
+            p.error("--redis-url (or $REDIS_URL) is required")
+        return status.status_main(args) if args.command == "status" else status.top_main(args)
+    return _generate_main(args)
 
 
 if __name__ == "__main__":
