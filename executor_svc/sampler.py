@@ -1,13 +1,23 @@
-"""Token sampling: greedy, temperature, top-k, top-p, reproducible per request.
+"""Token sampling, vectorised across the batch, reproducible per request.
+
+vLLM v1's order: on the raw logits ``logit_bias``, the ``min_tokens`` mask, then the
+penalties (repetition over prompt and output tokens, frequency and presence over
+output tokens); greedy rows take the argmax of that; sampled rows then divide by
+their temperature, drop what ``min_p``, ``top_k`` and ``top_p`` exclude, and draw.
+Each processor touches only the rows that asked for it, gathered with index tensors
+built once per step: a batch that asks for none costs what it cost before.
 
 A seeded request draws its noise from a generator seeded with
 ``(seed, num_generated)``, so the token at a given output position does not
 depend on what else ran in the batch or on whether the request was preempted
-and recomputed in between.
+and recomputed in between (the penalties' inputs, the request's tokens, do not
+depend on it either).
 """
 
 from __future__ import annotations
 
+from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -22,10 +32,31 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0
     seed: int | None = None
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    min_tokens_ids: tuple[int, ...] = ()  # masked while fewer than min_tokens outputs exist (stop ids, EOS)
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    logprobs: int | None = None  # alternatives returned with the sampled token's logprob; None: no logprobs
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    @property
+    def needs_history(self) -> bool:
+        """Whether the executor must keep this request's tokens (``executor_svc.history``)."""
+        return self.penalized
+
+    def token_ids(self) -> list[int]:
+        """Every token id these parameters name (checked against the vocabulary)."""
+        return [t for t, _ in self.logit_bias] + list(self.min_tokens_ids)
 
 
 def _filter(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -56,23 +87,107 @@ def _filter(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> t
     return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], num_generated: list[int]) -> list[int]:
-    """One token per row of ``logits`` ``[S, vocab]``."""
-    logits = logits.float()
+def _min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """vLLM's min_p: drop tokens whose probability is below ``min_p`` x the top one's.
+    p_i < min_p * p_max  <=>  logit_i - logit_max < log(min_p), so no softmax is needed."""
+    floor = logits.amax(dim=-1, keepdim=True) + torch.log(min_p)[:, None]
+    return logits.masked_fill(logits < floor, float("-inf"))
+
+
+def _bias(logits: torch.Tensor, params: Sequence[SamplingParams], num_generated: Sequence[int]) -> None:
+    """logit_bias and the min_tokens mask, in place: one index_put per kind for the whole batch."""
+    rows, cols, vals = [], [], []
+    for i, p in enumerate(params):
+        for t, b in p.logit_bias:
+            rows.append(i), cols.append(t), vals.append(b)
+    if rows:
+        dev = logits.device
+        logits.index_put_((torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)),
+                          torch.tensor(vals, device=dev, dtype=logits.dtype), accumulate=True)
+    rows, cols = [], []
+    for i, p in enumerate(params):
+        if num_generated[i] < p.min_tokens:
+            masked = set(p.min_tokens_ids)
+            rows += [i] * len(masked)
+            cols += sorted(masked)
+    if rows:
+        dev = logits.device
+        logits[torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)] = float("-inf")
+
+
+def _penalize(logits: torch.Tensor, params: Sequence[SamplingParams], num_generated: Sequence[int],
+              histories: Sequence[Sequence[int] | None]) -> None:
+    """vLLM's penalties, in place, on the rows that set one.
+
+    Token counts come from one scatter of the rows' histories (prompt + outputs so far)
+    into an ``[R, vocab]`` tensor: outputs are each history's last ``num_generated`` tokens.
+    """
+    rows = [i for i, p in enumerate(params) if p.penalized]
+    if not rows:
+        return
+    dev, vocab = logits.device, logits.shape[-1]
+    hist = [histories[i] if histories[i] is not None else array("l") for i in rows]
+    lens = torch.tensor([len(h) for h in hist])
+    flat = torch.tensor([t for h in hist for t in h], dtype=torch.long)
+    row_of = torch.repeat_interleave(torch.arange(len(rows)), lens)
+    starts = torch.cumsum(lens, 0) - lens
+    pos = torch.arange(len(flat)) - torch.repeat_interleave(starts, lens)
+    prompt_len = lens - torch.tensor([min(num_generated[i], len(h)) for i, h in zip(rows, hist)])
+    is_out = pos >= torch.repeat_interleave(prompt_len, lens)
+    flat, row_of, is_out = flat.to(dev), row_of.to(dev), is_out.to(dev)
+    seen = torch.zeros(len(rows), vocab, dtype=torch.bool, device=dev)
+    seen[row_of, flat] = True
+    counts = torch.zeros(len(rows), vocab, dtype=logits.dtype, device=dev)
+    counts.index_put_((row_of[is_out], flat[is_out]), torch.ones(1, dtype=logits.dtype, device=dev).expand(
+        int(is_out.sum())), accumulate=True)
+    sel = torch.tensor(rows, device=dev)
+    sub = logits[sel]
+    rep = torch.tensor([params[i].repetition_penalty for i in rows], device=dev, dtype=logits.dtype)[:, None]
+    freq = torch.tensor([params[i].frequency_penalty for i in rows], device=dev, dtype=logits.dtype)[:, None]
+    pres = torch.tensor([params[i].presence_penalty for i in rows], device=dev, dtype=logits.dtype)[:, None]
+    pen = torch.where(seen, rep, torch.ones_like(rep))
+    sub = torch.where(sub > 0, sub / pen, sub * pen)
+    sub = sub - freq * counts - pres * (counts > 0).to(logits.dtype)
+    logits[sel] = sub
+
+
+def process(logits: torch.Tensor, params: Sequence[SamplingParams], num_generated: Sequence[int],
+            histories: Sequence[Sequence[int] | None] | None = None) -> torch.Tensor:
+    """The raw-logit processors (logit_bias, min_tokens, penalties); returns ``logits``
+    itself when no row asks for one, else a processed fp32 copy."""
+    if not any(p.logit_bias or p.min_tokens > n or p.penalized for p, n in zip(params, num_generated)):
+        return logits
+    out = logits.float().clone()
+    _bias(out, params, num_generated)
+    if histories is not None:
+        _penalize(out, params, num_generated, histories)
+    return out
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], num_generated: list[int],
+           histories: Sequence[Sequence[int] | None] | None = None) -> list[int]:
+    """One token per row of ``logits`` ``[S, vocab]``. ``histories``: each row's tokens so
+    far (prompt + outputs), needed by rows with penalties."""
+    logits = process(logits.float(), params, num_generated, histories)
     tokens = logits.argmax(dim=-1)
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if rows:
-        sel = torch.tensor(rows, device=logits.device)
-        temps = torch.tensor([params[i].temperature for i in rows], device=logits.device)
-        top_k = torch.tensor([params[i].top_k for i in rows], device=logits.device)
-        top_p = torch.tensor([params[i].top_p for i in rows], device=logits.device)
-        probs = _filter(logits[sel] / temps[:, None], top_k, top_p).softmax(dim=-1)
+        dev = logits.device
+        sel = torch.tensor(rows, device=dev)
+        temps = torch.tensor([params[i].temperature for i in rows], device=dev)
+        scaled = logits[sel] / temps[:, None]
+        if any(params[i].min_p > 0 for i in rows):
+            min_p = torch.tensor([params[i].min_p for i in rows], device=dev)
+            scaled = torch.where((min_p > 0)[:, None], _min_p(scaled, min_p.clamp(min=1e-30)), scaled)
+        top_k = torch.tensor([params[i].top_k for i in rows], device=dev)
+        top_p = torch.tensor([params[i].top_p for i in rows], device=dev)
+        probs = _filter(scaled, top_k, top_p).softmax(dim=-1)
         # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p.
         noise = torch.empty_like(probs)
         for j, i in enumerate(rows):
             gen = None
             if params[i].seed is not None:
-                gen = torch.Generator(device=logits.device)
+                gen = torch.Generator(device=dev)
                 gen.manual_seed((params[i].seed * _MIX + num_generated[i]) & _MASK64)
             noise[j].exponential_(generator=gen)
         tokens[sel] = (probs / noise).argmax(dim=-1)
