@@ -236,12 +236,6 @@ class Engine:
             named.append(seq.prompt_next)
         if named and (max(named) >= self.vocab_size or min(named) < 0):
             raise PlanError(f"{seq.request_id}: sampling names a token id outside the vocabulary")
-        if seq.sampling.needs_history:
-            if seq.full_table and seq.start_pos > 0 and len(seq.history or ()) != seq.start_pos:
-                raise PlanError(f"{seq.request_id}: history has {len(seq.history or ())} tokens, start_pos is "
-                                f"{seq.start_pos}")
-            if not seq.full_table and seq.request_id not in self.histories:
-                raise PlanError(f"{seq.request_id}: no token history held; send the table in full with it")
         try:
             self.tables.apply(seq.request_id, seq.block_table, seq.full_table)
         except ValueError as exc:
@@ -249,6 +243,12 @@ class Engine:
         covered = self.tables.num_blocks_of(seq.request_id)
         if covered * self.geometry.block_size < end:
             raise PlanError(f"{seq.request_id}: block table covers {covered} blocks, needs {end} tokens")
+        if seq.sampling.needs_history:
+            if seq.full_table and seq.start_pos > 0 and len(seq.history or ()) != seq.start_pos:
+                raise PlanError(f"{seq.request_id}: history has {len(seq.history or ())} tokens, start_pos is "
+                                f"{seq.start_pos}")
+            if not seq.full_table and seq.request_id not in self.histories:
+                raise PlanError(f"{seq.request_id}: no token history held; send the table in full with it")
 
     def _copying(self) -> contextlib.AbstractContextManager[object]:
         """Block copies run on a side stream on CUDA, inline on CPU."""
