@@ -7,11 +7,15 @@ their temperature, drop what ``min_p``, ``top_k`` and ``top_p`` exclude, and dra
 Each processor touches only the rows that asked for it, gathered with index tensors
 built once per step: a batch that asks for none costs what it cost before.
 
-A seeded request draws its noise from a generator seeded with
-``(seed, num_generated)``, so the token at a given output position does not
-depend on what else ran in the batch or on whether the request was preempted
-and recomputed in between (the penalties' inputs, the request's tokens, do not
-depend on it either).
+A sampled row draws by an exponential race, ``argmax(p / E)`` with ``E ~ Exp(1)``,
+its noise determined by ``(seed, num_generated)``: the token at a given output
+position does not depend on what else ran in the batch or on whether the request
+was preempted and recomputed in between (the penalties' inputs, the request's
+tokens, do not depend on it either). A row that top-k or top-p filters draws its
+noise only for its candidates, as a counter-based hash of ``(seed, num_generated,
+token id)`` (SplitMix64) computed for all such rows at once; a row that keeps the
+whole vocabulary draws it from a ``torch.Generator`` seeded with ``(seed,
+num_generated)``, as before.
 """
 
 from __future__ import annotations
@@ -23,7 +27,45 @@ from dataclasses import dataclass
 import torch
 
 _MIX = 0x9E3779B97F4A7C15  # golden-ratio constant: spreads consecutive positions apart
-_MASK64 = (1 << 63) - 1
+_MASK63 = (1 << 63) - 1
+_U64 = (1 << 64) - 1
+_M1, _M2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB  # SplitMix64's finalizer
+
+
+def _signed(x: int) -> int:
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+def mix64(z: int) -> int:
+    """SplitMix64's finalizer on a Python int (the reference for ``_mix``)."""
+    z = ((z ^ (z >> 30)) * _M1) & _U64
+    z = ((z ^ (z >> 27)) * _M2) & _U64
+    return z ^ (z >> 31)
+
+
+def _srl(x: torch.Tensor, s: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch shifts arithmetically)."""
+    return (x >> s) & ((1 << (64 - s)) - 1)
+
+
+def _mix(z: torch.Tensor) -> torch.Tensor:
+    """SplitMix64's finalizer on int64 tensors (multiplication wraps mod 2^64)."""
+    z = (z ^ _srl(z, 30)) * _signed(_M1)
+    z = (z ^ _srl(z, 27)) * _signed(_M2)
+    return z ^ _srl(z, 31)
+
+
+def noise(keys: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Exp(1) noise for token ``ids`` ``[R, W]`` of rows with ``keys`` ``[R]`` (int64): a
+    function of (key, id) only, so any subset or order of candidates draws the same values."""
+    z = _mix(keys[:, None] + (ids + 1) * _signed(_MIX))
+    u = (_srl(z, 11).double() + 0.5) * 2.0**-53  # 53 bits, in (0, 1)
+    return (-torch.log(u)).float()
+
+
+def row_key(seed: int, num_generated: int) -> int:
+    """A seeded row's noise key at output position ``num_generated``."""
+    return _signed(mix64((seed * _MIX + num_generated) & _U64))
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,8 +101,11 @@ class SamplingParams:
         return [t for t, _ in self.logit_bias] + list(self.min_tokens_ids)
 
 
-def _filter(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Mask logits outside each row's top-k and top-p nucleus with -inf.
+def _candidates(logits: torch.Tensor, top_k: torch.Tensor,
+                top_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Each row's top-k and top-p candidates: ``(logits [R, W], ids [R, W])``, most likely
+    first, -inf past a row's own cut; ``ids`` None when no row filters (the whole vocabulary,
+    in order).
 
     Only the candidates that can survive are sorted: with every row's top-k bounded,
     ``topk`` of the largest k instead of a sort of the whole vocabulary (on CPU a sort of
@@ -70,7 +115,7 @@ def _filter(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> t
     vocab = logits.shape[-1]
     k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab)
     if bool((k == vocab).all()) and bool((top_p >= 1.0).all()):
-        return logits  # no row filters anything
+        return logits, None  # no row filters anything
     width = int(k.max())
     if width < vocab:
         sorted_logits, order = logits.topk(width, dim=-1)
@@ -83,8 +128,15 @@ def _filter(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> t
     before = probs.cumsum(dim=-1) - probs
     # top_p = 1 keeps everything, even where rounding makes the cumulative mass reach 1.
     drop = (before >= top_p[:, None]) & (top_p[:, None] < 1.0)
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+    return sorted_logits.masked_fill(drop, float("-inf")), order
+
+
+def _filter(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Mask logits outside each row's top-k and top-p nucleus with -inf."""
+    kept, order = _candidates(logits, top_k, top_p)
+    if order is None:
+        return logits
+    return torch.full_like(logits, float("-inf")).scatter(-1, order, kept)
 
 
 def _min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
@@ -181,14 +233,44 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], num_generated: li
             scaled = torch.where((min_p > 0)[:, None], _min_p(scaled, min_p.clamp(min=1e-30)), scaled)
         top_k = torch.tensor([params[i].top_k for i in rows], device=dev)
         top_p = torch.tensor([params[i].top_p for i in rows], device=dev)
-        probs = _filter(scaled, top_k, top_p).softmax(dim=-1)
-        # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p.
-        noise = torch.empty_like(probs)
-        for j, i in enumerate(rows):
-            gen = None
-            if params[i].seed is not None:
-                gen = torch.Generator(device=dev)
-                gen.manual_seed((params[i].seed * _MIX + num_generated[i]) & _MASK64)
-            noise[j].exponential_(generator=gen)
-        tokens[sel] = (probs / noise).argmax(dim=-1)
+        vocab = scaled.shape[-1]
+        filtered = [j for j, i in enumerate(rows) if 0 < params[i].top_k < vocab or params[i].top_p < 1.0]
+        whole = [j for j in range(len(rows)) if j not in set(filtered)]
+        if filtered:
+            f = torch.tensor(filtered, device=dev)
+            tokens[sel[f]] = _draw_candidates(scaled[f], top_k[f], top_p[f], [rows[j] for j in filtered], params,
+                                              num_generated)
+        if whole:
+            w = torch.tensor(whole, device=dev)
+            tokens[sel[w]] = _draw_whole(scaled[w], [rows[j] for j in whole], params, num_generated)
     return tokens.tolist()
+
+
+def _draw_candidates(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, rows: list[int],
+                     params: Sequence[SamplingParams], num_generated: Sequence[int]) -> torch.Tensor:
+    """Rows that top-k or top-p filter: noise for the surviving candidates only (a most-likely-first
+    prefix of each row's candidates), hashed from (key, token id), all rows at once."""
+    kept, ids = _candidates(scaled, top_k, top_p)
+    assert ids is not None
+    width = int((kept > float("-inf")).sum(dim=-1).max())
+    kept, ids = kept[:, :width], ids[:, :width]
+    # Unseeded rows take their key from torch's global generator.
+    fresh = torch.randint(-(1 << 63), (1 << 63) - 1, (len(rows),), dtype=torch.int64).tolist()
+    keys = torch.tensor([row_key(params[i].seed, num_generated[i]) if params[i].seed is not None else fresh[j]
+                         for j, i in enumerate(rows)], dtype=torch.int64, device=scaled.device)
+    pick = (kept.softmax(dim=-1) / noise(keys, ids)).argmax(dim=-1)
+    return ids.gather(1, pick[:, None])[:, 0]
+
+
+def _draw_whole(scaled: torch.Tensor, rows: list[int], params: Sequence[SamplingParams],
+                num_generated: Sequence[int]) -> torch.Tensor:
+    """Rows that keep the whole vocabulary: a generator per seeded row (one Exp(1) draw per token)."""
+    probs = scaled.softmax(dim=-1)
+    draws = torch.empty_like(probs)
+    for j, i in enumerate(rows):
+        gen = None
+        if params[i].seed is not None:
+            gen = torch.Generator(device=scaled.device)
+            gen.manual_seed((params[i].seed * _MIX + num_generated[i]) & _MASK63)
+        draws[j].exponential_(generator=gen)
+    return (probs / draws).argmax(dim=-1)
