@@ -26,6 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
+PROBE = 1024  # tokens a top-p-only cut is first looked for in
+PROBE_MARGIN = 1e-4
 _MIX = 0x9E3779B97F4A7C15  # golden-ratio constant: spreads consecutive positions apart
 _MASK63 = (1 << 63) - 1
 _U64 = (1 << 64) - 1
@@ -110,20 +112,35 @@ def _candidates(logits: torch.Tensor, top_k: torch.Tensor,
     Only the candidates that can survive are sorted: with every row's top-k bounded,
     ``topk`` of the largest k instead of a sort of the whole vocabulary (on CPU a sort of
     49,152 logits per row cost as much as the forward pass at batch 64). The result is the
-    same, since top-p applies to what top-k kept.
+    same, since top-p applies to what top-k kept. Top-p without top-k first tries the top
+    ``PROBE`` tokens: when they hold more than top_p of the row's mass (a model's
+    distribution usually does), nothing past them can be kept, and the sort of the whole
+    vocabulary is skipped.
     """
     vocab = logits.shape[-1]
     k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab)
     if bool((k == vocab).all()) and bool((top_p >= 1.0).all()):
         return logits, None  # no row filters anything
     width = int(k.max())
-    if width < vocab:
-        sorted_logits, order = logits.topk(width, dim=-1)
-    else:
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
+    total = None  # log of each row's mass the top-p cut is relative to; None: the kept top-k's
+    if width > PROBE:
+        sorted_logits, order = logits.topk(PROBE, dim=-1)
+        full = torch.logsumexp(logits, dim=-1)
+        held = torch.exp(torch.logsumexp(sorted_logits, dim=-1) - full)
+        # A margin far above rounding: past the probe every token's mass-before is >= top_p.
+        if bool(((k <= PROBE) | ((k == vocab) & (held >= top_p + PROBE_MARGIN))).all()):
+            width, total = PROBE, torch.where(k == vocab, full, float("nan"))
+    if total is None:
+        if width < vocab:
+            sorted_logits, order = logits.topk(width, dim=-1)
+        else:
+            sorted_logits, order = logits.sort(dim=-1, descending=True)
     ranks = torch.arange(width, device=logits.device)[None, :]
     sorted_logits = sorted_logits.masked_fill(ranks >= k[:, None], float("-inf"))
     probs = sorted_logits.softmax(dim=-1)
+    if total is not None:  # rows with no top-k: their mass over the whole vocabulary
+        unbounded = (k == vocab)[:, None]
+        probs = torch.where(unbounded, torch.exp(sorted_logits - total[:, None]), probs)
     # Keep a token if the mass strictly before it is below top_p (the first is always kept).
     before = probs.cumsum(dim=-1) - probs
     # top_p = 1 keeps everything, even where rounding makes the cumulative mass reach 1.
@@ -235,13 +252,15 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], num_generated: li
         top_p = torch.tensor([params[i].top_p for i in rows], device=dev)
         vocab = scaled.shape[-1]
         filtered = [j for j, i in enumerate(rows) if 0 < params[i].top_k < vocab or params[i].top_p < 1.0]
-        whole = [j for j in range(len(rows)) if j not in set(filtered)]
-        if filtered:
-            f = torch.tensor(filtered, device=dev)
+        if len(filtered) == len(rows):
+            tokens[sel] = _draw_candidates(scaled, top_k, top_p, rows, params, num_generated)
+        elif not filtered:
+            tokens[sel] = _draw_whole(scaled, rows, params, num_generated)
+        else:
+            whole = sorted(set(range(len(rows))) - set(filtered))
+            f, w = torch.tensor(filtered, device=dev), torch.tensor(whole, device=dev)
             tokens[sel[f]] = _draw_candidates(scaled[f], top_k[f], top_p[f], [rows[j] for j in filtered], params,
                                               num_generated)
-        if whole:
-            w = torch.tensor(whole, device=dev)
             tokens[sel[w]] = _draw_whole(scaled[w], [rows[j] for j in whole], params, num_generated)
     return tokens.tolist()
 

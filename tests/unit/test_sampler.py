@@ -103,3 +103,20 @@ def test_a_seeded_draw_does_not_depend_on_its_neighbours_top_k() -> None:
         wide = sample(logits, [p, SamplingParams(temperature=1.0, top_k=400, seed=1)], [n, n])[0]
         full = sample(logits, [p, SamplingParams(temperature=1.0, seed=1)], [n, n])[0]
         assert alone == wide == full
+
+
+def test_top_p_without_top_k_keeps_what_a_full_sort_keeps_when_the_probe_suffices() -> None:
+    from executor_svc.sampler import PROBE, _filter
+
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(5, 49152, generator=gen) * 4  # peaked: the top PROBE hold most of the mass
+    top_k, top_p = torch.tensor([0, 0, 30, 0, 0]), torch.tensor([0.9, 0.5, 0.95, 0.99, 0.7])
+    want = _full_sort_filter(logits, top_k, top_p)
+    assert int((~torch.isinf(want)).sum(dim=-1).max()) < PROBE, "the probe path is the one exercised"
+    got = _filter(logits, top_k, top_p)
+    assert torch.equal(torch.isinf(got), torch.isinf(want))
+    assert torch.equal(got[~torch.isinf(got)], want[~torch.isinf(want)])
+    flat = torch.randn(2, 49152, generator=gen) * 0.1  # the nucleus is wider than the probe: a full sort
+    got, want = _filter(flat, torch.tensor([0, 0]), torch.tensor([0.9, 0.3])), _full_sort_filter(
+        flat, torch.tensor([0, 0]), torch.tensor([0.9, 0.3]))
+    assert torch.equal(torch.isinf(got), torch.isinf(want))
