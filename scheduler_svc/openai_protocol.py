@@ -373,6 +373,7 @@ class Shape:
     final: Chunk | None = None  # the last chunk, once seen (its token counts)
     decode: Callable[[int], str] = str  # one token's text (the tokenizer's), for logprobs
     _pending: list[Any] = field(default_factory=list)  # logprobs of tokens not yet streamed (no text yet)
+    _pending_prompt: list[Any] | None = None  # prompt logprobs that came with a chunk not yet streamed
     _text_offset: int = 0  # completions' text_offset of the next token
 
     @property
@@ -467,15 +468,18 @@ class Shape:
     def events(self, chunk: Chunk) -> list[dict[str, Any]]:
         """The stream chunks for one frontend chunk (none for tokens that are no text yet)."""
         self._pending += chunk.logprobs or []
+        if chunk.prompt_logprobs is not None:
+            self._pending_prompt = chunk.prompt_logprobs
         if chunk.finish_reason:
             self.final = chunk
         elif not chunk.text and not (self.parsed.return_token_ids and chunk.token_ids):
             return []  # its logprobs go with the next chunk that has text
         pending, self._pending = self._pending, []
+        prompt, self._pending_prompt = self._pending_prompt, None
         out = self._chunk([self._choice(chunk.text, chunk.finish_reason, chunk.token_ids, delta=True,
-                                        logprobs=pending, prompt_logprobs=chunk.prompt_logprobs)])
-        if self.parsed.chat and chunk.prompt_logprobs is not None:
-            out["prompt_logprobs"] = self._prompt_logprobs(chunk.prompt_logprobs)
+                                        logprobs=pending, prompt_logprobs=prompt)])
+        if self.parsed.chat and prompt is not None:
+            out["prompt_logprobs"] = self._prompt_logprobs(prompt)
         return [out]
 
     def closing(self) -> list[dict[str, Any]]:

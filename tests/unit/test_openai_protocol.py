@@ -277,6 +277,11 @@ def test_completion_logprobs_in_openai_shape_streamed_or_not() -> None:
     tokens = [t for e in events for t in e["choices"][0]["logprobs"]["tokens"]]
     assert tokens == ["Hel", "", "lo"]
     assert [o for e in events for o in e["choices"][0]["logprobs"]["text_offset"]] == [0, 3, 3]
+    late = proto.Shape(shape.parsed, "rid", 1700, M, [1, 2, 3], decode=DECODE.__getitem__)
+    first_no_text = [Chunk("rid", [11], "", 0, logprobs=LP_CHUNKS[1].logprobs,
+                           prompt_logprobs=LP_CHUNKS[0].prompt_logprobs), *LP_CHUNKS[2:]]
+    events = [e for c in first_no_text for e in late.events(c)]
+    assert len(events) == 1 and len(events[0]["choices"][0]["prompt_logprobs"]) == 3, "held with the tokens"
 
 
 def test_chat_logprobs_in_openai_shape() -> None:
