@@ -158,6 +158,7 @@ def run_all(args: argparse.Namespace, cfg: Config, out: Path, started: float) ->
     spread: SpreadResult | None = None
     reattached: ReattachResult | None = None
     sampling: list[SamplingPoint] = []
+    logprobs: dict | None = None
     scale_cfg = ScaleOutConfig(executors=cfg.scale_out_executors, running=cfg.scale_out_running,
                                window_s=cfg.scale_out_window_s, step_ms=cfg.scale_out_step_ms)
     logs = out / "logs"
@@ -231,6 +232,13 @@ def run_all(args: argparse.Namespace, cfg: Config, out: Path, started: float) ->
         sampling = sc.run(model_dir, sc.SamplingConfig(batches=cfg.sampling_batches, reps=cfg.sampling_reps),
                           short.steps, args.threads)
 
+    def logprobs_cost() -> None:
+        from benchmarks import logprobs_cost as lc
+
+        nonlocal logprobs
+        logprobs = asdict(lc.run(model_dir, lc.LogprobsConfig(requests=cfg.logprobs_requests,
+                                                              rounds=cfg.logprobs_rounds), logs / "logprobs_cost"))
+
     if "pagedserve" in cfg.arms:
         attempt("pagedserve (+ preemption probe)", paged)
     if "overhead" in cfg.arms:
@@ -243,6 +251,8 @@ def run_all(args: argparse.Namespace, cfg: Config, out: Path, started: float) ->
         attempt("reattach latency", reattach)
     if "sampling_cost" in cfg.arms:  # after pagedserve: its step log gives the decode forward per batch
         attempt("seeded sampling cost", sampling_cost)
+    if "logprobs_cost" in cfg.arms:
+        attempt("logprobs cost", logprobs_cost)
     if "hf_static" in cfg.arms:
         attempt("HF static", lambda: hf_static(short, hf_model(), None))
     if "hf_continuous" in cfg.arms:
@@ -324,6 +334,8 @@ def run_all(args: argparse.Namespace, cfg: Config, out: Path, started: float) ->
         "sampling_cost": [asdict(p) for p in sampling],
         "seeded_sampling_cost_ratio": ratio_at(sampling),
         "seeded_sampling_share_of_forward": share_at(sampling),
+        "logprobs_cost": logprobs,
+        "logprobs_top5_tokens_per_s_ratio": logprobs["ratio"] if logprobs else None,
         "throughput_ratio_vs_hf_continuous_previous": PREVIOUS_QUICK.ratio("hf_continuous"),
         "previous_run": {"label": PREVIOUS_QUICK.label, "output_tokens_per_s": PREVIOUS_QUICK.output_tokens_per_s},
         "targets": [t.as_dict() for t in targets],

@@ -72,6 +72,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--sampling-batches", type=int, nargs="+", default=None,
                    help="batch sizes of the sampling_cost arm (default: 1 8 32 64)")
     p.add_argument("--sampling-reps", type=int, default=None, help="timed calls per batch and mode (default: 7)")
+    p.add_argument("--logprobs-requests", type=int, default=None,
+                   help="requests of the logprobs_cost arm, sent at once (default: 32)")
+    p.add_argument("--logprobs-rounds", type=int, default=None,
+                   help="plain / logprobs rounds of the logprobs_cost arm (default: quick 2, full 3)")
     p.add_argument("--machine-batches", type=int, nargs="+", default=None,
                    help="batch sizes of the machine arm's executor vs transformers decode step (default: 1 8 32)")
     p.add_argument("--machine-reps", type=int, default=None, help="timed step pairs per batch (default: quick 5, full 11)")
@@ -114,6 +118,8 @@ def build_config(args: argparse.Namespace) -> Config:
         reattach_step_ms=pick(args.reattach_step_ms, base.reattach_step_ms),
         sampling_batches=pick(args.sampling_batches, base.sampling_batches),
         sampling_reps=pick(args.sampling_reps, base.sampling_reps),
+        logprobs_requests=pick(args.logprobs_requests, base.logprobs_requests),
+        logprobs_rounds=pick(args.logprobs_rounds, base.logprobs_rounds),
         machine_batches=pick(args.machine_batches, base.machine_batches),
         machine_reps=pick(args.machine_reps, base.machine_reps),
         gemm_size=pick(args.gemm_size, base.gemm_size),

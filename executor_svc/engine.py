@@ -19,7 +19,9 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from executor_svc import attention
+from executor_svc import logprobs
 from executor_svc.block_tables import BlockTables
+from executor_svc.history import Histories
 from executor_svc.kv_pool import GIB, KVGeometry, KVPool, cpu_tier, device_tier, disk_tier
 from executor_svc.sampler import SamplingParams, sample
 from kernels import get_backend, make_metadata
@@ -76,6 +78,9 @@ class SeqInput:
     sample: bool = True
     num_generated: int = 0
     full_table: bool = True
+    history: list[int] | None = None  # tokens [0, start_pos), sent with a full table when sampling needs them
+    prompt_logprobs: int | None = None  # alternatives per prompt position; None: no prompt logprobs
+    prompt_next: int | None = None  # the prompt token after this chunk, if the prompt goes on
 
 
 @dataclass(slots=True)
@@ -99,6 +104,9 @@ class StepOutput:
     step_ms: float
     swap_in_ms: float = 0.0  # swap-ins and copies before the forward (host time; launch time on CUDA)
     swap_out_ms: float = 0.0  # swap-outs (host time: inline on CPU, launched onto a side stream on CUDA)
+    logprobs: dict[str, logprobs.Entry] = field(default_factory=dict)  # sampled tokens' logprobs, if asked
+    # request -> (prompt position of the first entry, one entry per prompt position)
+    prompt_logprobs: dict[str, tuple[int, list[logprobs.Entry]]] = field(default_factory=dict)
 
 
 def _eos_ids(model_dir: Path, config: object) -> list[int]:
@@ -149,6 +157,7 @@ class Engine:
             else None,
         )
         self.tables = BlockTables(self.pool.device.num_blocks)
+        self.histories = Histories()  # token histories of requests whose sampling needs them
         self.model_digest = self._digest()
 
     def _device_blocks(self) -> int:
@@ -195,6 +204,7 @@ class Engine:
     def renew_instance(self) -> str:
         """Forget every block table and become a new instance (the schedulers evicted the old one)."""
         self.tables.clear()
+        self.histories.clear()
         self.instance_id = uuid.uuid4().hex
         return self.instance_id
 
@@ -221,6 +231,11 @@ class Engine:
             raise PlanError(f"{seq.request_id}: position {end} exceeds max_model_len {self.max_model_len}")
         if max(seq.token_ids) >= self.vocab_size:
             raise PlanError(f"{seq.request_id}: token id out of vocabulary")
+        named = seq.sampling.token_ids() + (seq.history or [])
+        if seq.prompt_next is not None:
+            named.append(seq.prompt_next)
+        if named and (max(named) >= self.vocab_size or min(named) < 0):
+            raise PlanError(f"{seq.request_id}: sampling names a token id outside the vocabulary")
         try:
             self.tables.apply(seq.request_id, seq.block_table, seq.full_table)
         except ValueError as exc:
@@ -228,6 +243,12 @@ class Engine:
         covered = self.tables.num_blocks_of(seq.request_id)
         if covered * self.geometry.block_size < end:
             raise PlanError(f"{seq.request_id}: block table covers {covered} blocks, needs {end} tokens")
+        if seq.sampling.needs_history:
+            if seq.full_table and seq.start_pos > 0 and len(seq.history or ()) != seq.start_pos:
+                raise PlanError(f"{seq.request_id}: history has {len(seq.history or ())} tokens, start_pos is "
+                                f"{seq.start_pos}")
+            if not seq.full_table and seq.request_id not in self.histories:
+                raise PlanError(f"{seq.request_id}: no token history held; send the table in full with it")
 
     def _copying(self) -> contextlib.AbstractContextManager[object]:
         """Block copies run on a side stream on CUDA, inline on CPU."""
@@ -243,10 +264,13 @@ class Engine:
         t0 = time.perf_counter()
         if plan.reset_tables:
             self.tables.clear()
+            self.histories.clear()
         for rid in plan.forget:
             self.tables.forget(rid)
+            self.histories.forget(rid)
         for seq in plan.seqs:
             self._check(seq)
+        self._record_history(plan.seqs)
         ts = time.perf_counter()
         with self._copying():
             self._move(plan.swap_in)
@@ -256,17 +280,18 @@ class Engine:
         tokens: list[tuple[str, int]] = []
         forward_ms = 0.0
         t1 = time.perf_counter()
-        logits, sampled = None, []
+        logits, rows = None, _Rows()
         if plan.seqs:
-            logits, sampled = self._forward(plan.seqs, self.tables.stacked([s.request_id for s in plan.seqs]))
+            logits, rows = self._forward(plan.seqs, self.tables.stacked([s.request_id for s in plan.seqs]))
         t2 = time.perf_counter()
         with self._copying():
             self._move(plan.swap_out)
         t3 = time.perf_counter()
-        if logits is not None and sampled:
-            chosen = sample(logits, [plan.seqs[i].sampling for i in sampled],
-                            [plan.seqs[i].num_generated for i in sampled])
-            tokens = [(plan.seqs[i].request_id, t) for i, t in zip(sampled, chosen)]
+        lps: dict[str, logprobs.Entry] = {}
+        prompt_lps: dict[str, tuple[int, list[logprobs.Entry]]] = {}
+        if logits is not None:
+            tokens, lps = self._sample(plan.seqs, logits, rows)
+            prompt_lps = self._prompt_logprobs(plan.seqs, logits, rows)
         if plan.seqs:
             forward_ms = (time.perf_counter() - t1) * 1e3
         if self._copy_stream is not None:
@@ -280,11 +305,57 @@ class Engine:
             step_ms=(time.perf_counter() - t0) * 1e3,
             swap_in_ms=(t1 - ts) * 1e3,
             swap_out_ms=(t3 - t2) * 1e3,
+            logprobs=lps,
+            prompt_logprobs=prompt_lps,
         )
 
+    def _record_history(self, seqs: list[SeqInput]) -> None:
+        """Grow the token history of every request whose sampling needs it (checked by ``_check``)."""
+        for seq in seqs:
+            if not seq.sampling.needs_history:
+                continue
+            if seq.full_table:
+                self.histories.set(seq.request_id, (seq.history or [])[: seq.start_pos] + seq.token_ids)
+            else:
+                self.histories.extend(seq.request_id, seq.token_ids)
+
+    def _sample(self, seqs: list[SeqInput], logits: torch.Tensor,
+                rows: _Rows) -> tuple[list[tuple[str, int]], dict[str, logprobs.Entry]]:
+        if not rows.sampled:
+            return [], {}
+        picked = [seqs[i] for i in rows.sampled]
+        last = logits[rows.last] if len(rows.last) != logits.shape[0] else logits
+        histories = None
+        if any(s.sampling.penalized for s in picked):
+            histories = [self.histories.get(s.request_id) if s.sampling.penalized else None for s in picked]
+        chosen = sample(last, [s.sampling for s in picked], [s.num_generated for s in picked], histories)
+        tokens = [(s.request_id, t) for s, t in zip(picked, chosen)]
+        want = [j for j, s in enumerate(picked) if s.sampling.logprobs is not None]
+        if not want:
+            return tokens, {}
+        entries = logprobs.gather(last[want], [chosen[j] for j in want],
+                                  [picked[j].sampling.logprobs or 0 for j in want])
+        return tokens, {picked[j].request_id: e for j, e in zip(want, entries)}
+
+    def _prompt_logprobs(self, seqs: list[SeqInput], logits: torch.Tensor,
+                         rows: _Rows) -> dict[str, tuple[int, list[logprobs.Entry]]]:
+        """Row r of a chunk predicts the token at start_pos + r + 1: the chunk's next token,
+        or the prompt's next one (``prompt_next``) for its last row."""
+        out: dict[str, tuple[int, list[logprobs.Entry]]] = {}
+        for i, first in rows.prompt.items():
+            seq = seqs[i]
+            targets = seq.token_ids[1:] + ([seq.prompt_next] if seq.prompt_next is not None else [])
+            if not targets:
+                continue
+            k = seq.prompt_logprobs or 0
+            out[seq.request_id] = (seq.start_pos + 1,
+                                   logprobs.gather(logits[first : first + len(targets)], targets, [k] * len(targets)))
+        return out
+
     @torch.inference_mode()
-    def _forward(self, seqs: list[SeqInput], tables: torch.Tensor) -> tuple[torch.Tensor | None, list[int]]:
-        """Launch one packed forward pass; returns the logits of the sampled rows.
+    def _forward(self, seqs: list[SeqInput], tables: torch.Tensor) -> tuple[torch.Tensor | None, _Rows]:
+        """Launch one packed forward pass; returns the logits of the rows kept (each sampled
+        sequence's last token, every token of a chunk with prompt logprobs) and where they are.
 
         ``tables`` holds each sequence's whole block table, one row per sequence.
         """
@@ -298,13 +369,38 @@ class Engine:
         positions = torch.repeat_interleave(starts - qsl[:-1], lens) + torch.arange(len(ids))
         seq_lens = (starts + lens).to(torch.int32)
         meta = make_metadata(tables.to(dev), qsl.to(dev), seq_lens.to(dev), self.geometry.block_size)
-        sampled = [i for i, s in enumerate(seqs) if s.sample]
-        last = qsl[1:][sampled] - 1 if sampled else torch.tensor([0])
+        rows = _Rows.of(seqs, qsl.tolist())
         out = self.model(
             input_ids=ids[None].to(dev),
             position_ids=positions[None].to(dev),
             use_cache=False,
-            logits_to_keep=last.to(dev),
+            logits_to_keep=torch.tensor(rows.keep or [0]).to(dev),
             paged=attention.StepContext(meta, self.pool.device, self.backend),
         )
-        return (out.logits[0] if sampled else None), sampled
+        return (out.logits[0] if rows.keep else None), rows
+
+
+@dataclass(slots=True)
+class _Rows:
+    """Which packed token positions a step keeps logits for, and where each lands."""
+
+    keep: list[int] = field(default_factory=list)  # packed positions, in order
+    sampled: list[int] = field(default_factory=list)  # sequences that sample
+    last: list[int] = field(default_factory=list)  # their last token's row in the kept logits
+    prompt: dict[int, int] = field(default_factory=dict)  # sequence with prompt logprobs -> its first row
+
+    @classmethod
+    def of(cls, seqs: list[SeqInput], qsl: list[int]) -> _Rows:
+        r = cls()
+        for i, s in enumerate(seqs):
+            if s.prompt_logprobs is not None:
+                r.prompt[i] = len(r.keep)
+                r.keep += range(qsl[i], qsl[i + 1])
+                if s.sample:
+                    r.sampled.append(i)
+                    r.last.append(len(r.keep) - 1)
+            elif s.sample:
+                r.sampled.append(i)
+                r.last.append(len(r.keep))
+                r.keep.append(qsl[i + 1] - 1)
+        return r

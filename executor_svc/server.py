@@ -15,6 +15,7 @@ import grpc
 from executor_svc.block_tables import UnknownTable
 from executor_svc.engine import Engine, Move, PlanError, SeqInput, StepInput, StepOutput
 from executor_svc.lifecycle import Lifecycle
+from executor_svc.logprobs import Entry
 from executor_svc.metrics import ExecutorMetrics
 from executor_svc.sampler import SamplingParams
 from pagedserve import handlers
@@ -30,39 +31,82 @@ def _moves(moves: object) -> list[Move]:
     return [Move(m.src_tier, m.src, m.dst_tier, m.dst) for m in moves]
 
 
-def plan_from_pb(plan: pb.StepPlan) -> StepInput:
+def sampling_from_pb(s: pb.Sampling, eos: list[int]) -> SamplingParams:
+    m = s.min_tokens
+    return SamplingParams(
+        temperature=s.temperature,
+        top_p=s.top_p or 1.0,
+        top_k=s.top_k,
+        seed=s.seed if s.has_seed else None,
+        min_p=s.min_p,
+        presence_penalty=s.presence_penalty,
+        frequency_penalty=s.frequency_penalty,
+        repetition_penalty=s.repetition_penalty or 1.0,
+        min_tokens=m.count,
+        min_tokens_ids=tuple(m.stop_token_ids) + (tuple(eos) if m.include_eos else ()) if m.count else (),
+        logit_bias=tuple(sorted(s.logit_bias.items())),
+        logprobs=s.logprobs - 1 if s.logprobs else None,
+    )
+
+
+def _seq_from_pb(s: pb.SeqPlan, eos: list[int]) -> SeqInput:
+    seq = SeqInput(
+        request_id=s.request_id,
+        token_ids=list(s.token_ids),
+        start_pos=s.start_pos,
+        block_table=list(s.block_table),
+        sampling=sampling_from_pb(s.sampling, eos),
+        sample=s.sample,
+        num_generated=s.num_generated,
+        full_table=s.full_table,
+        history=list(s.history) if s.history else None,
+    )
+    if s.sampling.HasField("prompt_logprobs"):
+        plp = s.sampling.prompt_logprobs
+        seq.prompt_logprobs = plp.top
+        seq.prompt_next = plp.next_token if plp.has_next else None
+    return seq
+
+
+def plan_from_pb(plan: pb.StepPlan, eos: list[int] | None = None) -> StepInput:
+    """``eos``: the model's EOS ids, which ``min_tokens`` masks when the request asks."""
     return StepInput(
         step_id=plan.step_id,
         swap_out=_moves(plan.swap_out),
         swap_in=_moves(plan.swap_in),
         copies=_moves(plan.copies),
-        seqs=[
-            SeqInput(
-                request_id=s.request_id,
-                token_ids=list(s.token_ids),
-                start_pos=s.start_pos,
-                block_table=list(s.block_table),
-                sampling=SamplingParams(
-                    temperature=s.sampling.temperature,
-                    top_p=s.sampling.top_p or 1.0,
-                    top_k=s.sampling.top_k,
-                    seed=s.sampling.seed if s.sampling.has_seed else None,
-                ),
-                sample=s.sample,
-                num_generated=s.num_generated,
-                full_table=s.full_table,
-            )
-            for s in plan.seqs
-        ],
+        seqs=[_seq_from_pb(s, eos or []) for s in plan.seqs],
         forget=list(plan.forget),
         reset_tables=plan.reset_tables,
     )
 
 
+def _logprobs_pb(e: Entry) -> pb.Logprobs:
+    return pb.Logprobs(token_id=e.token_id, logprob=e.logprob, rank=e.rank, top_ids=e.top_ids,
+                       top_logprobs=e.top_logprobs)
+
+
+def _outputs(out: StepOutput) -> list[pb.SeqOutput]:
+    outputs = []
+    prompt = dict(out.prompt_logprobs)
+    for rid, t in out.tokens:
+        o = pb.SeqOutput(request_id=rid, token_id=t)
+        if rid in out.logprobs:
+            o.logprobs.CopyFrom(_logprobs_pb(out.logprobs[rid]))
+        if rid in prompt:
+            o.prompt_start, entries = prompt.pop(rid)
+            o.prompt_logprobs.extend(_logprobs_pb(e) for e in entries)
+        outputs.append(o)
+    for rid, (start, entries) in prompt.items():  # prompt chunks that sampled nothing
+        outputs.append(pb.SeqOutput(request_id=rid, no_token=True, prompt_start=start,
+                                    prompt_logprobs=[_logprobs_pb(e) for e in entries]))
+    return outputs
+
+
 def result_to_pb(out: StepOutput) -> pb.StepResult:
     return pb.StepResult(
         step_id=out.step_id,
-        outputs=[pb.SeqOutput(request_id=r, token_id=t) for r, t in out.tokens],
+        outputs=_outputs(out),
         swapped_out=out.swapped_out,
         swapped_in=out.swapped_in,
         forward_ms=out.forward_ms,
@@ -117,7 +161,7 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
         return self.info(with_tokenizer=not request.omit_tokenizer_files)
 
     async def Step(self, request: pb.StepPlan, context: grpc.aio.ServicerContext) -> pb.StepResult:
-        plan = plan_from_pb(request)
+        plan = plan_from_pb(request, self.engine.eos_token_ids)
         self.last_step = asyncio.get_running_loop().time()
         async with self._lock:
             if request.instance_id and request.instance_id != self.engine.instance_id:

@@ -92,6 +92,14 @@ class Keys:
     def out(self, request_id: str) -> str:
         return f"{self.prefix}out:{request_id}"
 
+    def logprobs(self, request_id: str) -> str:
+        """List: one JSON entry per generated token (requests with sampling.logprobs)."""
+        return f"{self.prefix}lp:{request_id}"
+
+    def prompt_logprobs(self, request_id: str) -> str:
+        """Hash: prompt position -> JSON entry (requests with sampling.prompt_logprobs)."""
+        return f"{self.prefix}plp:{request_id}"
+
     def member(self, instance_id: str) -> str:
         return f"{self.prefix}exec:{instance_id}"
 

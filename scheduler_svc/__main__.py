@@ -95,6 +95,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--http-port must be a port number (0: off)")
     if args.max_pending_requests < 0:
         p.error("--max-pending-requests must be >= 0 (0: no limit)")
+    if args.max_logprobs < 0:
+        p.error("--max-logprobs must be >= 0")
     if min(args.max_stop_strings, args.max_stop_string_length, args.max_prompt_bytes, args.max_request_bytes) < 1:
         p.error("--max-stop-strings, --max-stop-string-length, --max-prompt-bytes and --max-request-bytes "
                 "must be positive")
@@ -150,6 +152,9 @@ def _admission_arguments(p: argparse.ArgumentParser) -> None:
                    help="stop strings one request may give (sampling.stop)")
     p.add_argument("--max-stop-string-length", type=int, default=validate.MAX_STOP_STRING_LENGTH, metavar="N",
                    help="characters in one stop string")
+    p.add_argument("--max-logprobs", type=int, default=validate.MAX_LOGPROBS, metavar="N",
+                   help="the most alternatives sampling.logprobs and sampling.prompt_logprobs may ask for (vLLM's "
+                        "--max-logprobs)")
     p.add_argument("--max-prompt-bytes", type=int, default=validate.MAX_PROMPT_BYTES, metavar="N",
                    help="UTF-8 bytes of prompt text, or of all messages' roles and contents")
     p.add_argument("--max-request-bytes", type=int, default=validate.MAX_REQUEST_BYTES, metavar="N",
@@ -159,7 +164,7 @@ def _admission_arguments(p: argparse.ArgumentParser) -> None:
 
 def _caps(args: argparse.Namespace) -> validate.Caps:
     return validate.Caps(max_stop_strings=args.max_stop_strings, max_stop_string_length=args.max_stop_string_length,
-                         max_prompt_bytes=args.max_prompt_bytes)
+                         max_prompt_bytes=args.max_prompt_bytes, max_logprobs=args.max_logprobs)
 
 
 def _scheduler_config(args: argparse.Namespace) -> SchedulerConfig:

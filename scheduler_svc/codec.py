@@ -31,17 +31,26 @@ _ARGS = 4000  # Lua's unpack() limit is ~8000; stay well below
 def spec_json(req: Request, stop: list[str]) -> str:
     """The immutable part of a request."""
     p = req.params
-    return json.dumps({
-        "prompt": req.prompt_ids, "priority": req.priority, "stop": stop,
-        "params": {"max_tokens": p.max_tokens, "temperature": p.temperature, "top_p": p.top_p, "top_k": p.top_k,
-                   "seed": p.seed, "stop_token_ids": list(p.stop_token_ids), "ignore_eos": p.ignore_eos},
-    })
+    params: dict[str, object] = {"max_tokens": p.max_tokens, "temperature": p.temperature, "top_p": p.top_p,
+                                 "top_k": p.top_k, "seed": p.seed, "stop_token_ids": list(p.stop_token_ids),
+                                 "ignore_eos": p.ignore_eos}
+    # The newer options only when set: a spec keeps the shape older replicas read.
+    params.update({k: getattr(p, k) for k, default in _EXTRA_DEFAULTS.items() if getattr(p, k) != default})
+    if p.logit_bias:
+        params["logit_bias"] = [list(x) for x in p.logit_bias]
+    return json.dumps({"prompt": req.prompt_ids, "priority": req.priority, "stop": stop, "params": params})
+
+
+_EXTRA_DEFAULTS: dict[str, object] = {"min_p": 0.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
+                                      "repetition_penalty": 1.0, "min_tokens": 0, "logprobs": None,
+                                      "prompt_logprobs": None}
 
 
 def request_from(request_id: str, fields: dict[str, str], output: list[str], computed: int = 0) -> Request:
     spec = json.loads(fields["spec"])
     params = spec["params"]
     params["stop_token_ids"] = tuple(params["stop_token_ids"])
+    params["logit_bias"] = tuple((int(t), float(b)) for t, b in params.get("logit_bias", ()))
     return Request(
         request_id=request_id,
         prompt_ids=spec["prompt"],
@@ -105,11 +114,14 @@ class Event:
 
     tokens: dict[str, tuple[int, list[int]]] = field(default_factory=dict)
     finished: dict[str, tuple[str, int]] = field(default_factory=dict)
+    logprobs: dict[str, list[object]] = field(default_factory=dict)  # one entry per token, with sampling.logprobs
 
     def encode(self) -> str:
         d: dict[str, object] = {}
         if self.tokens:
             d["t"] = {rid: [off, *toks] for rid, (off, toks) in self.tokens.items()}
+        if self.logprobs:
+            d["l"] = self.logprobs
         if self.finished:
             d["f"] = {rid: [reason, n] for rid, (reason, n) in self.finished.items()}
         return json.dumps(d, separators=(",", ":"))
@@ -118,7 +130,7 @@ class Event:
     def decode(cls, data: str) -> Event:
         d = json.loads(data)
         return cls({rid: (v[0], v[1:]) for rid, v in d.get("t", {}).items()},
-                   {rid: (v[0], int(v[1])) for rid, v in d.get("f", {}).items()})
+                   {rid: (v[0], int(v[1])) for rid, v in d.get("f", {}).items()}, d.get("l", {}))
 
     def __bool__(self) -> bool:
         return bool(self.tokens or self.finished)
@@ -130,9 +142,15 @@ def event_of(rec: StepRecord) -> Event:
     for rid, toks in rec.new_tokens.items():
         req = rec.touched.get(rid) or ended[rid]
         ev.tokens[rid] = (len(req.output_ids) - len(toks), toks)
+    ev.logprobs = dict(rec.logprobs)
     for r in rec.finished:
         ev.finished[r.request_id] = ((r.finish_reason or Finish.ABORT).value, len(r.output_ids))
     return ev
+
+
+def entry_json(entry: object) -> str:
+    """A logprobs entry (``plan.entry``) as stored in Redis."""
+    return json.dumps(entry, separators=(",", ":"))
 
 
 # -- pool views -----------------------------------------------------------------
@@ -253,6 +271,10 @@ class CommitWriter:
                     ["SREM", self.x.live, rid], ["SREM", self.k.live, rid], ["HDEL", self.x.computed, rid],
                     ["ZREM", self.k.attached, rid],
                     ["EXPIRE", self.k.req(rid), self.result_ttl], ["EXPIRE", self.k.out(rid), self.result_ttl]]
+            if req.params.logprobs is not None:
+                ops.append(["EXPIRE", self.k.logprobs(rid), self.result_ttl])
+            if req.params.prompt_logprobs is not None:
+                ops.append(["EXPIRE", self.k.prompt_logprobs(rid), self.result_ttl])
         if rec.requeued:
             ops.append(["XADD", self.k.incoming, "MAXLEN", "~", "10000", "*", "op", "requeue", "id",
                         rec.requeued[0].request_id])
@@ -264,6 +286,11 @@ class CommitWriter:
         ops = self._blocks(rec, is_free) + self._requests(rec)
         for rid, toks in rec.new_tokens.items():
             ops.append(["RPUSH", self.k.out(rid), *map(str, toks)])
+        for rid, entries in rec.logprobs.items():
+            ops.append(["RPUSH", self.k.logprobs(rid), *map(entry_json, entries)])
+        for rid, by_pos in rec.prompt_logprobs.items():
+            ops += _chunks("HSET", self.k.prompt_logprobs(rid),
+                           [x for pos, e in sorted(by_pos.items()) for x in (str(pos), entry_json(e))])
         ops += self._leaving(rec)
         event = event_of(rec)
         if event:

@@ -89,6 +89,8 @@ class Chunk:
     finish_reason: str = ""
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    logprobs: list[Any] | None = None  # one stored entry per token of token_ids (plan.entry's shape)
+    prompt_logprobs: list[Any] | None = None  # one per prompt token from the second on
 
     def to_pb(self) -> pb.GenerateResponse:
         return pb.GenerateResponse(
@@ -99,7 +101,15 @@ class Chunk:
             finish_reason=self.finish_reason,
             prompt_tokens=self.prompt_tokens,
             completion_tokens=self.completion_tokens,
+            logprobs=[token_logprobs(e) for e in self.logprobs or ()],
+            prompt_logprobs=[token_logprobs(e) for e in self.prompt_logprobs or ()],
         )
+
+
+def token_logprobs(entry: Any) -> pb.TokenLogprobs:
+    token, logprob, rank, top_ids, top_logprobs = entry
+    return pb.TokenLogprobs(token_id=token, logprob=logprob, rank=rank, top_token_ids=top_ids,
+                            top_logprobs=top_logprobs)
 
 
 class EventBus:
@@ -143,9 +153,9 @@ class EventBus:
                 self._route(event)
 
     def _route(self, event: Event) -> None:
-        for rid, tokens in event.tokens.items():
+        for rid, (offset, tokens) in event.tokens.items():
             for q in self._queues.get(rid, ()):
-                q.put_nowait(("t", tokens))
+                q.put_nowait(("t", (offset, tokens, event.logprobs.get(rid))))
         for rid, fin in event.finished.items():
             for q in self._queues.get(rid, ()):
                 q.put_nowait(("f", fin))
@@ -163,13 +173,18 @@ class _Stream:
     done: bool = False
     first_pending: bool = True  # no token streamed yet: the next one is the first (TTFT)
     last: float = 0.0  # when the last message with tokens left
+    logprobs: bool = False  # sampling.logprobs is set: messages carry them
+    prompt_pending: bool = False  # sampling.prompt_logprobs is set and the first message has not left
 
-    def chunk(self, tokens: list[int], offset: int, final: bool = False, reason: str = "") -> Chunk:
+    def chunk(self, tokens: list[int], offset: int, final: bool = False, reason: str = "",
+              logprobs: list[Any] | None = None) -> Chunk:
         text = self.detok.take(final=final)
+        lps = logprobs[: len(tokens)] if self.logprobs and logprobs is not None else None
         if not final:
-            return Chunk(self.request_id, tokens, text, offset)
+            return Chunk(self.request_id, tokens, text, offset, logprobs=lps)
         self.done = True
-        return Chunk(self.request_id, tokens, text, offset, reason, self.prompt_tokens, len(self.detok.ids))
+        return Chunk(self.request_id, tokens, text, offset, reason, self.prompt_tokens, len(self.detok.ids),
+                     logprobs=lps)
 
 
 def _end(span: Span | None, s: _Stream) -> None:
@@ -250,27 +265,34 @@ class Frontend:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    async def _fresh(self, s: _Stream, offset: int, tokens: list[int]) -> list[int]:
-        """The tokens of an event not yet delivered: overlap dropped, a gap filled from Redis."""
+    async def _fresh(self, s: _Stream, offset: int, tokens: list[int],
+                     lps: list[Any] | None = None) -> tuple[list[int], list[Any] | None]:
+        """The tokens (and logprobs) of an event not yet delivered: overlap dropped, a gap
+        filled from Redis."""
         if offset > s.delivered:
             log.warning("%s: events skipped tokens %d..%d; reading them back", s.request_id, s.delivered, offset,
                         extra={"request_id": s.request_id})
-            return await self.store.output(s.request_id, s.delivered, offset) + tokens
-        return tokens[s.delivered - offset :]
+            gap = await self.store.output(s.request_id, s.delivered, offset)
+            gap_lps = await self.store.logprobs(s.request_id, s.delivered, offset) if s.logprobs else None
+            return gap + tokens, (gap_lps + (lps or [])) if s.logprobs and gap_lps is not None else None
+        cut = s.delivered - offset
+        return tokens[cut:], (lps[cut:] if lps is not None else None)
 
-    def _deliver(self, s: _Stream, tokens: list[int], finished: str | None = None) -> Chunk | None:
-        """Give ``tokens`` (the completion's next ones) to the stream; ``finished``: the request's
-        finish reason when these are its last. Returns the chunk to send, if any."""
+    def _deliver(self, s: _Stream, tokens: list[int], finished: str | None = None,
+                 lps: list[Any] | None = None) -> Chunk | None:
+        """Give ``tokens`` (the completion's next ones, ``lps`` their logprobs) to the stream;
+        ``finished``: the request's finish reason when these are its last. Returns the chunk to
+        send, if any."""
         offset = s.delivered
         s.delivered += len(tokens)
         accepted = s.detok.add(tokens)
         if s.detok.stopped:  # a stop string: the text ends here whatever the loop does next
             if finished is None:
                 self._cancel_later(s.request_id, Finish.STOP)
-            return s.chunk(accepted, offset, final=True, reason=Finish.STOP.value)
+            return s.chunk(accepted, offset, final=True, reason=Finish.STOP.value, logprobs=lps)
         if finished is not None:
-            return s.chunk(accepted, offset, final=True, reason=finished)
-        return s.chunk(accepted, offset) if accepted else None
+            return s.chunk(accepted, offset, final=True, reason=finished, logprobs=lps)
+        return s.chunk(accepted, offset, logprobs=lps) if accepted else None
 
     async def _follow(self, s: _Stream, queue: asyncio.Queue[tuple[str, Any]]) -> AsyncIterator[Chunk]:
         while not s.done:
@@ -278,14 +300,16 @@ class Frontend:
             if kind == DRAIN:
                 raise StreamDetached(s.request_id, s.delivered)
             if kind == "t":
-                offset, toks = payload
-                chunk = self._deliver(s, await self._fresh(s, offset, toks))
+                offset, toks, lps = payload
+                toks, lps = await self._fresh(s, offset, toks, lps)
+                chunk = self._deliver(s, toks, lps=lps)
             else:
                 reason, total = payload
                 if reason == Finish.DEADLINE.value:
                     s.done = True
                     raise QueueTimeout(s.request_id)
-                chunk = self._deliver(s, await self._fresh(s, total, []), finished=reason)
+                toks, lps = await self._fresh(s, total, [], [])
+                chunk = self._deliver(s, toks, finished=reason, lps=lps)
             if chunk is not None:
                 yield chunk
 
@@ -301,9 +325,11 @@ class Frontend:
             if touch and not s.done:
                 await self.attachments.touch(rid)
             for chunk in first:
+                await self._with_prompt_logprobs(s, chunk)
                 self._observe(s, chunk)
                 yield chunk
             async for chunk in self._follow(s, queue):
+                await self._with_prompt_logprobs(s, chunk)
                 self._observe(s, chunk)
                 yield chunk
         except StreamDetached:
@@ -322,6 +348,13 @@ class Frontend:
             self.attachments.release(rid)
             if not s.done:
                 self._cancel_later(rid, Finish.ABORT)  # the client went away: free its blocks
+
+    async def _with_prompt_logprobs(self, s: _Stream, chunk: Chunk) -> None:
+        """The first message with tokens (or the last) carries the prompt's logprobs, read from
+        Redis: the step that sampled the first token committed them with it."""
+        if s.prompt_pending and (chunk.token_ids or chunk.finish_reason):
+            s.prompt_pending = False
+            chunk.prompt_logprobs = await self.store.prompt_logprobs(s.request_id)
 
     def _observe(self, s: _Stream, chunk: Chunk) -> None:
         """TTFT (streams that submitted), inter-token latency, end-to-end latency."""
@@ -386,7 +419,8 @@ class Frontend:
                                                         "pagedserve.max_tokens": req.params.max_tokens})
         queue = self.bus.subscribe(rid)
         submitted = time.time()
-        s = _Stream(rid, len(req.prompt_ids), Detokenizer(self.tokenizer, stop), submitted)
+        s = _Stream(rid, len(req.prompt_ids), Detokenizer(self.tokenizer, stop), submitted,
+                    logprobs=req.params.logprobs is not None, prompt_pending=req.params.prompt_logprobs is not None)
         timer = None
         try:
             try:
@@ -424,7 +458,8 @@ class Frontend:
         req = codec.request_from(request_id, fields, out)
         stop = codec.stop_of(fields)
         s = _Stream(request_id, len(req.prompt_ids), Detokenizer(self.tokenizer, stop),
-                    int(fields.get("ts", 0)) / 1000, first_pending=False)
+                    int(fields.get("ts", 0)) / 1000, first_pending=False, logprobs=req.params.logprobs is not None,
+                    prompt_pending=req.params.prompt_logprobs is not None and offset == 0)
         s.detok.add(req.output_ids[:offset])  # what the client has: the text state it left off at
         s.detok.take(final=False)
         s.delivered = offset
@@ -435,7 +470,14 @@ class Frontend:
         if s.detok.stopped:
             first = [s.chunk([], offset, final=True, reason=Finish.STOP.value)]
         else:
-            first = [c for c in [self._deliver(s, req.output_ids[offset:], finished)] if c is not None]
+            lps = None
+            if s.logprobs:
+                try:
+                    lps = (await self.store.logprobs(request_id, offset))[: len(req.output_ids) - offset]
+                except BaseException:
+                    self.bus.unsubscribe(request_id, queue)
+                    raise
+            first = [c for c in [self._deliver(s, req.output_ids[offset:], finished, lps)] if c is not None]
         if not s.done:
             self.attachments.hold(req, stop)
         span = self._span("pagedserve.resume", request_id, fields.get("tp", ""), **{"pagedserve.offset": offset})

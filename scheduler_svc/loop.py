@@ -35,7 +35,7 @@ from scheduler_svc.core.request import Finish
 from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig
 from scheduler_svc.metrics import LoopMetrics
 from scheduler_svc.placements import Placements
-from scheduler_svc.plan import PlanBuilder
+from scheduler_svc.plan import PlanBuilder, outputs
 from scheduler_svc.restore import intake, restore
 from scheduler_svc.store import UNAVAILABLE, Fenced, RedisStore, Stale
 
@@ -287,7 +287,7 @@ class Loop:
             s.ended = []
             self._step_id += 1
         if out is not None:
-            sched.update(out, {o.request_id: o.token_id for o in result.outputs} if result else {})
+            sched.update(out, *outputs(result))
             self.placements.stepped(out)
         sched.expire(now_ms())  # what would go back to the queue (or stays swapped) past its deadline ends here
         sched.requeue_waiting()

@@ -195,7 +195,9 @@ class Door:
         limits = self.frontend.watch.limits
         if chat and not parsed.request.sampling.HasField("max_tokens") and limits is not None:
             req.params = replace(req.params, max_tokens=proto.context_room(limits, len(req.prompt_ids)))
-        shape = proto.Shape(parsed, req.request_id, int(time.time()), self.model, list(req.prompt_ids))
+        tokenizer = self.frontend.tokenizer
+        shape = proto.Shape(parsed, req.request_id, int(time.time()), self.model, list(req.prompt_ids),
+                            decode=lambda t: tokenizer.decode([t]))
         chunks = self.frontend.generate(req, stop)
         headers = {"X-Request-Id": req.request_id}
         streaming = False

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,9 +30,7 @@ FLOAT32_MAX = 3.4028234663852886e38
 # Fields OpenAI or vLLM define that pagedserve cannot honour yet: refused, never ignored
 # (issue 12 adds them). Each maps to the value that means "off", which is accepted.
 NOT_YET: dict[str, tuple[Any, ...]] = {
-    "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "repetition_penalty": (1, 1.0),
-    "min_p": (0, 0.0), "min_tokens": (0,), "logit_bias": ({},), "prompt_logprobs": (),
-    "top_logprobs": (0,), "best_of": (1,), "echo": (False,), "suffix": ("",), "tools": ([],),
+    "best_of": (1,), "echo": (False,), "suffix": ("",), "tools": ([],),
     "functions": ([],), "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (),
     "structured_outputs": (),
 }
@@ -165,9 +164,6 @@ def _refuse_unsupported(body: dict[str, Any], chat: bool) -> None:
     n = body.get("n")
     if n is not None and _integer("n", n, 0, I32) != 1:
         raise bad("n", "parallel sampling is not supported yet (only n=1)")
-    logprobs = body.get("logprobs")  # chat: a flag; completions: how many alternatives (0 too means some)
-    if logprobs is not None and (not chat or _flag("logprobs", logprobs)):
-        raise bad("logprobs", "log-probabilities are not supported yet")
     for name, off in NOT_YET.items():
         if body.get(name) is not None and body[name] not in off:
             raise bad(name, "not supported yet")
@@ -195,7 +191,47 @@ def _sampling(body: dict[str, Any], chat: bool) -> pb.SamplingParams:
         s.stop_token_ids.extend(_ints("stop_token_ids", get("stop_token_ids"), U32))
     if get("ignore_eos") is not None:
         s.ignore_eos = _flag("ignore_eos", get("ignore_eos"))
+    for name in ("min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+        if get(name) is not None:
+            setattr(s, name, _number(name, get(name)))
+    if get("min_tokens") is not None:
+        s.min_tokens = _integer("min_tokens", get("min_tokens"), 0, U32)
+    if get("logit_bias") is not None:
+        s.logit_bias.update(_logit_bias(get("logit_bias")))
+    _logprobs(s, body, chat)
     return s
+
+
+def _logit_bias(v: Any) -> dict[int, float]:
+    """OpenAI's map of token ids (JSON object keys, so strings) to biases."""
+    if not isinstance(v, dict):
+        raise bad("logit_bias", "must be an object mapping token ids to numbers")
+    out = {}
+    for k, b in v.items():
+        if not (isinstance(k, str) and k.isdigit() and int(k) <= U32):
+            raise bad("logit_bias", f"key {k!r} is not a token id")
+        out[int(k)] = _number(f"logit_bias[{k}]", b)
+    return out
+
+
+def _logprobs(s: pb.SamplingParams, body: dict[str, Any], chat: bool) -> None:
+    """Completions: ``logprobs`` is how many alternatives; chat: ``logprobs`` a flag and
+    ``top_logprobs`` how many. ``prompt_logprobs`` is vLLM's extension, on both."""
+    get = body.get
+    if chat:
+        wanted = get("logprobs") is not None and _flag("logprobs", get("logprobs"))
+        if get("top_logprobs") is not None:
+            top = _integer("top_logprobs", get("top_logprobs"), 0, U32)
+            if not wanted and top:
+                raise bad("top_logprobs", "needs logprobs: true")
+            if wanted:
+                s.logprobs = top
+        elif wanted:
+            s.logprobs = 0
+    elif get("logprobs") is not None:
+        s.logprobs = _integer("logprobs", get("logprobs"), 0, U32)
+    if get("prompt_logprobs") is not None:
+        s.prompt_logprobs = _integer("prompt_logprobs", get("prompt_logprobs"), 0, U32)
 
 
 def _prompt(req: pb.GenerateRequest, v: Any) -> None:
@@ -310,10 +346,15 @@ class Collected:
     finish_reason: str = ""
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    logprobs: list[Any] = field(default_factory=list)
+    prompt_logprobs: list[Any] | None = None
 
     def add(self, chunk: Chunk) -> None:
         self.texts.append(chunk.text)
         self.token_ids += chunk.token_ids
+        self.logprobs += chunk.logprobs or []
+        if chunk.prompt_logprobs is not None:
+            self.prompt_logprobs = chunk.prompt_logprobs
         if chunk.finish_reason:
             self.finish_reason = chunk.finish_reason
             self.prompt_tokens, self.completion_tokens = chunk.prompt_tokens, chunk.completion_tokens
@@ -330,6 +371,49 @@ class Shape:
     model: str
     prompt_ids: list[int] = field(default_factory=list)
     final: Chunk | None = None  # the last chunk, once seen (its token counts)
+    decode: Callable[[int], str] = str  # one token's text (the tokenizer's), for logprobs
+    _pending: list[Any] = field(default_factory=list)  # logprobs of tokens not yet streamed (no text yet)
+    _pending_prompt: list[Any] | None = None  # prompt logprobs that came with a chunk not yet streamed
+    _text_offset: int = 0  # completions' text_offset of the next token
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.parsed.request.sampling.HasField("logprobs")
+
+    def _logprobs(self, entries: list[Any]) -> dict[str, Any] | None:
+        """OpenAI's logprobs object for these tokens' entries (``plan.entry``'s shape)."""
+        if not self.wants_logprobs:
+            return None
+        if self.parsed.chat:
+            return {"content": [self._chat_entry(e) for e in entries]}
+        tokens = [self.decode(e[0]) for e in entries]
+        offsets = []
+        for t in tokens:
+            offsets.append(self._text_offset)
+            self._text_offset += len(t)
+        # As vLLM: the sampled token is among its position's top_logprobs, with the top k.
+        tops = [{self.decode(i): lp for i, lp in zip(e[3], e[4])} | {tok: e[1]} for e, tok in zip(entries, tokens)]
+        return {"tokens": tokens, "token_logprobs": [e[1] for e in entries], "top_logprobs": tops,
+                "text_offset": offsets}
+
+    def _chat_entry(self, e: Any) -> dict[str, Any]:
+        def one(token_id: int, logprob: float) -> dict[str, Any]:
+            text = self.decode(token_id)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8", "replace"))}
+
+        return one(e[0], e[1]) | {"top_logprobs": [one(i, lp) for i, lp in zip(e[3], e[4])]}
+
+    def _prompt_logprobs(self, entries: list[Any]) -> list[Any]:
+        """vLLM's shape: None for the first prompt token, then {token id: {logprob, rank,
+        decoded_token}} with the prompt token and its top alternatives."""
+        def one(token_id: int, logprob: float, rank: int | None) -> tuple[str, dict[str, Any]]:
+            return str(token_id), {"logprob": logprob, "rank": rank, "decoded_token": self.decode(token_id)}
+
+        out: list[Any] = [None]
+        for e in entries:
+            alts = dict(one(i, lp, r + 1) for r, (i, lp) in enumerate(zip(e[3], e[4])))
+            out.append(alts | dict([one(e[0], e[1], e[2])]))
+        return out
 
     @property
     def id(self) -> str:
@@ -338,7 +422,8 @@ class Shape:
     def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def _choice(self, text: str, finish: str | None, token_ids: list[int], delta: bool) -> dict[str, Any]:
+    def _choice(self, text: str, finish: str | None, token_ids: list[int], delta: bool,
+                logprobs: list[Any] | None = None, prompt_logprobs: list[Any] | None = None) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": 0}
         if not self.parsed.chat:
             choice["text"] = text
@@ -346,7 +431,9 @@ class Shape:
             choice["delta"] = {"content": text} if text else {}
         else:
             choice["message"] = {"role": "assistant", "content": text}
-        choice |= {"logprobs": None, "finish_reason": finish or None}
+        choice |= {"logprobs": self._logprobs(logprobs or []), "finish_reason": finish or None}
+        if prompt_logprobs is not None and not self.parsed.chat:
+            choice["prompt_logprobs"] = self._prompt_logprobs(prompt_logprobs)
         if self.parsed.return_token_ids:
             choice["token_ids"] = token_ids
             if not self.parsed.chat and not delta:
@@ -356,7 +443,10 @@ class Shape:
     def body(self, done: Collected) -> dict[str, Any]:
         """The non-streaming answer."""
         out = self._head("chat.completion" if self.parsed.chat else "text_completion")
-        out["choices"] = [self._choice("".join(done.texts), done.finish_reason, done.token_ids, delta=False)]
+        out["choices"] = [self._choice("".join(done.texts), done.finish_reason, done.token_ids, delta=False,
+                                       logprobs=done.logprobs, prompt_logprobs=done.prompt_logprobs)]
+        if self.parsed.chat and done.prompt_logprobs is not None:
+            out["prompt_logprobs"] = self._prompt_logprobs(done.prompt_logprobs)  # vLLM: beside the choices
         out["usage"] = usage(done.prompt_tokens, done.completion_tokens)
         if self.parsed.chat and self.parsed.return_token_ids:
             out["prompt_token_ids"] = self.prompt_ids
@@ -377,11 +467,20 @@ class Shape:
 
     def events(self, chunk: Chunk) -> list[dict[str, Any]]:
         """The stream chunks for one frontend chunk (none for tokens that are no text yet)."""
+        self._pending += chunk.logprobs or []
+        if chunk.prompt_logprobs is not None:
+            self._pending_prompt = chunk.prompt_logprobs
         if chunk.finish_reason:
             self.final = chunk
         elif not chunk.text and not (self.parsed.return_token_ids and chunk.token_ids):
-            return []
-        return [self._chunk([self._choice(chunk.text, chunk.finish_reason, chunk.token_ids, delta=True)])]
+            return []  # its logprobs go with the next chunk that has text
+        pending, self._pending = self._pending, []
+        prompt, self._pending_prompt = self._pending_prompt, None
+        out = self._chunk([self._choice(chunk.text, chunk.finish_reason, chunk.token_ids, delta=True,
+                                        logprobs=pending, prompt_logprobs=prompt)])
+        if self.parsed.chat and prompt is not None:
+            out["prompt_logprobs"] = self._prompt_logprobs(prompt)
+        return [out]
 
     def closing(self) -> list[dict[str, Any]]:
         """After the last chunk: the usage chunk, when ``stream_options.include_usage`` asked for it."""

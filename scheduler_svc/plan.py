@@ -8,12 +8,63 @@ first time, after a preemption, and after any failure (a fresh builder).
 from __future__ import annotations
 
 from scheduler_svc.core.blocks import Move
-from scheduler_svc.core.scheduler import SchedulerOutput
+from scheduler_svc.core.request import Params, Request
+from scheduler_svc.core.scheduler import Scheduled, SchedulerOutput
 from pagedserve.executor.v1 import executor_pb2 as pb
 
 
 def _moves(moves: list[Move]) -> list[pb.BlockMove]:
     return [pb.BlockMove(src_tier=m.src_tier, src=m.src, dst_tier=m.dst_tier, dst=m.dst) for m in moves]
+
+
+def needs_history(params: Params) -> bool:
+    """Whether the executor must hold the request's tokens to sample it (penalties count them)."""
+    return params.penalized
+
+
+def sampling(p: Params, req: Request, s: Scheduled) -> pb.Sampling:
+    """The executor's view of ``p`` for this chunk; the options a request leaves unset cost
+    nothing on the wire."""
+    out = pb.Sampling(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, has_seed=p.seed is not None,
+                      seed=p.seed or 0)
+    if p.min_p or p.penalized:
+        out.min_p, out.presence_penalty, out.frequency_penalty = p.min_p, p.presence_penalty, p.frequency_penalty
+        out.repetition_penalty = p.repetition_penalty
+    if p.min_tokens and len(req.output_ids) < p.min_tokens:
+        out.min_tokens.CopyFrom(pb.MinTokens(count=p.min_tokens, stop_token_ids=p.stop_token_ids,
+                                             include_eos=not p.ignore_eos))
+    if p.logit_bias:
+        out.logit_bias.update(dict(p.logit_bias))
+    if p.logprobs is not None:
+        out.logprobs = p.logprobs + 1
+    plen = len(req.prompt_ids)
+    if p.prompt_logprobs is not None and not req.output_ids and s.start < plen:
+        end = s.start + s.num_tokens
+        out.prompt_logprobs.CopyFrom(pb.PromptLogprobs(top=p.prompt_logprobs, has_next=end < plen,
+                                                       next_token=req.prompt_ids[end] if end < plen else 0))
+    return out
+
+
+def entry(lp: pb.Logprobs) -> list[object]:
+    """One position's logprobs as the scheduler stores them: [token, logprob, rank, top ids, top logprobs]."""
+    return [lp.token_id, lp.logprob, lp.rank, list(lp.top_ids), list(lp.top_logprobs)]
+
+
+def outputs(result: pb.StepResult | None) -> tuple[dict[str, int], dict[str, object], dict[str, dict[int, object]]]:
+    """A step's result for ``Scheduler.update``: sampled tokens, their logprobs, prompt logprobs by position."""
+    if result is None:
+        return {}, {}, {}
+    sampled: dict[str, int] = {}
+    lps: dict[str, object] = {}
+    prompt: dict[str, dict[int, object]] = {}
+    for o in result.outputs:
+        if not o.no_token:
+            sampled[o.request_id] = o.token_id
+            if o.HasField("logprobs"):
+                lps[o.request_id] = entry(o.logprobs)
+        if o.prompt_logprobs:
+            prompt[o.request_id] = {o.prompt_start + i: entry(e) for i, e in enumerate(o.prompt_logprobs)}
+    return sampled, lps, prompt
 
 
 class PlanBuilder:
@@ -42,15 +93,10 @@ class PlanBuilder:
                     start_pos=s.start,
                     block_table=table,
                     full_table=known is None,
-                    sampling=pb.Sampling(
-                        temperature=p.temperature,
-                        top_p=p.top_p,
-                        top_k=p.top_k,
-                        has_seed=p.seed is not None,
-                        seed=p.seed or 0,
-                    ),
+                    sampling=sampling(p, req, s),
                     sample=s.samples,
                     num_generated=len(req.output_ids),
+                    history=req.tokens(0, s.start) if known is None and s.start > 0 and needs_history(p) else (),
                 )
             )
         plan = pb.StepPlan(step_id=step_id, swap_out=_moves(out.swap_out), swap_in=_moves(out.swap_in), seqs=seqs,

@@ -96,7 +96,7 @@ if limit > 0 and queued >= limit then
 end
 local arrival = redis.call('INCR', KEYS[3])
 local qk = string.format('%016d:', arrival) .. ARGV[1]
-redis.call('DEL', KEYS[1], KEYS[2])
+redis.call('DEL', KEYS[1], KEYS[2], KEYS[9], KEYS[10])
 redis.call('HSET', KEYS[1], 'spec', ARGV[2], 'arrival', arrival, 'status', 'waiting', 'executor', '',
            'plen', ARGV[3], 'maxt', ARGV[4], 'prio', ARGV[5], 'qk', qk, 'qs', ARGV[6], 'ts', ARGV[7], 'tp', ARGV[8],
            'dl', ARGV[9])
@@ -117,6 +117,8 @@ local function finish_queued(p, rid, reason, ttl)
   redis.call('ZREM', p .. 'attached', rid)
   redis.call('EXPIRE', rk, ttl)
   redis.call('EXPIRE', ok, ttl)
+  redis.call('EXPIRE', p .. 'lp:' .. rid, ttl)
+  redis.call('EXPIRE', p .. 'plp:' .. rid, ttl)
   local ev = {f = {}}
   ev.f[rid] = {reason, redis.call('LLEN', ok)}
   redis.call('XADD', p .. 'events', 'MAXLEN', '~', '100000', '*', 'd', cjson.encode(ev))
@@ -363,7 +365,8 @@ class RedisStore:
         k, rid = self.keys, req.request_id
         score, _ = codec.queue_entry(0, rid, req.priority, policy)
         arrival, queued, finished = await self._submit(
-            keys=[k.req(rid), k.out(rid), k.arrival, k.queue, k.live, k.incoming, k.attached, k.counters],
+            keys=[k.req(rid), k.out(rid), k.arrival, k.queue, k.live, k.incoming, k.attached, k.counters,
+                  k.logprobs(rid), k.prompt_logprobs(rid)],
             args=[rid, codec.spec_json(req, stop), len(req.prompt_ids), req.params.max_tokens, req.priority,
                   repr(score), now_ms(), trace, req.deadline_ms or "", max_pending])
         got = Submitted(int(arrival), int(queued), int(finished))
@@ -413,6 +416,16 @@ class RedisStore:
     async def output(self, request_id: str, start: int, end: int) -> list[int]:
         """Generated tokens ``[start, end)`` of a request (to fill a gap in its events)."""
         return [int(t) for t in await self.r.lrange(self.keys.out(request_id), start, end - 1)]
+
+    async def logprobs(self, request_id: str, start: int, end: int | None = None) -> list[object]:
+        """Logprobs entries of generated tokens ``[start, end)`` (``end`` None: all from ``start``)."""
+        raw = await self.r.lrange(self.keys.logprobs(request_id), start, -1 if end is None else end - 1)
+        return [json.loads(x) for x in raw]
+
+    async def prompt_logprobs(self, request_id: str) -> list[object]:
+        """Prompt logprobs entries by position, from the second prompt token on."""
+        raw = await self.r.hgetall(self.keys.prompt_logprobs(request_id))
+        return [json.loads(v) for _, v in sorted((int(k), v) for k, v in raw.items())]
 
     # -- leases ---------------------------------------------------------------
 

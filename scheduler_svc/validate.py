@@ -12,6 +12,8 @@ MAX_REQUEST_ID = 256
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_LENGTH = 256  # characters; the detokenizer searches each new piece of text for every stop string
 MAX_PROMPT_BYTES = 512 << 10  # UTF-8 bytes of prompt text, or of all messages' roles and contents
+MAX_LOGPROBS = 20  # vLLM's default --max-logprobs
+MAX_LOGIT_BIAS = 100.0  # |bias| allowed, as OpenAI and vLLM
 MAX_REQUEST_BYTES = 1 << 20  # a serialized GenerateRequest (checked in server.py, before parsing)
 
 
@@ -38,12 +40,13 @@ class Limits:
 @dataclass(frozen=True, slots=True)
 class Caps:
     """What one request may ask for, whatever the model could take (the scheduler's
-    ``--max-stop-strings``, ``--max-stop-string-length``, ``--max-prompt-bytes``). There is
-    no ``n`` (parallel sampling) or logprobs yet, so nothing to cap there."""
+    ``--max-stop-strings``, ``--max-stop-string-length``, ``--max-prompt-bytes``,
+    ``--max-logprobs``)."""
 
     max_stop_strings: int = MAX_STOP_STRINGS
     max_stop_string_length: int = MAX_STOP_STRING_LENGTH
     max_prompt_bytes: int = MAX_PROMPT_BYTES
+    max_logprobs: int = MAX_LOGPROBS
 
 
 DEFAULT_CAPS = Caps()
@@ -120,6 +123,7 @@ def check(req: pb.GenerateRequest, limits: Limits, caps: Caps = DEFAULT_CAPS) ->
     for i, m in enumerate(req.messages):
         if not m.role:
             raise InvalidArgument(f"messages[{i}].role: must be set")
+    _check_sampling(s, limits, caps)
     params = Params(
         max_tokens=s.max_tokens if s.HasField("max_tokens") else 16,
         temperature=s.temperature if s.HasField("temperature") else 1.0,
@@ -128,9 +132,42 @@ def check(req: pb.GenerateRequest, limits: Limits, caps: Caps = DEFAULT_CAPS) ->
         seed=s.seed if s.HasField("seed") else None,
         stop_token_ids=tuple(s.stop_token_ids),
         ignore_eos=s.ignore_eos,
+        min_p=s.min_p if s.HasField("min_p") else 0.0,
+        presence_penalty=s.presence_penalty if s.HasField("presence_penalty") else 0.0,
+        frequency_penalty=s.frequency_penalty if s.HasField("frequency_penalty") else 0.0,
+        repetition_penalty=s.repetition_penalty if s.HasField("repetition_penalty") else 1.0,
+        min_tokens=s.min_tokens if s.HasField("min_tokens") else 0,
+        logit_bias=tuple(sorted((int(t), float(b)) for t, b in s.logit_bias.items())),
+        logprobs=s.logprobs if s.HasField("logprobs") else None,
+        prompt_logprobs=s.prompt_logprobs if s.HasField("prompt_logprobs") else None,
     )
     return Checked(req.request_id, given[0], params, list(s.stop), req.priority,
                    req.queue_timeout if req.HasField("queue_timeout") else None)
+
+
+def _check_sampling(s: pb.SamplingParams, limits: Limits, caps: Caps) -> None:
+    """The fields vLLM added to OpenAI's set, with vLLM's domains."""
+    if s.HasField("min_p") and not 0 <= s.min_p <= 1:
+        raise InvalidArgument(f"sampling.min_p: must be in [0, 1] (got {s.min_p})")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if s.HasField(name) and not -2 <= getattr(s, name) <= 2:
+            raise InvalidArgument(f"sampling.{name}: must be in [-2, 2] (got {getattr(s, name)})")
+    if s.HasField("repetition_penalty") and not (math.isfinite(s.repetition_penalty) and s.repetition_penalty > 0):
+        raise InvalidArgument(f"sampling.repetition_penalty: must be a finite number > 0 (got {s.repetition_penalty})")
+    max_tokens = s.max_tokens if s.HasField("max_tokens") else 16
+    if s.HasField("min_tokens") and s.min_tokens > max_tokens:
+        raise InvalidArgument(f"sampling.min_tokens: {s.min_tokens} is more than max_tokens ({max_tokens})")
+    for t, b in s.logit_bias.items():
+        if t >= limits.vocab_size:
+            raise InvalidArgument(f"sampling.logit_bias: token id {t} is not below the vocabulary size "
+                                  f"{limits.vocab_size}")
+        if not (math.isfinite(b) and -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS):
+            raise InvalidArgument(f"sampling.logit_bias: the bias of token {t} must be a number in "
+                                  f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}] (got {b})")
+    for name in ("logprobs", "prompt_logprobs"):
+        if s.HasField(name) and getattr(s, name) > caps.max_logprobs:
+            raise InvalidArgument(f"sampling.{name}: {getattr(s, name)} is more than the {caps.max_logprobs} "
+                                  f"allowed (--max-logprobs)")
 
 
 def check_length(kind: str, num_prompt: int, params: Params, limits: Limits) -> None:

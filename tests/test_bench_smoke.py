@@ -19,7 +19,8 @@ NUMERIC_KEYS = ("throughput_ratio_vs_hf_static", "throughput_ratio_vs_hf_continu
                 "failover_resume_ms_p99", "seeded_sampling_cost_ratio", "seeded_sampling_share_of_forward",
                 "throughput_ratio_vs_hf_continuous_previous", "model_runner_ratio_32", "gemm_flops_per_s",
                 "roofline_fraction", "executor_busy_fraction", "throughput_ratio_vs_hf_continuous_long",
-                "throughput_ratio_vs_hf_static_long", "kv_utilization_steady_state_long")
+                "throughput_ratio_vs_hf_static_long", "kv_utilization_steady_state_long",
+                "logprobs_top5_tokens_per_s_ratio")
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +54,7 @@ def test_harness_writes_report(tiny_model: Path, tmp_path: Path, capsys: pytest.
         "--scale-out-executors", "1", "2", "--scale-out-running", "4", "--scale-out-window", "1",
         "--kv-spread-budget-tokens", "256", "--kv-spread-requests", "32",
         "--reattach-requests", "4", "--reattach-rounds", "1", "--reattach-failover-rounds", "1",
-        "--sampling-batches", "1", "32", "--sampling-reps", "2",
+        "--sampling-batches", "1", "32", "--sampling-reps", "2", "--logprobs-requests", "4", "--logprobs-rounds", "1",
         "--machine-batches", "1", "32", "--machine-reps", "2", "--gemm-size", "256",
         "--long-num-requests", "3", "--long-scale", "0.1", "--long-max-total-len", "64",
         "--long-kv-budget-tokens", "320", "--long-static-requests", "2",
@@ -88,6 +89,8 @@ def test_harness_writes_report(tiny_model: Path, tmp_path: Path, capsys: pytest.
     for point in summary["sampling_cost"]:
         figures = [point[k] for k in ("unseeded_ms", "seeded_ms", "ratio", "forward_ms", "seeds_share_of_forward")]
         assert all(isinstance(v, int | float) and math.isfinite(v) for v in figures) and point["forward_source"]
+    lp = summary["logprobs_cost"]
+    assert lp["config"]["requests"] == 4 and len(lp["plain_tokens_per_s"]) == len(lp["logprobs_tokens_per_s"]) == 1
     assert [p["batch"] for p in summary["model_runner"]] == [1, 32]
     for point in summary["model_runner"]:
         figures = [point[k] for k in ("executor_ms", "transformers_ms", "ratio")]

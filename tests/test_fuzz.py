@@ -136,9 +136,13 @@ messages = st.lists(st.builds(pb.ChatMessage, role=roles, content=text), max_siz
 def sampling(draw: st.DrawFn) -> pb.SamplingParams:
     kw: dict = {}
     for name, strat in (("max_tokens", u32), ("temperature", f32), ("top_p", f32), ("top_k", i32),
-                        ("seed", u64)):
+                        ("seed", u64), ("min_p", f32), ("presence_penalty", f32), ("frequency_penalty", f32),
+                        ("repetition_penalty", f32), ("min_tokens", u32), ("logprobs", u32),
+                        ("prompt_logprobs", u32)):
         if draw(st.booleans()):
             kw[name] = draw(strat)
+    if draw(st.booleans()):
+        kw["logit_bias"] = draw(st.dictionaries(u32, f32, max_size=5))
     kw["stop"] = draw(st.lists(text, max_size=20) | huge(st.just("stop"), (17, 10_000)) | huge(
         st.just("s" * 1000), (1, 16)))
     kw["stop_token_ids"] = draw(st.lists(u32, max_size=10) | huge(u32, (1_000, 200_000)))
@@ -191,6 +195,17 @@ def servable(draw: st.DrawFn) -> pb.GenerateRequest:
     s.stop.extend(draw(st.lists(st.text(min_size=1, max_size=8), max_size=4)))
     s.stop_token_ids.extend(draw(st.lists(st.integers(0, 49151), max_size=4)))
     s.ignore_eos = draw(st.booleans())
+    if draw(st.booleans()):  # issue 12's options, anywhere in their domains
+        s.min_p = draw(st.floats(0, 1, width=32) | st.sampled_from([0.0, 1e-45, 1.0]))
+        s.presence_penalty = draw(st.floats(-2, 2, width=32))
+        s.frequency_penalty = draw(st.floats(-2, 2, width=32))
+        s.repetition_penalty = draw(st.floats(0, F32_MAX, width=32, exclude_min=True) | st.sampled_from(
+            [1e-45, 1.0, 3.4e38]))
+        s.min_tokens = draw(st.integers(0, min(s.max_tokens, 64)))
+        s.logit_bias.update(draw(st.dictionaries(st.integers(0, 49151), st.floats(-100, 100, width=32),
+                                                 max_size=4)))
+        s.logprobs = draw(st.integers(0, 20))
+        s.prompt_logprobs = draw(st.integers(0, 20))
     req.priority = draw(i32)
     if draw(st.booleans()):
         req.queue_timeout = draw(st.floats(1e-300, 1e300) | st.sampled_from([1e-300, 1e-9, 30.0, 1e300]))

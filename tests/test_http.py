@@ -159,6 +159,64 @@ def test_stop_strings_and_seeds_behave_as_on_grpc(cluster: Cluster, client: open
     assert sampled == [want.token_ids, want.token_ids]
 
 
+def _grpc_logprobs(cluster: Cluster, req: pb.GenerateRequest) -> tuple[list[int], list[pb.TokenLogprobs]]:
+    async def go() -> list[pb.GenerateResponse]:
+        async with grpc.aio.insecure_channel(cluster.address, options=CHANNEL_OPTIONS) as ch:
+            return [r async for r in pb_grpc.GenerationStub(ch).Generate(req, timeout=HANG_GUARD_S)]
+
+    out = asyncio.run(go())
+    return [t for r in out for t in r.token_ids], [e for r in out for e in r.logprobs]
+
+
+def test_logprobs_over_http_equal_the_grpc_ones(cluster: Cluster, client: openai.OpenAI, model: str,
+                                                tiny_llama: Path) -> None:
+    from transformers import AutoTokenizer
+
+    ids, lps = _grpc_logprobs(cluster, greedy(PROMPT, 12, ignore_eos=True, logprobs=3,
+                                              presence_penalty=0.5, logit_bias={7: 2.0}))
+    assert len(lps) == 12
+    tok = AutoTokenizer.from_pretrained(tiny_llama)
+    got = client.completions.create(model=model, prompt=PROMPT, max_tokens=12, temperature=0, logprobs=3,
+                                    presence_penalty=0.5, logit_bias={"7": 2.0}, extra_body={"ignore_eos": True})
+    lp = got.choices[0].logprobs
+    assert lp.tokens == [tok.decode([t]) for t in ids]
+    assert lp.token_logprobs == pytest.approx([e.logprob for e in lps], abs=1e-6)
+    assert [set(d) for d in lp.top_logprobs] == [{tok.decode([i]) for i in [*e.top_token_ids, e.token_id]}
+                                                 for e in lps]
+    assert lp.text_offset == [len("".join(lp.tokens[:i])) for i in range(12)]
+
+    streamed = list(client.completions.create(model=model, prompt=PROMPT, max_tokens=12, temperature=0, logprobs=3,
+                                              presence_penalty=0.5, logit_bias={"7": 2.0}, stream=True,
+                                              extra_body={"ignore_eos": True}))
+    s_lps = [x for c in streamed if c.choices and c.choices[0].logprobs for x in c.choices[0].logprobs.token_logprobs]
+    assert s_lps == pytest.approx([e.logprob for e in lps], abs=1e-6)
+
+    chat_msgs = [{"role": "user", "content": "Name a colour."}]
+    c_ids, c_lps = _grpc_logprobs(cluster, pb.GenerateRequest(
+        messages=[pb.ChatMessage(**m) for m in chat_msgs],
+        sampling=pb.SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=2)))
+    chat = client.chat.completions.create(model=model, messages=chat_msgs, max_tokens=10, temperature=0,
+                                          logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True})
+    content = chat.choices[0].logprobs.content
+    assert [c.logprob for c in content] == pytest.approx([e.logprob for e in c_lps], abs=1e-6)
+    assert [c.token for c in content] == [tok.decode([t]) for t in c_ids]
+    assert [t.logprob for c in content for t in c.top_logprobs] == pytest.approx(
+        [x for e in c_lps for x in e.top_logprobs], abs=1e-6)
+    assert all(len(c.top_logprobs) == 2 for c in content)
+
+    async def chat_stream() -> list[Any]:
+        async with openai.AsyncOpenAI(base_url=f"{cluster.http_url}/v1", api_key="EMPTY", max_retries=0) as c:
+            out = await c.chat.completions.create(model=model, messages=chat_msgs, max_tokens=10, temperature=0,
+                                                  logprobs=True, top_logprobs=2, stream=True,
+                                                  extra_body={"ignore_eos": True})
+            return [x async for x in out]
+
+    chunks = asyncio.run(chat_stream())
+    streamed_lps = [c.logprob for x in chunks if x.choices and x.choices[0].logprobs
+                    for c in x.choices[0].logprobs.content]
+    assert streamed_lps == pytest.approx([e.logprob for e in c_lps], abs=1e-6)
+
+
 def test_models_and_health(cluster: Cluster, client: openai.OpenAI, model: str) -> None:
     listed = client.models.list()
     assert [m.id for m in listed.data] == [model] and listed.data[0].owned_by == "pagedserve"
@@ -182,7 +240,10 @@ BAD_JSON: list[tuple[str, bytes, str | None]] = [
     ("token id out of vocabulary", b'{"prompt": [5, 1000000]}', "prompt"),
     ("prompt over the context", b'{"prompt": [' + b"7," * 599 + b'7]}', "prompt"),
     ("lone surrogate", b'{"prompt": "a\\ud800"}', "prompt"),
-    ("presence_penalty", b'{"prompt": "hi", "presence_penalty": 1}', "presence_penalty"),
+    ("presence_penalty 3", b'{"prompt": "hi", "presence_penalty": 3}', "presence_penalty"),
+    ("logit_bias out of vocabulary", b'{"prompt": "hi", "logit_bias": {"49152": 1}}', "logit_bias"),
+    ("logprobs over --max-logprobs", b'{"prompt": "hi", "logprobs": 21}', "logprobs"),
+    ("min_tokens over max_tokens", b'{"prompt": "hi", "max_tokens": 4, "min_tokens": 5}', "min_tokens"),
     ("two prompts", b'{"prompt": ["a", "b"]}', "prompt"),
     ("not JSON", b'{"prompt": ', None),
     ("not an object", b'["prompt"]', None),

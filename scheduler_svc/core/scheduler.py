@@ -310,18 +310,24 @@ class Scheduler:
             self._count("steps")
         return out
 
-    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Apply the executor's report: computed tokens, sampled tokens; returns the requests it finished."""
+    def update(self, out: SchedulerOutput, sampled: dict[str, int], logprobs: dict[str, object] | None = None,
+               prompt_logprobs: dict[str, dict[int, object]] | None = None) -> list[Request]:
+        """Apply the executor's report: computed tokens, sampled tokens (with their logprobs, and
+        the prompt's, opaque here); returns the requests it finished."""
         self.blocks.release_pending()
         finished = []
         for s in out.scheduled:
             req = s.req
             req.num_computed = s.start + s.num_tokens
+            if prompt_logprobs and req.request_id in prompt_logprobs:
+                self.record.prompt_logprobs.setdefault(req.request_id, {}).update(prompt_logprobs[req.request_id])
             token = sampled.get(req.request_id)
             if token is None:
                 continue
             req.output_ids.append(token)
             self.record.new_tokens.setdefault(req.request_id, []).append(token)
+            if logprobs and req.request_id in logprobs:
+                self.record.logprobs.setdefault(req.request_id, []).append(logprobs[req.request_id])
             self._count("generated_tokens")
             reason = self._check_finish(req, token)
             if reason is not None:

@@ -100,13 +100,18 @@ BAD: list[tuple[str, dict[str, Any], bool, str]] = [
     ("priority a float", completion(priority=0.5), False, "priority"),
     ("n 2", completion(n=2), False, "n"),
     ("n a string", completion(n="1"), False, "n"),
-    ("logprobs on a completion", completion(logprobs=0), False, "logprobs"),
-    ("logprobs on a chat", chat(logprobs=True), True, "logprobs"),
-    ("top_logprobs", chat(top_logprobs=3), True, "top_logprobs"),
-    ("presence_penalty", completion(presence_penalty=0.5), False, "presence_penalty"),
-    ("frequency_penalty", chat(frequency_penalty=-1), True, "frequency_penalty"),
-    ("logit_bias", completion(logit_bias={"5": 10}), False, "logit_bias"),
-    ("min_p", completion(min_p=0.1), False, "min_p"),
+    ("logprobs negative", completion(logprobs=-1), False, "logprobs"),
+    ("logprobs a flag on a completion", completion(logprobs=True), False, "logprobs"),
+    ("logprobs a number on a chat", chat(logprobs=3), True, "logprobs"),
+    ("top_logprobs without logprobs", chat(top_logprobs=3), True, "top_logprobs"),
+    ("prompt_logprobs a string", completion(prompt_logprobs="2"), False, "prompt_logprobs"),
+    ("presence_penalty a string", completion(presence_penalty="0.5"), False, "presence_penalty"),
+    ("frequency_penalty NaN", chat(frequency_penalty=float("nan")), True, "frequency_penalty"),
+    ("logit_bias a list", completion(logit_bias=[5, 10]), False, "logit_bias"),
+    ("logit_bias key not an id", completion(logit_bias={"a": 10}), False, "logit_bias"),
+    ("logit_bias value a string", completion(logit_bias={"5": "x"}), False, "logit_bias[5]"),
+    ("min_tokens negative", completion(min_tokens=-1), False, "min_tokens"),
+    ("min_p a string", completion(min_p="0.1"), False, "min_p"),
     ("response_format", chat(response_format={"type": "json_object"}), True, "response_format"),
     ("tools", chat(tools=[{"type": "function", "function": {"name": "f"}}]), True, "tools"),
     ("echo", completion(echo=True), False, "echo"),
@@ -231,3 +236,62 @@ def test_chat_without_a_limit_runs_to_the_end_of_the_context_a_pool_holds() -> N
     assert proto.context_room(limits, 100) == 384 - 100
     assert proto.context_room(Limits(512, 1000, 16, ((64, 512),)), 100) == 512 - 100
     assert proto.context_room(limits, 400) == 1, "never less than one token"
+
+
+def test_sampling_options_map_to_the_grpc_fields() -> None:
+    s = proto.parse(completion(presence_penalty=0.5, frequency_penalty=-1, repetition_penalty=1.2, min_p=0.1,
+                               min_tokens=3, logit_bias={"5": 10, "7": -100}, logprobs=2, prompt_logprobs=1),
+                    chat=False).request.sampling
+    assert s == pb.SamplingParams(presence_penalty=0.5, frequency_penalty=-1, repetition_penalty=1.2, min_p=0.1,
+                                  min_tokens=3, logit_bias={5: 10, 7: -100}, logprobs=2, prompt_logprobs=1)
+    assert proto.parse(chat(logprobs=True, top_logprobs=4), chat=True).request.sampling.logprobs == 4
+    assert proto.parse(chat(logprobs=True), chat=True).request.sampling == pb.SamplingParams(logprobs=0)
+    assert not proto.parse(chat(logprobs=False, top_logprobs=0), chat=True).request.sampling.HasField("logprobs")
+
+
+LP_CHUNKS = [Chunk("rid", [10], "Hel", 0, logprobs=[[10, -0.5, 1, [10, 11], [-0.5, -1.5]]],
+                   prompt_logprobs=[[2, -3.0, 4, [9], [-0.1]], [3, -2.0, 1, [3], [-2.0]]]),
+             Chunk("rid", [11], "", 1, logprobs=[[11, -0.25, 2, [12, 11], [-0.2, -0.25]]]),
+             Chunk("rid", [12], "lo", 2, "length", 3, 3, logprobs=[[12, -0.125, 1, [12, 10], [-0.125, -3.0]]])]
+DECODE = {10: "Hel", 11: "", 12: "lo", 9: "x", 2: "a", 3: "b"}
+
+
+def test_completion_logprobs_in_openai_shape_streamed_or_not() -> None:
+    shape = proto.Shape(proto.parse(completion(logprobs=2, prompt_logprobs=1), chat=False), "rid", 1700, M,
+                        [1, 2, 3], decode=DECODE.__getitem__)
+    done = proto.Collected()
+    for c in LP_CHUNKS:
+        done.add(c)
+    choice = shape.body(done)["choices"][0]
+    assert choice["logprobs"] == {"tokens": ["Hel", "", "lo"], "token_logprobs": [-0.5, -0.25, -0.125],
+                                  "top_logprobs": [{"Hel": -0.5, "": -1.5}, {"lo": -0.2, "": -0.25},
+                                                   {"lo": -0.125, "Hel": -3.0}],
+                                  "text_offset": [0, 3, 3]}
+    assert choice["prompt_logprobs"] == [
+        None, {"9": {"logprob": -0.1, "rank": 1, "decoded_token": "x"},
+               "2": {"logprob": -3.0, "rank": 4, "decoded_token": "a"}},
+        {"3": {"logprob": -2.0, "rank": 1, "decoded_token": "b"}}]
+    streamed = proto.Shape(shape.parsed, "rid", 1700, M, [1, 2, 3], decode=DECODE.__getitem__)
+    events = [e for c in LP_CHUNKS for e in streamed.events(c)]
+    assert len(events) == 2, "the token with no text yet travels with the next chunk"
+    tokens = [t for e in events for t in e["choices"][0]["logprobs"]["tokens"]]
+    assert tokens == ["Hel", "", "lo"]
+    assert [o for e in events for o in e["choices"][0]["logprobs"]["text_offset"]] == [0, 3, 3]
+    late = proto.Shape(shape.parsed, "rid", 1700, M, [1, 2, 3], decode=DECODE.__getitem__)
+    first_no_text = [Chunk("rid", [11], "", 0, logprobs=LP_CHUNKS[1].logprobs,
+                           prompt_logprobs=LP_CHUNKS[0].prompt_logprobs), *LP_CHUNKS[2:]]
+    events = [e for c in first_no_text for e in late.events(c)]
+    assert len(events) == 1 and len(events[0]["choices"][0]["prompt_logprobs"]) == 3, "held with the tokens"
+
+
+def test_chat_logprobs_in_openai_shape() -> None:
+    shape = proto.Shape(proto.parse(chat(logprobs=True, top_logprobs=2), chat=True), "rid", 1700, M, [1, 2, 3],
+                        decode=DECODE.__getitem__)
+    done = proto.Collected()
+    for c in LP_CHUNKS:
+        done.add(c)
+    content = shape.body(done)["choices"][0]["logprobs"]["content"]
+    assert content[0] == {"token": "Hel", "logprob": -0.5, "bytes": [72, 101, 108],
+                          "top_logprobs": [{"token": "Hel", "logprob": -0.5, "bytes": [72, 101, 108]},
+                                           {"token": "", "logprob": -1.5, "bytes": []}]}
+    assert [c["logprob"] for c in content] == [-0.5, -0.25, -0.125]

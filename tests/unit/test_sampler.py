@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from executor_svc.sampler import SamplingParams, sample
@@ -71,3 +73,50 @@ def test_filter_keeps_exactly_what_a_full_sort_keeps() -> None:
         got, want = _filter(logits, top_k, top_p), _full_sort_filter(logits, top_k, top_p)
         assert torch.equal(torch.isinf(got), torch.isinf(want)), (ks, ps)
         assert torch.equal(got[~torch.isinf(got)], want[~torch.isinf(want)])
+
+
+def test_torch_mix_matches_the_python_reference() -> None:
+    from executor_svc.sampler import _mix, mix64
+
+    u64 = (1 << 64) - 1
+    values = [0, 1, 2, (1 << 63) - 1, -(1 << 63), 12345678901234567, -987654321, 0x9E3779B97F4A7C15 - (1 << 64)]
+    assert [v & u64 for v in _mix(torch.tensor(values)).tolist()] == [mix64(v & u64) for v in values]
+
+
+def test_noise_depends_on_the_key_and_token_only() -> None:
+    from executor_svc.sampler import noise, row_key
+
+    keys = torch.tensor([row_key(5, 3), row_key(6, 0)])
+    full = noise(keys, torch.arange(49152).expand(2, -1))
+    ids = torch.tensor([[0, 7, 49151], [3, 2, 1]])
+    assert torch.equal(noise(keys, ids), full.gather(1, ids)), "any subset, in any order, draws the same values"
+    assert not torch.equal(full[0], full[1])
+    assert abs(full.mean().item() - 1.0) < 0.02 and abs(full.var().item() - 1.0) < 0.05, "Exp(1)"
+    assert abs((full < math.log(2)).float().mean().item() - 0.5) < 0.01
+
+
+def test_a_seeded_draw_does_not_depend_on_its_neighbours_top_k() -> None:
+    logits = torch.randn(2, 500, generator=torch.Generator().manual_seed(3)) * 2
+    p = SamplingParams(temperature=1.0, top_k=5, seed=11)
+    for n in range(30):
+        alone = sample(logits[:1], [p], [n])[0]
+        wide = sample(logits, [p, SamplingParams(temperature=1.0, top_k=400, seed=1)], [n, n])[0]
+        full = sample(logits, [p, SamplingParams(temperature=1.0, seed=1)], [n, n])[0]
+        assert alone == wide == full
+
+
+def test_top_p_without_top_k_keeps_what_a_full_sort_keeps_when_the_probe_suffices() -> None:
+    from executor_svc.sampler import PROBE, _filter
+
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(5, 49152, generator=gen) * 4  # peaked: the top PROBE hold most of the mass
+    top_k, top_p = torch.tensor([0, 0, 30, 0, 0]), torch.tensor([0.9, 0.5, 0.95, 0.99, 0.7])
+    want = _full_sort_filter(logits, top_k, top_p)
+    assert int((~torch.isinf(want)).sum(dim=-1).max()) < PROBE, "the probe path is the one exercised"
+    got = _filter(logits, top_k, top_p)
+    assert torch.equal(torch.isinf(got), torch.isinf(want))
+    assert torch.equal(got[~torch.isinf(got)], want[~torch.isinf(want)])
+    flat = torch.randn(2, 49152, generator=gen) * 0.1  # the nucleus is wider than the probe: a full sort
+    got, want = _filter(flat, torch.tensor([0, 0]), torch.tensor([0.9, 0.3])), _full_sort_filter(
+        flat, torch.tensor([0, 0]), torch.tensor([0.9, 0.3]))
+    assert torch.equal(torch.isinf(got), torch.isinf(want))
