@@ -12,6 +12,7 @@ import hashlib
 import time
 import uuid
 from collections import defaultdict
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,9 +21,11 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from executor_svc import attention
 from executor_svc.block_tables import BlockTables
+from executor_svc.grammar import Grammars, Row
 from executor_svc.kv_pool import GIB, KVGeometry, KVPool, cpu_tier, device_tier, disk_tier
 from executor_svc.sampler import SamplingParams, sample
 from kernels import get_backend, make_metadata
+from pagedserve.grammar import Compiler, Spec
 
 TIER_NAMES = ("device", "cpu", "disk")
 TOKENIZER_FILES = (
@@ -76,6 +79,8 @@ class SeqInput:
     sample: bool = True
     num_generated: int = 0
     full_table: bool = True
+    grammar: Spec | None = None  # structured output: (kind, text)
+    history: list[int] = field(default_factory=list)  # positions [0, start_pos) with a full table, when sent
 
 
 @dataclass(slots=True)
@@ -149,6 +154,7 @@ class Engine:
             else None,
         )
         self.tables = BlockTables(self.pool.device.num_blocks)
+        self.grammars = Grammars(self._grammar_compiler, self.vocab_size)
         self.model_digest = self._digest()
 
     def _device_blocks(self) -> int:
@@ -192,9 +198,16 @@ class Engine:
             h.update(name.encode() + b"\0" + data)
         return h.hexdigest()[:32]
 
+    def _grammar_compiler(self) -> Compiler:
+        """Built on the first structured request: it loads the tokenizer (~0.5 s)."""
+        from transformers import AutoTokenizer
+
+        return Compiler(AutoTokenizer.from_pretrained(self.cfg.model), self.vocab_size, self.eos_token_ids)
+
     def renew_instance(self) -> str:
         """Forget every block table and become a new instance (the schedulers evicted the old one)."""
         self.tables.clear()
+        self.grammars.clear()
         self.instance_id = uuid.uuid4().hex
         return self.instance_id
 
@@ -243,10 +256,13 @@ class Engine:
         t0 = time.perf_counter()
         if plan.reset_tables:
             self.tables.clear()
+            self.grammars.clear()
         for rid in plan.forget:
             self.tables.forget(rid)
+            self.grammars.forget(rid)
         for seq in plan.seqs:
             self._check(seq)
+        masks, rows = self._start_masks(plan.seqs)
         ts = time.perf_counter()
         with self._copying():
             self._move(plan.swap_in)
@@ -264,8 +280,12 @@ class Engine:
             self._move(plan.swap_out)
         t3 = time.perf_counter()
         if logits is not None and sampled:
+            if rows:
+                logits = logits.float()
+                self.grammars.apply(logits, masks.result(), rows)
             chosen = sample(logits, [plan.seqs[i].sampling for i in sampled],
                             [plan.seqs[i].num_generated for i in sampled])
+            self.grammars.accept(rows, chosen)
             tokens = [(plan.seqs[i].request_id, t) for i, t in zip(sampled, chosen)]
         if plan.seqs:
             forward_ms = (time.perf_counter() - t1) * 1e3
@@ -281,6 +301,21 @@ class Engine:
             swap_in_ms=(t1 - ts) * 1e3,
             swap_out_ms=(t3 - t2) * 1e3,
         )
+
+    def _start_masks(self, seqs: list[SeqInput]) -> tuple[Future[torch.Tensor] | None, list[Row]]:
+        """Record structured sequences' tokens, then fill their masks in a worker while the forward runs."""
+        rows: list[Row] = []
+        j = 0
+        for seq in seqs:
+            if seq.grammar is not None or seq.request_id in self.grammars:
+                self.grammars.observe(seq.request_id, seq.grammar, seq.token_ids, seq.start_pos, seq.full_table,
+                                      seq.history)
+            if seq.sample:
+                if seq.grammar is not None:
+                    rows.append(Row(j, seq.request_id, seq.grammar, seq.start_pos + len(seq.token_ids),
+                                    seq.num_generated))
+                j += 1
+        return (self.grammars.start(rows, j) if rows else None), rows
 
     @torch.inference_mode()
     def _forward(self, seqs: list[SeqInput], tables: torch.Tensor) -> tuple[torch.Tensor | None, list[int]]:

@@ -51,6 +51,8 @@ def plan_from_pb(plan: pb.StepPlan) -> StepInput:
                 sample=s.sample,
                 num_generated=s.num_generated,
                 full_table=s.full_table,
+                grammar=(s.sampling.grammar.kind, s.sampling.grammar.spec) if s.sampling.grammar.kind else None,
+                history=list(s.history),
             )
             for s in plan.seqs
         ],

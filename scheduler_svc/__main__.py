@@ -95,9 +95,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--http-port must be a port number (0: off)")
     if args.max_pending_requests < 0:
         p.error("--max-pending-requests must be >= 0 (0: no limit)")
-    if min(args.max_stop_strings, args.max_stop_string_length, args.max_prompt_bytes, args.max_request_bytes) < 1:
-        p.error("--max-stop-strings, --max-stop-string-length, --max-prompt-bytes and --max-request-bytes "
-                "must be positive")
+    if min(args.max_stop_strings, args.max_stop_string_length, args.max_prompt_bytes, args.max_request_bytes,
+           args.max_grammar_bytes) < 1:
+        p.error("--max-stop-strings, --max-stop-string-length, --max-prompt-bytes, --max-request-bytes and "
+                "--max-grammar-bytes must be positive")
     return args
 
 
@@ -152,6 +153,9 @@ def _admission_arguments(p: argparse.ArgumentParser) -> None:
                    help="characters in one stop string")
     p.add_argument("--max-prompt-bytes", type=int, default=validate.MAX_PROMPT_BYTES, metavar="N",
                    help="UTF-8 bytes of prompt text, or of all messages' roles and contents")
+    p.add_argument("--max-grammar-bytes", type=int, default=validate.MAX_GRAMMAR_BYTES, metavar="N",
+                   help="UTF-8 bytes of one structured-output spec (a JSON schema, regex, grammar, or the "
+                        "choices as a grammar)")
     p.add_argument("--max-request-bytes", type=int, default=validate.MAX_REQUEST_BYTES, metavar="N",
                    help="bytes of one serialized request on the public port (INVALID_ARGUMENT over it; the "
                         "transport refuses messages over the larger of this and 4 MiB with RESOURCE_EXHAUSTED)")
@@ -159,7 +163,7 @@ def _admission_arguments(p: argparse.ArgumentParser) -> None:
 
 def _caps(args: argparse.Namespace) -> validate.Caps:
     return validate.Caps(max_stop_strings=args.max_stop_strings, max_stop_string_length=args.max_stop_string_length,
-                         max_prompt_bytes=args.max_prompt_bytes)
+                         max_prompt_bytes=args.max_prompt_bytes, max_grammar_bytes=args.max_grammar_bytes)
 
 
 def _scheduler_config(args: argparse.Namespace) -> SchedulerConfig:

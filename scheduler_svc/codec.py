@@ -34,7 +34,8 @@ def spec_json(req: Request, stop: list[str]) -> str:
     return json.dumps({
         "prompt": req.prompt_ids, "priority": req.priority, "stop": stop,
         "params": {"max_tokens": p.max_tokens, "temperature": p.temperature, "top_p": p.top_p, "top_k": p.top_k,
-                   "seed": p.seed, "stop_token_ids": list(p.stop_token_ids), "ignore_eos": p.ignore_eos},
+                   "seed": p.seed, "stop_token_ids": list(p.stop_token_ids), "ignore_eos": p.ignore_eos,
+                   **({"grammar": list(p.grammar)} if p.grammar else {})},
     })
 
 
@@ -42,6 +43,8 @@ def request_from(request_id: str, fields: dict[str, str], output: list[str], com
     spec = json.loads(fields["spec"])
     params = spec["params"]
     params["stop_token_ids"] = tuple(params["stop_token_ids"])
+    if params.get("grammar"):
+        params["grammar"] = tuple(params["grammar"])
     return Request(
         request_id=request_id,
         prompt_ids=spec["prompt"],

@@ -8,8 +8,19 @@ first time, after a preemption, and after any failure (a fresh builder).
 from __future__ import annotations
 
 from scheduler_svc.core.blocks import Move
+from scheduler_svc.core.request import Params
 from scheduler_svc.core.scheduler import SchedulerOutput
 from pagedserve.executor.v1 import executor_pb2 as pb
+
+
+def needs_history(p: Params) -> bool:
+    """Whether the executor needs a request's earlier tokens to sample it (its grammar matcher is
+    rebuilt from them): then a full table with start_pos > 0 carries them (SeqPlan.history)."""
+    return p.grammar is not None
+
+
+def _grammar(p: Params) -> pb.Grammar | None:
+    return pb.Grammar(kind=p.grammar[0], spec=p.grammar[1]) if p.grammar else None
 
 
 def _moves(moves: list[Move]) -> list[pb.BlockMove]:
@@ -48,9 +59,11 @@ class PlanBuilder:
                         top_k=p.top_k,
                         has_seed=p.seed is not None,
                         seed=p.seed or 0,
+                        grammar=_grammar(p),
                     ),
                     sample=s.samples,
                     num_generated=len(req.output_ids),
+                    history=req.tokens(0, s.start) if known is None and s.start > 0 and needs_history(p) else (),
                 )
             )
         plan = pb.StepPlan(step_id=step_id, swap_out=_moves(out.swap_out), swap_in=_moves(out.swap_in), seqs=seqs,

@@ -33,6 +33,7 @@ class Params:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    grammar: tuple[str, str] | None = None  # structured output: (kind, text), pagedserve/grammar.py
 
 
 @dataclass(slots=True, eq=False)
