@@ -107,7 +107,8 @@ class Grammars:
         if full_table or e is None or e.spec != spec:
             e = self._entries[request_id] = _Entry(spec)
             e.tokens = [*history, *token_ids] if len(history) == start_pos else None
-        elif e.tokens is not None and len(e.tokens) == start_pos:
+        elif e.tokens is not None and len(e.tokens) >= start_pos:
+            del e.tokens[start_pos:]  # a plan that steps back (a discarded step run again) rewinds them
             e.tokens.extend(token_ids)
         else:
             e.tokens = None  # a gap: the plans skipped tokens we never saw
