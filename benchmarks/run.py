@@ -7,7 +7,8 @@ scheduler-overhead sweep (stub executor), the swap-vs-recompute probe, the
 scale-out sweep (registered stub executors behind two scheduler replicas), the
 KV-usage spread across two real executors, the reattach latency of a stream
 resumed on another replica (and after its replica is killed) and what
-replayable seeds cost the sampler. Last, against the machine rather than
+replayable seeds cost the sampler, and what a JSON-schema constraint costs
+against plain greedy (``benchmarks/structured.py``). Last, against the machine rather than
 peers (``benchmarks/machine.py``): the executor's decode step against
 transformers', the output tokens' share of the fp32 GEMM roofline and the
 executor's duty cycle in the real run. The results directory's path is the
@@ -72,6 +73,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--sampling-batches", type=int, nargs="+", default=None,
                    help="batch sizes of the sampling_cost arm (default: 1 8 32 64)")
     p.add_argument("--sampling-reps", type=int, default=None, help="timed calls per batch and mode (default: 7)")
+    p.add_argument("--structured-rounds", type=int, default=None,
+                   help="plain / JSON-schema batch pairs of the structured arm (default: quick 2, full 5)")
     p.add_argument("--machine-batches", type=int, nargs="+", default=None,
                    help="batch sizes of the machine arm's executor vs transformers decode step (default: 1 8 32)")
     p.add_argument("--machine-reps", type=int, default=None, help="timed step pairs per batch (default: quick 5, full 11)")
@@ -114,6 +117,7 @@ def build_config(args: argparse.Namespace) -> Config:
         reattach_step_ms=pick(args.reattach_step_ms, base.reattach_step_ms),
         sampling_batches=pick(args.sampling_batches, base.sampling_batches),
         sampling_reps=pick(args.sampling_reps, base.sampling_reps),
+        structured_rounds=pick(args.structured_rounds, base.structured_rounds),
         machine_batches=pick(args.machine_batches, base.machine_batches),
         machine_reps=pick(args.machine_reps, base.machine_reps),
         gemm_size=pick(args.gemm_size, base.gemm_size),
