@@ -21,6 +21,7 @@ from pathlib import Path
 import grpc
 import jsonschema
 import openai
+import pydantic
 import pytest
 import redis
 
@@ -54,6 +55,17 @@ CITY = {"type": "object", "properties": {
                  "required": ["lat", "lon"], "additionalProperties": False},
 }, "required": ["city", "tags", "location"], "additionalProperties": False}
 SCHEMAS = [("a person", PERSON), ("a book", BOOK), ("a city", CITY)]
+
+
+class Author(pydantic.BaseModel):
+    name: str = pydantic.Field(max_length=24)
+    born: int = pydantic.Field(ge=1000, le=2025)
+
+
+class Book(pydantic.BaseModel):
+    title: str = pydantic.Field(max_length=30)
+    author: Author
+    genre: str = pydantic.Field(pattern="^(fiction|history|science)$")
 SAMPLING = [{"temperature": 0.0}, {"temperature": 1.0, "seed": 1}, {"temperature": 0.8, "top_p": 0.9, "seed": 2}]
 REGEX = r"[A-Z][a-z]{2,9} is [0-9]{1,2} years old\."
 CHOICES = ["yes", "no", "it depends"]
@@ -139,6 +151,11 @@ def test_openai_client_response_format_json_schema(smol: Cluster, smol_dir: Path
             temperature=0, response_format={"type": "json_schema", "json_schema": {"name": "book", "schema": BOOK}})
         assert got.choices[0].finish_reason == "stop"
         jsonschema.validate(json.loads(got.choices[0].message.content or ""), BOOK)
+        parsed = client.chat.completions.parse(  # the SDK's own schema from a pydantic model ($defs, strict)
+            model=model, messages=[{"role": "user", "content": "Describe a book as JSON."}], max_tokens=200,
+            temperature=0, response_format=Book)
+        book = parsed.choices[0].message.parsed
+        assert isinstance(book, Book) and 1000 <= book.author.born <= 2025
         text = client.completions.create(model=model, prompt="Is water wet? Answer:", max_tokens=8, temperature=0,
                                          extra_body={"structured_outputs": {"choice": CHOICES}})
         assert text.choices[0].text in CHOICES
