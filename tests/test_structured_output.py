@@ -5,7 +5,8 @@ JSON-schema requests always yield text that parses and validates against the sch
 regex request matches its regex, a choice request returns one of the choices; a spec that
 does not compile, or is over --max-grammar-bytes, is INVALID_ARGUMENT naming the field at
 submission and nothing else breaks; structured requests preempted midway (swap and
-recompute, a small pool) produce exactly the tokens they produce unpreempted; the openai
+recompute, a small pool) or led by a new loop after a SIGKILL produce exactly the tokens they
+produce undisturbed; the openai
 client's ``response_format`` json_schema over HTTP returns valid JSON.
 """
 
@@ -13,18 +14,22 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
 import re
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
 import jsonschema
 import openai
+import psutil
 import pydantic
 import pytest
 import redis
 
+from pagedserve.keys import Keys
 from pagedserve.launch import Cluster
 from pagedserve.procs import free_port
 from pagedserve.rpc import CHANNEL_OPTIONS
@@ -33,6 +38,7 @@ from pagedserve.v1 import generation_pb2_grpc as pb_grpc
 from tests import helpers
 from tests.conftest import make_cluster
 from tests.helpers import Result, collect, run_all, wait_all_free
+from tests.test_failover import run_in_background, wait_progress
 
 MAX_GRAMMAR_BYTES = 4096
 PERSON = {"type": "object", "properties": {
@@ -221,4 +227,28 @@ def test_structured_requests_survive_preemption(mode: str, tiny_llama: Path, red
     assert free == totals
     for i, (res, ref) in enumerate(zip(results, unpreempted)):
         assert res.token_ids == ref.token_ids, f"request {i} diverged under {mode} preemption"
+    check(results)
+
+
+def test_structured_requests_survive_a_new_leader(tiny_llama: Path, redis_url: str, tmp_path: Path,
+                                                  unpreempted: list[Result]) -> None:
+    """The loop is SIGKILLed mid-generation: the new leader resets the executor's tables (and its
+    matchers) and resends full tables with the tokens before them; the matchers are rebuilt from
+    those and every output is the one an undisturbed run gives."""
+    ns = "structured-failover"
+    client = redis.Redis.from_url(redis_url, decode_responses=True)
+    with make_cluster(tiny_llama, redis_url, ns, tmp_path, kv_cache_memory=400 * BLOCK_BYTES,
+                      scheduler_args=["--lease-ms", "1500"]) as cluster:
+        worker, results = run_in_background(cluster.address, structured_reqs())
+        wait_progress(client, ns, 40)
+        (executor,) = helpers.executors(client, ns)
+        epoch_key = Keys(ns).executor(executor).epoch
+        epoch = int(client.get(epoch_key))
+        (loop_proc,) = psutil.Process(cluster.scheduler.proc.pid).children()
+        os.kill(loop_proc.pid, signal.SIGKILL)
+        worker.join(300)
+        assert int(client.get(epoch_key)) > epoch, "a new loop took the lease"
+        free, totals = wait_all_free(client, ns)
+    assert free == totals
+    assert [r.token_ids for r in results] == [r.token_ids for r in unpreempted]
     check(results)
