@@ -154,7 +154,7 @@ class Engine:
             else None,
         )
         self.tables = BlockTables(self.pool.device.num_blocks)
-        self.grammars = Grammars(self._grammar_compiler, self.vocab_size)
+        self.grammars = Grammars(self._grammar_compiler, self.vocab_size, self.eos_token_ids)
         self.model_digest = self._digest()
 
     def _device_blocks(self) -> int:

@@ -67,12 +67,14 @@ class Stats:
 
 
 class Grammars:
-    """Matchers by request id. ``load`` builds the compiler on first use (it loads the tokenizer)."""
+    """Matchers by request id. ``load`` builds the compiler on first use (it loads the tokenizer);
+    ``stop_token_ids``: the executor's EOS ids (the compiler's stop tokens too), which end a request."""
 
-    def __init__(self, load: Callable[[], Compiler], vocab_size: int) -> None:
+    def __init__(self, load: Callable[[], Compiler], vocab_size: int, stop_token_ids: Sequence[int]) -> None:
         self._load = load
         self._compiler: Compiler | None = None
         self.vocab_size = vocab_size
+        self.stop_token_ids = list(stop_token_ids) or [0]
         self._entries: dict[str, _Entry] = {}
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
         self.stats = Stats()
@@ -124,14 +126,15 @@ class Grammars:
         words = -(-self.vocab_size // 32)
         bitmask = torch.full((num_rows, words), -1, dtype=torch.int32)
         for row in rows:
-            e = self._sync(row)
             try:
+                e = self._sync(row)
                 if e.broken or e.matcher.is_terminated():
                     self._stop_only(bitmask[row.index])
                 else:
                     e.matcher.fill_next_token_bitmask(bitmask, row.index)
-            except Exception:  # noqa: BLE001 - a grammar state problem ends the row, never the step
-                self._break(e, row.request_id, "the matcher failed to fill its mask")
+            except Exception as exc:  # noqa: BLE001 - a grammar state problem ends the row, never the step
+                e = self._entries.setdefault(row.request_id, _Entry(row.spec, tokens=None))
+                self._break(e, row.request_id, f"no mask ({type(exc).__name__}: {exc})")
                 self._stop_only(bitmask[row.index])
         self.stats.rows += len(rows)
         self.stats.fill_ms += (time.perf_counter() - t0) * 1e3
@@ -139,14 +142,8 @@ class Grammars:
 
     def _stop_only(self, row: torch.Tensor) -> None:
         row.zero_()
-        for t in self._stop_ids():
+        for t in self.stop_token_ids:
             row[t // 32] |= 1 << (t % 32) if t % 32 < 31 else -(1 << 31)
-
-    def _stop_ids(self) -> list[int]:
-        try:
-            return self.compiler.stop_token_ids
-        except Exception:  # noqa: BLE001 - no compiler (tokenizer missing): nothing better than token 0
-            return [0]
 
     def _break(self, e: _Entry, request_id: str, why: str) -> None:
         if not e.broken:
@@ -198,7 +195,7 @@ class Grammars:
 
     def _consume(self, e: _Entry, token: int) -> bool:
         if e.matcher.is_terminated():
-            ok = token in self.compiler.stop_token_ids
+            ok = token in self.stop_token_ids
             e.past_end += ok
         else:
             ok = bool(e.matcher.accept_token(token))
@@ -206,11 +203,17 @@ class Grammars:
         return ok
 
     def apply(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[Row]) -> None:
-        """Mask the grammar rows of ``logits`` ``[num_rows, vocab]`` in place (float32)."""
-        import xgrammar as xgr
+        """Mask the grammar rows of ``logits`` ``[num_rows, vocab]`` in place (float32): xgrammar's
+        kernel, or the same in torch if that one fails (a missing CUDA toolchain, say)."""
+        indices = [r.index for r in rows]
+        bitmask = bitmask.to(logits.device, non_blocking=True)
+        try:
+            import xgrammar as xgr
 
-        xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True),
-                                        vocab_size=self.vocab_size, indices=[r.index for r in rows])
+            xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.vocab_size, indices=indices)
+        except Exception as exc:  # noqa: BLE001
+            log.warning("xgrammar's apply_token_bitmask_inplace failed (%s); masking in torch", exc)
+            apply_torch(logits, bitmask, indices, self.vocab_size)
 
     def accept(self, rows: list[Row], tokens: list[int]) -> None:
         """Feed each row's sampled token to its matcher; a rejected one becomes EOS (in place)."""
@@ -220,7 +223,7 @@ class Grammars:
                 continue
             t = tokens[row.index]
             if e.broken or e.matcher is None:
-                tokens[row.index] = self._stop_ids()[0]
+                tokens[row.index] = self.stop_token_ids[0]
                 continue
             try:
                 ok = self._consume(e, t)
@@ -228,4 +231,15 @@ class Grammars:
                 ok = False
             if not ok:
                 self._break(e, row.request_id, f"the grammar rejects the sampled token {t}")
-                tokens[row.index] = self._stop_ids()[0]
+                tokens[row.index] = self.stop_token_ids[0]
+
+
+def apply_torch(logits: torch.Tensor, bitmask: torch.Tensor, indices: list[int], vocab_size: int) -> None:
+    """``apply_token_bitmask_inplace`` in plain torch: bit ``t % 32`` of word ``t // 32`` allows token ``t``."""
+    idx = torch.tensor(indices, device=logits.device)
+    shifts = torch.arange(32, device=logits.device, dtype=torch.int32)
+    allowed = ((bitmask[idx].unsqueeze(-1) >> shifts) & 1).bool().flatten(1)
+    width = min(vocab_size, logits.shape[-1])
+    blocked = torch.ones(len(indices), logits.shape[-1], dtype=torch.bool, device=logits.device)
+    blocked[:, :width] = ~allowed[:, :width]
+    logits[idx] = logits[idx].masked_fill(blocked, float("-inf"))

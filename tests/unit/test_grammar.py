@@ -64,7 +64,7 @@ class Executor:
     """Drives ``Grammars`` the way ``Engine.step`` does, one sequence per step, on fixed logits."""
 
     def __init__(self, compiler: Compiler) -> None:
-        self.g = Grammars(lambda: compiler, VOCAB)
+        self.g = Grammars(lambda: compiler, VOCAB, [EOS])
 
     def step(self, rid: str, spec: tuple[str, str], token_ids: list[int], start_pos: int, num_generated: int,
              logits: torch.Tensor, full_table: bool = False, history: list[int] | None = None) -> int:
@@ -177,7 +177,7 @@ def test_a_rejected_token_or_unknown_tokens_end_the_row_with_eos(compiler: Compi
 
 
 def test_forget_and_clear_drop_matchers(compiler: Compiler) -> None:
-    g = Grammars(lambda: compiler, VOCAB)
+    g = Grammars(lambda: compiler, VOCAB, [EOS])
     g.observe("a", ("regex", "a"), [1], 0, True)
     g.observe("b", ("regex", "b"), [1], 0, True)
     g.forget("a")
@@ -194,7 +194,7 @@ def test_the_executor_knows_each_structured_request_s_tokens_through_preemption(
     spec = ("regex", ".*")
     for i, rid in enumerate("ab"):
         s.add(req(rid, 8, max_tokens=12, arrival=i, grammar=spec))
-    plans, g = PlanBuilder(), Grammars(lambda: None, VOCAB)  # type: ignore[arg-type,return-value]
+    plans, g = PlanBuilder(), Grammars(lambda: None, VOCAB, [EOS])  # type: ignore[arg-type,return-value]
     ended: list[str] = []
     histories = checked = 0
     while s.has_work:
@@ -269,3 +269,36 @@ def test_structured_output_kinds() -> None:
     assert structured(_so(grammar='root ::= "a"'))[0] == ("ebnf", 'root ::= "a"')
     assert structured(_so(choice=pb.Choices(choices=["x", "y"])))[0] == ("ebnf", 'root ::= "x" | "y"')
     assert structured(_so(json_object=True))[0] == ("json_object", "")
+
+
+def test_the_torch_fallback_masks_as_xgrammar(compiler: Compiler, tok: object) -> None:
+    import xgrammar as xgr
+
+    from executor_svc.grammar import apply_torch
+
+    g = Grammars(lambda: compiler, VOCAB, [EOS])
+    g.observe("r", ("regex", "[0-9]+x"), [1, 5], 0, True)
+    g.observe("s", ("json_object", ""), [1, 5], 0, True)
+    rows = [Row(0, "r", ("regex", "[0-9]+x"), 2, 0), Row(2, "s", ("json_object", ""), 2, 0)]
+    bitmask = g.start(rows, 3).result()
+    logits = torch.randn(3, VOCAB)
+    a, b = logits.clone(), logits.clone()
+    xgr.apply_token_bitmask_inplace(a, bitmask, vocab_size=VOCAB, indices=[0, 2])
+    apply_torch(b, bitmask, [0, 2], VOCAB)
+    assert torch.equal(a, b) and torch.equal(b[1], logits[1]), "row 1 has no grammar: untouched"
+    assert torch.isinf(b[0]).sum() > VOCAB - 100
+
+
+def test_a_compiler_that_cannot_load_ends_rows_with_eos_not_the_step() -> None:
+    def broken() -> Compiler:
+        raise RuntimeError("no tokenizer here")
+
+    g = Grammars(broken, VOCAB, [EOS])
+    g.observe("r", ("regex", "a"), [1, 5], 0, True)
+    rows = [Row(0, "r", ("regex", "a"), 2, 0)]
+    bitmask = g.start(rows, 1).result()
+    assert g.stats.broken == 1 and int((bitmask != 0).sum()) == 1, "one word is not zero: EOS's"
+    assert bitmask[0, EOS // 32] == 1 << (EOS % 32), "only EOS is allowed"
+    tokens = [7]
+    g.accept(rows, tokens)
+    assert tokens == [EOS]
