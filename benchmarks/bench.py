@@ -25,6 +25,7 @@ from benchmarks.preemption import PreemptionPoint
 from benchmarks.reattach import ReattachResult
 from benchmarks.sampling_cost import SamplingPoint, ratio_at, share_at
 from benchmarks.scale_out import ScaleOutConfig, ScaleOutPoint, efficiency
+from benchmarks.structured import StructuredResult
 from benchmarks.workload import Vocab, Workload, WorkloadSpec, make_workload
 
 if TYPE_CHECKING:
@@ -159,6 +160,7 @@ def run_all(args: argparse.Namespace, cfg: Config, out: Path, started: float) ->
     reattached: ReattachResult | None = None
     sampling: list[SamplingPoint] = []
     logprobs: dict | None = None
+    structured: StructuredResult | None = None
     scale_cfg = ScaleOutConfig(executors=cfg.scale_out_executors, running=cfg.scale_out_running,
                                window_s=cfg.scale_out_window_s, step_ms=cfg.scale_out_step_ms)
     logs = out / "logs"
@@ -239,6 +241,12 @@ def run_all(args: argparse.Namespace, cfg: Config, out: Path, started: float) ->
         logprobs = asdict(lc.run(model_dir, lc.LogprobsConfig(requests=cfg.logprobs_requests,
                                                               rounds=cfg.logprobs_rounds), logs / "logprobs_cost"))
 
+    def structured_cost() -> None:
+        from benchmarks import structured as so
+
+        nonlocal structured
+        structured = so.run(model_dir, so.StructuredConfig(rounds=cfg.structured_rounds), logs / "structured")
+
     if "pagedserve" in cfg.arms:
         attempt("pagedserve (+ preemption probe)", paged)
     if "overhead" in cfg.arms:
@@ -253,6 +261,8 @@ def run_all(args: argparse.Namespace, cfg: Config, out: Path, started: float) ->
         attempt("seeded sampling cost", sampling_cost)
     if "logprobs_cost" in cfg.arms:
         attempt("logprobs cost", logprobs_cost)
+    if "structured" in cfg.arms:
+        attempt("JSON-schema constraint cost", structured_cost)
     if "hf_static" in cfg.arms:
         attempt("HF static", lambda: hf_static(short, hf_model(), None))
     if "hf_continuous" in cfg.arms:
@@ -336,6 +346,10 @@ def run_all(args: argparse.Namespace, cfg: Config, out: Path, started: float) ->
         "seeded_sampling_share_of_forward": share_at(sampling),
         "logprobs_cost": logprobs,
         "logprobs_top5_tokens_per_s_ratio": logprobs["ratio"] if logprobs else None,
+        "structured_output": structured.as_dict() if structured else None,
+        "json_schema_tokens_per_s_ratio": structured.ratio if structured else None,
+        "json_schema_mask_fill_us_per_token": structured.mask_fill_ms_per_token * 1e3 if structured else None,
+        "json_schema_mask_apply_ms_per_step": structured.mask_apply_ms_per_step if structured else None,
         "throughput_ratio_vs_hf_continuous_previous": PREVIOUS_QUICK.ratio("hf_continuous"),
         "previous_run": {"label": PREVIOUS_QUICK.label, "output_tokens_per_s": PREVIOUS_QUICK.output_tokens_per_s},
         "targets": [t.as_dict() for t in targets],

@@ -35,6 +35,7 @@ class Config:
     sampling_reps: int = 7
     logprobs_requests: int = 32  # the logprobs_cost arm's batch (greedy, logprobs=5 against none)
     logprobs_rounds: int = 2
+    structured_rounds: int = 2  # plain / JSON-schema batch pairs of the structured arm
     machine_batches: list[int] = field(default_factory=lambda: [1, 8, 32])
     machine_reps: int = 7  # timed executor / transformers pairs per batch
     gemm_size: int = 2048  # square fp32 matrices of the roofline's GEMM
@@ -48,7 +49,7 @@ class Config:
 
 
 ARMS = ("pagedserve", "hf_static", "hf_continuous", "overhead", "scale_out", "kv_spread", "reattach", "sampling_cost",
-        "logprobs_cost", "machine")
+        "logprobs_cost", "structured", "machine")
 # Quick: under 10 min on 2 cores with the long workload, so HF static serves the long workload's first batch only
 # (6 requests: ~45 s instead of ~4 min), and the overhead grid tries queued requests only at the target point (256
 # running / 1024 waiting); the scale-out windows and the machine arm's pairs are shorter than they were.
@@ -57,7 +58,7 @@ QUICK = Config("quick", 64, 0.125, 512, 2048, [1, 64, 256], [0, 1024], 1.5, [32,
                long_static_requests=6)
 FULL = Config("full", 256, 0.25, 1024, 4096, [1, 16, 64, 128, 256], [0, 256, 1024, 4096], 4.0, [16, 64, 256, 1024],
               scale_out_window_s=10.0, kv_spread_requests=96, reattach_rounds=5, reattach_failover_rounds=3,
-              sampling_reps=15, logprobs_rounds=3, machine_reps=11)
+              sampling_reps=15, logprobs_rounds=3, machine_reps=11, structured_rounds=5)
 
 
 @dataclass(frozen=True, slots=True)

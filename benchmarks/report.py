@@ -392,7 +392,27 @@ def write_markdown(summary: dict, arms: dict[str, dict], targets: list[Target], 
     lines += ["", f"![preemption]({plots.get('preemption', '')})", ""]
     lines += _scale_out_lines(summary, scale or [], plots)
     lines += _streams_lines(summary, sampling or [], plots)
+    lines += _structured_lines(summary)
     (out / "report.md").write_text("\n".join(lines))
+
+
+def _structured_lines(summary: dict) -> list[str]:
+    so = summary.get("structured_output")
+    if not so:
+        return []
+    return ["## Structured output", "",
+            "One SmolLM2 deployment, batches of chat requests at once, greedy, alternating plain (`ignore_eos`, fixed "
+            "length) and JSON-schema constrained (an array of a fixed number of enum strings, so about as long). "
+            "The ratio compares full-batch decode steps (median interval in the step log, plain over JSON); the "
+            "wall figures are each batch's output tokens over its wall time (benchmarks/structured.py).", "",
+            "| step ms plain / JSON | tokens/s ratio | wall tok/s plain / JSON (ratio) | valid | mask fill per token "
+            "(p50 / p99) | mask apply per step |",
+            "|---|---|---|---|---|---|",
+            f"| {_f(so['plain_step_ms'])} / {_f(so['json_step_ms'])} | **{_f(so['ratio'], 3)}** | "
+            f"{_f(so['plain_tokens_per_s'])} / {_f(so['json_tokens_per_s'])} ({_f(so['wall_ratio'], 3)}) | "
+            f"{so['valid']}/{so['constrained']} | {_f(so['mask_fill_ms_per_token'] * 1e3, 1)} / "
+            f"{_f(so['mask_fill_ms_p99'] * 1e3, 1)} µs (worker thread, overlapped with the forward) | "
+            f"{_f(so['mask_apply_ms_per_step'], 3)} ms |", ""]
 
 
 def overhead_dicts(points: list[OverheadPoint]) -> list[dict]:

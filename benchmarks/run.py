@@ -7,7 +7,8 @@ scheduler-overhead sweep (stub executor), the swap-vs-recompute probe, the
 scale-out sweep (registered stub executors behind two scheduler replicas), the
 KV-usage spread across two real executors, the reattach latency of a stream
 resumed on another replica (and after its replica is killed) and what
-replayable seeds cost the sampler. Last, against the machine rather than
+replayable seeds cost the sampler, and what a JSON-schema constraint costs
+against plain greedy (``benchmarks/structured.py``). Last, against the machine rather than
 peers (``benchmarks/machine.py``): the executor's decode step against
 transformers', the output tokens' share of the fp32 GEMM roofline and the
 executor's duty cycle in the real run. The results directory's path is the
@@ -76,6 +77,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="requests of the logprobs_cost arm, sent at once (default: 32)")
     p.add_argument("--logprobs-rounds", type=int, default=None,
                    help="plain / logprobs rounds of the logprobs_cost arm (default: quick 2, full 3)")
+    p.add_argument("--structured-rounds", type=int, default=None,
+                   help="plain / JSON-schema batch pairs of the structured arm (default: quick 2, full 5)")
     p.add_argument("--machine-batches", type=int, nargs="+", default=None,
                    help="batch sizes of the machine arm's executor vs transformers decode step (default: 1 8 32)")
     p.add_argument("--machine-reps", type=int, default=None, help="timed step pairs per batch (default: quick 5, full 11)")
@@ -120,6 +123,7 @@ def build_config(args: argparse.Namespace) -> Config:
         sampling_reps=pick(args.sampling_reps, base.sampling_reps),
         logprobs_requests=pick(args.logprobs_requests, base.logprobs_requests),
         logprobs_rounds=pick(args.logprobs_rounds, base.logprobs_rounds),
+        structured_rounds=pick(args.structured_rounds, base.structured_rounds),
         machine_batches=pick(args.machine_batches, base.machine_batches),
         machine_reps=pick(args.machine_reps, base.machine_reps),
         gemm_size=pick(args.gemm_size, base.gemm_size),

@@ -12,6 +12,7 @@ import hashlib
 import time
 import uuid
 from collections import defaultdict
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,10 +22,12 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from executor_svc import attention
 from executor_svc import logprobs
 from executor_svc.block_tables import BlockTables
+from executor_svc.grammar import Grammars, Row
 from executor_svc.history import Histories
 from executor_svc.kv_pool import GIB, KVGeometry, KVPool, cpu_tier, device_tier, disk_tier
 from executor_svc.sampler import SamplingParams, sample
 from kernels import get_backend, make_metadata
+from pagedserve.grammar import Compiler, Spec
 
 TIER_NAMES = ("device", "cpu", "disk")
 TOKENIZER_FILES = (
@@ -81,6 +84,7 @@ class SeqInput:
     history: list[int] | None = None  # tokens [0, start_pos), sent with a full table when sampling needs them
     prompt_logprobs: int | None = None  # alternatives per prompt position; None: no prompt logprobs
     prompt_next: int | None = None  # the prompt token after this chunk, if the prompt goes on
+    grammar: Spec | None = None  # structured output: (kind, text)
 
 
 @dataclass(slots=True)
@@ -158,6 +162,7 @@ class Engine:
         )
         self.tables = BlockTables(self.pool.device.num_blocks)
         self.histories = Histories()  # token histories of requests whose sampling needs them
+        self.grammars = Grammars(self._grammar_compiler, self.vocab_size, self.eos_token_ids)
         self.model_digest = self._digest()
 
     def _device_blocks(self) -> int:
@@ -201,10 +206,17 @@ class Engine:
             h.update(name.encode() + b"\0" + data)
         return h.hexdigest()[:32]
 
+    def _grammar_compiler(self) -> Compiler:
+        """Built on the first structured request: it loads the tokenizer (~0.5 s)."""
+        from transformers import AutoTokenizer
+
+        return Compiler(AutoTokenizer.from_pretrained(self.cfg.model), self.vocab_size, self.eos_token_ids)
+
     def renew_instance(self) -> str:
         """Forget every block table and become a new instance (the schedulers evicted the old one)."""
         self.tables.clear()
         self.histories.clear()
+        self.grammars.clear()
         self.instance_id = uuid.uuid4().hex
         return self.instance_id
 
@@ -265,12 +277,15 @@ class Engine:
         if plan.reset_tables:
             self.tables.clear()
             self.histories.clear()
+            self.grammars.clear()
         for rid in plan.forget:
             self.tables.forget(rid)
             self.histories.forget(rid)
+            self.grammars.forget(rid)
         for seq in plan.seqs:
             self._check(seq)
         self._record_history(plan.seqs)
+        masks, grammar_rows = self._start_masks(plan.seqs)
         ts = time.perf_counter()
         with self._copying():
             self._move(plan.swap_in)
@@ -290,8 +305,8 @@ class Engine:
         lps: dict[str, logprobs.Entry] = {}
         prompt_lps: dict[str, tuple[int, list[logprobs.Entry]]] = {}
         if logits is not None:
-            tokens, lps = self._sample(plan.seqs, logits, rows)
             prompt_lps = self._prompt_logprobs(plan.seqs, logits, rows)
+            tokens, lps = self._sample(plan.seqs, logits, rows, masks, grammar_rows)
         if plan.seqs:
             forward_ms = (time.perf_counter() - t1) * 1e3
         if self._copy_stream is not None:
@@ -319,16 +334,22 @@ class Engine:
             else:
                 self.histories.extend(seq.request_id, seq.token_ids)
 
-    def _sample(self, seqs: list[SeqInput], logits: torch.Tensor,
-                rows: _Rows) -> tuple[list[tuple[str, int]], dict[str, logprobs.Entry]]:
+    def _sample(self, seqs: list[SeqInput], logits: torch.Tensor, rows: _Rows, masks: Future[torch.Tensor] | None,
+                grammar_rows: list[Row]) -> tuple[list[tuple[str, int]], dict[str, logprobs.Entry]]:
+        """Structured rows get their token masks first (in place: their logprobs, as vLLM's, are
+        those of the masked logits), then every sampled row is drawn."""
         if not rows.sampled:
             return [], {}
         picked = [seqs[i] for i in rows.sampled]
         last = logits[rows.last] if len(rows.last) != logits.shape[0] else logits
+        if grammar_rows and masks is not None:
+            last = last.float()
+            self.grammars.apply(last, masks.result(), grammar_rows)
         histories = None
         if any(s.sampling.penalized for s in picked):
             histories = [self.histories.get(s.request_id) if s.sampling.penalized else None for s in picked]
         chosen = sample(last, [s.sampling for s in picked], [s.num_generated for s in picked], histories)
+        self.grammars.accept(grammar_rows, chosen)
         tokens = [(s.request_id, t) for s, t in zip(picked, chosen)]
         want = [j for j, s in enumerate(picked) if s.sampling.logprobs is not None]
         if not want:
@@ -351,6 +372,20 @@ class Engine:
             out[seq.request_id] = (seq.start_pos + 1,
                                    logprobs.gather(logits[first : first + len(targets)], targets, [k] * len(targets)))
         return out
+    def _start_masks(self, seqs: list[SeqInput]) -> tuple[Future[torch.Tensor] | None, list[Row]]:
+        """Record structured sequences' tokens, then fill their masks in a worker while the forward runs."""
+        rows: list[Row] = []
+        j = 0
+        for seq in seqs:
+            if seq.grammar is not None or seq.request_id in self.grammars:
+                self.grammars.observe(seq.request_id, seq.grammar, seq.token_ids, seq.start_pos, seq.full_table,
+                                      seq.history or [])
+            if seq.sample:
+                if seq.grammar is not None:
+                    rows.append(Row(j, seq.request_id, seq.grammar, seq.start_pos + len(seq.token_ids),
+                                    seq.num_generated))
+                j += 1
+        return (self.grammars.start(rows, j) if rows else None), rows
 
     @torch.inference_mode()
     def _forward(self, seqs: list[SeqInput], tables: torch.Tensor) -> tuple[torch.Tensor | None, _Rows]:

@@ -60,6 +60,7 @@ def _seq_from_pb(s: pb.SeqPlan, eos: list[int]) -> SeqInput:
         num_generated=s.num_generated,
         full_table=s.full_table,
         history=list(s.history) if s.history else None,
+        grammar=(s.sampling.grammar.kind, s.sampling.grammar.spec) if s.sampling.grammar.kind else None,
     )
     if s.sampling.HasField("prompt_logprobs"):
         plp = s.sampling.prompt_logprobs

@@ -97,9 +97,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--max-pending-requests must be >= 0 (0: no limit)")
     if args.max_logprobs < 0:
         p.error("--max-logprobs must be >= 0")
-    if min(args.max_stop_strings, args.max_stop_string_length, args.max_prompt_bytes, args.max_request_bytes) < 1:
-        p.error("--max-stop-strings, --max-stop-string-length, --max-prompt-bytes and --max-request-bytes "
-                "must be positive")
+    if min(args.max_stop_strings, args.max_stop_string_length, args.max_prompt_bytes, args.max_request_bytes,
+           args.max_grammar_bytes) < 1:
+        p.error("--max-stop-strings, --max-stop-string-length, --max-prompt-bytes, --max-request-bytes and "
+                "--max-grammar-bytes must be positive")
     return args
 
 
@@ -157,6 +158,9 @@ def _admission_arguments(p: argparse.ArgumentParser) -> None:
                         "--max-logprobs)")
     p.add_argument("--max-prompt-bytes", type=int, default=validate.MAX_PROMPT_BYTES, metavar="N",
                    help="UTF-8 bytes of prompt text, or of all messages' roles and contents")
+    p.add_argument("--max-grammar-bytes", type=int, default=validate.MAX_GRAMMAR_BYTES, metavar="N",
+                   help="UTF-8 bytes of one structured-output spec (a JSON schema, regex, grammar, or the "
+                        "choices as a grammar)")
     p.add_argument("--max-request-bytes", type=int, default=validate.MAX_REQUEST_BYTES, metavar="N",
                    help="bytes of one serialized request on the public port (INVALID_ARGUMENT over it; the "
                         "transport refuses messages over the larger of this and 4 MiB with RESOURCE_EXHAUSTED)")
@@ -164,7 +168,8 @@ def _admission_arguments(p: argparse.ArgumentParser) -> None:
 
 def _caps(args: argparse.Namespace) -> validate.Caps:
     return validate.Caps(max_stop_strings=args.max_stop_strings, max_stop_string_length=args.max_stop_string_length,
-                         max_prompt_bytes=args.max_prompt_bytes, max_logprobs=args.max_logprobs)
+                         max_prompt_bytes=args.max_prompt_bytes, max_logprobs=args.max_logprobs,
+                         max_grammar_bytes=args.max_grammar_bytes)
 
 
 def _scheduler_config(args: argparse.Namespace) -> SchedulerConfig:

@@ -38,6 +38,8 @@ def spec_json(req: Request, stop: list[str]) -> str:
     params.update({k: getattr(p, k) for k, default in _EXTRA_DEFAULTS.items() if getattr(p, k) != default})
     if p.logit_bias:
         params["logit_bias"] = [list(x) for x in p.logit_bias]
+    if p.grammar:
+        params["grammar"] = list(p.grammar)
     return json.dumps({"prompt": req.prompt_ids, "priority": req.priority, "stop": stop, "params": params})
 
 
@@ -51,6 +53,8 @@ def request_from(request_id: str, fields: dict[str, str], output: list[str], com
     params = spec["params"]
     params["stop_token_ids"] = tuple(params["stop_token_ids"])
     params["logit_bias"] = tuple((int(t), float(b)) for t, b in params.get("logit_bias", ()))
+    if params.get("grammar"):
+        params["grammar"] = tuple(params["grammar"])
     return Request(
         request_id=request_id,
         prompt_ids=spec["prompt"],

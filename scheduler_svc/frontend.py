@@ -23,6 +23,7 @@ from typing import Any
 from opentelemetry.trace import Span, Tracer
 
 from pagedserve import tracing
+from pagedserve.grammar import Compiler, GrammarError
 from pagedserve.members import now_ms
 from scheduler_svc import codec
 from scheduler_svc.attachments import Attachments
@@ -208,6 +209,7 @@ class Frontend:
         self.caps = caps
         self.max_pending = max_pending  # --max-pending-requests; 0: no limit
         self.finish_rate = FinishRate()
+        self._grammars: Compiler | None = None  # built on the first structured request
         self._background: set[asyncio.Task[None]] = set()
 
     @property
@@ -225,6 +227,19 @@ class Frontend:
         except Exception as exc:  # jinja errors: the template refused these messages
             raise InvalidArgument(f"messages: the chat template rejected them: {exc}") from exc
         return list(self.tokenizer(text, add_special_tokens=False).input_ids)
+
+    def _compile(self, checked: Checked) -> None:
+        """A structured-output spec must compile here (xgrammar, this model's tokenizer), so that a
+        bad one is refused at submission; compiled grammars are cached by spec (bounded in bytes)."""
+        if checked.params.grammar is None:
+            return
+        if self._grammars is None:
+            assert self.watch.limits is not None
+            self._grammars = Compiler(self.tokenizer, self.watch.limits.vocab_size)
+        try:
+            self._grammars.compile(checked.params.grammar)
+        except GrammarError as exc:
+            raise InvalidArgument(f"{checked.grammar_field}: does not compile: {exc}") from exc
 
     def _check_open(self) -> None:
         if self.draining:
@@ -244,6 +259,7 @@ class Frontend:
         limits = self.watch.limits
         assert limits is not None
         checked = check(req, limits, self.caps)
+        self._compile(checked)
         prompt = self._tokenize(req, checked)
         check_length(checked.kind, len(prompt), checked.params, limits)
         params = checked.params

@@ -38,6 +38,7 @@ from pagedserve.security import ReloadingSSLContext
 from scheduler_svc import openai_protocol as proto
 from scheduler_svc.frontend import Chunk, Frontend, StreamDetached
 from scheduler_svc.openai_protocol import ApiError
+from scheduler_svc.validate import InvalidArgument
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -191,7 +192,12 @@ class Door:
         if (size := parsed.request.ByteSize()) > self.max_request_bytes:
             raise ApiError(400, f"request: {size} bytes as a pagedserve.v1 request, over the limit of "
                                 f"{self.max_request_bytes} (--max-request-bytes)")
-        req, stop = self.frontend.prepare(parsed.request, None)
+        try:
+            req, stop = self.frontend.prepare(parsed.request, None)
+        except InvalidArgument as exc:  # a refused structured-output spec is named as the body named it
+            if (renamed := proto.structured_error(exc, parsed)) is None:
+                raise
+            raise renamed from exc
         limits = self.frontend.watch.limits
         if chat and not parsed.request.sampling.HasField("max_tokens") and limits is not None:
             req.params = replace(req.params, max_tokens=proto.context_room(limits, len(req.prompt_ids)))

@@ -14,6 +14,7 @@ OpenAI field (``sampling.max_tokens: ...`` becomes ``max_tokens: ...``).
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from collections.abc import Callable
@@ -30,10 +31,14 @@ FLOAT32_MAX = 3.4028234663852886e38
 # Fields OpenAI or vLLM define that pagedserve cannot honour yet: refused, never ignored
 # (issue 12 adds them). Each maps to the value that means "off", which is accepted.
 NOT_YET: dict[str, tuple[Any, ...]] = {
-    "best_of": (1,), "echo": (False,), "suffix": ("",), "tools": ([],),
-    "functions": ([],), "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (),
-    "structured_outputs": (),
+    "best_of": (1,), "echo": (False,), "suffix": ("",), "tools": ([],), "functions": ([],),
 }
+# vLLM's structured-output keys (``structured_outputs: {...}``, and the older top-level
+# ``guided_*``) -> the StructuredOutput field they set.
+STRUCTURED_KEYS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar",
+                   "json_object": "json_object"}
+GUIDED = {f"guided_{k}": v for k, v in STRUCTURED_KEYS.items() if k != "json_object"}
+STRUCTURED_FIELD = "sampling.structured_output."  # how validate/frontend name its fields
 # validate.check names pagedserve.v1 fields; these are their OpenAI names.
 RENAMES = {"sampling.": "", "prompt_token_ids": "prompt", "request_id": "X-Request-Id"}
 PARAM = re.compile(r"^([A-Za-z_][\w.\[\]-]*): ")
@@ -167,9 +172,6 @@ def _refuse_unsupported(body: dict[str, Any], chat: bool) -> None:
     for name, off in NOT_YET.items():
         if body.get(name) is not None and body[name] not in off:
             raise bad(name, "not supported yet")
-    fmt = body.get("response_format")
-    if fmt is not None and fmt != {"type": "text"}:
-        raise bad("response_format", "structured output is not supported yet (only {\"type\": \"text\"})")
 
 
 def _sampling(body: dict[str, Any], chat: bool) -> pb.SamplingParams:
@@ -232,6 +234,84 @@ def _logprobs(s: pb.SamplingParams, body: dict[str, Any], chat: bool) -> None:
         s.logprobs = _integer("logprobs", get("logprobs"), 0, U32)
     if get("prompt_logprobs") is not None:
         s.prompt_logprobs = _integer("prompt_logprobs", get("prompt_logprobs"), 0, U32)
+def _schema(name: str, v: Any) -> str:
+    """A JSON schema given as an object (or, as vLLM takes it, as JSON text)."""
+    if isinstance(v, str):
+        return _text(name, v)
+    if not isinstance(v, dict):
+        raise bad(name, "must be a JSON schema (an object)")
+    return json.dumps(v, ensure_ascii=False)
+
+
+def _set_structured(so: pb.StructuredOutput, kind: str, name: str, v: Any) -> None:
+    if kind == "json_schema":
+        so.json_schema = _schema(name, v)
+    elif kind == "choice":
+        if not isinstance(v, list) or not v:
+            raise bad(name, "must be a non-empty list of strings")
+        so.choice.choices.extend(_text(f"{name}[{i}]", x) for i, x in enumerate(v))
+    elif kind == "json_object":
+        if not _flag(name, v):
+            raise bad(name, "must be true when given")
+        so.json_object = True
+    else:
+        setattr(so, kind, _text(name, v))
+
+
+def _response_format(v: Any) -> tuple[pb.StructuredOutput, str] | None:
+    """OpenAI's ``response_format``: text (no constraint), json_object, json_schema."""
+    if not isinstance(v, dict):
+        raise bad("response_format", "must be an object with a type")
+    kind = v.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return pb.StructuredOutput(json_object=True), "response_format"
+    if kind != "json_schema":
+        raise bad("response_format.type", "must be one of text, json_object, json_schema")
+    spec = v.get("json_schema")
+    if not isinstance(spec, dict):
+        raise bad("response_format.json_schema", "must be an object with name and schema")
+    _text("response_format.json_schema.name", spec.get("name"))
+    if spec.get("schema") is None:
+        raise bad("response_format.json_schema.schema", "required")
+    return (pb.StructuredOutput(json_schema=_schema("response_format.json_schema.schema", spec["schema"])),
+            "response_format.json_schema.schema")
+
+
+def _structured(body: dict[str, Any]) -> tuple[pb.StructuredOutput, str] | None:
+    """The constraint of ``response_format``, vLLM's ``structured_outputs`` or its ``guided_*``
+    fields (at most one of them), and the HTTP field that holds it."""
+    found: list[tuple[pb.StructuredOutput, str]] = []
+    if body.get("response_format") is not None:
+        if (got := _response_format(body["response_format"])) is not None:
+            found.append(got)
+    if (v := body.get("structured_outputs")) is not None:
+        if not isinstance(v, dict):
+            raise bad("structured_outputs", "must be an object")
+        for key, value in v.items():
+            if value is None or key not in STRUCTURED_KEYS:
+                continue  # vLLM's other options (backend, whitespace...) do not change what is allowed
+            so, name = pb.StructuredOutput(), f"structured_outputs.{key}"
+            _set_structured(so, STRUCTURED_KEYS[key], name, value)
+            found.append((so, name))
+    for key, kind in GUIDED.items():
+        if body.get(key) is not None:
+            so = pb.StructuredOutput()
+            _set_structured(so, kind, key, body[key])
+            found.append((so, key))
+    if len(found) > 1:
+        raise bad(found[1][1], f"only one structured-output constraint per request (also given: {found[0][1]})")
+    return found[0] if found else None
+
+
+def structured_error(exc: InvalidArgument, parsed: Parsed) -> ApiError | None:
+    """A refused spec (it does not compile, or is too large), named as the request named it."""
+    message = str(exc)
+    if not parsed.structured_param or not message.startswith(STRUCTURED_FIELD):
+        return None
+    rest = message.split(": ", 1)[1] if ": " in message else message
+    return bad(parsed.structured_param, rest)
 
 
 def _prompt(req: pb.GenerateRequest, v: Any) -> None:
@@ -288,6 +368,7 @@ class Parsed:
     stream: bool = False
     include_usage: bool = False
     return_token_ids: bool = False  # vLLM's extension: token ids in the choices
+    structured_param: str = ""  # the field that set sampling.structured_output (errors name it)
 
 
 def _stream_options(body: dict[str, Any], stream: bool) -> bool:
@@ -308,6 +389,9 @@ def parse(body: dict[str, Any], chat: bool, request_id: str = "") -> Parsed:
     model = _text("model", body["model"])
     _refuse_unsupported(body, chat)
     req = pb.GenerateRequest(request_id=_text("X-Request-Id", request_id), sampling=_sampling(body, chat))
+    structured = _structured(body)
+    if structured is not None:
+        req.sampling.structured_output.CopyFrom(structured[0])
     if chat:
         _messages(req, body.get("messages"))
     else:
@@ -318,7 +402,8 @@ def parse(body: dict[str, Any], chat: bool, request_id: str = "") -> Parsed:
         req.queue_timeout = _number("queue_timeout", body["queue_timeout"])
     stream = body.get("stream") is not None and _flag("stream", body["stream"])
     ids = body.get("return_token_ids") is not None and _flag("return_token_ids", body["return_token_ids"])
-    return Parsed(req, model, chat, stream, _stream_options(body, stream), ids)
+    return Parsed(req, model, chat, stream, _stream_options(body, stream), ids,
+                  structured[1] if structured is not None else "")
 
 
 def context_room(limits: Limits, num_prompt: int) -> int:

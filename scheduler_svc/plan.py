@@ -13,13 +13,19 @@ from scheduler_svc.core.scheduler import Scheduled, SchedulerOutput
 from pagedserve.executor.v1 import executor_pb2 as pb
 
 
+def _grammar(p: Params) -> pb.Grammar | None:
+    return pb.Grammar(kind=p.grammar[0], spec=p.grammar[1]) if p.grammar else None
+
+
 def _moves(moves: list[Move]) -> list[pb.BlockMove]:
     return [pb.BlockMove(src_tier=m.src_tier, src=m.src, dst_tier=m.dst_tier, dst=m.dst) for m in moves]
 
 
 def needs_history(params: Params) -> bool:
-    """Whether the executor must hold the request's tokens to sample it (penalties count them)."""
-    return params.penalized
+    """Whether the executor must hold the request's tokens to sample it (penalties count them; a
+    grammar matcher is rebuilt from them): then a full table with start_pos > 0 carries them
+    (SeqPlan.history)."""
+    return params.penalized or params.grammar is not None
 
 
 def sampling(p: Params, req: Request, s: Scheduled) -> pb.Sampling:
@@ -35,6 +41,8 @@ def sampling(p: Params, req: Request, s: Scheduled) -> pb.Sampling:
                                              include_eos=not p.ignore_eos))
     if p.logit_bias:
         out.logit_bias.update(dict(p.logit_bias))
+    if p.grammar:
+        out.grammar.CopyFrom(_grammar(p))
     if p.logprobs is not None:
         out.logprobs = p.logprobs + 1
     plen = len(req.prompt_ids)

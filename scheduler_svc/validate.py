@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from pagedserve.grammar import MAX_GRAMMAR_BYTES, choice_ebnf
 from scheduler_svc.core.request import Params
 from pagedserve.v1 import generation_pb2 as pb
 
@@ -41,12 +42,13 @@ class Limits:
 class Caps:
     """What one request may ask for, whatever the model could take (the scheduler's
     ``--max-stop-strings``, ``--max-stop-string-length``, ``--max-prompt-bytes``,
-    ``--max-logprobs``)."""
+    ``--max-logprobs``, ``--max-grammar-bytes``)."""
 
     max_stop_strings: int = MAX_STOP_STRINGS
     max_stop_string_length: int = MAX_STOP_STRING_LENGTH
     max_prompt_bytes: int = MAX_PROMPT_BYTES
     max_logprobs: int = MAX_LOGPROBS
+    max_grammar_bytes: int = MAX_GRAMMAR_BYTES  # of a structured-output spec
 
 
 DEFAULT_CAPS = Caps()
@@ -66,6 +68,7 @@ class Checked:
     stop: list[str]
     priority: int
     queue_timeout: float | None = None  # seconds; None: no limit
+    grammar_field: str = ""  # the structured-output field that params.grammar came from
 
 
 def _check_caps(req: pb.GenerateRequest, caps: Caps) -> None:
@@ -84,6 +87,39 @@ def _check_caps(req: pb.GenerateRequest, caps: Caps) -> None:
                                   f"allowed (--max-stop-string-length)")
     if req.HasField("queue_timeout") and not (math.isfinite(req.queue_timeout) and req.queue_timeout > 0):
         raise InvalidArgument(f"queue_timeout: must be a finite number of seconds > 0 (got {req.queue_timeout})")
+
+
+def structured(s: pb.SamplingParams, caps: Caps = DEFAULT_CAPS) -> tuple[tuple[str, str] | None, str]:
+    """The structured-output spec ``(kind, text)`` and the field it came from; (None, "") when unset.
+    Whether it compiles is the frontend's check (it needs the tokenizer)."""
+    if not s.HasField("structured_output"):
+        return None, ""
+    so = s.structured_output
+    kind = so.WhichOneof("kind")
+    name = f"sampling.structured_output.{kind}"
+    if kind is None:
+        raise InvalidArgument("sampling.structured_output: set one of json_schema, regex, choice, grammar, "
+                              "json_object")
+    if s.ignore_eos:
+        raise InvalidArgument("sampling.ignore_eos: cannot be combined with sampling.structured_output (the "
+                              "grammar ends the output with an EOS token)")
+    if kind == "json_object":
+        if not so.json_object:
+            raise InvalidArgument(f"{name}: must be true when set")
+        return ("json_object", ""), name
+    if kind == "choice":
+        choices = list(so.choice.choices)
+        if not choices or not all(choices):
+            raise InvalidArgument(f"{name}: give at least one choice, each non-empty")
+        spec = ("ebnf", choice_ebnf(choices))
+    else:
+        text = getattr(so, kind)
+        if not text:
+            raise InvalidArgument(f"{name}: must not be empty")
+        spec = ({"grammar": "ebnf"}.get(kind, kind), text)
+    if (n := _utf8(spec[1])) > caps.max_grammar_bytes:
+        raise InvalidArgument(f"{name}: {n} bytes, over the limit of {caps.max_grammar_bytes} (--max-grammar-bytes)")
+    return spec, name
 
 
 def check(req: pb.GenerateRequest, limits: Limits, caps: Caps = DEFAULT_CAPS) -> Checked:
@@ -124,6 +160,7 @@ def check(req: pb.GenerateRequest, limits: Limits, caps: Caps = DEFAULT_CAPS) ->
         if not m.role:
             raise InvalidArgument(f"messages[{i}].role: must be set")
     _check_sampling(s, limits, caps)
+    grammar, grammar_field = structured(s, caps)
     params = Params(
         max_tokens=s.max_tokens if s.HasField("max_tokens") else 16,
         temperature=s.temperature if s.HasField("temperature") else 1.0,
@@ -140,9 +177,10 @@ def check(req: pb.GenerateRequest, limits: Limits, caps: Caps = DEFAULT_CAPS) ->
         logit_bias=tuple(sorted((int(t), float(b)) for t, b in s.logit_bias.items())),
         logprobs=s.logprobs if s.HasField("logprobs") else None,
         prompt_logprobs=s.prompt_logprobs if s.HasField("prompt_logprobs") else None,
+        grammar=grammar,
     )
     return Checked(req.request_id, given[0], params, list(s.stop), req.priority,
-                   req.queue_timeout if req.HasField("queue_timeout") else None)
+                   req.queue_timeout if req.HasField("queue_timeout") else None, grammar_field)
 
 
 def _check_sampling(s: pb.SamplingParams, limits: Limits, caps: Caps) -> None:

@@ -20,7 +20,8 @@ NUMERIC_KEYS = ("throughput_ratio_vs_hf_static", "throughput_ratio_vs_hf_continu
                 "throughput_ratio_vs_hf_continuous_previous", "model_runner_ratio_32", "gemm_flops_per_s",
                 "roofline_fraction", "executor_busy_fraction", "throughput_ratio_vs_hf_continuous_long",
                 "throughput_ratio_vs_hf_static_long", "kv_utilization_steady_state_long",
-                "logprobs_top5_tokens_per_s_ratio")
+                "logprobs_top5_tokens_per_s_ratio", "json_schema_tokens_per_s_ratio", "json_schema_mask_fill_us_per_token",
+                "json_schema_mask_apply_ms_per_step")
 
 
 @pytest.fixture(scope="module")
@@ -55,6 +56,7 @@ def test_harness_writes_report(tiny_model: Path, tmp_path: Path, capsys: pytest.
         "--kv-spread-budget-tokens", "256", "--kv-spread-requests", "32",
         "--reattach-requests", "4", "--reattach-rounds", "1", "--reattach-failover-rounds", "1",
         "--sampling-batches", "1", "32", "--sampling-reps", "2", "--logprobs-requests", "4", "--logprobs-rounds", "1",
+        "--structured-rounds", "1",
         "--machine-batches", "1", "32", "--machine-reps", "2", "--gemm-size", "256",
         "--long-num-requests", "3", "--long-scale", "0.1", "--long-max-total-len", "64",
         "--long-kv-budget-tokens", "320", "--long-static-requests", "2",
@@ -91,6 +93,9 @@ def test_harness_writes_report(tiny_model: Path, tmp_path: Path, capsys: pytest.
         assert all(isinstance(v, int | float) and math.isfinite(v) for v in figures) and point["forward_source"]
     lp = summary["logprobs_cost"]
     assert lp["config"]["requests"] == 4 and len(lp["plain_tokens_per_s"]) == len(lp["logprobs_tokens_per_s"]) == 1
+    so = summary["structured_output"]
+    assert so["constrained"] == 8 and so["valid"] == 8, "the grammar makes even a random model's output valid"
+    assert [r["plain_tokens"] for r in so["rounds"]] == [8 * 34]
     assert [p["batch"] for p in summary["model_runner"]] == [1, 32]
     for point in summary["model_runner"]:
         figures = [point[k] for k in ("executor_ms", "transformers_ms", "ratio")]

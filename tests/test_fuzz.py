@@ -132,6 +132,20 @@ messages = st.lists(st.builds(pb.ChatMessage, role=roles, content=text), max_siz
     st.builds(pb.ChatMessage, role=st.just("user"), content=st.just("x")), (2_000, 300_000))
 
 
+# Specs that compile: servable requests carry one of them now and then.
+SPECS = [pb.StructuredOutput(json_schema='{"type": "object", "properties": {"a": {"enum": ["x", "y"]}}}'),
+         pb.StructuredOutput(regex="[a-z]{1,3}"), pb.StructuredOutput(choice=pb.Choices(choices=["yes", "no"])),
+         pb.StructuredOutput(grammar='root ::= "a" root | "b"'), pb.StructuredOutput(json_object=True)]
+structured = st.one_of(
+    st.builds(pb.StructuredOutput, json_schema=text | st.sampled_from(['{"type": "objectx"}', '{"$ref": "#"}', "[]"])),
+    st.builds(pb.StructuredOutput, regex=text | st.sampled_from(["a(b", "(?=a)", "\\", "a{99999}"])),
+    st.builds(pb.StructuredOutput, grammar=text | st.sampled_from(["root ::= x", "root ::= root"])),
+    st.builds(pb.StructuredOutput, choice=st.builds(pb.Choices, choices=st.lists(text, max_size=5))),
+    st.builds(pb.StructuredOutput, json_object=st.booleans()),
+    st.just(pb.StructuredOutput()), st.sampled_from(SPECS),
+)
+
+
 @st.composite
 def sampling(draw: st.DrawFn) -> pb.SamplingParams:
     kw: dict = {}
@@ -147,6 +161,8 @@ def sampling(draw: st.DrawFn) -> pb.SamplingParams:
         st.just("s" * 1000), (1, 16)))
     kw["stop_token_ids"] = draw(st.lists(u32, max_size=10) | huge(u32, (1_000, 200_000)))
     kw["ignore_eos"] = draw(st.booleans())
+    if draw(st.booleans()):
+        kw["structured_output"] = draw(structured)
     return pb.SamplingParams(**kw)
 
 
@@ -206,6 +222,8 @@ def servable(draw: st.DrawFn) -> pb.GenerateRequest:
                                                  max_size=4)))
         s.logprobs = draw(st.integers(0, 20))
         s.prompt_logprobs = draw(st.integers(0, 20))
+    if not s.ignore_eos and draw(st.booleans()):
+        s.structured_output.CopyFrom(draw(st.sampled_from(SPECS)))
     req.priority = draw(i32)
     if draw(st.booleans()):
         req.queue_timeout = draw(st.floats(1e-300, 1e300) | st.sampled_from([1e-300, 1e-9, 30.0, 1e300]))

@@ -33,6 +33,7 @@ class Params:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    grammar: tuple[str, str] | None = None  # structured output: (kind, text), pagedserve/grammar.py
     min_p: float = 0.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0

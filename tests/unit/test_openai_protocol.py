@@ -4,6 +4,7 @@ HTTP statuses, and the exact response and stream-chunk shapes. No processes, no 
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -112,7 +113,21 @@ BAD: list[tuple[str, dict[str, Any], bool, str]] = [
     ("logit_bias value a string", completion(logit_bias={"5": "x"}), False, "logit_bias[5]"),
     ("min_tokens negative", completion(min_tokens=-1), False, "min_tokens"),
     ("min_p a string", completion(min_p="0.1"), False, "min_p"),
-    ("response_format", chat(response_format={"type": "json_object"}), True, "response_format"),
+    ("response_format a string", chat(response_format="json"), True, "response_format"),
+    ("response_format type", chat(response_format={"type": "xml"}), True, "response_format.type"),
+    ("json_schema without schema", chat(response_format={"type": "json_schema", "json_schema": {"name": "a"}}),
+     True, "response_format.json_schema.schema"),
+    ("json_schema without name", chat(response_format={"type": "json_schema", "json_schema": {"schema": {}}}),
+     True, "response_format.json_schema.name"),
+    ("schema a number", chat(response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": 3}}),
+     True, "response_format.json_schema.schema"),
+    ("guided_choice empty", completion(guided_choice=[]), False, "guided_choice"),
+    ("guided_choice item", completion(guided_choice=["a", 3]), False, "guided_choice[1]"),
+    ("guided_regex a number", completion(guided_regex=3), False, "guided_regex"),
+    ("structured_outputs a list", completion(structured_outputs=[]), False, "structured_outputs"),
+    ("structured_outputs json_object false", completion(structured_outputs={"json_object": False}), False,
+     "structured_outputs.json_object"),
+    ("two constraints", chat(response_format={"type": "json_object"}, guided_regex="a+"), True, "guided_regex"),
     ("tools", chat(tools=[{"type": "function", "function": {"name": "f"}}]), True, "tools"),
     ("echo", completion(echo=True), False, "echo"),
     ("several prompts", completion(prompt=["a", "b"]), False, "prompt"),
@@ -295,3 +310,31 @@ def test_chat_logprobs_in_openai_shape() -> None:
                           "top_logprobs": [{"token": "Hel", "logprob": -0.5, "bytes": [72, 101, 108]},
                                            {"token": "", "logprob": -1.5, "bytes": []}]}
     assert [c["logprob"] for c in content] == [-0.5, -0.25, -0.125]
+def test_structured_output_fields() -> None:
+    """response_format (OpenAI), structured_outputs (vLLM) and guided_* (older vLLM) map to
+    sampling.structured_output; "text" is no constraint."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    so = lambda body, is_chat=True: proto.parse(body, chat=is_chat).request.sampling.structured_output  # noqa: E731
+    got = so(chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}))
+    assert json.loads(got.json_schema) == schema
+    assert so(chat(response_format={"type": "json_object"})).json_object
+    assert not proto.parse(chat(response_format={"type": "text"}), chat=True).request.sampling.HasField(
+        "structured_output")
+    assert json.loads(so(completion(guided_json=schema), False).json_schema) == schema
+    assert so(completion(guided_json='{"type": "string"}'), False).json_schema == '{"type": "string"}'
+    assert so(completion(guided_regex="[0-9]+"), False).regex == "[0-9]+"
+    assert list(so(completion(guided_choice=["yes", "no"]), False).choice.choices) == ["yes", "no"]
+    assert so(completion(guided_grammar='root ::= "a"'), False).grammar == 'root ::= "a"'
+    assert so(chat(structured_outputs={"regex": "a+", "disable_any_whitespace": True})).regex == "a+"
+    assert so(chat(structured_outputs={"json_object": True})).json_object
+    assert proto.parse(chat(guided_regex="a+"), chat=True).structured_param == "guided_regex"
+
+
+def test_a_refused_spec_is_named_as_the_body_named_it() -> None:
+    body = chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}})
+    parsed = proto.parse(body, chat=True)
+    err = proto.structured_error(InvalidArgument("sampling.structured_output.json_schema: does not compile: bad"),
+                                 parsed)
+    assert err is not None and err.status == 400 and err.param == "response_format.json_schema.schema"
+    assert err.message == "response_format.json_schema.schema: does not compile: bad"
+    assert proto.structured_error(InvalidArgument("sampling.top_p: bad"), parsed) is None
