@@ -21,6 +21,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from executor_svc import attention
 from executor_svc.block_tables import BlockTables
 from executor_svc.kv_pool import GIB, KVGeometry, KVPool, cpu_tier, device_tier, disk_tier
+from executor_svc.pipeline import LastSampled
 from executor_svc.sampler import SamplingParams, sample
 from kernels import get_backend, make_metadata
 
@@ -76,6 +77,7 @@ class SeqInput:
     sample: bool = True
     num_generated: int = 0
     full_table: bool = True
+    from_last_sample: bool = False  # the last input is this request's latest sampled token (resolved first)
 
 
 @dataclass(slots=True)
@@ -149,6 +151,7 @@ class Engine:
             else None,
         )
         self.tables = BlockTables(self.pool.device.num_blocks)
+        self.sampled = LastSampled()  # what a pipelined plan's from_last_sample refers to
         self.model_digest = self._digest()
 
     def _device_blocks(self) -> int:
@@ -195,6 +198,7 @@ class Engine:
     def renew_instance(self) -> str:
         """Forget every block table and become a new instance (the schedulers evicted the old one)."""
         self.tables.clear()
+        self.sampled.clear()
         self.instance_id = uuid.uuid4().hex
         return self.instance_id
 
@@ -241,10 +245,15 @@ class Engine:
         done, so the scheduler may reuse the sources as soon as it has the result.
         """
         t0 = time.perf_counter()
+        # First of all: a token the plan refers to by "sampled last step" becomes a token like any other
+        # (before a forget or a reset drops it, and before any check or bookkeeping reads token_ids).
+        self.sampled.resolve(plan.seqs)
         if plan.reset_tables:
             self.tables.clear()
+            self.sampled.clear()
         for rid in plan.forget:
             self.tables.forget(rid)
+            self.sampled.forget(rid)
         for seq in plan.seqs:
             self._check(seq)
         ts = time.perf_counter()
@@ -267,6 +276,7 @@ class Engine:
             chosen = sample(logits, [plan.seqs[i].sampling for i in sampled],
                             [plan.seqs[i].num_generated for i in sampled])
             tokens = [(plan.seqs[i].request_id, t) for i, t in zip(sampled, chosen)]
+            self.sampled.record(tokens)
         if plan.seqs:
             forward_ms = (time.perf_counter() - t1) * 1e3
         if self._copy_stream is not None:

@@ -190,15 +190,21 @@ def internal_token_interceptor(token: SecretFile) -> TokenInterceptor:
                             f"missing or invalid internal token (metadata {INTERNAL_TOKEN})", (HEALTH_PREFIX,))
 
 
-class TokenClientInterceptor(grpc.aio.UnaryUnaryClientInterceptor):
-    """Adds ``header: <the file's first secret>`` to every unary call (the executor API is all
-    unary); the file is reread when it changes, like the server's copy."""
+class TokenClientInterceptor(grpc.aio.UnaryUnaryClientInterceptor, grpc.aio.StreamStreamClientInterceptor):
+    """Adds ``header: <the file's first secret>`` to every call of the executor API (unary calls and
+    the ``Steps`` stream); the file is reread when it changes, like the server's copy."""
 
     def __init__(self, header: str, secret: SecretFile) -> None:
         self.header = header
         self.secret = secret
 
-    async def intercept_unary_unary(self, continuation, client_call_details, request):  # type: ignore[no-untyped-def]
+    def _details(self, client_call_details):  # type: ignore[no-untyped-def]
         metadata = grpc.aio.Metadata(*(client_call_details.metadata or ()))
         metadata.add(self.header, self.secret.first())
-        return await continuation(client_call_details._replace(metadata=metadata), request)
+        return client_call_details._replace(metadata=metadata)
+
+    async def intercept_unary_unary(self, continuation, client_call_details, request):  # type: ignore[no-untyped-def]
+        return await continuation(self._details(client_call_details), request)
+
+    async def intercept_stream_stream(self, continuation, client_call_details, request_iterator):  # type: ignore[no-untyped-def]
+        return await continuation(self._details(client_call_details), request_iterator)

@@ -3,6 +3,10 @@
 Block tables travel as diffs: ``PlanBuilder`` remembers how many blocks of each
 request the executor holds and sends only the new ones, or the whole table the
 first time, after a preemption, and after any failure (a fresh builder).
+
+Built before ``Scheduler.launch``: a position whose token a launched step has
+not reported yet (the pipelined loop plans one step ahead) travels as
+``from_last_sample``, and the executor puts its own sampled token there.
 """
 
 from __future__ import annotations
@@ -35,10 +39,15 @@ class PlanBuilder:
             known = self._sent.get(req.request_id)
             table = req.blocks if known is None else req.blocks[known:]
             self._sent[req.request_id] = len(req.blocks)
+            end = s.start + s.num_tokens
+            unreported = end - req.num_known  # 1: the last position's token is in flight; else 0 or less
+            if unreported > 1:
+                raise ValueError(f"{req.request_id}: {unreported} unreported tokens in one plan (at most one)")
             seqs.append(
                 pb.SeqPlan(
                     request_id=req.request_id,
-                    token_ids=req.tokens(s.start, s.start + s.num_tokens),
+                    token_ids=req.tokens(s.start, min(end, req.num_known)),
+                    from_last_sample=unreported == 1,
                     start_pos=s.start,
                     block_table=table,
                     full_table=known is None,
@@ -50,7 +59,7 @@ class PlanBuilder:
                         seed=p.seed or 0,
                     ),
                     sample=s.samples,
-                    num_generated=len(req.output_ids),
+                    num_generated=len(req.output_ids) + req.num_unreported,
                 )
             )
         plan = pb.StepPlan(step_id=step_id, swap_out=_moves(out.swap_out), swap_in=_moves(out.swap_in), seqs=seqs,
