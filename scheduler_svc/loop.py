@@ -289,14 +289,15 @@ class Loop:
                 return  # the executor left the membership: the manager reaps it
 
     async def iterate(self) -> bool:
-        """One turn: doorbell and cancels, claims, schedule and send a plan, take the oldest result,
-        commit. False once the executor left."""
+        """One turn: (pipelined: take the oldest result,) doorbell and cancels, claims, schedule and
+        send a plan, (serial: take its result,) commit. False once the executor left."""
         s, timer = self.s, self.s.timer
         member = self.member()
         if member is None:
             return False
         sched = s.sched
         timer.start()
+        done = await self._complete() if s.pipe.wait_first() else None
         block = None if sched.has_work or s.retry or s.pipe else self.idle_block_ms
         ops_in, queued = await timer.redis_call(self.store.read_incoming(s.cursor, block))
         if ops_in:
@@ -317,7 +318,8 @@ class Loop:
         launched = None
         if not hold and s.pipe.can_launch() and sched.has_work:
             launched = self._launch(sched.schedule())
-        done = await self._complete() if s.pipe.must_wait(launched is not None) else None
+        if done is None and s.pipe.wait_after(launched is not None):
+            done = await self._complete()
         sched.expire(now_ms())  # what would go back to the queue (or stays swapped) past its deadline ends here
         sched.requeue_waiting()
         if s.pipe.can_commit():

@@ -11,11 +11,14 @@ sequence's input is "the token you sampled last step" (``from_last_sample``),
 and finishes are found one step late, their extra token dropped
 (``Scheduler.update``).
 
-At most two plans are in flight, and a plan that moves KV between tiers (swaps)
-is never followed by another before its result is in: the loop's commit of
-step N may then include step N+1's allocations (blocks owned but not yet
-written, harmless to reload) and, for the requests in N+1, only what N
-computed (``Flight.starts``), but never a swap that might not have happened.
+A pipelined turn: take step N's result (the executor already runs N+1), read
+Redis, plan and send N+2, commit N. So at most two plans are at the executor,
+and the loop has a whole step to plan the next one. A plan that moves KV between
+tiers (swaps) is never followed by another before its result is in, and no
+commit is made while it is in flight: a commit may include later plans'
+allocations (blocks owned but not yet written, harmless to reload) and, for
+their requests, only what reported steps computed (``Flight.starts``), but
+never a swap that might not have happened.
 After any failure the stream is cancelled; the executor drops the plans queued
 on it, and the reloaded loop opens a new one.
 """
@@ -68,9 +71,15 @@ class Pipeline:
         """Room for another plan, and none in flight moves KV (its swaps must be reported first)."""
         return len(self.flights) < self.depth and not any(f.moves for f in self.flights)
 
-    def must_wait(self, launched: bool) -> bool:
-        """Whether to take the oldest result now: the pipeline is full, or nothing new went out."""
-        return bool(self.flights) and (len(self.flights) >= self.depth or not launched)
+    def wait_first(self) -> bool:
+        """At the start of a pipelined turn the executor holds ``depth`` plans: take the oldest result,
+        then plan the next one while the executor runs the other."""
+        return self.depth > 1 and len(self.flights) >= self.depth
+
+    def wait_after(self, launched: bool) -> bool:
+        """After planning: serial, the result of the plan just sent; pipelined, the oldest result only
+        when nothing new went out (the pipeline drains)."""
+        return bool(self.flights) and (self.depth == 1 or not launched)
 
     def can_commit(self) -> bool:
         """A commit may not record a swap the executor might not have done."""

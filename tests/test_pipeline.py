@@ -61,7 +61,7 @@ def test_late_finishes_never_stream_or_store_the_extra_token(tiny_llama: Path, r
             assert stored(client, ns, res.request_id) == res.token_ids
     assert free == totals
     rows = steps(log)
-    assert any(r["in_flight"] == 1 for r in rows), "the loop had the next plan at the executor"
+    assert any(r["in_flight"] >= 1 for r in rows), "the loop had the next plan at the executor"
     assert all(r["rtt_ms"] > 0 for r in rows)
 
 
@@ -115,4 +115,4 @@ def test_loop_killed_with_two_plans_in_flight_loses_and_duplicates_nothing(tiny_
             assert res.token_ids == exp
             assert stored(client, ns, res.request_id) == exp
     assert free == totals
-    assert any(r["in_flight"] == 1 for r in steps(log))
+    assert any(r["in_flight"] >= 1 for r in steps(log))

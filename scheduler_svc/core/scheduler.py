@@ -227,7 +227,8 @@ class Scheduler:
                 continue  # its token in flight ends it: nothing more to run (the pipelined loop)
             n = min(req.num_pending, budget)
             preempted = False
-            while not self.blocks.can_append(req, n):
+            fits = self.blocks.can_append(req, n)
+            while not fits:
                 if self.blocks.needed(req, n) <= self.blocks.num_free_soon(DEVICE):
                     break  # swaps already in this plan free enough for the next step
                 victim = self._victim(self.running)
@@ -236,11 +237,12 @@ class Scheduler:
                 preempted = True
                 if victim is req:
                     break
+                fits = self.blocks.can_append(req, n)
             if req.status != Status.RUNNING:
                 continue  # preempted itself: running[i] is now the next request
             # Victims ahead of it (priority policy) shift it towards the front.
             i = self.running.index(req) + 1 if preempted else i + 1
-            if not self.blocks.can_append(req, n):
+            if not fits:
                 continue  # waits one step for swapped-out blocks to come free
             self.blocks.append(req, n)
             out.scheduled.append(Scheduled(req, req.num_computed, n))
@@ -333,21 +335,25 @@ class Scheduler:
             self.launch(out)
         self.blocks.release_pending(out.swap_out + out.swap_in)
         finished = []
+        generated = 0
+        new_tokens, touched = self.record.new_tokens, self.record.touched
         for s in out.scheduled:
             req = s.req
             if not s.samples:
                 continue
             req.num_unreported -= 1
-            token = sampled.get(req.request_id)
-            if token is None or self.requests.get(req.request_id) is not req:
+            rid = req.request_id
+            token = sampled.get(rid)
+            if token is None or self.requests.get(rid) is not req:
                 continue
             req.output_ids.append(token)
-            self.record.touch(req)
-            self.record.new_tokens.setdefault(req.request_id, []).append(token)
-            self._count("generated_tokens")
+            touched[rid] = req
+            new_tokens.setdefault(rid, []).append(token)
+            generated += 1
             reason = self._check_finish(req, token)
             if reason is not None:
-                finished.append(self.finish(req.request_id, reason))
+                finished.append(self.finish(rid, reason))
+        self._count("generated_tokens", generated)
         return finished
 
     def _ends_by_length(self, req: Request, num_output: int) -> bool:
