@@ -53,7 +53,12 @@ def static_utilization(batches: list[Batch], times: list[tuple[float, float]]) -
 
 
 def overhead_share(steps: list[dict[str, float]]) -> float | None:
-    """Share of step time outside the executor's forward pass (scheduling, Redis, gRPC, plan handling)."""
+    """Share of the executor's time spent waiting for the loop between steps (``idle_ms``, which the
+    executor measures: right for the pipelined loop, whose own time overlaps the steps); for step logs
+    without it, the share of step time outside the forward pass (scheduling, Redis, gRPC, plan handling)."""
+    if steps and all("idle_ms" in r for r in steps):
+        idle, busy = sum(r["idle_ms"] for r in steps[1:]), sum(r["step_ms"] for r in steps[1:])
+        return idle / (idle + busy) if idle + busy > 0 else None
     total = sum(r["schedule_ms"] + r["redis_ms"] + r["executor_ms"] for r in steps)
     forward = sum(r["forward_ms"] for r in steps)
     return (total - forward) / total if total > 0 else None

@@ -20,6 +20,8 @@ class Config:
     preemption_lengths: list[int]
     overhead_waiting_top_only: bool = False  # waiting levels > 0 only at the largest running level (the target's)
     overhead_reach_s: float = 90.0  # how long a level may take to fill before it is skipped
+    overhead_step_ms: float = 20.0  # the stub executor's simulated step in the overhead arm
+    overhead_serial_top_only: bool = False  # the serial loop (the comparison) only at the target point
     arms: list[str] = field(default_factory=lambda: list(ARMS))
     scale_out_executors: list[int] = field(default_factory=lambda: [1, 2, 4, 8])
     scale_out_running: int = 64  # per executor
@@ -52,10 +54,11 @@ ARMS = ("pagedserve", "hf_static", "hf_continuous", "overhead", "scale_out", "kv
         "logprobs_cost", "structured", "machine")
 # Quick: under 10 min on 2 cores with the long workload, so HF static serves the long workload's first batch only
 # (6 requests: ~45 s instead of ~4 min), and the overhead grid tries queued requests only at the target point (256
-# running / 1024 waiting); the scale-out windows and the machine arm's pairs are shorter than they were.
-QUICK = Config("quick", 64, 0.125, 512, 2048, [1, 64, 256], [0, 1024], 1.5, [32, 128, 512],
-               overhead_waiting_top_only=True, overhead_reach_s=30.0, scale_out_window_s=3.0, machine_reps=5,
-               long_static_requests=6)
+# running / 1024 waiting), where alone it runs the serial loop beside the pipelined one; the scale-out windows and
+# the machine arm's pairs are shorter than they were.
+QUICK = Config("quick", 64, 0.125, 512, 2048, [1, 64, 256], [1024], 1.5, [32, 128, 512],
+               overhead_waiting_top_only=True, overhead_reach_s=30.0, overhead_serial_top_only=True,
+               scale_out_window_s=3.0, machine_reps=5, long_static_requests=6)
 FULL = Config("full", 256, 0.25, 1024, 4096, [1, 16, 64, 128, 256], [0, 256, 1024, 4096], 4.0, [16, 64, 256, 1024],
               scale_out_window_s=10.0, kv_spread_requests=96, reattach_rounds=5, reattach_failover_rounds=3,
               sampling_reps=15, logprobs_rounds=3, machine_reps=11, structured_rounds=5)

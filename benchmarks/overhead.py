@@ -1,10 +1,14 @@
 """Scheduler overhead: the real scheduler_svc + Redis driving the stub executor.
 
-For each running target R a fresh stub and scheduler (``--max-num-seqs R``, its own
-Redis namespace) gets R long requests, then more until W wait behind them;
-requests never finish during a window (long ``max_tokens``, ``ignore_eos``).
-Per-step overhead = schedule_ms + redis_ms + executor_ms from ``--step-log``,
-where executor_ms is the gRPC round trip to a stub that answers at once.
+For each loop (serial: ``--no-async-scheduling``; pipelined: the default) and
+each running target R a fresh stub (``--step-ms``: a simulated forward pass,
+20 ms by default) and scheduler (``--max-num-seqs R``, its own Redis namespace)
+gets R long requests, then more until W wait behind them; requests never finish
+during a window (long ``max_tokens``, ``ignore_eos``). From ``--step-log``:
+the executor's wait between two steps (``idle_ms``, measured by the stub: from
+the end of one step to the start of the next, the scheduler's critical path),
+its duty cycle (time inside steps / (that + the waits)), and the loop's own
+time per step (schedule_ms + redis_ms: on the critical path only when serial).
 """
 
 from __future__ import annotations
@@ -30,17 +34,27 @@ LONG_OUTPUT = 8192  # tokens; no request finishes within a measurement window
 STREAMS_PER_CHANNEL = 1000
 
 
+LOOPS = {"serial": ["--no-async-scheduling"], "pipelined": ["--async-scheduling"]}
+
+
 @dataclass(slots=True)
 class OverheadPoint:
     running: int
     waiting: int
     steps: int
-    p50_ms: float
+    p50_ms: float  # the executor's wait between steps (the gap): the scheduler's critical path
     p99_ms: float
     mean_ms: float
-    schedule_p50_ms: float
+    schedule_p50_ms: float  # the loop's own work per step
     redis_p50_ms: float
-    rpc_p50_ms: float
+    rpc_p50_ms: float  # executor_ms: serial, the Step round trip; pipelined, the wait for the oldest result
+    loop: str = "serial"
+    step_ms: float = 0.0  # the stub's simulated step
+    duty_cycle: float = 0.0  # time inside steps / (that + the gaps)
+    plan_p50_ms: float = 0.0
+    commit_p50_ms: float = 0.0
+    encode_p50_ms: float = 0.0
+    decode_p50_ms: float = 0.0
 
 
 class StepTail:
@@ -62,11 +76,14 @@ class StepTail:
         return self.rows
 
 
-def _point(rows: list[dict[str, float]], running: int, waiting: int) -> OverheadPoint:
-    total = [r["schedule_ms"] + r["redis_ms"] + r["executor_ms"] for r in rows]
-    med = lambda k: float(np.median([r[k] for r in rows]))  # noqa: E731
-    return OverheadPoint(running, waiting, len(rows), float(np.percentile(total, 50)), float(np.percentile(total, 99)),
-                         float(np.mean(total)), med("schedule_ms"), med("redis_ms"), med("executor_ms"))
+def _point(rows: list[dict[str, float]], running: int, waiting: int, loop: str, step_ms: float) -> OverheadPoint:
+    gaps = [r["idle_ms"] for r in rows]
+    busy = sum(r["step_ms"] for r in rows)
+    med = lambda k: float(np.median([r.get(k, 0.0) for r in rows]))  # noqa: E731
+    return OverheadPoint(running, waiting, len(rows), float(np.percentile(gaps, 50)), float(np.percentile(gaps, 99)),
+                         float(np.mean(gaps)), med("schedule_ms"), med("redis_ms"), med("executor_ms"), loop, step_ms,
+                         busy / (busy + sum(gaps)) if busy else 0.0, med("plan_ms"), med("commit_ms"),
+                         med("encode_ms"), med("decode_ms"))
 
 
 async def _consume(stub: pb_grpc.GenerationStub, prompt: list[int], rid: str) -> None:
@@ -91,7 +108,7 @@ async def _wait_for(tail: StepTail, running: int, waiting: int, timeout: float) 
 
 
 async def _sweep_level(address: str, step_log: Path, running: int, waiting_levels: list[int], window_s: float,
-                       prompt: list[int], reach_s: float) -> list[OverheadPoint]:
+                       prompt: list[int], reach_s: float, loop: str, step_ms: float) -> list[OverheadPoint]:
     points: list[OverheadPoint] = []
     tasks: list[asyncio.Task[None]] = []
     tail = StepTail(step_log)
@@ -108,7 +125,7 @@ async def _sweep_level(address: str, step_log: Path, running: int, waiting_level
             for waiting in waiting_levels:
                 while len(tasks) < running + waiting:
                     stub = stubs[len(tasks) // STREAMS_PER_CHANNEL]
-                    tasks.append(asyncio.create_task(_consume(stub, prompt, f"ovh-{running}-{len(tasks)}")))
+                    tasks.append(asyncio.create_task(_consume(stub, prompt, f"ovh-{loop}-{running}-{len(tasks)}")))
                 if not await _wait_for(tail, running, waiting, timeout=reach_s):
                     log.warning("scheduler never reached %d running / %d waiting; skipping", running, waiting)
                     break
@@ -117,7 +134,7 @@ async def _sweep_level(address: str, step_log: Path, running: int, waiting_level
                 await asyncio.sleep(window_s)
                 rows = [r for r in tail.poll() if start <= r["t"] <= start + window_s and _reached(r, running, waiting)]
                 if rows:
-                    points.append(_point(rows, running, waiting))
+                    points.append(_point(rows, running, waiting, loop, step_ms))
         finally:
             for t in tasks:
                 t.cancel()
@@ -126,37 +143,42 @@ async def _sweep_level(address: str, step_log: Path, running: int, waiting_level
 
 
 def sweep(model_dir: Path, running_levels: list[int], waiting_levels: list[int], window_s: float,
-          log_dir: Path, prompt_len: int = 8, reach_s: float = 90.0) -> list[OverheadPoint]:
-    """Overhead points per (running, waiting) level; a level not filled within ``reach_s`` is skipped."""
+          log_dir: Path, prompt_len: int = 8, reach_s: float = 90.0, step_ms: float = 20.0,
+          loops: tuple[str, ...] = tuple(LOOPS)) -> list[OverheadPoint]:
+    """Overhead points per loop and (running, waiting) level; a level not filled within ``reach_s`` is skipped."""
     log_dir.mkdir(parents=True, exist_ok=True)
     prompt = list(range(100, 100 + prompt_len))
     redis = RedisServer()
     points: list[OverheadPoint] = []
     try:
         for running in running_levels:
-            points += _level(model_dir, redis.url, running, waiting_levels, window_s, log_dir, prompt, reach_s)
+            for loop in loops:
+                points += _level(model_dir, redis.url, running, waiting_levels, window_s, log_dir, prompt, reach_s,
+                                 loop, step_ms)
     finally:
         redis.stop()
     return points
 
 
 def _level(model_dir: Path, redis_url: str, running: int, waiting_levels: list[int], window_s: float,
-           log_dir: Path, prompt: list[int], reach_s: float) -> list[OverheadPoint]:
-    """One running level: a fresh stub (its fencing epoch starts over), a fresh scheduler and namespace.
+           log_dir: Path, prompt: list[int], reach_s: float, loop: str, step_ms: float) -> list[OverheadPoint]:
+    """One running level of one loop: a fresh stub (its fencing epoch starts over), a fresh scheduler and namespace.
 
     The scheduler registers the stub itself (``--executor``): the stub is static, as in a fixed deployment."""
-    step_log = log_dir / f"steps-r{running}.jsonl"
+    step_log = log_dir / f"steps-{loop}-r{running}.jsonl"
     step_log.unlink(missing_ok=True)
-    stub = Service("benchmarks.stub_executor", ["--model", str(model_dir), "--host", "127.0.0.1"], free_port(),
+    stub = Service("benchmarks.stub_executor", ["--model", str(model_dir), "--host", "127.0.0.1",
+                                                "--step-ms", str(step_ms)], free_port(),
                    log_dir / "stub_executor.log")
     try:
         sched = Service("scheduler_svc", [
-            "--redis-url", redis_url, "--executor", stub.address, "--namespace", f"ovh{running}",
+            "--redis-url", redis_url, "--executor", stub.address, "--namespace", f"ovh-{loop}-{running}",
             "--max-num-seqs", str(running), "--max-num-batched-tokens", str(max(2048, running * len(prompt))),
-            "--step-log", str(step_log), "--log-level", "WARNING",
-        ], free_port(), log_dir / f"scheduler-r{running}.log")
+            "--step-log", str(step_log), "--log-level", "WARNING", *LOOPS[loop],
+        ], free_port(), log_dir / f"scheduler-{loop}-r{running}.log")
         try:
-            return asyncio.run(_sweep_level(sched.address, step_log, running, waiting_levels, window_s, prompt, reach_s))
+            return asyncio.run(_sweep_level(sched.address, step_log, running, waiting_levels, window_s, prompt,
+                                            reach_s, loop, step_ms))
         finally:
             sched.stop()
     finally:

@@ -68,15 +68,18 @@ def plot_kv(paged: Series, static: Series, out: Path, name: str = "kv_utilizatio
 
 def plot_overhead(points: list[OverheadPoint], out: Path) -> str:
     fig, ax = plt.subplots(figsize=(7, 4))
-    for waiting in sorted({p.waiting for p in points}):
-        pts = sorted((p for p in points if p.waiting == waiting), key=lambda p: p.running)
-        ax.plot([p.running for p in pts], [p.p50_ms for p in pts], marker="o", label=f"p50, {waiting} waiting")
-        ax.plot([p.running for p in pts], [p.p99_ms for p in pts], ls="--", marker="x", label=f"p99, {waiting} waiting")
+    for loop in sorted({p.loop for p in points}):
+        for waiting in sorted({p.waiting for p in points if p.loop == loop}):
+            pts = sorted((p for p in points if p.waiting == waiting and p.loop == loop), key=lambda p: p.running)
+            ax.plot([p.running for p in pts], [p.p50_ms for p in pts], marker="o",
+                    label=f"{loop}: p50, {waiting} waiting")
+            ax.plot([p.running for p in pts], [p.p99_ms for p in pts], ls="--", marker="x",
+                    label=f"{loop}: p99, {waiting} waiting")
     ax.axhline(2.0, color="red", lw=0.8, label="target p50 2 ms")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("running requests")
-    ax.set_ylabel("ms per step (stub executor)")
+    ax.set_ylabel("executor's wait between steps, ms (stub)")
     ax.legend(fontsize=7)
     return _save(fig, out / "scheduler_overhead.png")
 
@@ -373,10 +376,20 @@ def write_markdown(summary: dict, arms: dict[str, dict], targets: list[Target], 
               f"![kv]({plots.get('kv_utilization', '')})", "",
               *_long_lines(summary, plots),
               "## Scheduler overhead (stub executor)", "",
-              "| running | waiting | steps | p50 ms | p99 ms | schedule p50 | Redis p50 | gRPC p50 |",
-              "|---|---|---|---|---|---|---|---|"]
-    lines += [f"| {p.running} | {p.waiting} | {p.steps} | {_f(p.p50_ms, 2)} | {_f(p.p99_ms, 2)} | "
-              f"{_f(p.schedule_p50_ms, 2)} | {_f(p.redis_p50_ms, 2)} | {_f(p.rpc_p50_ms, 2)} |" for p in overhead]
+              f"The stub simulates a {_f(summary.get('overhead_step_ms'), 0)} ms step. Gap = the executor's wait "
+              "between two steps (the scheduler's critical path); duty = time inside steps / (that + the gaps); "
+              "loop = the loop's own schedule + Redis time per step (off the critical path when pipelined); wait = "
+              "serial: the Step round trip, pipelined: the wait for the oldest result.", "",
+              f"Pipelined / serial at the target point: gap p50 x"
+              f"{_f(summary.get('scheduler_overhead_ratio_pipelined_vs_serial'), 3)}, duty cycle x"
+              f"{_f(summary.get('executor_duty_cycle_ratio_pipelined_vs_serial'), 3)}.", "",
+              "| loop | running | waiting | steps | gap p50 ms | gap p99 ms | duty | loop p50 ms | Redis p50 | "
+              "plan p50 | commit p50 | encode p50 | decode p50 | wait p50 |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {p.loop} | {p.running} | {p.waiting} | {p.steps} | {_f(p.p50_ms, 2)} | {_f(p.p99_ms, 2)} | "
+              f"{_f(p.duty_cycle, 3)} | {_f(p.schedule_p50_ms + p.redis_p50_ms, 2)} | {_f(p.redis_p50_ms, 2)} | "
+              f"{_f(p.plan_p50_ms, 2)} | {_f(p.commit_p50_ms, 2)} | {_f(p.encode_p50_ms, 2)} | "
+              f"{_f(p.decode_p50_ms, 2)} | {_f(p.rpc_p50_ms, 2)} |" for p in overhead]
     lines += ["", f"![overhead]({plots.get('scheduler_overhead', '')})", "",
               f"Real run: **{_f(summary['scheduler_overhead_share_real_run'], 3)}** of step time is outside the "
               "executor's forward pass.", "", f"![steps]({plots.get('step_breakdown', '')})", "",

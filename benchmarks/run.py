@@ -52,6 +52,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--overhead-running", type=int, nargs="+", default=None)
     p.add_argument("--overhead-waiting", type=int, nargs="+", default=None)
     p.add_argument("--overhead-window", type=float, default=None, help="seconds measured per overhead point")
+    p.add_argument("--overhead-step-ms", type=float, default=None,
+                   help="the overhead arm's stub executor's simulated step (default: 20)")
     p.add_argument("--preemption-lengths", type=int, nargs="*", default=None)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -107,6 +109,8 @@ def build_config(args: argparse.Namespace) -> Config:
         overhead_waiting=pick(args.overhead_waiting, base.overhead_waiting),
         overhead_window_s=pick(args.overhead_window, base.overhead_window_s),
         overhead_waiting_top_only=base.overhead_waiting_top_only,
+        overhead_step_ms=pick(args.overhead_step_ms, base.overhead_step_ms),
+        overhead_serial_top_only=base.overhead_serial_top_only,
         preemption_lengths=pick(args.preemption_lengths, base.preemption_lengths),
         arms=args.arms.split(",") if args.arms else base.arms,
         scale_out_executors=pick(args.scale_out_executors, base.scale_out_executors),

@@ -26,12 +26,14 @@ import json
 import logging
 import time
 import uuid
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
 import redis.asyncio as aioredis
 
 from executor_svc.lifecycle import Lifecycle, Registration
+from executor_svc.pipeline import PlanRunner
 from pagedserve import rpc
 from pagedserve.executor.v1 import executor_pb2 as pb
 from pagedserve.executor.v1 import executor_pb2_grpc as pb_grpc
@@ -72,7 +74,7 @@ class StubExecutor(pb_grpc.ExecutorServicer):
         self.tokenizer_files = {n: (model_dir / n).read_bytes() for n in TOKENIZER_FILES if (model_dir / n).exists()}
         self.instance_id = uuid.uuid4().hex
         self._epoch = 0  # the highest loop epoch seen
-        self._lock = asyncio.Lock()  # one plan at a time, as the real executor
+        self.runner = PlanRunner(self._run)  # one plan at a time, in order, as the real executor
         self._info = pb.InfoResponse(
             model=f"stub:{model_dir.name}",
             block_size=block_size,
@@ -84,6 +86,7 @@ class StubExecutor(pb_grpc.ExecutorServicer):
             attention_backend="stub",
             dtype=dtype,
             model_digest=_digest(self.tokenizer_files),
+            pipelined=True,
         )
 
     def info(self, with_tokenizer: bool = True) -> pb.InfoResponse:
@@ -106,27 +109,34 @@ class StubExecutor(pb_grpc.ExecutorServicer):
 
     async def Info(self, request: pb.InfoRequest, context: grpc.aio.ServicerContext) -> pb.InfoResponse:
         if request.renew_instance:
-            async with self._lock:
+            async with self.runner.lock:
                 self.renew_instance()
         return self.info()
 
     async def Step(self, request: pb.StepPlan, context: grpc.aio.ServicerContext) -> pb.StepResult:
-        async with self._lock:
-            t = time.perf_counter()
-            if request.instance_id and request.instance_id != self.instance_id:
-                await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                    f"instance_id: this executor is {self.instance_id}, not {request.instance_id}")
-            if request.epoch < self._epoch:
-                await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                    f"epoch: {request.epoch} is stale; a loop with epoch {self._epoch} leads")
-            self._epoch = request.epoch
-            if self.step_s > 0:
-                await asyncio.sleep(self.step_s)
-            forward_ms = (time.perf_counter() - t) * 1e3
-            outputs = [pb.SeqOutput(request_id=s.request_id, token_id=self.token) for s in request.seqs if s.sample]
-            return pb.StepResult(step_id=request.step_id, outputs=outputs, swapped_out=len(request.swap_out),
-                                 swapped_in=len(request.swap_in), forward_ms=forward_ms,
-                                 step_ms=(time.perf_counter() - t) * 1e3)
+        return await self.runner.one(request, context)
+
+    async def Steps(self, requests: AsyncIterator[pb.StepPlan],
+                    context: grpc.aio.ServicerContext) -> AsyncIterator[pb.StepResult]:
+        async for result in self.runner.stream(requests, context):
+            yield result
+
+    async def _run(self, request: pb.StepPlan, context: grpc.aio.ServicerContext) -> pb.StepResult:
+        t = time.perf_counter()
+        if request.instance_id and request.instance_id != self.instance_id:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"instance_id: this executor is {self.instance_id}, not {request.instance_id}")
+        if request.epoch < self._epoch:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"epoch: {request.epoch} is stale; a loop with epoch {self._epoch} leads")
+        self._epoch = request.epoch
+        if self.step_s > 0:
+            await asyncio.sleep(self.step_s)
+        forward_ms = (time.perf_counter() - t) * 1e3
+        outputs = [pb.SeqOutput(request_id=s.request_id, token_id=self.token) for s in request.seqs if s.sample]
+        return pb.StepResult(step_id=request.step_id, outputs=outputs, swapped_out=len(request.swap_out),
+                             swapped_in=len(request.swap_in), forward_ms=forward_ms,
+                             step_ms=(time.perf_counter() - t) * 1e3)
 
 
 async def serve(args: argparse.Namespace) -> None:

@@ -25,6 +25,7 @@ from executor_svc.block_tables import BlockTables
 from executor_svc.grammar import Grammars, Row
 from executor_svc.history import Histories
 from executor_svc.kv_pool import GIB, KVGeometry, KVPool, cpu_tier, device_tier, disk_tier
+from executor_svc.pipeline import LastSampled
 from executor_svc.sampler import SamplingParams, sample
 from kernels import get_backend, make_metadata
 from pagedserve.grammar import Compiler, Spec
@@ -85,6 +86,7 @@ class SeqInput:
     prompt_logprobs: int | None = None  # alternatives per prompt position; None: no prompt logprobs
     prompt_next: int | None = None  # the prompt token after this chunk, if the prompt goes on
     grammar: Spec | None = None  # structured output: (kind, text)
+    from_last_sample: bool = False  # the last input is this request's latest sampled token (resolved first)
 
 
 @dataclass(slots=True)
@@ -163,6 +165,7 @@ class Engine:
         self.tables = BlockTables(self.pool.device.num_blocks)
         self.histories = Histories()  # token histories of requests whose sampling needs them
         self.grammars = Grammars(self._grammar_compiler, self.vocab_size, self.eos_token_ids)
+        self.sampled = LastSampled()  # what a pipelined plan's from_last_sample refers to
         self.model_digest = self._digest()
 
     def _device_blocks(self) -> int:
@@ -217,6 +220,7 @@ class Engine:
         self.tables.clear()
         self.histories.clear()
         self.grammars.clear()
+        self.sampled.clear()
         self.instance_id = uuid.uuid4().hex
         return self.instance_id
 
@@ -274,14 +278,19 @@ class Engine:
         done, so the scheduler may reuse the sources as soon as it has the result.
         """
         t0 = time.perf_counter()
+        # First of all: a token the plan refers to by "sampled last step" becomes a token like any other
+        # (before a forget or a reset drops it, and before any check or bookkeeping reads token_ids).
+        self.sampled.resolve(plan.seqs)
         if plan.reset_tables:
             self.tables.clear()
             self.histories.clear()
             self.grammars.clear()
+            self.sampled.clear()
         for rid in plan.forget:
             self.tables.forget(rid)
             self.histories.forget(rid)
             self.grammars.forget(rid)
+            self.sampled.forget(rid)
         for seq in plan.seqs:
             self._check(seq)
         self._record_history(plan.seqs)
@@ -307,6 +316,7 @@ class Engine:
         if logits is not None:
             prompt_lps = self._prompt_logprobs(plan.seqs, logits, rows)
             tokens, lps = self._sample(plan.seqs, logits, rows, masks, grammar_rows)
+            self.sampled.record(tokens)
         if plan.seqs:
             forward_ms = (time.perf_counter() - t1) * 1e3
         if self._copy_stream is not None:

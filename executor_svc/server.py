@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import AsyncIterator
 
 import grpc
 
@@ -17,6 +18,7 @@ from executor_svc.engine import Engine, Move, PlanError, SeqInput, StepInput, St
 from executor_svc.lifecycle import Lifecycle
 from executor_svc.logprobs import Entry
 from executor_svc.metrics import ExecutorMetrics
+from executor_svc.pipeline import PlanRunner, UnknownSample, in_thread
 from executor_svc.sampler import SamplingParams
 from pagedserve import handlers
 from pagedserve.executor.v1 import executor_pb2 as pb
@@ -61,6 +63,7 @@ def _seq_from_pb(s: pb.SeqPlan, eos: list[int]) -> SeqInput:
         full_table=s.full_table,
         history=list(s.history) if s.history else None,
         grammar=(s.sampling.grammar.kind, s.sampling.grammar.spec) if s.sampling.grammar.kind else None,
+        from_last_sample=s.from_last_sample,
     )
     if s.sampling.HasField("prompt_logprobs"):
         plp = s.sampling.prompt_logprobs
@@ -121,7 +124,7 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
         self.engine = engine
         self.lifecycle = lifecycle or Lifecycle()
         self.metrics = metrics
-        self._lock = asyncio.Lock()  # one plan at a time: the pool is not reentrant
+        self.runner = PlanRunner(self._run)  # one plan at a time, in order: the pool is not reentrant
         self._epoch = 0  # the highest loop epoch seen: older plans come from deposed leaders
         self._applied_seq = 0  # the highest plan seq executed: a lower one means Redis lost writes
         self.last_step = 0.0  # event-loop time of the last plan
@@ -146,6 +149,7 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
             dtype=e.cfg.dtype,
             model_digest=e.model_digest,
             applied_seq=self._applied_seq,
+            pipelined=True,
         )
 
     def member(self, address: str) -> Member:
@@ -157,46 +161,56 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
 
     async def Info(self, request: pb.InfoRequest, context: grpc.aio.ServicerContext) -> pb.InfoResponse:
         if request.renew_instance:
-            async with self._lock:
+            async with self.runner.lock:
                 log.warning("a scheduler evicted instance %s; now %s", self.engine.instance_id, self.renew_instance())
         return self.info(with_tokenizer=not request.omit_tokenizer_files)
 
     async def Step(self, request: pb.StepPlan, context: grpc.aio.ServicerContext) -> pb.StepResult:
+        return await self.runner.one(request, context)
+
+    async def Steps(self, requests: AsyncIterator[pb.StepPlan],
+                    context: grpc.aio.ServicerContext) -> AsyncIterator[pb.StepResult]:
+        async for result in self.runner.stream(requests, context):
+            yield result
+
+    async def _run(self, request: pb.StepPlan, context: grpc.aio.ServicerContext) -> pb.StepResult:
+        """The fences, then the step (the runner holds the lock)."""
         plan = plan_from_pb(request, self.engine.eos_token_ids)
         self.last_step = asyncio.get_running_loop().time()
-        async with self._lock:
-            if request.instance_id and request.instance_id != self.engine.instance_id:
-                await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                    f"instance_id: this executor is {self.engine.instance_id}, not "
-                                    f"{request.instance_id}")
-            if request.epoch < self._epoch:
-                await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                    f"epoch: {request.epoch} is stale; a loop with epoch {self._epoch} leads")
-            if request.seq < self._applied_seq:
-                await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                    f"seq: {request.seq} is behind plans already executed (up to "
-                                    f"{self._applied_seq}): Redis lost writes; recompute")
-            self._applied_seq = request.seq
-            if self.lifecycle.state == "failed":
-                await context.abort(grpc.StatusCode.UNAVAILABLE, "the engine failed; this executor is leaving")
-            self._epoch = request.epoch
-            try:
-                # The forward pass holds the GIL-free torch kernels; a thread keeps health checks answering.
-                out = await asyncio.to_thread(self.engine.step, plan)
-            except UnknownTable as exc:
-                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"no block table for {exc}; send it in full")
-            except PlanError as exc:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-            except ValueError as exc:
-                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
-            except Exception:
-                log.exception("the engine failed; reporting NOT_SERVING and leaving the namespace")
-                self.lifecycle.fail()
-                await context.abort(grpc.StatusCode.UNAVAILABLE, "the engine failed; this executor is leaving")
+        if request.instance_id and request.instance_id != self.engine.instance_id:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"instance_id: this executor is {self.engine.instance_id}, not "
+                                f"{request.instance_id}")
+        if request.epoch < self._epoch:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"epoch: {request.epoch} is stale; a loop with epoch {self._epoch} leads")
+        if request.seq < self._applied_seq:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"seq: {request.seq} is behind plans already executed (up to "
+                                f"{self._applied_seq}): Redis lost writes; recompute")
+        self._applied_seq = request.seq
+        if self.lifecycle.state == "failed":
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the engine failed; this executor is leaving")
+        self._epoch = request.epoch
+        try:
+            # The forward pass holds the GIL-free torch kernels; a thread keeps health checks answering.
+            out = await in_thread(self.engine.step, plan)
+        except UnknownTable as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"no block table for {exc}; send it in full")
+        except UnknownSample as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"no sampled token for {exc} to continue from; send its tokens")
+        except PlanError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        except Exception:
+            log.exception("the engine failed; reporting NOT_SERVING and leaving the namespace")
+            self.lifecycle.fail()
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the engine failed; this executor is leaving")
         if self.metrics is not None:
             self.metrics.observe(out, bool(plan.swap_in or plan.copies), bool(plan.swap_out))
         return result_to_pb(out)
-
 
 
 def add_to_server(servicer: ExecutorServicer, server: grpc.aio.Server) -> None:
@@ -206,4 +220,5 @@ def add_to_server(servicer: ExecutorServicer, server: grpc.aio.Server) -> None:
     handlers.register(server, pb.DESCRIPTOR.services_by_name["Executor"], {
         "Info": handlers.unary(servicer.Info, pb.InfoRequest),
         "Step": handlers.unary(servicer.Step, pb.StepPlan),
+        "Steps": handlers.bidi(servicer.Steps, pb.StepPlan),
     })

@@ -190,15 +190,31 @@ def internal_token_interceptor(token: SecretFile) -> TokenInterceptor:
                             f"missing or invalid internal token (metadata {INTERNAL_TOKEN})", (HEALTH_PREFIX,))
 
 
+def _with_header(client_call_details, header: str, secret: SecretFile):  # type: ignore[no-untyped-def]
+    metadata = grpc.aio.Metadata(*(client_call_details.metadata or ()))
+    metadata.add(header, secret.first())
+    return client_call_details._replace(metadata=metadata)
+
+
 class TokenClientInterceptor(grpc.aio.UnaryUnaryClientInterceptor):
-    """Adds ``header: <the file's first secret>`` to every unary call (the executor API is all
-    unary); the file is reread when it changes, like the server's copy."""
+    """Adds ``header: <the file's first secret>`` to every unary call of the executor API; the file
+    is reread when it changes, like the server's copy. (grpc.aio files an interceptor under one kind
+    of call only: ``TokenStreamInterceptor`` does the same for the ``Steps`` stream.)"""
 
     def __init__(self, header: str, secret: SecretFile) -> None:
         self.header = header
         self.secret = secret
 
     async def intercept_unary_unary(self, continuation, client_call_details, request):  # type: ignore[no-untyped-def]
-        metadata = grpc.aio.Metadata(*(client_call_details.metadata or ()))
-        metadata.add(self.header, self.secret.first())
-        return await continuation(client_call_details._replace(metadata=metadata), request)
+        return await continuation(_with_header(client_call_details, self.header, self.secret), request)
+
+
+class TokenStreamInterceptor(grpc.aio.StreamStreamClientInterceptor):
+    """``TokenClientInterceptor`` for bidirectional streams (the pipelined loop's ``Steps``)."""
+
+    def __init__(self, header: str, secret: SecretFile) -> None:
+        self.header = header
+        self.secret = secret
+
+    async def intercept_stream_stream(self, continuation, client_call_details, request_iterator):  # type: ignore[no-untyped-def]
+        return await continuation(_with_header(client_call_details, self.header, self.secret), request_iterator)

@@ -53,6 +53,20 @@ def stream(method: Streaming, message: type[Message], max_bytes: int = 0) -> grp
     return grpc.unary_stream_rpc_method_handler(handle, request_deserializer=None, response_serializer=_serialize)
 
 
+def bidi(method: Callable[[AsyncIterator[Any], grpc.aio.ServicerContext], AsyncIterator[Message]],
+         message: type[Message], max_bytes: int = 0) -> grpc.RpcMethodHandler:
+    """A stream of requests, each parsed as it arrives (a bad one ends the call with INVALID_ARGUMENT)."""
+    async def handle(raws: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> AsyncIterator[Message]:
+        async def requests() -> AsyncIterator[Any]:
+            async for raw in raws:
+                yield await parse(raw, message, max_bytes, context)
+
+        async for response in method(requests(), context):
+            yield response
+
+    return grpc.stream_stream_rpc_method_handler(handle, request_deserializer=None, response_serializer=_serialize)
+
+
 def register(server: grpc.aio.Server, service: ServiceDescriptor, handlers: Mapping[str, grpc.RpcMethodHandler]) -> None:
     """Serve ``service`` with ``handlers``, one per method of its descriptor."""
     missing = set(service.methods_by_name) ^ set(handlers)

@@ -38,7 +38,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 
 from pagedserve import rpc
-from pagedserve.auth import INTERNAL_TOKEN, SecretFile, TokenClientInterceptor
+from pagedserve.auth import INTERNAL_TOKEN, SecretFile, TokenClientInterceptor, TokenStreamInterceptor
 
 log = logging.getLogger(__name__)
 
@@ -255,7 +255,10 @@ class Dialer:
 
     def channel(self, address: str) -> grpc.aio.Channel:
         options = list(rpc.CHANNEL_OPTIONS)
-        interceptors = [TokenClientInterceptor(INTERNAL_TOKEN, self.token)] if self.token else None
+        interceptors = None
+        if self.token:  # the unary calls and the Steps stream (grpc.aio files an interceptor under one kind)
+            interceptors = [TokenClientInterceptor(INTERNAL_TOKEN, self.token),
+                            TokenStreamInterceptor(INTERNAL_TOKEN, self.token)]
         if self.tls.ca is None:
             return grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)
         if self.server_name:

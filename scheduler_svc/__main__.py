@@ -47,6 +47,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "in the namespace is served")
     p.add_argument("--executor-timeout", type=float, default=60.0,
                    help="seconds a Step may take before its executor counts as lost")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
+                   help="plan each step while the executor runs the previous one (a Steps stream); "
+                        "--no-async-scheduling: the serial loop, one unary Step at a time")
     p.add_argument("--policy", choices=POLICIES, default="fcfs", help="the same on every replica of a namespace")
     p.add_argument("--preemption-mode", choices=PREEMPTION_MODES, default="recompute")
     p.add_argument("--max-num-seqs", type=int, default=256, help="running sequences per executor at most")
@@ -200,7 +203,8 @@ async def run_loops(args: argparse.Namespace) -> None:
                       _scheduler_config(args), replica, lease_ms=args.lease_ms, static=args.executor,
                       executor_timeout=args.executor_timeout, detach_timeout=args.detach_timeout, step_log=step_log,
                       metrics=LoopMetrics(registry), namespace_metrics=NamespaceMetrics(registry),
-                      tracer=traces.tracer if traces else None, dial=args.dialer.channel)
+                      tracer=traces.tracer if traces else None, dial=args.dialer.channel,
+                      async_scheduling=args.async_scheduling)
     stop = await rpc.stop_on_signals()
     reload_on_sighup([args.internal_token])
     await manager.run(stop)

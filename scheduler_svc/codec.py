@@ -237,14 +237,14 @@ class CommitWriter:
             ops += [[BITS, self.x.free(tier), "0", *c] for c in _split(owned)]
         return ops
 
-    def _requests(self, rec: StepRecord) -> list[list[str]]:
+    def _requests(self, rec: StepRecord, in_flight: dict[str, int]) -> list[list[str]]:
         ops: list[list[str]] = []
         computed: list[str] = []
         gone = {r.request_id for r in rec.requeued}
         for rid, req in rec.touched.items():
             if req.status == Status.FINISHED or rid in gone:
                 continue
-            computed += (rid, str(req.num_computed))
+            computed += (rid, str(in_flight.get(rid, req.num_computed)))
             sig = _signature(req)
             if self._saved.get(rid) == sig:
                 continue
@@ -284,10 +284,13 @@ class CommitWriter:
                         rec.requeued[0].request_id])
         return ops
 
-    def ops(self, rec: StepRecord, is_free: object, view: PoolView | None = None) -> list[list[str]]:
+    def ops(self, rec: StepRecord, is_free: object, view: PoolView | None = None,
+            in_flight: dict[str, int] | None = None) -> list[list[str]]:
         """Everything ``rec`` changed; ``is_free(tier, block)`` is the block manager's.
-        ``view``: this pool's usage for placement, written when given."""
-        ops = self._blocks(rec, is_free) + self._requests(rec)
+        ``view``: this pool's usage for placement, written when given. ``in_flight``: the
+        requests of a launched plan whose result is not in, with its first position: what
+        they have computed for sure (the pipelined loop commits a step while the next runs)."""
+        ops = self._blocks(rec, is_free) + self._requests(rec, in_flight or {})
         for rid, toks in rec.new_tokens.items():
             ops.append(["RPUSH", self.k.out(rid), *map(str, toks)])
         for rid, entries in rec.logprobs.items():

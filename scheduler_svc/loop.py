@@ -3,12 +3,15 @@
 A ``Manager`` starts one ``Loop`` per executor it leads (holding that
 executor's lease; the epoch fences every write). Per step: read the doorbell
 stream (cancellations), claim queued requests that placement gives this
-executor, decide (pure), run the plan on the executor, apply the result
-(pure), commit everything in one fenced Redis call. If anything fails in
-between, the in-memory state is thrown away and reloaded from the last commit,
-which the executor's KV still matches (KV writes are idempotent and swaps copy
-without destroying their source). If the executor itself is lost, its
-requests go back to the shared queue and the loop ends.
+executor, decide (pure), send the plan to the executor, apply the oldest
+result (pure), commit everything in one fenced Redis call. Serial, the plan
+sent is the one whose result comes back; pipelined (``scheduler_svc.pipeline``),
+the loop sends step N+1 before it takes step N's result, so the executor never
+waits for the loop. If anything fails in between, the in-memory state is thrown
+away and reloaded from the last commit, which the executor's KV still matches
+(KV writes are idempotent and swaps copy without destroying their source). If
+the executor itself is lost, its requests go back to the shared queue and the
+loop ends.
 """
 
 from __future__ import annotations
@@ -32,8 +35,9 @@ from scheduler_svc.codec import CommitWriter
 from scheduler_svc.core import placement
 from scheduler_svc.core.blocks import DEVICE
 from scheduler_svc.core.request import Finish
-from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig
+from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from scheduler_svc.metrics import LoopMetrics
+from scheduler_svc.pipeline import Flight, Pipeline, StreamChannel, UnaryChannel
 from scheduler_svc.placements import Placements
 from scheduler_svc.plan import PlanBuilder, outputs
 from scheduler_svc.restore import intake, restore
@@ -65,9 +69,14 @@ class StepStats:
     plan_ms: float  # of which: building the step plan
     commit_ms: float  # of which: building the step's Redis commands
     redis_ms: float
-    executor_ms: float  # the Step round trip
+    executor_ms: float  # serial: the Step round trip; pipelined: the wait for the oldest result
     forward_ms: float
     step_ms: float  # the executor's own time for the step
+    encode_ms: float = 0.0  # pipelined: encoding the plan (part of schedule_ms)
+    decode_ms: float = 0.0  # pipelined: decoding the result (part of schedule_ms)
+    rtt_ms: float = 0.0  # from sending the reported step's plan to its result (pipelined: spans a loop turn)
+    idle_ms: float = 0.0  # the executor's wait for this plan after its previous step (StepResult.idle_ms)
+    in_flight: int = 0  # plans sent and not reported after this iteration (pipelined: 1 in steady state)
 
 
 @dataclass(slots=True)
@@ -78,11 +87,13 @@ class Timer:
     executor: float = 0.0
     plan: float = 0.0
     commit: float = 0.0
+    encode: float = 0.0
+    decode: float = 0.0
     total: float = 0.0
     t0: float = 0.0
 
     def start(self) -> None:
-        self.redis = self.executor = self.plan = self.commit = 0.0
+        self.redis = self.executor = self.plan = self.commit = self.encode = self.decode = 0.0
         self.t0 = time.perf_counter()
 
     def since(self, t: float) -> float:
@@ -112,6 +123,8 @@ class Session:
     ended: list[str] = field(default_factory=list)  # left this executor since the last plan: tables to drop
     retry: bool = False  # placement gave us requests another loop took first: look again at once
     timer: Timer = field(default_factory=Timer)
+    pipe: Pipeline = field(default_factory=lambda: Pipeline(1))
+    channel: UnaryChannel | StreamChannel | None = None
 
 
 class Loop:
@@ -128,6 +141,8 @@ class Loop:
         step_log: TextIO | None = None,
         metrics: LoopMetrics | None = None,
         tracer: Tracer | None = None,
+        channel: grpc.aio.Channel | None = None,
+        async_scheduling: bool = False,
     ) -> None:
         self.store = store
         self.info = info
@@ -142,7 +157,10 @@ class Loop:
         self.member = member  # the executor's current membership record (None once it left)
         self.executor_timeout = executor_timeout
         self.step_log = step_log
-        self._in_flight: list[str] = []  # requests in the plan the executor is running
+        self.channel = channel  # for the Steps stream (async scheduling)
+        # Plan a step ahead when asked to and the executor can (a channel to open its stream on).
+        self.pipelined = async_scheduling and channel is not None and info.pipelined
+        self._in_flight: list[str] = []  # requests of the plan whose result failed
         self._published: placement.PoolView | None = None
         self._step_id = 0
         self.idle_block_ms: int | None = IDLE_BLOCK_MS  # how long an idle step waits for the doorbell
@@ -178,6 +196,8 @@ class Loop:
                 self.log.error("executor %s lost (%s): %d requests go back to the queue", self.executor, exc, requeued)
                 return "lost"
             except grpc.aio.AioRpcError as exc:
+                # ABORTED: another caller's plan ran on the executor since ours (a plan of this loop's
+                # own, after a failure the loop did not see, or a newer leader's); the reload finds out.
                 # FAILED_PRECONDITION (a table the executor lacks, or a newer epoch there) heals
                 # here: the reload starts a fresh PlanBuilder, which sends every table in full.
                 self.log.warning("executor %s refused a plan (%s: %s); reloading", self.executor, exc.code().name,
@@ -186,7 +206,15 @@ class Loop:
             except UNAVAILABLE as exc:
                 self.log.warning("redis unavailable (%s); retrying", exc)
                 await _sleep(stop, RETRY_S)
+            finally:
+                self._close()
         return "stopped"
+
+    def _close(self) -> None:
+        """End this session's channel: the executor drops the plans still queued on it."""
+        if hasattr(self, "s") and self.s.channel is not None:
+            self.s.channel.close()
+            self.s.channel = None
 
     async def start(self, rejected: list[str] | None = None) -> None:
         """Restore from the last commit; requests whose plan the executor rejected are aborted."""
@@ -211,7 +239,15 @@ class Loop:
         seq = await self.store.apply(self.executor, self.epoch, snap.seq, ops)
         self.log.info("executor %s: restored %d live requests; device blocks free %d/%d", self.executor,
                  len(sched.requests), sched.blocks.num_free(DEVICE), sched.blocks.total(DEVICE))
-        self.s = Session(sched, writer, PlanBuilder(self.epoch, self.executor), cursor, seq)
+        self._close()
+        self.s = Session(sched, writer, PlanBuilder(self.epoch, self.executor), cursor, seq,
+                         pipe=Pipeline(2 if self.pipelined else 1), channel=self._open())
+
+    def _open(self) -> UnaryChannel | StreamChannel:
+        if self.pipelined:
+            assert self.channel is not None
+            return StreamChannel(self.channel, self.executor_timeout)
+        return UnaryChannel(self.stub, self.executor_timeout)
 
     def _view(self, sched: Scheduler) -> placement.PoolView | None:
         """This pool's view if it changed since it was last published."""
@@ -253,48 +289,85 @@ class Loop:
                 return  # the executor left the membership: the manager reaps it
 
     async def iterate(self) -> bool:
-        """One step: doorbell and cancels, claims, schedule, Step, commit. False once the executor left."""
+        """One turn: (pipelined: take the oldest result,) doorbell and cancels, claims, schedule and
+        send a plan, (serial: take its result,) commit. False once the executor left."""
         s, timer = self.s, self.s.timer
         member = self.member()
         if member is None:
             return False
         sched = s.sched
         timer.start()
-        block = None if sched.has_work or s.retry else self.idle_block_ms
+        done = await self._complete() if s.pipe.wait_first() else None
+        block = None if sched.has_work or s.retry or s.pipe else self.idle_block_ms
         ops_in, queued = await timer.redis_call(self.store.read_incoming(s.cursor, block))
         if ops_in:
             s.cursor = ops_in[-1].stream_id
         cancels = [(o.request_id, o.reason) for o in ops_in if o.op == "cancel" and o.reason is not None]
-        claimed, s.retry = [], False
+        claimed, s.retry, hold = [], False, False
         if not member.serving:
             if member.evacuate_at_ms and now_ms() >= member.evacuate_at_ms and sched.requests:
-                self.log.warning("executor %s: drain deadline; moving %d requests elsewhere", self.executor,
-                            len(sched.requests))
-                sched.evacuate()
+                hold = bool(s.pipe)  # requests leave with nothing in flight: first take what is
+                if not hold:
+                    self.log.warning("executor %s: drain deadline; moving %d requests elsewhere", self.executor,
+                                     len(sched.requests))
+                    sched.evacuate()
         else:
             claimed, s.retry = await self._claim(sched, timer)
         intake(sched, claimed, [(rid, r) for rid, r in cancels if rid in sched.requests])
         sched.expire(now_ms())  # queue deadlines: nothing past its own starts now
-        out = sched.schedule() if sched.has_work else None
-        result = None
-        if out is not None and out.has_work:
-            self._in_flight = [x.req.request_id for x in out.scheduled]
-            t = time.perf_counter()
-            plan = s.plans.build(out, self._step_id, s.ended, s.seq)
-            timer.plan, t = timer.since(t), time.perf_counter()
-            result = await self._step(plan)
-            timer.executor = timer.since(t)
-            s.ended = []
-            self._step_id += 1
-        if out is not None:
-            sched.update(out, *outputs(result))
-            self.placements.stepped(out)
+        launched = None
+        if not hold and s.pipe.can_launch() and sched.has_work:
+            launched = self._launch(sched.schedule())
+        if done is None and s.pipe.wait_after(launched is not None):
+            done = await self._complete()
         sched.expire(now_ms())  # what would go back to the queue (or stays swapped) past its deadline ends here
         sched.requeue_waiting()
+        if s.pipe.can_commit():
+            await self._commit(sched)
+        timer.stop()
+        if self.step_log is not None and done is not None:
+            self._log_step(sched, done, queued, timer)
+        return True
+
+    def _launch(self, out: SchedulerOutput) -> Flight | None:
+        """Build ``out``'s plan, count its tokens as computed (``Scheduler.launch``) and send it."""
+        s, timer = self.s, self.s.timer
+        if not out.has_work:
+            return None
+        t = time.perf_counter()
+        plan = s.plans.build(out, self._step_id, s.ended, s.seq)
+        s.sched.launch(out)
+        timer.plan = timer.since(t)
+        s.ended = []
+        flight = Flight.of(out, self._step_id)
+        assert s.channel is not None
+        timer.encode = s.channel.send(plan)
+        s.pipe.flights.append(flight)
+        self._step_id += 1
+        return flight
+
+    async def _complete(self) -> tuple[Flight, pb.StepResult]:
+        """Wait for the oldest plan's result and apply it."""
+        s, timer = self.s, self.s.timer
+        flight = s.pipe.flights[0]
+        t = time.perf_counter()
+        result = await self._result()
+        timer.executor = timer.since(t) - timer.decode
+        s.pipe.flights.popleft()
+        s.sched.update(flight.out, *outputs(result))
+        self.placements.stepped(flight.out)
+        if self.metrics is not None:
+            self.metrics.step(self.model, self.executor, flight.out.num_tokens)
+        return flight, result
+
+    async def _commit(self, sched: Scheduler) -> None:
+        """Everything recorded since the last commit, in one fenced call; for the requests of a plan
+        still in flight only what the reported steps computed."""
+        s, timer = self.s, self.s.timer
         rec = sched.take_record()
         s.ended += [r.request_id for r in rec.finished] + [r.request_id for r in rec.requeued]
         t = time.perf_counter()
-        ops = s.writer.ops(rec, sched.blocks.is_free, self._view(sched))
+        ops = s.writer.ops(rec, sched.blocks.is_free, self._view(sched), s.pipe.starts() if s.pipe else None)
         timer.commit = timer.since(t)
         left_ns = time.time_ns()
         if ops:
@@ -302,17 +375,14 @@ class Loop:
         self.placements.left(rec, left_ns)
         if self.metrics is not None:
             self.metrics.committed(self.model, self.executor, rec)
-            if out is not None and out.has_work:
-                self.metrics.step(self.model, self.executor, out.num_tokens)
-        timer.stop()
-        if self.step_log is not None and out is not None and out.has_work:
-            self._log_step(sched, out.num_tokens, queued, timer, result)
-        return True
 
-    async def _step(self, plan: pb.StepPlan) -> pb.StepResult:
+    async def _result(self) -> pb.StepResult:
+        assert self.s.channel is not None
         try:
-            return await self.stub.Step(plan, timeout=self.executor_timeout)
+            result, self.s.timer.decode = await self.s.channel.result()
+            return result
         except grpc.aio.AioRpcError as exc:
+            self._in_flight = list(self.s.pipe.flights[0].starts)  # the refused plan: the oldest
             if exc.code() == grpc.StatusCode.INVALID_ARGUMENT or await self._same_instance():
                 raise  # the plan was refused, or a passing fault: reload and resend
             raise ExecutorLost(f"Step failed: {exc.code().name}: {exc.details()}") from exc
@@ -325,17 +395,17 @@ class Loop:
             return False
         return info.instance_id == self.executor and info.state != "failed"
 
-    def _log_step(self, sched: Scheduler, tokens: int, queued: int, timer: Timer,
-                  result: pb.StepResult | None) -> None:
+    def _log_step(self, sched: Scheduler, done: tuple[Flight, pb.StepResult], queued: int, timer: Timer) -> None:
+        flight, result = done
         bm = sched.blocks
         stats = StepStats(
             executor=self.executor,
-            step=self._step_id,
+            step=flight.step_id,
             t=time.time(),
             running=len(sched.running),
             waiting=queued,
             swapped=len(sched.swapped),
-            scheduled_tokens=tokens,
+            scheduled_tokens=flight.out.num_tokens,
             live_tokens=sum(r.num_computed for r in sched.running),
             allocated_slots=bm.used(DEVICE) * bm.block_size,
             schedule_ms=timer.total - timer.redis - timer.executor,
@@ -343,8 +413,13 @@ class Loop:
             commit_ms=timer.commit,
             redis_ms=timer.redis,
             executor_ms=timer.executor,
-            forward_ms=result.forward_ms if result else 0.0,
-            step_ms=result.step_ms if result else 0.0,
+            forward_ms=result.forward_ms,
+            step_ms=result.step_ms,
+            encode_ms=timer.encode,
+            decode_ms=timer.decode,
+            rtt_ms=(time.perf_counter() - flight.sent) * 1e3,
+            idle_ms=result.idle_ms,
+            in_flight=len(self.s.pipe),
         )
         assert self.step_log is not None
         self.step_log.write(json.dumps(asdict(stats)) + "\n")

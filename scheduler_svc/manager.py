@@ -52,9 +52,10 @@ class Manager:
                  lease_ms: int = 10_000, static: list[str] | None = None, executor_timeout: float = 60.0,
                  detach_timeout: float = DETACH_TIMEOUT_S, step_log: TextIO | None = None,
                  metrics: LoopMetrics | None = None, namespace_metrics: NamespaceMetrics | None = None,
-                 tracer: Tracer | None = None, dial: DialFn = insecure) -> None:
+                 tracer: Tracer | None = None, dial: DialFn = insecure, async_scheduling: bool = False) -> None:
         """``dial``: a channel to an executor's address (``pagedserve.security.Dialer.channel``:
-        TLS and the internal token as configured)."""
+        TLS and the internal token as configured). ``async_scheduling``: loops plan a step ahead
+        (``scheduler_svc.pipeline``) wherever the executor serves ``Steps``."""
         self.store = store
         self.registry = registry
         self.config = config
@@ -68,6 +69,7 @@ class Manager:
         self.namespace_metrics = namespace_metrics
         self.tracer = tracer
         self.dial = dial
+        self.async_scheduling = async_scheduling
         self.members: dict[str, Member] = {}  # compatible members as of the last tick
         self.loops: dict[str, Led] = {}
         self._refused: set[str] = set()
@@ -182,7 +184,7 @@ class Manager:
         stop = asyncio.Event()
         loop = Loop(self.store, info, stub, self.config, epoch, lambda: self.members.get(m.instance_id),
                     executor_timeout=self.executor_timeout, step_log=self.step_log, metrics=self.metrics,
-                    tracer=self.tracer)
+                    tracer=self.tracer, channel=channel, async_scheduling=self.async_scheduling)
         log.info("replica %s leads executor %s at %s (epoch %d)", self.replica, m.instance_id, m.address, epoch)
         self.loops[m.instance_id] = Led(asyncio.create_task(loop.lead(stop)), stop, channel,
                                         asyncio.create_task(self._renew(m.instance_id, stop)))

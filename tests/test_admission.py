@@ -236,6 +236,10 @@ def test_executor_service_parses_in_the_handler() -> None:
         async def Step(self, request: xpb.StepPlan, context: grpc.aio.ServicerContext) -> xpb.StepResult:
             return xpb.StepResult(step_id=request.step_id)
 
+        async def Steps(self, requests, context):  # type: ignore[no-untyped-def]
+            async for plan in requests:
+                yield xpb.StepResult(step_id=plan.step_id)
+
     rng = random.Random(7)
     junk = [b"\xff", b"\x0a\xff\xff\xff\xff", b"\x08\x80", b"\x12\x05ab", *(b"\x0b" + rng.randbytes(20) for _ in range(8))]
 
@@ -255,6 +259,14 @@ def test_executor_service_parses_in_the_handler() -> None:
                         codes.append(Code.OK)
                     except grpc.aio.AioRpcError as exc:
                         codes.append(exc.code())
+                steps = ch.stream_stream("/pagedserve.executor.v1.Executor/Steps", request_serializer=None,
+                                         response_deserializer=xpb.StepResult.FromString)
+                call = steps(iter([xpb.StepPlan(step_id=40).SerializeToString(), junk[0]]), timeout=HANG_GUARD_S)
+                try:  # the stream's plans are parsed one by one: a good one answers, a bad one ends it
+                    async for res in call:
+                        codes.append(Code.OK if res.step_id == 40 else Code.UNKNOWN)
+                except grpc.aio.AioRpcError as exc:
+                    codes.append(exc.code())
                 stub = xpb_grpc.ExecutorStub(ch)
                 info = await stub.Info(xpb.InfoRequest(renew_instance=True), timeout=HANG_GUARD_S)
                 step = await stub.Step(xpb.StepPlan(step_id=41), timeout=HANG_GUARD_S)
@@ -263,7 +275,8 @@ def test_executor_service_parses_in_the_handler() -> None:
         return codes, info, step
 
     codes, info, step = asyncio.run(go())
-    assert set(codes) == {Code.INVALID_ARGUMENT}, codes
+    assert set(codes[:-2]) == {Code.INVALID_ARGUMENT}, codes
+    assert codes[-2:] == [Code.OK, Code.INVALID_ARGUMENT], "Steps: the good plan answered, the junk refused"
     assert (info.instance_id, info.applied_seq, step.step_id) == ("seen", 1, 41)
 
 

@@ -74,6 +74,8 @@ def test_harness_writes_report(tiny_model: Path, tmp_path: Path, capsys: pytest.
         assert arm["num_requests"] == 4
         assert {"p50", "p90", "p99"} <= set(arm["ttft_ms"]) and {"p50", "p90", "p99"} <= set(arm["e2e_ms"])
     assert {p["waiting"] for p in summary["overhead_sweep"]} == {0, 4}
+    assert {p["loop"] for p in summary["overhead_sweep"]} == {"serial", "pipelined"}
+    assert isinstance(summary["scheduler_overhead_ms_p50_serial"], float)
     assert [p["tokens"] for p in summary["preemption"]] == [16, 32]
     assert [p["executors"] for p in summary["scale_out"]] == [1, 2]
     for point in summary["scale_out"]:
@@ -111,7 +113,7 @@ def test_harness_writes_report(tiny_model: Path, tmp_path: Path, capsys: pytest.
     assert long["workload"]["num_requests"] == 3 and long["kv_budget_tokens"] == 320
     assert long["hf_static_requests"] == 2 and long["arms"]["hf_static"]["num_requests"] == 2
     assert long["arms"]["pagedserve"]["num_requests"] == long["arms"]["hf_continuous"]["num_requests"] == 3
-    assert len(summary["targets"]) == 8  # the streams figures are informational: no target
+    assert len(summary["targets"]) == 9  # the streams figures are informational: no target
 
     report = (out / "report.md").read_text()
     assert "## Targets" in report and "## Streams" in report and "## Against the machine" in report

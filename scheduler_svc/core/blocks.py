@@ -146,11 +146,17 @@ class BlockManager:
         req.blocks = dst
         return moves
 
-    def release_pending(self) -> None:
-        """The executor reported this step's swaps done: their sources are free."""
-        pending, self.pending = self.pending, []
+    def release_pending(self, moves: list[Move] | None = None) -> None:
+        """The executor reported a step's swaps done: their sources are free. ``moves``: that
+        step's swaps (with a later plan already launched, its sources stay pending); None: all."""
+        if moves is None:
+            done, self.pending = self.pending, []
+        else:
+            sources = {(m.src_tier, m.src) for m in moves}
+            done = [p for p in self.pending if p in sources]
+            self.pending = [p for p in self.pending if p not in sources]
         for tier in TIERS:
-            self._give(tier, [b for t, b in pending if t == tier])
+            self._give(tier, [b for t, b in done if t == tier])
 
     def used(self, tier: Tier = DEVICE) -> int:
         return self.total(tier) - self.num_free(tier)

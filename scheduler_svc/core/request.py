@@ -66,10 +66,19 @@ class Request:
     finish_reason: Finish | None = None
     num_preemptions: int = 0
     deadline_ms: int = 0  # wall clock (ms) by which it must have started; 0: none (core/deadline.py)
+    # Output tokens sampled by launched steps whose results are not in yet (the pipelined loop plans
+    # one step ahead): counted in num_tokens, absent from output_ids, never stored.
+    num_unreported: int = 0
+
+    @property
+    def num_known(self) -> int:
+        """Prompt and output tokens whose ids are known."""
+        return len(self.prompt_ids) + len(self.output_ids)
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
+        """Tokens the scheduler plans with: the known ones and those still to be reported."""
+        return len(self.prompt_ids) + len(self.output_ids) + self.num_unreported
 
     @property
     def num_pending(self) -> int:
@@ -77,6 +86,7 @@ class Request:
         return self.num_tokens - self.num_computed
 
     def tokens(self, start: int, end: int) -> list[int]:
+        """Known token ids at positions [start, end) (an unreported one has no id yet)."""
         p = len(self.prompt_ids)
         if end <= p:
             return self.prompt_ids[start:end]

@@ -59,11 +59,12 @@ class Scheduled:
     req: Request
     start: int  # first position run this step
     num_tokens: int
+    # Whether this chunk reaches the end of the request's tokens, so a token is sampled (fixed when
+    # scheduled: launching the step makes that token one more of the request's tokens).
+    samples: bool = field(init=False)
 
-    @property
-    def samples(self) -> bool:
-        """Whether this chunk reaches the end of the known tokens, so a token is sampled."""
-        return self.start + self.num_tokens == self.req.num_tokens
+    def __post_init__(self) -> None:
+        self.samples = self.start + self.num_tokens == self.req.num_tokens
 
 
 @dataclass(slots=True)
@@ -74,6 +75,7 @@ class SchedulerOutput:
     swap_out: list[Move] = field(default_factory=list)
     swap_in: list[Move] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    launched: bool = False  # ``Scheduler.launch`` ran
 
     @property
     def num_tokens(self) -> int:
@@ -220,9 +222,13 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            if req.num_unreported and self._ends_by_length(req, len(req.output_ids) + req.num_unreported):
+                i += 1
+                continue  # its token in flight ends it: nothing more to run (the pipelined loop)
             n = min(req.num_pending, budget)
             preempted = False
-            while not self.blocks.can_append(req, n):
+            fits = self.blocks.can_append(req, n)
+            while not fits:
                 if self.blocks.needed(req, n) <= self.blocks.num_free_soon(DEVICE):
                     break  # swaps already in this plan free enough for the next step
                 victim = self._victim(self.running)
@@ -231,11 +237,12 @@ class Scheduler:
                 preempted = True
                 if victim is req:
                     break
+                fits = self.blocks.can_append(req, n)
             if req.status != Status.RUNNING:
                 continue  # preempted itself: running[i] is now the next request
             # Victims ahead of it (priority policy) shift it towards the front.
             i = self.running.index(req) + 1 if preempted else i + 1
-            if not self.blocks.can_append(req, n):
+            if not fits:
                 continue  # waits one step for swapped-out blocks to come free
             self.blocks.append(req, n)
             out.scheduled.append(Scheduled(req, req.num_computed, n))
@@ -310,35 +317,61 @@ class Scheduler:
             self._count("steps")
         return out
 
+    def launch(self, out: SchedulerOutput) -> None:
+        """The plan goes to the executor: its tokens count as computed, and each sequence it
+        samples owes one output token, unknown until ``update`` (so the next step can be
+        planned before this one's result is in)."""
+        for s in out.scheduled:
+            s.req.num_computed = s.start + s.num_tokens
+            s.req.num_unreported += s.samples
+        out.launched = True
+
     def update(self, out: SchedulerOutput, sampled: dict[str, int], logprobs: dict[str, object] | None = None,
                prompt_logprobs: dict[str, dict[int, object]] | None = None) -> list[Request]:
-        """Apply the executor's report: computed tokens, sampled tokens (with their logprobs, and
-        the prompt's, opaque here); returns the requests it finished."""
-        self.blocks.release_pending()
+        """Apply the executor's report of a launched plan (launching it first if the caller did
+        not): its swaps' sources come free, sampled tokens join their requests (with their
+        logprobs, and the prompt's, opaque here); returns the requests it finished. A token of a
+        request that ended or left this scheduler since the launch (an abort, an earlier finish, a
+        requeue) is dropped: it was never streamed."""
+        if not out.launched:
+            self.launch(out)
+        self.blocks.release_pending(out.swap_out + out.swap_in)
         finished = []
+        generated = 0
+        new_tokens, touched = self.record.new_tokens, self.record.touched
         for s in out.scheduled:
             req = s.req
-            req.num_computed = s.start + s.num_tokens
-            if prompt_logprobs and req.request_id in prompt_logprobs:
-                self.record.prompt_logprobs.setdefault(req.request_id, {}).update(prompt_logprobs[req.request_id])
-            token = sampled.get(req.request_id)
-            if token is None:
+            rid = req.request_id
+            live = self.requests.get(rid) is req
+            if prompt_logprobs and rid in prompt_logprobs and live:
+                self.record.prompt_logprobs.setdefault(rid, {}).update(prompt_logprobs[rid])
+            if not s.samples:
+                continue
+            req.num_unreported -= 1
+            token = sampled.get(rid)
+            if token is None or not live:
                 continue
             req.output_ids.append(token)
-            self.record.new_tokens.setdefault(req.request_id, []).append(token)
-            if logprobs and req.request_id in logprobs:
-                self.record.logprobs.setdefault(req.request_id, []).append(logprobs[req.request_id])
-            self._count("generated_tokens")
+            touched[rid] = req
+            new_tokens.setdefault(rid, []).append(token)
+            if logprobs and rid in logprobs:
+                self.record.logprobs.setdefault(rid, []).append(logprobs[rid])
+            generated += 1
             reason = self._check_finish(req, token)
             if reason is not None:
-                finished.append(self.finish(req.request_id, reason))
+                finished.append(self.finish(rid, reason))
+        self._count("generated_tokens", generated)
         return finished
+
+    def _ends_by_length(self, req: Request, num_output: int) -> bool:
+        """Whether ``num_output`` output tokens end ``req`` by length (max_tokens or the context)."""
+        return num_output >= req.params.max_tokens or len(req.prompt_ids) + num_output >= self.config.max_model_len
 
     def _check_finish(self, req: Request, token: int) -> Finish | None:
         p = req.params
         if token in p.stop_token_ids or (not p.ignore_eos and token in self._eos):
             return Finish.STOP
-        if len(req.output_ids) >= p.max_tokens or req.num_tokens >= self.config.max_model_len:
+        if self._ends_by_length(req, len(req.output_ids)):
             return Finish.LENGTH
         return None
 

@@ -1,0 +1,124 @@
+"""The executor's side of the pipelined step loop (torch-free: the stub executor uses it too).
+
+A pipelined scheduler sends plan N+1 while the executor still runs plan N, on
+one ``Steps`` stream; ``PlanRunner`` runs the plans of that stream back to back,
+in order, one at a time (the pool is not reentrant). A plan that fails ends the
+stream, and the plans queued behind it are dropped, never run: they were built
+on a result that did not come. The same holds for a stream that a newer stream
+(or a unary ``Step``) superseded: once another caller's plan ran, the older
+stream's queued plans end with ABORTED, so after any failure only plans of the
+scheduler's fresh stream touch the KV.
+
+Plan N+1 is built before step N's tokens are known, so a decoding sequence's
+input may be "the token sampled for this request in the previous step"
+(``SeqPlan.from_last_sample``); ``LastSampled`` remembers those tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
+
+import grpc
+
+from pagedserve.executor.v1 import executor_pb2 as pb
+
+T = TypeVar("T")
+RunPlan = Callable[[pb.StepPlan, grpc.aio.ServicerContext], Awaitable[pb.StepResult]]
+
+
+class UnknownSample(LookupError):
+    """A plan continues from a sampled token this executor does not have (it restarted, or forgot
+    the request): the scheduler must reload and send the tokens themselves."""
+
+
+class LastSampled:
+    """request id -> the token this executor sampled for it in its latest step."""
+
+    def __init__(self) -> None:
+        self._tokens: dict[str, int] = {}
+
+    def resolve(self, seqs: list[Any]) -> None:
+        """Put the sampled token in place of each ``from_last_sample`` reference (``SeqInput``s,
+        changed in place): from here on it is that step's input like any other token."""
+        for s in seqs:
+            if s.from_last_sample:
+                token = self._tokens.get(s.request_id)
+                if token is None:
+                    raise UnknownSample(s.request_id)
+                s.token_ids.append(token)
+                s.from_last_sample = False
+
+    def record(self, tokens: list[tuple[str, int]]) -> None:
+        self._tokens.update(tokens)
+
+    def forget(self, request_id: str) -> None:
+        self._tokens.pop(request_id, None)
+
+    def clear(self) -> None:
+        self._tokens.clear()
+
+    def __len__(self) -> int:
+        return len(self._tokens)
+
+
+async def in_thread(fn: Callable[..., T], *args: Any) -> T:
+    """``fn`` in a worker thread; if the caller is cancelled (its client went away), wait for
+    the thread to end before passing the cancellation on, so that whoever holds the
+    engine's lock keeps it until the engine is really free."""
+    task = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        await asyncio.wait([task])
+        raise
+
+
+class PlanRunner:
+    """Runs plans one at a time, in arrival order, from unary calls and ``Steps`` streams."""
+
+    def __init__(self, run: RunPlan) -> None:
+        self._run = run  # the fences and the step itself; aborts the call on a refusal
+        self.lock = asyncio.Lock()
+        self._owner: object | None = None  # the caller whose plan ran last
+        self._last_end: float | None = None  # perf_counter() when the latest step ended
+
+    async def one(self, plan: pb.StepPlan, context: grpc.aio.ServicerContext) -> pb.StepResult:
+        return await self._locked(plan, context, object(), False)
+
+    async def stream(self, plans: AsyncIterator[pb.StepPlan],
+                     context: grpc.aio.ServicerContext) -> AsyncIterator[pb.StepResult]:
+        """One result per plan, in order; plans are read (and queued) while earlier ones run."""
+        me = object()
+        queue: asyncio.Queue[pb.StepPlan | None] = asyncio.Queue()
+
+        async def read() -> None:
+            try:
+                async for plan in plans:
+                    queue.put_nowait(plan)
+            finally:
+                queue.put_nowait(None)
+
+        reader = asyncio.create_task(read())
+        started = False
+        try:
+            while (plan := await queue.get()) is not None:
+                yield await self._locked(plan, context, me, started)
+                started = True
+        finally:
+            reader.cancel()  # whatever is still queued is dropped with the stream
+
+    async def _locked(self, plan: pb.StepPlan, context: grpc.aio.ServicerContext, me: object,
+                      started: bool) -> pb.StepResult:
+        async with self.lock:
+            if started and self._owner is not me:
+                await context.abort(grpc.StatusCode.ABORTED,
+                                    "superseded: another caller's plan ran since this stream's last one")
+            t0 = time.perf_counter()
+            result = await self._run(plan, context)
+            self._owner = me
+            result.idle_ms = 0.0 if self._last_end is None else max(0.0, (t0 - self._last_end) * 1e3)
+            self._last_end = time.perf_counter()
+            return result

@@ -1,0 +1,158 @@
+"""How a loop hands plans to its executor: one at a time (serial) or one step ahead (pipelined).
+
+Serial: send a plan with the unary ``Step`` and wait for its result before
+planning the next. Pipelined (``--async-scheduling``, as vLLM's async
+scheduling): plans go out on one ``Steps`` stream, and the loop plans and sends
+step N+1 while the executor runs step N, then takes N's result and commits it
+while N+1 runs; the executor always has the next plan queued when a step ends.
+Plan N+1 is built before N's tokens are known: every sequence N samples is
+assumed to yield exactly one token (``Scheduler.launch``), a decoding
+sequence's input is "the token you sampled last step" (``from_last_sample``),
+and finishes are found one step late, their extra token dropped
+(``Scheduler.update``).
+
+A pipelined turn: take step N's result (the executor already runs N+1), read
+Redis, plan and send N+2, commit N. So at most two plans are at the executor,
+and the loop has a whole step to plan the next one. A plan that moves KV between
+tiers (swaps) is never followed by another before its result is in, and no
+commit is made while it is in flight: a commit may include later plans'
+allocations (blocks owned but not yet written, harmless to reload) and, for
+their requests, only what reported steps computed (``Flight.starts``), but
+never a swap that might not have happened.
+After any failure the stream is cancelled; the executor drops the plans queued
+on it, and the reloaded loop opens a new one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import grpc
+
+from pagedserve.executor.v1 import executor_pb2 as pb
+from pagedserve.executor.v1 import executor_pb2_grpc as pb_grpc
+from scheduler_svc.core.scheduler import SchedulerOutput
+
+STEPS_METHOD = "/pagedserve.executor.v1.Executor/Steps"
+
+
+@dataclass(slots=True)
+class Flight:
+    """A launched plan whose result is not in yet."""
+
+    out: SchedulerOutput
+    step_id: int
+    sent: float  # perf_counter() when it was handed to the channel
+    starts: dict[str, int] = field(default_factory=dict)  # request -> first position it runs (computed for sure)
+
+    @classmethod
+    def of(cls, out: SchedulerOutput, step_id: int) -> Flight:
+        return cls(out, step_id, time.perf_counter(), {s.req.request_id: s.start for s in out.scheduled})
+
+    @property
+    def moves(self) -> bool:
+        return bool(self.out.swap_out or self.out.swap_in)
+
+
+class Pipeline:
+    """The plans in flight, oldest first; the pure rules of when to launch, wait and commit."""
+
+    def __init__(self, depth: int) -> None:
+        self.depth = depth  # 1: serial, 2: one step ahead
+        self.flights: deque[Flight] = deque()
+
+    def __len__(self) -> int:
+        return len(self.flights)
+
+    def can_launch(self) -> bool:
+        """Room for another plan, and none in flight moves KV (its swaps must be reported first)."""
+        return len(self.flights) < self.depth and not any(f.moves for f in self.flights)
+
+    def wait_first(self) -> bool:
+        """At the start of a pipelined turn the executor holds ``depth`` plans: take the oldest result,
+        then plan the next one while the executor runs the other."""
+        return self.depth > 1 and len(self.flights) >= self.depth
+
+    def wait_after(self, launched: bool) -> bool:
+        """After planning: serial, the result of the plan just sent; pipelined, the oldest result only
+        when nothing new went out (the pipeline drains)."""
+        return bool(self.flights) and (self.depth == 1 or not launched)
+
+    def can_commit(self) -> bool:
+        """A commit may not record a swap the executor might not have done."""
+        return not any(f.moves for f in self.flights)
+
+    def starts(self) -> dict[str, int]:
+        """request -> what it has computed for sure, for the requests in launched plans."""
+        merged: dict[str, int] = {}
+        for f in reversed(self.flights):  # the oldest plan's start wins
+            merged.update(f.starts)
+        return merged
+
+
+def _lost(details: str) -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
+
+
+class UnaryChannel:
+    """The serial path: each plan is a unary ``Step``."""
+
+    def __init__(self, stub: pb_grpc.ExecutorStub, timeout: float) -> None:
+        self.stub = stub
+        self.timeout = timeout
+        self._calls: deque[asyncio.Future[pb.StepResult]] = deque()
+
+    def send(self, plan: pb.StepPlan) -> float:
+        self._calls.append(asyncio.ensure_future(self.stub.Step(plan, timeout=self.timeout)))
+        return 0.0
+
+    async def result(self) -> tuple[pb.StepResult, float]:
+        return await self._calls.popleft(), 0.0
+
+    def close(self) -> None:
+        for call in self._calls:
+            call.cancel()
+        self._calls.clear()
+
+
+class StreamChannel:
+    """The pipelined path: one ``Steps`` stream per loop session. Plans are encoded here, and
+    results decoded here, so that the step log can tell encoding and decoding apart from the wait."""
+
+    def __init__(self, channel: grpc.aio.Channel, timeout: float) -> None:
+        self.timeout = timeout
+        self._out: asyncio.Queue[bytes | None] = asyncio.Queue()
+        self._call = channel.stream_stream(STEPS_METHOD, request_serializer=None,
+                                           response_deserializer=None)(self._plans())
+
+    async def _plans(self):  # type: ignore[no-untyped-def]
+        while (data := await self._out.get()) is not None:
+            yield data
+
+    def send(self, plan: pb.StepPlan) -> float:
+        """Queue ``plan`` on the stream; returns the milliseconds spent encoding it."""
+        t = time.perf_counter()
+        data = plan.SerializeToString()
+        self._out.put_nowait(data)
+        return (time.perf_counter() - t) * 1e3
+
+    async def result(self) -> tuple[pb.StepResult, float]:
+        """The oldest plan's result, and the milliseconds spent decoding it."""
+        try:
+            data = await asyncio.wait_for(self._call.read(), self.timeout)
+        except TimeoutError:
+            self.close()
+            raise _lost(f"no StepResult within {self.timeout} s") from None
+        if data is grpc.aio.EOF:
+            raise _lost("the executor ended the Steps stream")
+        t = time.perf_counter()
+        result = pb.StepResult.FromString(data)
+        return result, (time.perf_counter() - t) * 1e3
+
+    def close(self) -> None:
+        """End the stream: the executor drops whatever is still queued on it."""
+        self._out.put_nowait(None)
+        self._call.cancel()

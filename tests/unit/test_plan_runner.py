@@ -1,0 +1,114 @@
+"""``executor_svc.pipeline.PlanRunner`` over real gRPC (a local server), with a stand-in for the
+engine that records which plans ran: it isolates the ordering and dropping rules of the ``Steps``
+stream from the model."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+
+from executor_svc.pipeline import PlanRunner
+from pagedserve import handlers
+from pagedserve.executor.v1 import executor_pb2 as pb
+
+METHOD = "/pagedserve.executor.v1.Executor/Steps"
+
+
+class Recorder:
+    """Runs a plan in ``delay`` seconds; refuses plan ids in ``refuse`` with INVALID_ARGUMENT."""
+
+    def __init__(self, delay: float = 0.05, refuse: tuple[int, ...] = ()) -> None:
+        self.ran: list[int] = []
+        self.delay = delay
+        self.refuse = refuse
+        self.runner = PlanRunner(self.run)
+
+    async def run(self, plan: pb.StepPlan, context: grpc.aio.ServicerContext) -> pb.StepResult:
+        if plan.step_id in self.refuse:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"plan {plan.step_id} refused")
+        await asyncio.sleep(self.delay)
+        self.ran.append(plan.step_id)
+        return pb.StepResult(step_id=plan.step_id)
+
+    async def Step(self, plan: pb.StepPlan, context: grpc.aio.ServicerContext) -> pb.StepResult:
+        return await self.runner.one(plan, context)
+
+    async def Steps(self, plans, context):  # type: ignore[no-untyped-def]
+        async for result in self.runner.stream(plans, context):
+            yield result
+
+
+async def serve(rec: Recorder) -> tuple[grpc.aio.Server, grpc.aio.Channel]:
+    server = grpc.aio.server()
+    handlers.register(server, pb.DESCRIPTOR.services_by_name["Executor"], {
+        "Info": handlers.unary(rec.Step, pb.InfoRequest),  # unused here
+        "Step": handlers.unary(rec.Step, pb.StepPlan),
+        "Steps": handlers.bidi(rec.Steps, pb.StepPlan),
+    })
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    return server, grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+
+
+def open_stream(ch: grpc.aio.Channel) -> tuple[asyncio.Queue, grpc.aio.StreamStreamCall]:
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def plans():  # type: ignore[no-untyped-def]
+        while (plan := await queue.get()) is not None:
+            yield plan
+
+    call = ch.stream_stream(METHOD, request_serializer=pb.StepPlan.SerializeToString,
+                            response_deserializer=pb.StepResult.FromString)(plans(), timeout=30)
+    return queue, call
+
+
+def test_plans_run_in_order_and_a_failure_drops_the_queued_ones() -> None:
+    async def go() -> None:
+        rec = Recorder(refuse=(2,))
+        server, ch = await serve(rec)
+        try:
+            queue, call = open_stream(ch)
+            for i in (1, 2, 3, 4):  # all queued before the first ends
+                queue.put_nowait(pb.StepPlan(step_id=i))
+            assert (await call.read()).step_id == 1
+            try:
+                await call.read()
+                raise AssertionError("plan 2 was refused")
+            except grpc.aio.AioRpcError as exc:
+                assert exc.code() == grpc.StatusCode.INVALID_ARGUMENT
+            await asyncio.sleep(0.3)
+            assert rec.ran == [1], "plans queued behind the refused one never run"
+        finally:
+            await ch.close()
+            await server.stop(None)
+
+    asyncio.run(go())
+
+
+def test_a_newer_caller_supersedes_a_stream() -> None:
+    async def go() -> None:
+        rec = Recorder(delay=0.0)
+        server, ch = await serve(rec)
+        try:
+            old, old_call = open_stream(ch)
+            old.put_nowait(pb.StepPlan(step_id=1))
+            assert (await old_call.read()).step_id == 1
+            new, new_call = open_stream(ch)
+            new.put_nowait(pb.StepPlan(step_id=10))
+            assert (await new_call.read()).step_id == 10
+            old.put_nowait(pb.StepPlan(step_id=2))
+            try:
+                await old_call.read()
+                raise AssertionError("the old stream was superseded")
+            except grpc.aio.AioRpcError as exc:
+                assert exc.code() == grpc.StatusCode.ABORTED
+            new.put_nowait(pb.StepPlan(step_id=11))
+            result = await new_call.read()
+            assert (result.step_id, rec.ran) == (11, [1, 10, 11])
+            assert result.idle_ms >= 0.0
+        finally:
+            await ch.close()
+            await server.stop(None)
+
+    asyncio.run(go())
