@@ -28,6 +28,7 @@ from scheduler_svc import codec
 from scheduler_svc.attachments import Attachments
 from scheduler_svc.codec import Event
 from scheduler_svc.core.admission import FinishRate, retry_after
+from scheduler_svc.core import prefix
 from scheduler_svc.core.deadline import deadline_ms
 from scheduler_svc.core.request import Finish, Request, Status
 from scheduler_svc.detok import Detokenizer
@@ -89,6 +90,7 @@ class Chunk:
     finish_reason: str = ""
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache (last message)
 
     def to_pb(self) -> pb.GenerateResponse:
         return pb.GenerateResponse(
@@ -99,6 +101,7 @@ class Chunk:
             finish_reason=self.finish_reason,
             prompt_tokens=self.prompt_tokens,
             completion_tokens=self.completion_tokens,
+            cached_tokens=self.cached_tokens,
         )
 
 
@@ -146,9 +149,9 @@ class EventBus:
         for rid, tokens in event.tokens.items():
             for q in self._queues.get(rid, ()):
                 q.put_nowait(("t", tokens))
-        for rid, fin in event.finished.items():
+        for rid, (reason, total) in event.finished.items():
             for q in self._queues.get(rid, ()):
-                q.put_nowait(("f", fin))
+                q.put_nowait(("f", (reason, total, event.cached.get(rid, 0))))
 
 
 @dataclass(slots=True)
@@ -163,13 +166,15 @@ class _Stream:
     done: bool = False
     first_pending: bool = True  # no token streamed yet: the next one is the first (TTFT)
     last: float = 0.0  # when the last message with tokens left
+    cached: int = 0  # prompt tokens served from the prefix cache, as the finish event says
 
     def chunk(self, tokens: list[int], offset: int, final: bool = False, reason: str = "") -> Chunk:
         text = self.detok.take(final=final)
         if not final:
             return Chunk(self.request_id, tokens, text, offset)
         self.done = True
-        return Chunk(self.request_id, tokens, text, offset, reason, self.prompt_tokens, len(self.detok.ids))
+        return Chunk(self.request_id, tokens, text, offset, reason, self.prompt_tokens, len(self.detok.ids),
+                     self.cached)
 
 
 def _end(span: Span | None, s: _Stream) -> None:
@@ -236,7 +241,8 @@ class Frontend:
             params = replace(params, seed=secrets.randbits(63))
         rid = checked.request_id or uuid.uuid4().hex
         return (Request(rid, prompt, params, priority=checked.priority,
-                        deadline_ms=deadline_ms(now_ms(), checked.queue_timeout, time_remaining)), checked.stop)
+                        deadline_ms=deadline_ms(now_ms(), checked.queue_timeout, time_remaining),
+                        cache_salt=checked.cache_salt), checked.stop)
 
     async def _cancel(self, request_id: str, reason: Finish) -> None:
         try:
@@ -281,7 +287,7 @@ class Frontend:
                 offset, toks = payload
                 chunk = self._deliver(s, await self._fresh(s, offset, toks))
             else:
-                reason, total = payload
+                reason, total, s.cached = payload
                 if reason == Finish.DEADLINE.value:
                     s.done = True
                     raise QueueTimeout(s.request_id)
@@ -346,7 +352,9 @@ class Frontend:
     async def _submit(self, req: Request, stop: list[str], trace: str) -> None:
         """Submit under admission control; raises TooManyPending with a retry hint."""
         try:
-            seen = await self.store.admit(req, stop, self.policy, trace, self.max_pending)
+            limits = self.watch.limits
+            hashes = prefix.prompt_hashes(req.prompt_ids, req.cache_salt, limits.block_size) if limits else []
+            seen = await self.store.admit(req, stop, self.policy, trace, self.max_pending, hashes=hashes)
         except Overloaded as exc:
             self.finish_rate.add(time.monotonic(), exc.seen.finished)
             hint = retry_after(exc.seen.queued, self.max_pending, self.finish_rate.per_s())
@@ -424,7 +432,7 @@ class Frontend:
         req = codec.request_from(request_id, fields, out)
         stop = codec.stop_of(fields)
         s = _Stream(request_id, len(req.prompt_ids), Detokenizer(self.tokenizer, stop),
-                    int(fields.get("ts", 0)) / 1000, first_pending=False)
+                    int(fields.get("ts", 0)) / 1000, first_pending=False, cached=req.num_cached)
         s.detok.add(req.output_ids[:offset])  # what the client has: the text state it left off at
         s.detok.take(final=False)
         s.delivered = offset

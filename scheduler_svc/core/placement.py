@@ -21,9 +21,16 @@ the same views, so they claim different requests and rarely collide:
   preempting less urgent work frees enough for the fewest blocks preempted,
   and that pool's loop claims it and preempts.
 
-A prefix-aware rule slots in as ``affinity``: a per-executor bonus
-subtracted from a pool's load for one request (e.g. the share of its prefix
-that pool caches, bounded so that load still wins past a documented limit).
+Prefix-aware: each candidate carries ``hits``, how many of its leading prompt
+blocks each executor caches (exact as of each pool's last commit: the peek
+script checks the request's block hashes against every executor's set of
+cached hashes in Redis). Among the pools that can take it now, the one with
+the longest hit wins unless its device usage exceeds the least loaded one's
+by more than ``PREFIX_LOAD_BOUND`` (a quarter of the pool): past that, the
+prefill a hit saves is worth less than balancing memory, and load wins.
+
+An extra rule can slot in as ``affinity``: a per-executor bonus subtracted
+from a pool's load for one request.
 """
 
 from __future__ import annotations
@@ -32,6 +39,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pagedserve.tiers import Tier
+
+PREFIX_LOAD_BOUND = 0.25  # device usage (0-1) a cache hit may cost over the least loaded pool
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
@@ -70,6 +79,7 @@ class Candidate:
     num_tokens: int  # prompt + tokens generated before it was requeued
     max_tokens: int
     priority: int = 0
+    hits: dict[str, int] = field(default_factory=dict)  # executor -> leading prompt blocks it caches
 
     def fits_ever(self, v: PoolView) -> bool:
         total = min(self.prompt_len + self.max_tokens, v.max_model_len)
@@ -116,6 +126,18 @@ def preemption_target(c: Candidate, views: list[PoolView], budget: int) -> str |
     return min(options)[2] if options else None
 
 
+def _cache_holder(c: Candidate, now: list[_Sim], least: _Sim) -> _Sim | None:
+    """The pool caching ``c``'s longest prefix, unless it is loaded past the bound or holds no
+    more of it than the least loaded pool does."""
+    if not c.hits:
+        return None
+    top = max(now, key=lambda s: (c.hits.get(s.view.executor, 0), -s.load, s.view.executor))
+    n = c.hits.get(top.view.executor, 0)
+    if n <= c.hits.get(least.view.executor, 0) or top.load - least.load > PREFIX_LOAD_BOUND:
+        return None
+    return top
+
+
 def pick(candidates: list[Candidate], me: str, views: dict[str, PoolView], *, policy: str, seats: int,
          budget: int, affinity: Callable[[Candidate, str], float] | None = None) -> list[Candidate]:
     """The candidates (in queue order) that executor ``me`` should claim now.
@@ -141,8 +163,11 @@ def pick(candidates: list[Candidate], me: str, views: dict[str, PoolView], *, po
             break
         best = min(now, key=lambda s, c=c: (s.load - (affinity(c, s.view.executor) if affinity else 0.0),
                                             s.view.executor))
+        cached = _cache_holder(c, now, best)
         own = sims[me]
-        if own in now and own.running == 0 and best.running > 0:
+        if cached is not None:
+            best = cached
+        elif own in now and own.running == 0 and best.running > 0:
             best = own  # idle here, busy there: do not let it wait
         best.assign(c, budget)
         if best is own:
