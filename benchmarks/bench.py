@@ -25,6 +25,7 @@ from benchmarks.preemption import PreemptionPoint
 from benchmarks.reattach import ReattachResult
 from benchmarks.sampling_cost import SamplingPoint, ratio_at, share_at
 from benchmarks.scale_out import ScaleOutConfig, ScaleOutPoint, efficiency
+from benchmarks.shared_prefix import SharedPrefixResult
 from benchmarks.workload import Vocab, Workload, WorkloadSpec, make_workload
 
 if TYPE_CHECKING:
@@ -158,6 +159,7 @@ def run_all(args: argparse.Namespace, cfg: Config, out: Path, started: float) ->
     spread: SpreadResult | None = None
     reattached: ReattachResult | None = None
     sampling: list[SamplingPoint] = []
+    shared: SharedPrefixResult | None = None
     scale_cfg = ScaleOutConfig(executors=cfg.scale_out_executors, running=cfg.scale_out_running,
                                window_s=cfg.scale_out_window_s, step_ms=cfg.scale_out_step_ms)
     logs = out / "logs"
@@ -243,6 +245,16 @@ def run_all(args: argparse.Namespace, cfg: Config, out: Path, started: float) ->
         attempt("reattach latency", reattach)
     if "sampling_cost" in cfg.arms:  # after pagedserve: its step log gives the decode forward per batch
         attempt("seeded sampling cost", sampling_cost)
+    def shared_prefix() -> None:
+        from benchmarks import shared_prefix as sp
+
+        nonlocal shared
+        shared = sp.run(model_dir, sp.SharedPrefixConfig(seed=args.seed), per_token, logs / "shared_prefix",
+                        hf_model())
+        errors.extend(shared.errors)
+
+    if "shared_prefix" in cfg.arms:
+        attempt("shared prefix (caching on, off, HF continuous with block sharing)", shared_prefix)
     if "hf_static" in cfg.arms:
         attempt("HF static", lambda: hf_static(short, hf_model(), None))
     if "hf_continuous" in cfg.arms:
@@ -275,6 +287,10 @@ def run_all(args: argparse.Namespace, cfg: Config, out: Path, started: float) ->
                         long_keys["throughput_ratio_vs_hf_continuous_long"], 1.5, True, "x"),
         analysis.Target("KV utilization (steady state), long workload", ">= 0.95",
                         long_keys["kv_utilization_steady_state_long"], 0.95, True),
+        analysis.Target("throughput vs HF continuous (block sharing), shared prefix", ">= 2x",
+                        shared.ratio() if shared else None, 2.0, True, "x"),
+        analysis.Target("prefill tokens computed, caching on / off, shared prefix", "<= 0.2",
+                        shared.prefill_ratio() if shared else None, 0.2, False),
     ]
     plots = {
         "throughput": report.plot_throughput(arms, out),
@@ -301,6 +317,9 @@ def run_all(args: argparse.Namespace, cfg: Config, out: Path, started: float) ->
         "scheduler_overhead_at": {"running": top.running, "waiting": top.waiting} if top else None,
         "scheduler_overhead_share_real_run": share,
         **long_keys,
+        "throughput_ratio_vs_hf_continuous_shared_prefix": shared.ratio() if shared else None,
+        "prefill_tokens_ratio_shared_prefix": shared.prefill_ratio() if shared else None,
+        "shared_prefix": shared.as_dict() if shared else None,
         "workload": short.workload.describe(),
         "model": str(model_dir),
         "kv_budget_bytes": short.budget_bytes,
