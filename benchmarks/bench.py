@@ -249,8 +249,9 @@ def run_all(args: argparse.Namespace, cfg: Config, out: Path, started: float) ->
         from benchmarks import shared_prefix as sp
 
         nonlocal shared
-        shared = sp.run(model_dir, sp.SharedPrefixConfig(seed=args.seed), per_token, logs / "shared_prefix",
-                        hf_model())
+        spc = sp.SharedPrefixConfig(cfg.shared_prefix_requests, cfg.shared_prefix_system_len,
+                                    budget_tokens=cfg.shared_prefix_budget_tokens, seed=args.seed)
+        shared = sp.run(model_dir, spc, per_token, logs / "shared_prefix", hf_model())
         errors.extend(shared.errors)
 
     if "shared_prefix" in cfg.arms:

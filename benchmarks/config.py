@@ -43,6 +43,10 @@ class Config:
     long_max_total_len: int = 1024
     long_kv_budget_tokens: int = 4096
     long_static_requests: int | None = None  # HF static serves only the first N of them (None: all)
+    # The shared-prefix arm: requests behind one common system prompt, on one KV budget for every run.
+    shared_prefix_requests: int = 64
+    shared_prefix_system_len: int = 512
+    shared_prefix_budget_tokens: int = 2048
 
 
 ARMS = ("pagedserve", "hf_static", "hf_continuous", "overhead", "scale_out", "kv_spread", "reattach", "sampling_cost",

@@ -185,10 +185,10 @@ end
 return missing
 """
 
-# The head of the queue with what placement needs of each request. With more than one
-# pool published, also how many of each request's leading prompt blocks (field 'bh', its
-# block hashes) each executor caches: "executor=blocks,..." (nonzero ones; codec.hits_from).
-# The walk stops at an executor's first miss, so it costs about the hits it finds.
+# The head of the queue with what placement needs of each request, and how many of each
+# request's leading prompt blocks (field 'bh', its block hashes) each executor caches:
+# "executor=blocks,..." (nonzero ones; codec.hits_from). The walk stops at an executor's
+# first miss, so it costs about the hits it finds.
 _PEEK = """
 local p = ARGV[1]
 local execs = redis.call('HKEYS', p .. 'usage')
@@ -197,7 +197,7 @@ for i, qk in ipairs(redis.call('ZRANGE', p .. 'queue', 0, tonumber(ARGV[2]) - 1)
   local rid = string.sub(qk, 18)
   local f = redis.call('HMGET', p .. 'req:' .. rid, 'plen', 'maxt', 'prio', 'bh')
   local hits = {}
-  if #execs > 1 and f[4] and f[4] ~= '' then
+  if f[4] and f[4] ~= '' then
     for _, e in ipairs(execs) do
       local set, n = p .. 'x:' .. e .. ':hashes', 0
       for h in string.gmatch(f[4], '[^,]+') do

@@ -19,7 +19,8 @@ NUMERIC_KEYS = ("throughput_ratio_vs_hf_static", "throughput_ratio_vs_hf_continu
                 "failover_resume_ms_p99", "seeded_sampling_cost_ratio", "seeded_sampling_share_of_forward",
                 "throughput_ratio_vs_hf_continuous_previous", "model_runner_ratio_32", "gemm_flops_per_s",
                 "roofline_fraction", "executor_busy_fraction", "throughput_ratio_vs_hf_continuous_long",
-                "throughput_ratio_vs_hf_static_long", "kv_utilization_steady_state_long")
+                "throughput_ratio_vs_hf_static_long", "kv_utilization_steady_state_long",
+                "throughput_ratio_vs_hf_continuous_shared_prefix", "prefill_tokens_ratio_shared_prefix")
 
 
 @pytest.fixture(scope="module")
@@ -57,6 +58,7 @@ def test_harness_writes_report(tiny_model: Path, tmp_path: Path, capsys: pytest.
         "--machine-batches", "1", "32", "--machine-reps", "2", "--gemm-size", "256",
         "--long-num-requests", "3", "--long-scale", "0.1", "--long-max-total-len", "64",
         "--long-kv-budget-tokens", "320", "--long-static-requests", "2",
+        "--shared-prefix-requests", "4", "--shared-prefix-system-len", "64", "--shared-prefix-budget-tokens", "256",
     ])
     assert rc == 0
     assert capsys.readouterr().out.strip().splitlines()[-1] == str(out.resolve())

@@ -81,6 +81,10 @@ class Candidate:
     priority: int = 0
     hits: dict[str, int] = field(default_factory=dict)  # executor -> leading prompt blocks it caches
 
+    def cached_tokens(self, executor: str, block_size: int) -> int:
+        """Tokens of its prefix ``executor`` caches (never all of them: one is always computed)."""
+        return min(self.hits.get(executor, 0) * block_size, max(0, self.num_tokens - 1))
+
     def fits_ever(self, v: PoolView) -> bool:
         total = min(self.prompt_len + self.max_tokens, v.max_model_len)
         return self.num_tokens < v.max_model_len and blocks_for(total, v.block_size) <= v.blocks[Tier.DEVICE]
@@ -101,7 +105,11 @@ class _Sim:
         return 1.0 if total == 0 else 1 - self.free / total
 
     def need(self, c: Candidate, budget: int) -> int:
-        return blocks_for(min(c.num_tokens, budget), self.view.block_size)
+        """New blocks its first chunk takes here: a cached prefix costs none (shared with its holders;
+        an evictable one counts as free already, so this may overclaim, and the loop requeues)."""
+        bs = self.view.block_size
+        hit = c.cached_tokens(self.view.executor, bs)
+        return blocks_for(hit + min(c.num_tokens - hit, budget), bs) - hit // bs
 
     def fits_now(self, c: Candidate, budget: int) -> bool:
         reserve = self.view.watermark if self.running else 0
@@ -172,7 +180,7 @@ def pick(candidates: list[Candidate], me: str, views: dict[str, PoolView], *, po
         best.assign(c, budget)
         if best is own:
             mine.append(c)
-            tokens -= min(c.num_tokens, tokens)
+            tokens -= min(c.num_tokens - c.cached_tokens(me, own.view.block_size), tokens)
             if len(mine) >= seats or tokens <= 0:
                 break
     return mine

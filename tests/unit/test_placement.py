@@ -102,3 +102,14 @@ def test_a_request_goes_to_the_pool_caching_its_prefix_within_the_load_bound() -
     assert claims([c2], views) == {"a": [], "b": ["r0"]}, "the longest cached prefix wins"
     views = {"a": pool("a", free=60, running=0), "b": pool("b", free=56, running=2)}
     assert claims([c], views) == {"a": [], "b": ["r0"]}, "an idle pool does not take it from the one caching it"
+
+
+def test_a_cached_prefix_costs_no_blocks_and_no_budget() -> None:
+    from dataclasses import replace
+
+    views = {"a": pool("a", total=64, free=40, running=2)}
+    behind = [replace(cand(i, tokens=528), hits={"a": 32}) for i in range(6)]
+    got = pick(behind, "a", views, policy="fcfs", seats=256, budget=1024)
+    assert len(got) == 6, "each needs 2 new blocks and 16 tokens of budget"
+    cold = [cand(i, tokens=528) for i in range(6)]
+    assert len(pick(cold, "a", views, policy="fcfs", seats=256, budget=1024)) == 1
