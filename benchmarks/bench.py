@@ -250,7 +250,8 @@ def run_all(args: argparse.Namespace, cfg: Config, out: Path, started: float) ->
 
         nonlocal shared
         spc = sp.SharedPrefixConfig(cfg.shared_prefix_requests, cfg.shared_prefix_system_len,
-                                    budget_tokens=cfg.shared_prefix_budget_tokens, seed=args.seed)
+                                    budget_tokens=cfg.shared_prefix_budget_tokens, seed=args.seed,
+                                    measure_off=cfg.shared_prefix_measure_off)
         shared = sp.run(model_dir, spc, per_token, logs / "shared_prefix", hf_model())
         errors.extend(shared.errors)
 

@@ -47,6 +47,7 @@ class Config:
     shared_prefix_requests: int = 64
     shared_prefix_system_len: int = 512
     shared_prefix_budget_tokens: int = 2048
+    shared_prefix_measure_off: bool = True  # run caching off too (quick: its prompt tokens, a lower bound)
 
 
 ARMS = ("pagedserve", "hf_static", "hf_continuous", "overhead", "scale_out", "kv_spread", "reattach", "sampling_cost",
@@ -56,7 +57,7 @@ ARMS = ("pagedserve", "hf_static", "hf_continuous", "overhead", "scale_out", "kv
 # running / 1024 waiting); the scale-out windows and the machine arm's pairs are shorter than they were.
 QUICK = Config("quick", 64, 0.125, 512, 2048, [1, 64, 256], [0, 1024], 1.5, [32, 128, 512],
                overhead_waiting_top_only=True, overhead_reach_s=30.0, scale_out_window_s=3.0, machine_reps=5,
-               long_static_requests=6)
+               long_static_requests=6, shared_prefix_measure_off=False)
 FULL = Config("full", 256, 0.25, 1024, 4096, [1, 16, 64, 128, 256], [0, 256, 1024, 4096], 4.0, [16, 64, 256, 1024],
               scale_out_window_s=10.0, kv_spread_requests=96, reattach_rounds=5, reattach_failover_rounds=3,
               sampling_reps=15, machine_reps=11)

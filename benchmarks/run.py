@@ -131,6 +131,7 @@ def build_config(args: argparse.Namespace) -> Config:
         shared_prefix_requests=pick(args.shared_prefix_requests, base.shared_prefix_requests),
         shared_prefix_system_len=pick(args.shared_prefix_system_len, base.shared_prefix_system_len),
         shared_prefix_budget_tokens=pick(args.shared_prefix_budget_tokens, base.shared_prefix_budget_tokens),
+        shared_prefix_measure_off=base.shared_prefix_measure_off,
     )
 
 
