@@ -75,7 +75,10 @@ def restore(snap: Snapshot, totals: tuple[int, ...], config: SchedulerConfig, bl
     if reset:  # the cache goes too (reset_ops deletes it from Redis)
         bm = BlockManager(block_size, *(Pool.fresh(t) for t in totals), caching=caching)
     else:
-        bm.load_cache(snap.cache, snap.ranks)
+        # The executor ran a plan on top of this very state whose commit never landed: that step may
+        # have evicted cached blocks and written other KV into them, so the cache is not trusted.
+        lost_step = applied_seq > 0 and applied_seq == snap.seq
+        bm.load_cache(snap.cache, snap.ranks, trusted=not lost_step)
     sched = Scheduler(config, bm)
     for req, cancel in sorted(snap.requests, key=lambda rc: rc[0].arrival):
         if reset or req.status not in (Status.RUNNING, Status.SWAPPED):
