@@ -105,7 +105,13 @@ def test_harness_writes_report(tiny_model: Path, tmp_path: Path, capsys: pytest.
     assert long["workload"]["num_requests"] == 3 and long["kv_budget_tokens"] == 320
     assert long["hf_static_requests"] == 2 and long["arms"]["hf_static"]["num_requests"] == 2
     assert long["arms"]["pagedserve"]["num_requests"] == long["arms"]["hf_continuous"]["num_requests"] == 3
-    assert len(summary["targets"]) == 8  # the streams figures are informational: no target
+    assert len(summary["targets"]) == 10  # the streams figures are informational: no target
+    shared = summary["shared_prefix"]
+    # Quick: no caching-off run; its count is the prompt tokens (a lower bound of what it computes).
+    assert shared["workload"]["num_requests"] == 4 and shared["prefill_tokens_off_source"] == "prompt_tokens"
+    assert set(shared["arms"]) == {"pagedserve", "hf_continuous_shared"}
+    assert shared["prefill_tokens"]["pagedserve_no_cache"] == shared["workload"]["total_prompt_tokens"]
+    assert 0 < shared["prefill_tokens"]["pagedserve"] <= shared["prefill_tokens"]["pagedserve_no_cache"]
 
     report = (out / "report.md").read_text()
     assert "## Targets" in report and "## Streams" in report and "## Against the machine" in report
