@@ -134,6 +134,7 @@ class CBConfig:
     block_size: int = 16
     max_batch_tokens: int = 2048
     max_requests_per_batch: int = 256
+    allow_block_sharing: bool = False  # transformers' prefix caching (the shared-prefix arm turns it on)
 
 
 def run_continuous(model: torch.nn.Module, workload: Workload, cfg: CBConfig) -> HFResult:
@@ -150,7 +151,8 @@ def run_continuous(model: torch.nn.Module, workload: Workload, cfg: CBConfig) ->
                            pad_token_id=model.config.pad_token_id)
     cb = ContinuousBatchingConfig(page_size=cfg.block_size, num_blocks=max(1, cfg.budget_tokens // cfg.block_size),
                                   max_batch_tokens=cfg.max_batch_tokens,
-                                  max_requests_per_batch=cfg.max_requests_per_batch, allow_block_sharing=False)
+                                  max_requests_per_batch=cfg.max_requests_per_batch,
+                                  allow_block_sharing=cfg.allow_block_sharing)
     hints = WorkloadHints(max(len(r.prompt_ids) for r in reqs), gen.max_new_tokens, len(reqs))
     arrivals: dict[str, float] = {}
     records: list[RequestRecord] = []

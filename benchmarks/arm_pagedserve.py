@@ -28,6 +28,7 @@ class ServeConfig:
     preemption_mode: str = "recompute"
     swap_space_gib: float = 0.25
     max_model_len: int = 2048
+    prefix_caching: bool = True  # the scheduler's --enable-prefix-caching
 
 
 @dataclass(slots=True)
@@ -103,7 +104,8 @@ def run(model_dir: Path, workload: Workload, cfg: ServeConfig, log_dir: Path,
     step_log = log_dir / "steps.jsonl"
     step_log.unlink(missing_ok=True)
     sched = ["--max-num-seqs", str(cfg.max_num_seqs), "--max-num-batched-tokens", str(cfg.max_num_batched_tokens),
-             "--preemption-mode", cfg.preemption_mode, "--step-log", str(step_log)]
+             "--preemption-mode", cfg.preemption_mode, "--step-log", str(step_log),
+             "--enable-prefix-caching" if cfg.prefix_caching else "--no-enable-prefix-caching"]
     execu = executor_args(cfg)
     with Cluster(str(model_dir), kv_cache_memory=cfg.kv_budget_bytes, block_size=cfg.block_size,
                  scheduler_args=sched, executor_args=execu, log_dir=log_dir) as cluster:

@@ -26,6 +26,7 @@ from benchmarks.reattach import ReattachResult
 from benchmarks.sampling_cost import SamplingPoint, ratio_at, share_at
 from benchmarks.scale_out import ScaleOutConfig, ScaleOutPoint, efficiency
 from benchmarks.structured import StructuredResult
+from benchmarks.shared_prefix import SharedPrefixResult
 from benchmarks.workload import Vocab, Workload, WorkloadSpec, make_workload
 
 if TYPE_CHECKING:
@@ -193,6 +194,7 @@ def run_all(args: argparse.Namespace, cfg: Config, out: Path, started: float) ->
     sampling: list[SamplingPoint] = []
     logprobs: dict | None = None
     structured: StructuredResult | None = None
+    shared: SharedPrefixResult | None = None
     scale_cfg = ScaleOutConfig(executors=cfg.scale_out_executors, running=cfg.scale_out_running,
                                window_s=cfg.scale_out_window_s, step_ms=cfg.scale_out_step_ms)
     logs = out / "logs"
@@ -295,6 +297,18 @@ def run_all(args: argparse.Namespace, cfg: Config, out: Path, started: float) ->
         attempt("logprobs cost", logprobs_cost)
     if "structured" in cfg.arms:
         attempt("JSON-schema constraint cost", structured_cost)
+    def shared_prefix() -> None:
+        from benchmarks import shared_prefix as sp
+
+        nonlocal shared
+        spc = sp.SharedPrefixConfig(cfg.shared_prefix_requests, cfg.shared_prefix_system_len,
+                                    budget_tokens=cfg.shared_prefix_budget_tokens, seed=args.seed,
+                                    measure_off=cfg.shared_prefix_measure_off)
+        shared = sp.run(model_dir, spc, per_token, logs / "shared_prefix", hf_model())
+        errors.extend(shared.errors)
+
+    if "shared_prefix" in cfg.arms:
+        attempt("shared prefix (caching on, off, HF continuous with block sharing)", shared_prefix)
     if "hf_static" in cfg.arms:
         attempt("HF static", lambda: hf_static(short, hf_model(), None))
     if "hf_continuous" in cfg.arms:
@@ -330,6 +344,10 @@ def run_all(args: argparse.Namespace, cfg: Config, out: Path, started: float) ->
                         long_keys["throughput_ratio_vs_hf_continuous_long"], 1.5, True, "x"),
         analysis.Target("KV utilization (steady state), long workload", ">= 0.95",
                         long_keys["kv_utilization_steady_state_long"], 0.95, True),
+        analysis.Target("throughput vs HF continuous (block sharing), shared prefix", ">= 2x",
+                        shared.ratio() if shared else None, 2.0, True, "x"),
+        analysis.Target("prefill tokens computed, caching on / off, shared prefix", "<= 0.2",
+                        shared.prefill_ratio() if shared else None, 0.2, False),
     ]
     plots = {
         "throughput": report.plot_throughput(arms, out),
@@ -354,6 +372,9 @@ def run_all(args: argparse.Namespace, cfg: Config, out: Path, started: float) ->
         **ovh_keys,
         "scheduler_overhead_share_real_run": share,
         **long_keys,
+        "throughput_ratio_vs_hf_continuous_shared_prefix": shared.ratio() if shared else None,
+        "prefill_tokens_ratio_shared_prefix": shared.prefill_ratio() if shared else None,
+        "shared_prefix": shared.as_dict() if shared else None,
         "workload": short.workload.describe(),
         "model": str(model_dir),
         "kv_budget_bytes": short.budget_bytes,

@@ -93,6 +93,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="KV budget of the long workload's arms, in tokens (default: 4096)")
     p.add_argument("--long-static-requests", type=int, default=None,
                    help="HF static serves only the first N long requests (default: quick 6, full all)")
+    p.add_argument("--shared-prefix-requests", type=int, default=None,
+                   help="requests of the shared_prefix arm (default: 64)")
+    p.add_argument("--shared-prefix-system-len", type=int, default=None,
+                   help="tokens of the shared_prefix arm's common system prompt (default: 512)")
+    p.add_argument("--shared-prefix-budget-tokens", type=int, default=None,
+                   help="KV budget of every shared_prefix run, in tokens (default: 2048)")
     p.add_argument("--preemption-mode", choices=("swap", "recompute"), default="recompute",
                    help="pagedserve's preemption mode (the scheduler's --preemption-mode)")
     return p.parse_args(argv)
@@ -136,6 +142,10 @@ def build_config(args: argparse.Namespace) -> Config:
         long_max_total_len=pick(args.long_max_total_len, base.long_max_total_len),
         long_kv_budget_tokens=pick(args.long_kv_budget_tokens, base.long_kv_budget_tokens),
         long_static_requests=pick(args.long_static_requests, base.long_static_requests),
+        shared_prefix_requests=pick(args.shared_prefix_requests, base.shared_prefix_requests),
+        shared_prefix_system_len=pick(args.shared_prefix_system_len, base.shared_prefix_system_len),
+        shared_prefix_budget_tokens=pick(args.shared_prefix_budget_tokens, base.shared_prefix_budget_tokens),
+        shared_prefix_measure_off=base.shared_prefix_measure_off,
     )
 
 

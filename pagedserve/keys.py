@@ -57,6 +57,22 @@ class ExecutorKeys:
         on top of state that Redis lost (a restart from an older AOF) is refused."""
         return self.prefix + "seq"
 
+    @property
+    def cache(self) -> str:
+        """Hash: device block -> hex hash of every cached block (held or evictable): the prefix
+        cache a new leader reloads."""
+        return self.prefix + "cache"
+
+    @property
+    def lru(self) -> str:
+        """Sorted set: cached blocks nobody holds (evictable) -> LRU rank; the lowest is evicted first."""
+        return self.prefix + "lru"
+
+    @property
+    def hashes(self) -> str:
+        """Set: the hex hashes cached on this executor (what prefix-aware placement reads)."""
+        return self.prefix + "hashes"
+
     def free(self, tier: Tier | int) -> str:
         """The tier's free set, as a bitmap: bit ``b`` is 1 while block ``b`` is free. A pool of
         hundreds of thousands of blocks is a few tens of KiB, set whole in one command."""
@@ -65,7 +81,7 @@ class ExecutorKeys:
     def all(self) -> list[str]:
         """Every key of this executor's state."""
         return [self.live, self.computed, self.pool, self.counters, self.leader, self.epoch, self.seq,
-                *(self.free(t) for t in Tier)]
+                self.cache, self.lru, self.hashes, *(self.free(t) for t in Tier)]
 
 
 class Keys:

@@ -52,6 +52,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "--no-async-scheduling: the serial loop, one unary Step at a time")
     p.add_argument("--policy", choices=POLICIES, default="fcfs", help="the same on every replica of a namespace")
     p.add_argument("--preemption-mode", choices=PREEMPTION_MODES, default="recompute")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the KV of cached prompt prefixes across requests (hash-chained, reference-counted "
+                        "blocks; evicted LRU when their memory is needed); --no-enable-prefix-caching turns it off")
     p.add_argument("--max-num-seqs", type=int, default=256, help="running sequences per executor at most")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens per executor step at most")
     p.add_argument("--max-model-len", type=int, default=0, help="context limit (default: each executor's)")
@@ -184,6 +187,7 @@ def _scheduler_config(args: argparse.Namespace) -> SchedulerConfig:
         policy=args.policy,
         preemption_mode=args.preemption_mode,
         watermark=args.watermark,
+        enable_prefix_caching=args.enable_prefix_caching,
     )
 
 

@@ -17,7 +17,7 @@ import numpy as np
 from pagedserve.keys import Keys
 from pagedserve.tiers import TIERS, Tier
 from scheduler_svc.core.placement import Candidate, PoolView
-from scheduler_svc.core.record import StepRecord
+from scheduler_svc.core.record import CacheDelta, StepRecord
 from scheduler_svc.core.request import Finish, Params, Request, Status
 
 RESULT_TTL_S = 600  # finished requests stay readable (and resumable) this long, by default
@@ -40,7 +40,8 @@ def spec_json(req: Request, stop: list[str]) -> str:
         params["logit_bias"] = [list(x) for x in p.logit_bias]
     if p.grammar:
         params["grammar"] = list(p.grammar)
-    return json.dumps({"prompt": req.prompt_ids, "priority": req.priority, "stop": stop, "params": params})
+    salt = {"salt": req.cache_salt} if req.cache_salt else {}
+    return json.dumps({"prompt": req.prompt_ids, "priority": req.priority, "stop": stop, **salt, "params": params})
 
 
 _EXTRA_DEFAULTS: dict[str, object] = {"min_p": 0.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
@@ -68,6 +69,8 @@ def request_from(request_id: str, fields: dict[str, str], output: list[str], com
         swap_blocks=[(Tier(int(t)), int(b)) for t, b in (x.split(":") for x in fields.get("swap", "").split(",") if x)],
         num_preemptions=int(fields.get("preemptions", 0)),
         deadline_ms=int(fields.get("dl") or 0),
+        cache_salt=spec.get("salt"),
+        num_cached=int(fields.get("cached") or 0),
     )
 
 
@@ -101,10 +104,26 @@ def request_id_of(queue_key: str) -> str:
     return queue_key[17:]
 
 
+def hashes_field(hashes: list[str]) -> str:
+    """A request's prompt block hashes (core/prefix.prompt_hashes) as the submit script stores them."""
+    return ",".join(hashes)
+
+
+def hits_from(text: str) -> dict[str, int]:
+    """The peek script's ``executor=blocks,...``: how many of a request's leading blocks each executor caches."""
+    out: dict[str, int] = {}
+    for item in text.split(",") if text else []:
+        executor, _, n = item.rpartition("=")
+        out[executor] = int(n)
+    return out
+
+
 def candidate_from(row: list[str]) -> Candidate:
-    """A row of the peek script: queue key, prompt length, max_tokens, priority, tokens generated."""
-    qk, plen, maxt, prio, nout = row
-    return Candidate(qk, request_id_of(qk), int(plen), int(plen) + int(nout), int(maxt), int(prio))
+    """A row of the peek script: queue key, prompt length, max_tokens, priority, tokens generated, and
+    the prefix hits per executor (``hits_from``)."""
+    qk, plen, maxt, prio, nout, *rest = row
+    return Candidate(qk, request_id_of(qk), int(plen), int(plen) + int(nout), int(maxt), int(prio),
+                     hits_from(rest[0] if rest else ""))
 
 
 # -- events ---------------------------------------------------------------------
@@ -119,6 +138,7 @@ class Event:
     tokens: dict[str, tuple[int, list[int]]] = field(default_factory=dict)
     finished: dict[str, tuple[str, int]] = field(default_factory=dict)
     logprobs: dict[str, list[object]] = field(default_factory=dict)  # one entry per token, with sampling.logprobs
+    cached: dict[str, int] = field(default_factory=dict)  # finished request -> prompt tokens from the prefix cache
 
     def encode(self) -> str:
         d: dict[str, object] = {}
@@ -127,14 +147,17 @@ class Event:
         if self.logprobs:
             d["l"] = self.logprobs
         if self.finished:
-            d["f"] = {rid: [reason, n] for rid, (reason, n) in self.finished.items()}
+            d["f"] = {rid: [reason, n, *([self.cached[rid]] if self.cached.get(rid) else [])]
+                      for rid, (reason, n) in self.finished.items()}
         return json.dumps(d, separators=(",", ":"))
 
     @classmethod
     def decode(cls, data: str) -> Event:
         d = json.loads(data)
+        finished = d.get("f", {})
         return cls({rid: (v[0], v[1:]) for rid, v in d.get("t", {}).items()},
-                   {rid: (v[0], int(v[1])) for rid, v in d.get("f", {}).items()}, d.get("l", {}))
+                   {rid: (v[0], int(v[1])) for rid, v in finished.items()}, d.get("l", {}),
+                   {rid: int(v[2]) for rid, v in finished.items() if len(v) > 2})
 
     def __bool__(self) -> bool:
         return bool(self.tokens or self.finished)
@@ -149,6 +172,8 @@ def event_of(rec: StepRecord) -> Event:
     ev.logprobs = dict(rec.logprobs)
     for r in rec.finished:
         ev.finished[r.request_id] = ((r.finish_reason or Finish.ABORT).value, len(r.output_ids))
+        if r.num_cached:
+            ev.cached[r.request_id] = r.num_cached
     return ev
 
 
@@ -198,7 +223,7 @@ def free_blocks(bitmap: bytes, total: int) -> list[int]:
 
 def _signature(req: Request) -> tuple[object, ...]:
     """The part of a request's hash that changes only on transitions and new blocks."""
-    return (req.status, len(req.blocks), tuple(req.swap_blocks), req.num_preemptions)
+    return (req.status, len(req.blocks), tuple(req.swap_blocks), req.num_preemptions, req.num_cached)
 
 
 class CommitWriter:
@@ -223,7 +248,7 @@ class CommitWriter:
     def reset_ops(self, totals: tuple[int, ...], block_size: int, seq: int) -> list[list[str]]:
         """Bind the state to a fresh pool: every block free, nothing computed; the write
         sequence goes to ``seq`` (at least what the executor has executed)."""
-        ops: list[list[str]] = [["DEL", self.x.pool, self.x.computed],
+        ops: list[list[str]] = [["DEL", self.x.pool, self.x.computed, self.x.cache, self.x.lru, self.x.hashes],
                                 ["HSET", self.x.pool, "blocks", ",".join(map(str, totals)), "block_size",
                                  str(block_size)], ["SET", self.x.seq, str(seq)]]
         return ops + [[FILL, self.x.free(tier), str(total)] for tier, total in zip(TIERS, totals)]
@@ -235,7 +260,17 @@ class CommitWriter:
             owned = [str(b) for b in changed if not is_free(tier, b)]  # type: ignore[operator]
             ops += [[BITS, self.x.free(tier), "1", *c] for c in _split(freed)]
             ops += [[BITS, self.x.free(tier), "0", *c] for c in _split(owned)]
-        return ops
+        return ops + self._cache(rec.cache)
+
+    def _cache(self, d: CacheDelta) -> list[list[str]]:
+        """The prefix cache's state (``pagedserve.keys``: cache, lru, hashes)."""
+        x = self.x
+        ops = _chunks("HDEL", x.cache, [str(b) for b in d.unhashed])
+        ops += _chunks("HSET", x.cache, [v for b, h in d.hashed.items() for v in (str(b), h)])
+        ops += _chunks("ZREM", x.lru, [str(b) for b in d.held])
+        ops += _chunks("ZADD", x.lru, [v for b, r in d.evictable.items() for v in (str(r), str(b))])
+        ops += _chunks("SREM", x.hashes, d.dropped)
+        return ops + _chunks("SADD", x.hashes, d.added)
 
     def _requests(self, rec: StepRecord, in_flight: dict[str, int]) -> list[list[str]]:
         ops: list[list[str]] = []
@@ -252,7 +287,7 @@ class CommitWriter:
             ops.append(["HSET", self.k.req(rid), "status", req.status.value, "executor", self.executor,
                         "blocks", ",".join(map(str, req.blocks)),
                         "swap", ",".join(f"{int(t)}:{b}" for t, b in req.swap_blocks),
-                        "preemptions", str(req.num_preemptions)])
+                        "preemptions", str(req.num_preemptions), "cached", str(req.num_cached)])
         if computed:
             ops += _chunks("HSET", self.x.computed, computed)
         return ops
@@ -271,7 +306,8 @@ class CommitWriter:
             rid = req.request_id
             self._saved.pop(rid, None)
             ops += [["HSET", self.k.req(rid), "status", Status.FINISHED.value, "executor", self.executor,
-                     "finish_reason", (req.finish_reason or Finish.ABORT).value, "blocks", "", "swap", ""],
+                     "finish_reason", (req.finish_reason or Finish.ABORT).value, "blocks", "", "swap", "",
+                     "cached", str(req.num_cached)],
                     ["SREM", self.x.live, rid], ["SREM", self.k.live, rid], ["HDEL", self.x.computed, rid],
                     ["ZREM", self.k.attached, rid],
                     ["EXPIRE", self.k.req(rid), self.result_ttl], ["EXPIRE", self.k.out(rid), self.result_ttl]]

@@ -29,6 +29,7 @@ from scheduler_svc import codec
 from scheduler_svc.attachments import Attachments
 from scheduler_svc.codec import Event
 from scheduler_svc.core.admission import FinishRate, retry_after
+from scheduler_svc.core import prefix
 from scheduler_svc.core.deadline import deadline_ms
 from scheduler_svc.core.request import Finish, Request, Status
 from scheduler_svc.detok import Detokenizer
@@ -92,6 +93,7 @@ class Chunk:
     completion_tokens: int = 0
     logprobs: list[Any] | None = None  # one stored entry per token of token_ids (plan.entry's shape)
     prompt_logprobs: list[Any] | None = None  # one per prompt token from the second on
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache (last message)
 
     def to_pb(self) -> pb.GenerateResponse:
         return pb.GenerateResponse(
@@ -104,6 +106,7 @@ class Chunk:
             completion_tokens=self.completion_tokens,
             logprobs=[token_logprobs(e) for e in self.logprobs or ()],
             prompt_logprobs=[token_logprobs(e) for e in self.prompt_logprobs or ()],
+            cached_tokens=self.cached_tokens,
         )
 
 
@@ -157,9 +160,9 @@ class EventBus:
         for rid, (offset, tokens) in event.tokens.items():
             for q in self._queues.get(rid, ()):
                 q.put_nowait(("t", (offset, tokens, event.logprobs.get(rid))))
-        for rid, fin in event.finished.items():
+        for rid, (reason, total) in event.finished.items():
             for q in self._queues.get(rid, ()):
-                q.put_nowait(("f", fin))
+                q.put_nowait(("f", (reason, total, event.cached.get(rid, 0))))
 
 
 @dataclass(slots=True)
@@ -176,6 +179,8 @@ class _Stream:
     last: float = 0.0  # when the last message with tokens left
     logprobs: bool = False  # sampling.logprobs is set: messages carry them
     prompt_pending: bool = False  # sampling.prompt_logprobs is set and the first message has not left
+    cached: int = 0  # prompt tokens served from the prefix cache, as the finish event says
+    cached: int = 0  # prompt tokens served from the prefix cache, as the finish event says
 
     def chunk(self, tokens: list[int], offset: int, final: bool = False, reason: str = "",
               logprobs: list[Any] | None = None) -> Chunk:
@@ -185,7 +190,7 @@ class _Stream:
             return Chunk(self.request_id, tokens, text, offset, logprobs=lps)
         self.done = True
         return Chunk(self.request_id, tokens, text, offset, reason, self.prompt_tokens, len(self.detok.ids),
-                     logprobs=lps)
+                     logprobs=lps, cached_tokens=self.cached)
 
 
 def _end(span: Span | None, s: _Stream) -> None:
@@ -267,7 +272,8 @@ class Frontend:
             params = replace(params, seed=secrets.randbits(63))
         rid = checked.request_id or uuid.uuid4().hex
         return (Request(rid, prompt, params, priority=checked.priority,
-                        deadline_ms=deadline_ms(now_ms(), checked.queue_timeout, time_remaining)), checked.stop)
+                        deadline_ms=deadline_ms(now_ms(), checked.queue_timeout, time_remaining),
+                        cache_salt=checked.cache_salt), checked.stop)
 
     async def _cancel(self, request_id: str, reason: Finish) -> None:
         try:
@@ -320,7 +326,7 @@ class Frontend:
                 toks, lps = await self._fresh(s, offset, toks, lps)
                 chunk = self._deliver(s, toks, lps=lps)
             else:
-                reason, total = payload
+                reason, total, s.cached = payload
                 if reason == Finish.DEADLINE.value:
                     s.done = True
                     raise QueueTimeout(s.request_id)
@@ -395,7 +401,9 @@ class Frontend:
     async def _submit(self, req: Request, stop: list[str], trace: str) -> None:
         """Submit under admission control; raises TooManyPending with a retry hint."""
         try:
-            seen = await self.store.admit(req, stop, self.policy, trace, self.max_pending)
+            limits = self.watch.limits
+            hashes = prefix.prompt_hashes(req.prompt_ids, req.cache_salt, limits.block_size) if limits else []
+            seen = await self.store.admit(req, stop, self.policy, trace, self.max_pending, hashes=hashes)
         except Overloaded as exc:
             self.finish_rate.add(time.monotonic(), exc.seen.finished)
             hint = retry_after(exc.seen.queued, self.max_pending, self.finish_rate.per_s())
@@ -475,7 +483,7 @@ class Frontend:
         stop = codec.stop_of(fields)
         s = _Stream(request_id, len(req.prompt_ids), Detokenizer(self.tokenizer, stop),
                     int(fields.get("ts", 0)) / 1000, first_pending=False, logprobs=req.params.logprobs is not None,
-                    prompt_pending=req.params.prompt_logprobs is not None and offset == 0)
+                    prompt_pending=req.params.prompt_logprobs is not None and offset == 0, cached=req.num_cached)
         s.detok.add(req.output_ids[:offset])  # what the client has: the text state it left off at
         s.detok.take(final=False)
         s.delivered = offset

@@ -99,6 +99,9 @@ class LoopMetrics:
                                    ("out", "disk", c.disk_spilled_blocks), ("in", "any", c.swapped_in_blocks)):
             if n:
                 self.swapped_blocks.labels(*labels, direction, tier).inc(n)
+        if c.prefix_cache_queries:
+            self.prefix_queries.labels(*labels).inc(c.prefix_cache_queries)
+            self.prefix_hits.labels(*labels).inc(c.prefix_cache_hits)
         for req in rec.finished:
             self.prompt_tokens.labels(*labels).inc(len(req.prompt_ids))
             self.success.labels(*labels, (req.finish_reason or Finish.ABORT).value).inc()

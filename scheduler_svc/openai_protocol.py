@@ -400,6 +400,8 @@ def parse(body: dict[str, Any], chat: bool, request_id: str = "") -> Parsed:
         req.priority = _integer("priority", body["priority"], -I32 - 1, I32)
     if body.get("queue_timeout") is not None:
         req.queue_timeout = _number("queue_timeout", body["queue_timeout"])
+    if body.get("cache_salt") is not None:  # vLLM's extra body field: prefix-cache isolation
+        req.cache_salt = _text("cache_salt", body["cache_salt"])
     stream = body.get("stream") is not None and _flag("stream", body["stream"])
     ids = body.get("return_token_ids") is not None and _flag("return_token_ids", body["return_token_ids"])
     return Parsed(req, model, chat, stream, _stream_options(body, stream), ids,
@@ -417,9 +419,11 @@ def context_room(limits: Limits, num_prompt: int) -> int:
 # --- building responses ----------------------------------------------------------
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    """OpenAI's usage object; ``prompt_tokens_details.cached_tokens``: prompt tokens served from the prefix cache."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 @dataclass(slots=True)
@@ -433,6 +437,7 @@ class Collected:
     completion_tokens: int = 0
     logprobs: list[Any] = field(default_factory=list)
     prompt_logprobs: list[Any] | None = None
+    cached_tokens: int = 0
 
     def add(self, chunk: Chunk) -> None:
         self.texts.append(chunk.text)
@@ -443,6 +448,7 @@ class Collected:
         if chunk.finish_reason:
             self.finish_reason = chunk.finish_reason
             self.prompt_tokens, self.completion_tokens = chunk.prompt_tokens, chunk.completion_tokens
+            self.cached_tokens = chunk.cached_tokens
 
 
 @dataclass(slots=True)
@@ -532,7 +538,7 @@ class Shape:
                                        logprobs=done.logprobs, prompt_logprobs=done.prompt_logprobs)]
         if self.parsed.chat and done.prompt_logprobs is not None:
             out["prompt_logprobs"] = self._prompt_logprobs(done.prompt_logprobs)  # vLLM: beside the choices
-        out["usage"] = usage(done.prompt_tokens, done.completion_tokens)
+        out["usage"] = usage(done.prompt_tokens, done.completion_tokens, done.cached_tokens)
         if self.parsed.chat and self.parsed.return_token_ids:
             out["prompt_token_ids"] = self.prompt_ids
         return out
@@ -572,4 +578,5 @@ class Shape:
         if not self.parsed.include_usage or self.final is None:
             return []
         out = self._head("chat.completion.chunk" if self.parsed.chat else "text_completion")
-        return [out | {"choices": [], "usage": usage(self.final.prompt_tokens, self.final.completion_tokens)}]
+        return [out | {"choices": [], "usage": usage(self.final.prompt_tokens, self.final.completion_tokens,
+                                                         self.final.cached_tokens)}]

@@ -20,6 +20,8 @@ class Snapshot:
     free: tuple[list[int], ...] = ([], [], [])
     requests: list[tuple[Request, Finish | None]] = field(default_factory=list)  # with any pending cancel
     seq: int = 0  # writes of this state so far
+    cache: dict[int, bytes] = field(default_factory=dict)  # device block -> hash, every cached block
+    ranks: dict[int, int] = field(default_factory=dict)  # evictable cached block -> LRU rank
 
 
 @dataclass(slots=True)
@@ -32,14 +34,23 @@ def pool_fields(totals: tuple[int, ...], block_size: int) -> dict[str, str]:
     return {"blocks": ",".join(map(str, totals)), "block_size": str(block_size)}
 
 
-def consistent(bm: BlockManager, requests: list[Request]) -> bool:
-    """Every block is either free or owned by exactly one request."""
+def consistent(bm: BlockManager, requests: list[Request], cache: dict[int, bytes] | None = None) -> bool:
+    """Every swap block is free or owned by exactly one request; every device block is free
+    (plain or cached-evictable) or held by one or more requests, and only a cached block (one
+    with a hash in ``cache``) by more than one; no two blocks share a hash."""
+    cache = cache or {}
     owned: list[set[int]] = [set(), set(), set()]
     for req in requests:
+        if len(set(req.blocks)) != len(req.blocks):
+            return False
         for tier, block in [(TIERS[0], b) for b in req.blocks] + req.swap_blocks:
-            if block in owned[tier] or block >= bm.total(tier) or bm.is_free(tier, block):
+            if block >= bm.total(tier) or bm.is_free(tier, block):
+                return False
+            if block in owned[tier] and (tier != TIERS[0] or block not in cache):
                 return False
             owned[tier].add(block)
+    if len(set(cache.values())) != len(cache) or any(b >= bm.total(TIERS[0]) for b in cache):
+        return False
     return all(len(owned[t]) + bm.num_free(t) == bm.total(t) for t in TIERS)
 
 
@@ -55,17 +66,24 @@ def restore(snap: Snapshot, totals: tuple[int, ...], config: SchedulerConfig, bl
     restart lost them, and the KV may hold what those writes recorded, e.g.
     blocks that moved to other requests).
     """
+    caching = config.enable_prefix_caching
     pools = [Pool.with_free(total, [b for b in free if b < total]) for total, free in zip(totals, snap.free)]
-    bm = BlockManager(block_size, *pools)
+    bm = BlockManager(block_size, *pools, caching=caching)
     held = [r for r, _ in snap.requests if r.status in (Status.RUNNING, Status.SWAPPED)]
-    reset = (snap.pool != pool_fields(totals, block_size) or not consistent(bm, held)
+    reset = (snap.pool != pool_fields(totals, block_size) or not consistent(bm, held, snap.cache)
              or applied_seq > snap.seq)
-    if reset:
-        bm = BlockManager(block_size, *(Pool.fresh(t) for t in totals))
+    if reset:  # the cache goes too (reset_ops deletes it from Redis)
+        bm = BlockManager(block_size, *(Pool.fresh(t) for t in totals), caching=caching)
+    else:
+        # The executor ran a plan on top of this very state whose commit never landed: that step may
+        # have evicted cached blocks and written other KV into them, so the cache is not trusted.
+        lost_step = applied_seq > 0 and applied_seq == snap.seq
+        bm.load_cache(snap.cache, snap.ranks, trusted=not lost_step)
     sched = Scheduler(config, bm)
     for req, cancel in sorted(snap.requests, key=lambda rc: rc[0].arrival):
         if reset or req.status not in (Status.RUNNING, Status.SWAPPED):
             req.blocks, req.swap_blocks, req.num_computed, req.status = [], [], 0, Status.WAITING
+        bm.adopt(req)
         sched.add(req)
         if cancel is not None:
             sched.finish(req.request_id, cancel)

@@ -68,13 +68,15 @@ return redis.call('GET', seq_key)
 """
 
 # One executor's pool as its last commit left it: pool hash, free bitmaps, live set,
-# computed counts, write sequence. Bitmaps are binary: the caller reads the reply undecoded.
+# computed counts, write sequence, prefix cache (block -> hash, evictable block -> LRU
+# rank). Bitmaps are binary: the caller reads the reply undecoded.
 _LOAD = """
 local x = ARGV[1]
 return {redis.call('HGETALL', x .. 'pool'), redis.call('GET', x .. 'free:0') or '',
         redis.call('GET', x .. 'free:1') or '', redis.call('GET', x .. 'free:2') or '',
         redis.call('SMEMBERS', x .. 'live'), redis.call('HGETALL', x .. 'computed'),
-        redis.call('GET', x .. 'seq') or '0'}
+        redis.call('GET', x .. 'seq') or '0', redis.call('HGETALL', x .. 'cache'),
+        redis.call('ZRANGE', x .. 'lru', 0, -1, 'WITHSCORES')}
 """
 
 # A request enters the shared queue. Queue members are "<arrival, 16 digits>:<id>"
@@ -99,7 +101,7 @@ local qk = string.format('%016d:', arrival) .. ARGV[1]
 redis.call('DEL', KEYS[1], KEYS[2], KEYS[9], KEYS[10])
 redis.call('HSET', KEYS[1], 'spec', ARGV[2], 'arrival', arrival, 'status', 'waiting', 'executor', '',
            'plen', ARGV[3], 'maxt', ARGV[4], 'prio', ARGV[5], 'qk', qk, 'qs', ARGV[6], 'ts', ARGV[7], 'tp', ARGV[8],
-           'dl', ARGV[9])
+           'dl', ARGV[9], 'bh', ARGV[11])
 redis.call('ZADD', KEYS[4], ARGV[6], qk)
 redis.call('SADD', KEYS[5], ARGV[1])
 redis.call('ZADD', KEYS[7], ARGV[7], ARGV[1])
@@ -185,14 +187,34 @@ end
 return missing
 """
 
-# The head of the queue with what placement needs of each request.
+# The head of the queue with what placement needs of each request, and how many of each
+# request's leading prompt blocks (field 'bh', its block hashes) each executor caches:
+# "executor=blocks,..." (nonzero ones; codec.hits_from). The walk stops at an executor's
+# first miss, so it costs about the hits it finds.
 _PEEK = """
 local p = ARGV[1]
+local execs = redis.call('HKEYS', p .. 'usage')
 local out = {}
 for i, qk in ipairs(redis.call('ZRANGE', p .. 'queue', 0, tonumber(ARGV[2]) - 1)) do
   local rid = string.sub(qk, 18)
-  local f = redis.call('HMGET', p .. 'req:' .. rid, 'plen', 'maxt', 'prio')
-  out[i] = {qk, f[1] or '0', f[2] or '0', f[3] or '0', redis.call('LLEN', p .. 'out:' .. rid)}
+  local f = redis.call('HMGET', p .. 'req:' .. rid, 'plen', 'maxt', 'prio', 'bh')
+  local hits = {}
+  if f[4] and f[4] ~= '' then
+    for _, e in ipairs(execs) do
+      local set, n = p .. 'x:' .. e .. ':hashes', 0
+      for h in string.gmatch(f[4], '[^,]+') do
+        if redis.call('SISMEMBER', set, h) == 0 then
+          break
+        end
+        n = n + 1
+      end
+      if n > 0 then
+        table.insert(hits, e .. '=' .. n)
+      end
+    end
+  end
+  out[i] = {qk, f[1] or '0', f[2] or '0', f[3] or '0', redis.call('LLEN', p .. 'out:' .. rid),
+            table.concat(hits, ',')}
 end
 return out
 """
@@ -238,7 +260,7 @@ for _, rid in ipairs(redis.call('SMEMBERS', x .. 'live')) do
   end
 end
 redis.call('DEL', x .. 'live', x .. 'computed', x .. 'pool', x .. 'counters', x .. 'leader', x .. 'epoch',
-           x .. 'seq', x .. 'free:0', x .. 'free:1', x .. 'free:2')
+           x .. 'seq', x .. 'free:0', x .. 'free:1', x .. 'free:2', x .. 'cache', x .. 'lru', x .. 'hashes')
 redis.call('HDEL', p .. 'usage', eid)
 redis.call('ZADD', p .. 'evicted', now, eid)
 redis.call('ZREMRANGEBYSCORE', p .. 'evicted', '-inf', now - 86400000)
@@ -353,13 +375,15 @@ class RedisStore:
 
     # -- frontends ------------------------------------------------------------
 
-    async def submit(self, req: Request, stop: list[str], policy: str, trace: str = "") -> int:
+    async def submit(self, req: Request, stop: list[str], policy: str, trace: str = "",
+                     hashes: list[str] | None = None) -> int:
         """Persist a new request and queue it; returns its arrival number. ``trace``: the
-        ``traceparent`` of its root span, for the loops' spans."""
-        return (await self.admit(req, stop, policy, trace)).arrival
+        ``traceparent`` of its root span, for the loops' spans; ``hashes``: its prompt's block
+        hashes (core/prefix.prompt_hashes), for prefix-aware placement."""
+        return (await self.admit(req, stop, policy, trace, hashes=hashes)).arrival
 
     async def admit(self, req: Request, stop: list[str], policy: str, trace: str = "",
-                    max_pending: int = 0) -> Submitted:
+                    max_pending: int = 0, hashes: list[str] | None = None) -> Submitted:
         """``submit``, under admission control: with ``max_pending`` > 0 the request is refused
         (``Overloaded``) while that many requests wait in the namespace's queue."""
         k, rid = self.keys, req.request_id
@@ -368,7 +392,8 @@ class RedisStore:
             keys=[k.req(rid), k.out(rid), k.arrival, k.queue, k.live, k.incoming, k.attached, k.counters,
                   k.logprobs(rid), k.prompt_logprobs(rid)],
             args=[rid, codec.spec_json(req, stop), len(req.prompt_ids), req.params.max_tokens, req.priority,
-                  repr(score), now_ms(), trace, req.deadline_ms or "", max_pending])
+                  repr(score), now_ms(), trace, req.deadline_ms or "", max_pending,
+                  codec.hashes_field(hashes or [])])
         got = Submitted(int(arrival), int(queued), int(finished))
         if got.arrival == -1:
             raise DuplicateRequest(rid)
@@ -475,7 +500,9 @@ class RedisStore:
             if fields.get("status", "finished") != "finished":
                 requests.append((codec.request_from(rid, fields, out, int(computed.get(rid, 0))),
                                  codec.cancel_of(fields)))
-        return Snapshot(pool, free, requests, int(raw[6]))
+        cache = {int(b): bytes.fromhex(h.decode()) for b, h in zip(raw[7][::2], raw[7][1::2])}
+        ranks = {int(b): int(float(r)) for b, r in zip(raw[8][::2], raw[8][1::2])}
+        return Snapshot(pool, free, requests, int(raw[6]), cache, ranks)
 
     async def tail_incoming(self) -> str:
         last = await self.r.xrevrange(self.keys.incoming, count=1)

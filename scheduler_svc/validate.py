@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass
 
 from pagedserve.grammar import MAX_GRAMMAR_BYTES, choice_ebnf
+from scheduler_svc.core.prefix import MAX_SALT
 from scheduler_svc.core.request import Params
 from pagedserve.v1 import generation_pb2 as pb
 
@@ -15,6 +16,7 @@ MAX_STOP_STRING_LENGTH = 256  # characters; the detokenizer searches each new pi
 MAX_PROMPT_BYTES = 512 << 10  # UTF-8 bytes of prompt text, or of all messages' roles and contents
 MAX_LOGPROBS = 20  # vLLM's default --max-logprobs
 MAX_LOGIT_BIAS = 100.0  # |bias| allowed, as OpenAI and vLLM
+MAX_CACHE_SALT = MAX_SALT  # characters of cache_salt
 MAX_REQUEST_BYTES = 1 << 20  # a serialized GenerateRequest (checked in server.py, before parsing)
 
 
@@ -69,6 +71,7 @@ class Checked:
     priority: int
     queue_timeout: float | None = None  # seconds; None: no limit
     grammar_field: str = ""  # the structured-output field that params.grammar came from
+    cache_salt: str | None = None  # isolates its prefix-cache blocks (core/prefix.py)
 
 
 def _check_caps(req: pb.GenerateRequest, caps: Caps) -> None:
@@ -85,6 +88,8 @@ def _check_caps(req: pb.GenerateRequest, caps: Caps) -> None:
         if len(x) > caps.max_stop_string_length:
             raise InvalidArgument(f"sampling.stop[{i}]: {len(x)} characters, at most {caps.max_stop_string_length} "
                                   f"allowed (--max-stop-string-length)")
+    if req.HasField("cache_salt") and len(req.cache_salt) > MAX_CACHE_SALT:
+        raise InvalidArgument(f"cache_salt: {len(req.cache_salt)} characters, at most {MAX_CACHE_SALT} allowed")
     if req.HasField("queue_timeout") and not (math.isfinite(req.queue_timeout) and req.queue_timeout > 0):
         raise InvalidArgument(f"queue_timeout: must be a finite number of seconds > 0 (got {req.queue_timeout})")
 
@@ -180,7 +185,8 @@ def check(req: pb.GenerateRequest, limits: Limits, caps: Caps = DEFAULT_CAPS) ->
         grammar=grammar,
     )
     return Checked(req.request_id, given[0], params, list(s.stop), req.priority,
-                   req.queue_timeout if req.HasField("queue_timeout") else None, grammar_field)
+                   req.queue_timeout if req.HasField("queue_timeout") else None, grammar_field,
+                   cache_salt=req.cache_salt or None)
 
 
 def _check_sampling(s: pb.SamplingParams, limits: Limits, caps: Caps) -> None:

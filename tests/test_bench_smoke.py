@@ -21,7 +21,8 @@ NUMERIC_KEYS = ("throughput_ratio_vs_hf_static", "throughput_ratio_vs_hf_continu
                 "roofline_fraction", "executor_busy_fraction", "throughput_ratio_vs_hf_continuous_long",
                 "throughput_ratio_vs_hf_static_long", "kv_utilization_steady_state_long",
                 "logprobs_top5_tokens_per_s_ratio", "json_schema_tokens_per_s_ratio", "json_schema_mask_fill_us_per_token",
-                "json_schema_mask_apply_ms_per_step")
+                "json_schema_mask_apply_ms_per_step", "throughput_ratio_vs_hf_continuous_shared_prefix",
+                "prefill_tokens_ratio_shared_prefix")
 
 
 @pytest.fixture(scope="module")
@@ -60,6 +61,7 @@ def test_harness_writes_report(tiny_model: Path, tmp_path: Path, capsys: pytest.
         "--machine-batches", "1", "32", "--machine-reps", "2", "--gemm-size", "256",
         "--long-num-requests", "3", "--long-scale", "0.1", "--long-max-total-len", "64",
         "--long-kv-budget-tokens", "320", "--long-static-requests", "2",
+        "--shared-prefix-requests", "4", "--shared-prefix-system-len", "64", "--shared-prefix-budget-tokens", "256",
     ])
     assert rc == 0
     assert capsys.readouterr().out.strip().splitlines()[-1] == str(out.resolve())
@@ -113,7 +115,13 @@ def test_harness_writes_report(tiny_model: Path, tmp_path: Path, capsys: pytest.
     assert long["workload"]["num_requests"] == 3 and long["kv_budget_tokens"] == 320
     assert long["hf_static_requests"] == 2 and long["arms"]["hf_static"]["num_requests"] == 2
     assert long["arms"]["pagedserve"]["num_requests"] == long["arms"]["hf_continuous"]["num_requests"] == 3
-    assert len(summary["targets"]) == 9  # the streams figures are informational: no target
+    assert len(summary["targets"]) == 11  # the streams figures are informational: no target
+    shared = summary["shared_prefix"]
+    # Quick: no caching-off run; its count is the prompt tokens (a lower bound of what it computes).
+    assert shared["workload"]["num_requests"] == 4 and shared["prefill_tokens_off_source"] == "prompt_tokens"
+    assert set(shared["arms"]) == {"pagedserve", "hf_continuous_shared"}
+    assert shared["prefill_tokens"]["pagedserve_no_cache"] == shared["workload"]["total_prompt_tokens"]
+    assert 0 < shared["prefill_tokens"]["pagedserve"] <= shared["prefill_tokens"]["pagedserve_no_cache"]
 
     report = (out / "report.md").read_text()
     assert "## Targets" in report and "## Streams" in report and "## Against the machine" in report

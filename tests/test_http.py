@@ -118,6 +118,18 @@ def test_completions_match_the_grpc_api_token_for_token(cluster: Cluster, client
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == want.completion_tokens
 
 
+def test_cache_salt_and_cached_tokens(client: openai.OpenAI, model: str) -> None:
+    """A repeated prompt reuses its cached blocks (usage says how many tokens); another salt shares none."""
+    prompt = list(range(900, 940))  # 2 full blocks + 8 tokens: 32 tokens can come from the cache
+
+    def cached(**extra: Any) -> int:
+        got = client.completions.create(model=model, prompt=prompt, max_tokens=2, temperature=0, extra_body=extra)
+        assert got.usage is not None
+        return got.usage.prompt_tokens_details.cached_tokens
+
+    assert [cached(), cached(), cached(cache_salt="tenant"), cached(cache_salt="tenant")] == [0, 32, 0, 32]
+
+
 def test_chat_completions_match_the_grpc_api(cluster: Cluster, client: openai.OpenAI, model: str) -> None:
     messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a colour."}]
     want = grpc_greedy(cluster, pb.GenerateRequest(

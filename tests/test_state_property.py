@@ -6,8 +6,11 @@ draining (their requests moved elsewhere) and loops restarting, all through
 the real store, the real ``Loop`` code and the real Lua scripts. Each executor
 is played by a stub that returns token 7 for every sampled sequence: it
 isolates state keeping from the model. After every rule the state is read
-back from Redis and checked, pool by pool: no block owned twice, none leaked,
-free + used = total on every tier, block tables consistent with token counts;
+back from Redis and checked, pool by pool: no swap block owned twice, none
+leaked, free + used = total on every tier, block tables consistent with token
+counts; every device block free, cached-and-evictable, or held by one or more
+live requests with a reference count (the loop's) equal to its holders, and
+only cached blocks shared; the cache's hashes, LRU and placement set agree;
 and request by request: each live request is in the queue or on exactly one
 executor, and a reaped executor leaves nothing behind.
 """
@@ -53,6 +56,7 @@ class EchoExecutor:
 
 class ClusterState(RuleBasedStateMachine):
     redis_url = ""
+    seen = {"hits": 0, "shared": 0}  # over all examples: the cache was really exercised
 
     def __init__(self) -> None:
         super().__init__()
@@ -77,6 +81,7 @@ class ClusterState(RuleBasedStateMachine):
         return self.aio.run_until_complete(coro)
 
     def teardown(self) -> None:
+        self.seen["hits"] += int(self.run(self.client.hget(self.keys.counters, "prefix_cache_hits")) or 0)
         self.run(self.client.aclose())
         self.aio.close()
 
@@ -108,12 +113,14 @@ class ClusterState(RuleBasedStateMachine):
         self.members[eid] = Member(eid, "stub", "m", "digest", "float32", BLOCK, self.totals[eid], 64)
         self.lead(eid)
 
-    @rule(prompt=st.integers(1, 20), max_tokens=st.integers(1, 20), priority=st.integers(0, 3))
-    def submit(self, prompt: int, max_tokens: int, priority: int) -> None:
+    @rule(prompt=st.integers(1, 20), max_tokens=st.integers(1, 20), priority=st.integers(0, 3),
+          salt=st.sampled_from([None, None, "tenant-a"]))
+    def submit(self, prompt: int, max_tokens: int, priority: int, salt: str | None) -> None:
+        """Prompts share prefixes (3, 4, 5, ...), so the prefix cache is hit, shared and evicted."""
         rid = f"r{self.next_id}"
         self.next_id += 1
         req = Request(rid, list(range(3, 3 + prompt)), Params(max_tokens=max_tokens, temperature=0.0),
-                      priority=priority)
+                      priority=priority, cache_salt=salt)
         self.run(self.store.submit(req, [], self.config.policy))
 
     @precondition(lambda self: bool(self.loops))
@@ -121,6 +128,14 @@ class ClusterState(RuleBasedStateMachine):
     def step(self, data: st.DataObject) -> None:
         eid = data.draw(st.sampled_from(sorted(self.loops)))
         assert self.run(self.loops[eid].iterate())
+
+    @precondition(lambda self: bool(self.loops))
+    @rule(data=st.data(), steps=st.integers(2, 12))
+    def run_a_while(self, data: st.DataObject, steps: int) -> None:
+        """Several steps of one executor: requests finish, their cached blocks are hit, shared, evicted."""
+        eid = data.draw(st.sampled_from(sorted(self.loops)))
+        for _ in range(steps):
+            assert self.run(self.loops[eid].iterate())
 
     @rule(data=st.data(), reason=st.sampled_from([Finish.ABORT, Finish.STOP]))
     def cancel(self, data: st.DataObject, reason: Finish) -> None:
@@ -174,6 +189,7 @@ class ClusterState(RuleBasedStateMachine):
         for eid, loop in self.loops.items():
             snap = self.run(self.store.load(eid))
             _check_pool(snap, self.totals[eid])
+            _check_cache(snap, loop, self.run(self.client.smembers(self.keys.executor(eid).hashes)))
             for r, _ in snap.requests:
                 assert r.request_id not in placed and r.request_id not in queued, f"{r.request_id} is in two places"
                 placed[r.request_id] = eid
@@ -194,6 +210,27 @@ def _state(loop: Loop) -> dict:
             for r in loop.s.sched.requests.values()}
 
 
+def _check_cache(snap, loop: Loop, hashes: set[str]) -> None:  # noqa: ANN001
+    """Reference counts: each device block's count in the loop equals its holders in Redis; a block
+    held twice is cached; the LRU holds exactly the cached blocks nobody holds; the placement set
+    holds exactly the cached hashes."""
+    holders = [0] * len(loop.s.sched.blocks.refs)
+    for r, _ in snap.requests:
+        assert len(set(r.blocks)) == len(r.blocks), f"{r.request_id} holds a block twice"
+        for b in r.blocks:
+            holders[b] += 1
+    assert loop.s.sched.blocks.refs == holders, "reference counts equal holders"
+    ClusterState.seen["shared"] += any(n > 1 for n in holders)
+    for b, n in enumerate(holders):
+        assert n <= 1 or b in snap.cache, f"device block {b} is shared but not cached"
+    free = set(snap.free[0])
+    assert set(snap.ranks) == {b for b in snap.cache if b in free}, "evictable = cached and held by nobody"
+    assert len(set(snap.cache.values())) == len(snap.cache), "a hash names one block"
+    assert hashes == {h.hex() for h in snap.cache.values()}, "placement's set is the cache's hashes"
+    bm = loop.s.sched.blocks
+    assert {b: h for b, h in bm.hash_of.items()} == snap.cache and dict(bm.lru) == snap.ranks
+
+
 def _check_pool(snap, totals: tuple[int, int, int]) -> None:  # noqa: ANN001
     owned: list[list[int]] = [[], [], []]
     for r, _ in snap.requests:
@@ -208,6 +245,7 @@ def _check_pool(snap, totals: tuple[int, int, int]) -> None:  # noqa: ANN001
             assert len(r.swap_blocks) == blocks_needed(r.num_computed, BLOCK) and not r.blocks, r
         assert r.num_computed <= r.num_tokens
         assert len(r.output_ids) <= r.params.max_tokens
+    owned[0] = sorted(set(owned[0]))  # device blocks may be shared (_check_cache checks how)
     for tier in TIERS:
         assert len(owned[tier]) == len(set(owned[tier])), f"tier {tier}: a block is owned twice"
         assert not set(owned[tier]) & set(snap.free[tier]), f"tier {tier}: an owned block is free"
@@ -220,3 +258,4 @@ def test_redis_state_machine(redis_url: str) -> None:
     run.settings = settings(max_examples=60, stateful_step_count=40, deadline=None,
                             suppress_health_check=list(HealthCheck))
     run().runTest()
+    assert ClusterState.seen["hits"] > 0 and ClusterState.seen["shared"] > 0, ClusterState.seen

@@ -21,9 +21,16 @@ the same views, so they claim different requests and rarely collide:
   preempting less urgent work frees enough for the fewest blocks preempted,
   and that pool's loop claims it and preempts.
 
-A prefix-aware rule slots in as ``affinity``: a per-executor bonus
-subtracted from a pool's load for one request (e.g. the share of its prefix
-that pool caches, bounded so that load still wins past a documented limit).
+Prefix-aware: each candidate carries ``hits``, how many of its leading prompt
+blocks each executor caches (exact as of each pool's last commit: the peek
+script checks the request's block hashes against every executor's set of
+cached hashes in Redis). Among the pools that can take it now, the one with
+the longest hit wins unless its device usage exceeds the least loaded one's
+by more than ``PREFIX_LOAD_BOUND`` (a quarter of the pool): past that, the
+prefill a hit saves is worth less than balancing memory, and load wins.
+
+An extra rule can slot in as ``affinity``: a per-executor bonus subtracted
+from a pool's load for one request.
 """
 
 from __future__ import annotations
@@ -32,6 +39,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pagedserve.tiers import Tier
+
+PREFIX_LOAD_BOUND = 0.25  # device usage (0-1) a cache hit may cost over the least loaded pool
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
@@ -70,6 +79,11 @@ class Candidate:
     num_tokens: int  # prompt + tokens generated before it was requeued
     max_tokens: int
     priority: int = 0
+    hits: dict[str, int] = field(default_factory=dict)  # executor -> leading prompt blocks it caches
+
+    def cached_tokens(self, executor: str, block_size: int) -> int:
+        """Tokens of its prefix ``executor`` caches (never all of them: one is always computed)."""
+        return min(self.hits.get(executor, 0) * block_size, max(0, self.num_tokens - 1))
 
     def fits_ever(self, v: PoolView) -> bool:
         total = min(self.prompt_len + self.max_tokens, v.max_model_len)
@@ -91,7 +105,11 @@ class _Sim:
         return 1.0 if total == 0 else 1 - self.free / total
 
     def need(self, c: Candidate, budget: int) -> int:
-        return blocks_for(min(c.num_tokens, budget), self.view.block_size)
+        """New blocks its first chunk takes here: a cached prefix costs none (shared with its holders;
+        an evictable one counts as free already, so this may overclaim, and the loop requeues)."""
+        bs = self.view.block_size
+        hit = c.cached_tokens(self.view.executor, bs)
+        return blocks_for(hit + min(c.num_tokens - hit, budget), bs) - hit // bs
 
     def fits_now(self, c: Candidate, budget: int) -> bool:
         reserve = self.view.watermark if self.running else 0
@@ -114,6 +132,18 @@ def preemption_target(c: Candidate, views: list[PoolView], budget: int) -> str |
             cost = max(0, need - v.free[Tier.DEVICE])
             options.append((cost, -max(lower, default=c.priority), v.executor))
     return min(options)[2] if options else None
+
+
+def _cache_holder(c: Candidate, now: list[_Sim], least: _Sim) -> _Sim | None:
+    """The pool caching ``c``'s longest prefix, unless it is loaded past the bound or holds no
+    more of it than the least loaded pool does."""
+    if not c.hits:
+        return None
+    top = max(now, key=lambda s: (c.hits.get(s.view.executor, 0), -s.load, s.view.executor))
+    n = c.hits.get(top.view.executor, 0)
+    if n <= c.hits.get(least.view.executor, 0) or top.load - least.load > PREFIX_LOAD_BOUND:
+        return None
+    return top
 
 
 def pick(candidates: list[Candidate], me: str, views: dict[str, PoolView], *, policy: str, seats: int,
@@ -141,13 +171,16 @@ def pick(candidates: list[Candidate], me: str, views: dict[str, PoolView], *, po
             break
         best = min(now, key=lambda s, c=c: (s.load - (affinity(c, s.view.executor) if affinity else 0.0),
                                             s.view.executor))
+        cached = _cache_holder(c, now, best)
         own = sims[me]
-        if own in now and own.running == 0 and best.running > 0:
+        if cached is not None:
+            best = cached
+        elif own in now and own.running == 0 and best.running > 0:
             best = own  # idle here, busy there: do not let it wait
         best.assign(c, budget)
         if best is own:
             mine.append(c)
-            tokens -= min(c.num_tokens, tokens)
+            tokens -= min(c.num_tokens - c.cached_tokens(me, own.view.block_size), tokens)
             if len(mine) >= seats or tokens <= 0:
                 break
     return mine

@@ -23,12 +23,29 @@ class Counters:
     steps: int = 0
     generated_tokens: int = 0
     finished: int = 0  # requests that ended here (the finish rate behind admission's retry hint)
+    prefix_cache_queries: int = 0  # tokens of requests admitted holding nothing, looked up in the prefix cache
+    prefix_cache_hits: int = 0  # of which: tokens found cached (not computed again)
 
     def as_dict(self) -> dict[str, int]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
     def nonzero(self) -> dict[str, int]:
         return {k: v for k, v in self.as_dict().items() if v}
+
+
+@dataclass(slots=True)
+class CacheDelta:
+    """What a step changed in the prefix cache (``BlockManager.cache_delta``)."""
+
+    hashed: dict[int, str] = field(default_factory=dict)  # device block -> hex hash, for blocks cached now
+    unhashed: list[int] = field(default_factory=list)  # changed blocks that hold no hash now
+    evictable: dict[int, int] = field(default_factory=dict)  # cached blocks nobody holds -> LRU rank
+    held: list[int] = field(default_factory=list)  # changed blocks that are not evictable now
+    added: list[str] = field(default_factory=list)  # hex hashes cached now on this executor
+    dropped: list[str] = field(default_factory=list)  # hex hashes no longer cached here
+
+    def __bool__(self) -> bool:
+        return bool(self.hashed or self.unhashed or self.evictable or self.held or self.added or self.dropped)
 
 
 @dataclass(slots=True)
@@ -44,6 +61,7 @@ class StepRecord:
     requeued: list[Request] = field(default_factory=list)  # back to the shared queue, holding nothing
     counters: Counters = field(default_factory=Counters)  # deltas
     changed: tuple[set[int], set[int], set[int]] = field(default_factory=lambda: (set(), set(), set()))
+    cache: CacheDelta = field(default_factory=CacheDelta)  # filled by ``Scheduler.take_record`` too
 
     def touch(self, req: Request) -> None:
         self.touched[req.request_id] = req
@@ -51,4 +69,4 @@ class StepRecord:
     @property
     def empty(self) -> bool:
         return not (self.touched or self.new_tokens or self.finished or self.requeued or any(self.changed)
-                    or self.counters.nonzero())
+                    or self.cache or self.counters.nonzero())

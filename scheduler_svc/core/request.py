@@ -74,6 +74,12 @@ class Request:
     def num_known(self) -> int:
         """Prompt and output tokens whose ids are known."""
         return len(self.prompt_ids) + len(self.output_ids)
+    cache_salt: str | None = None  # mixed into its first block's hash: other salts share none of its blocks
+    num_cached: int = 0  # prompt tokens served from the prefix cache when it last started before its first token
+    # The chain of its full blocks' hashes (core/prefix.py), extended as tokens are computed;
+    # not persisted: a new leader recomputes it from the tokens and the salt.
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_registered: int = 0  # of its blocks, how many the cache has seen (registered or found a twin)
 
     @property
     def num_tokens(self) -> int:

@@ -11,7 +11,9 @@ Order within a step:
 2. swapped requests come back, then waiting requests are admitted, both in
    policy order with swapped ones first among equals; admission keeps a
    watermark of free blocks back. Nothing is admitted in a step that had to
-   preempt for a running request (that would only thrash).
+   preempt for a running request (that would only thrash). A waiting request
+   holding nothing first takes its longest cached prefix (``BlockManager.lookup``)
+   and computes only the rest: its ``num_computed`` starts at the hit.
 3. under ``priority``, a waiting request that does not fit preempts running
    requests that are less urgent than it.
 
@@ -46,6 +48,7 @@ class SchedulerConfig:
     policy: str = "fcfs"
     preemption_mode: str = "recompute"
     watermark: float = 0.01  # fraction of device blocks kept free when admitting
+    enable_prefix_caching: bool = True  # --enable-prefix-caching (the BlockManager's ``caching``)
 
     def __post_init__(self) -> None:
         if self.preemption_mode not in PREEMPTION_MODES:
@@ -170,6 +173,7 @@ class Scheduler:
     def take_record(self) -> StepRecord:
         rec, self.record = self.record, StepRecord()
         rec.changed = self.blocks.take_changes()
+        rec.cache = self.blocks.cache_delta(rec.changed[0])
         return rec
 
     def _count(self, name: str, n: int = 1) -> None:
@@ -259,23 +263,30 @@ class Scheduler:
             return s, True
         return w, False
 
-    def _fits(self, req: Request, n: int, from_swap: bool) -> bool:
+    def _fits(self, req: Request, n: int, from_swap: bool, hit: list[int]) -> bool:
         reserve = self._watermark if self.running else 0
         if from_swap:
             return self.blocks.can_swap_in(req, n, reserve)
-        return self.blocks.can_append(req, n, reserve)
+        return self.blocks.can_allocate(req, hit, n, reserve)
 
-    def _make_room(self, req: Request, n: int, from_swap: bool, out: SchedulerOutput) -> bool:
+    def _need(self, req: Request, n: int, from_swap: bool, hit: list[int]) -> int:
+        """Free device blocks admitting ``req`` costs."""
+        if from_swap:
+            return blocks_needed(req.num_computed + n, self.blocks.block_size)
+        bs = self.blocks.block_size
+        return (blocks_needed(len(hit) * bs + n, bs) - len(hit)
+                + sum(1 for b in hit if b in self.blocks.lru))
+
+    def _make_room(self, req: Request, n: int, from_swap: bool, out: SchedulerOutput, hit: list[int]) -> bool:
         """Under ``priority``, preempt less urgent running requests for ``req``.
 
         Returns whether ``req`` fits now; after swap-outs it fits only next step.
         """
         if self.config.policy != "priority":
             return False
-        reserve = self._watermark if self.running else 0
-        need = blocks_needed(req.num_computed + n, self.blocks.block_size) if from_swap else self.blocks.needed(req, n)
-        while not self._fits(req, n, from_swap):
-            if need + reserve <= self.blocks.num_free_soon(DEVICE):
+        while not self._fits(req, n, from_swap, hit):
+            reserve = self._watermark if self.running else 0
+            if self._need(req, n, from_swap, hit) + reserve <= self.blocks.num_free_soon(DEVICE):
                 return False  # enough is already on its way back
             lower = [r for r in self.running if r.order_key > req.order_key]
             if not lower:
@@ -291,22 +302,33 @@ class Scheduler:
             if head is None:
                 return
             req, from_swap = head
-            n = min(budget, req.num_pending)
-            if not self._fits(req, n, from_swap) and not self._make_room(req, n, from_swap, out):
+            hit = [] if from_swap else self.blocks.lookup(req)
+            n = min(budget, req.num_pending - len(hit) * self.blocks.block_size)
+            if not self._fits(req, n, from_swap, hit) and not self._make_room(req, n, from_swap, out, hit):
                 return  # head-of-line: later requests wait for this one
             if from_swap:
                 self.swapped.pop()
                 moves = self.blocks.swap_in(req)
                 out.swap_in.extend(moves)
                 self._count("swapped_in_blocks", len(moves))
+                self.blocks.append(req, n)
             else:
                 self.waiting.pop()
+                self._start(req, hit, n)
             req.status = Status.RUNNING
             self.running.append(req)
-            self.blocks.append(req, n)
             out.scheduled.append(Scheduled(req, req.num_computed, n))
             self.record.touch(req)
             budget -= n
+
+    def _start(self, req: Request, hit: list[int], n: int) -> None:
+        """A waiting request (holding nothing) takes its cached prefix and room for ``n`` tokens."""
+        self.blocks.allocate(req, hit, n)
+        if self.blocks.caching:
+            self._count("prefix_cache_queries", req.num_tokens)
+            self._count("prefix_cache_hits", req.num_computed)
+        if not req.output_ids:
+            req.num_cached = req.num_computed
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -343,6 +365,8 @@ class Scheduler:
             req = s.req
             rid = req.request_id
             live = self.requests.get(rid) is req
+            if live:  # the KV this step wrote is in: name its full blocks for others (core/prefix.py)
+                self.blocks.cache(req, s.start + s.num_tokens)
             if prompt_logprobs and rid in prompt_logprobs and live:
                 self.record.prompt_logprobs.setdefault(rid, {}).update(prompt_logprobs[rid])
             if not s.samples:

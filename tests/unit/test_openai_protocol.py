@@ -210,7 +210,8 @@ def test_non_streaming_bodies() -> None:
     assert _shape(completion(), False).body(done) == {
         "id": "cmpl-rid", "object": "text_completion", "created": 1700, "model": M,
         "choices": [{"index": 0, "text": "Hello", "logprobs": None, "finish_reason": "length"}],
-        "usage": {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}}
+        "usage": {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6,
+                  "prompt_tokens_details": {"cached_tokens": 0}}}
     body = _shape(chat(return_token_ids=True), True).body(done)
     assert body["id"] == "chatcmpl-rid" and body["object"] == "chat.completion"
     assert body["choices"] == [{"index": 0, "message": {"role": "assistant", "content": "Hello"}, "logprobs": None,
@@ -230,7 +231,8 @@ def test_chat_stream_chunks_with_usage() -> None:
         # the chunk with no text yet is skipped
         head | {"choices": [{"index": 0, "delta": {"content": "lo"}, "logprobs": None, "finish_reason": "length"}],
                 "usage": None},
-        head | {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}},
+        head | {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6,
+                  "prompt_tokens_details": {"cached_tokens": 0}}},
     ]
 
 
@@ -338,3 +340,18 @@ def test_a_refused_spec_is_named_as_the_body_named_it() -> None:
     assert err is not None and err.status == 400 and err.param == "response_format.json_schema.schema"
     assert err.message == "response_format.json_schema.schema: does not compile: bad"
     assert proto.structured_error(InvalidArgument("sampling.top_p: bad"), parsed) is None
+def test_cache_salt_passes_through_and_usage_reports_cached_tokens() -> None:
+    from scheduler_svc import validate
+    from scheduler_svc.core.prefix import MAX_SALT
+
+    p = proto.parse(chat(cache_salt="tenant-7"), chat=True)
+    assert p.request.cache_salt == "tenant-7" and p.request.HasField("cache_salt")
+    assert not proto.parse(chat(), chat=True).request.HasField("cache_salt")
+    with pytest.raises(proto.ApiError, match="cache_salt"):
+        proto.parse(chat(cache_salt=3), chat=True)
+    limits = validate.Limits(max_model_len=64, vocab_size=100, block_size=16, pools=((8, 64),))
+    with pytest.raises(InvalidArgument, match="cache_salt"):
+        validate.check(pb.GenerateRequest(prompt="x", cache_salt="s" * (MAX_SALT + 1)), limits)
+    assert validate.check(pb.GenerateRequest(prompt="x", cache_salt="s"), limits).cache_salt == "s"
+    assert proto.usage(40, 3, 32) == {"prompt_tokens": 40, "completion_tokens": 3, "total_tokens": 43,
+                                      "prompt_tokens_details": {"cached_tokens": 32}}

@@ -84,3 +84,32 @@ def test_equal_costs_prefer_the_least_urgent_victims() -> None:
     a = pool("a", total=8, free=0, running=1, held={3: 8})
     b = pool("b", total=8, free=0, running=1, held={7: 8})
     assert preemption_target(cand(0, priority=1), [a, b], budget=2048) == "b"
+
+
+def test_a_request_goes_to_the_pool_caching_its_prefix_within_the_load_bound() -> None:
+    from dataclasses import replace
+
+    from scheduler_svc.core.placement import PREFIX_LOAD_BOUND
+
+    c = replace(cand(0, tokens=600), hits={"b": 30})
+    views = {"a": pool("a", free=60), "b": pool("b", free=50, running=1)}
+    assert claims([c], views) == {"a": [], "b": ["r0"]}, "b caches 30 of its blocks: worth 10/64 more load"
+    busy = 64 - int(64 * (1 - PREFIX_LOAD_BOUND)) - 2  # b's usage exceeds a's by more than the bound
+    views = {"a": pool("a", free=64), "b": pool("b", free=64 - busy - 16, running=4)}
+    assert claims([c], views) == {"a": ["r0"], "b": []}, "past the bound, load wins"
+    c2 = replace(c, hits={"a": 3, "b": 30})
+    views = {"a": pool("a", free=44, running=3), "b": pool("b", free=40, running=3)}
+    assert claims([c2], views) == {"a": [], "b": ["r0"]}, "the longest cached prefix wins"
+    views = {"a": pool("a", free=60, running=0), "b": pool("b", free=56, running=2)}
+    assert claims([c], views) == {"a": [], "b": ["r0"]}, "an idle pool does not take it from the one caching it"
+
+
+def test_a_cached_prefix_costs_no_blocks_and_no_budget() -> None:
+    from dataclasses import replace
+
+    views = {"a": pool("a", total=64, free=40, running=2)}
+    behind = [replace(cand(i, tokens=528), hits={"a": 32}) for i in range(6)]
+    got = pick(behind, "a", views, policy="fcfs", seats=256, budget=1024)
+    assert len(got) == 6, "each needs 2 new blocks and 16 tokens of budget"
+    cold = [cand(i, tokens=528) for i in range(6)]
+    assert len(pick(cold, "a", views, policy="fcfs", seats=256, budget=1024)) == 1

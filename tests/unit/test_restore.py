@@ -53,3 +53,24 @@ def test_an_executor_ahead_of_redis_means_lost_writes_and_a_reset() -> None:
     requeued = r.sched.take_record().requeued
     assert sorted(x.request_id for x in requeued) == ["a", "s"]
     assert all(x.num_computed == 0 and not x.blocks and not x.swap_blocks for x in requeued)
+
+
+def test_the_prefix_cache_survives_a_new_leader_unless_a_step_was_lost() -> None:
+    """Evictable cached blocks come back with their hashes and LRU order; after a plan that ran but
+    never committed (applied_seq == seq) their KV may have been overwritten, so the cache is dropped."""
+    from scheduler_svc.core import prefix
+
+    a = running("a", [0, 1], 1)
+    h = prefix.extend([], list(range(10, 18)), None, 4, 2)
+    cache = {0: h[0], 1: h[1], 5: b"\x01" * 32, 6: b"\x02" * 32}
+    snap = Snapshot(pool_fields(TOTALS, 4), ([2, 3, 4, 5, 6, 7], [0, 1, 2, 3], []), [(a, None)], 7, cache, {6: 1, 5: 2})
+    r = restore(snap, TOTALS, CONFIG, 4, applied_seq=6)
+    bm = r.sched.blocks
+    assert not r.reset and bm.hash_of == cache and list(bm.lru) == [6, 5] and bm.refs[:2] == [1, 1]
+    b = Request("b", list(range(10, 18)) + [1], Params())
+    assert bm.lookup(b) == [0, 1], "a new request hits the reloaded cache"
+    r = restore(snap, TOTALS, CONFIG, 4, applied_seq=7)
+    bm = r.sched.blocks
+    assert not r.reset and not bm.hash_of and not bm.lru and bm.num_free() == 6
+    delta = bm.cache_delta(bm.take_changes()[0])
+    assert sorted(delta.unhashed) == [0, 1, 5, 6] and len(delta.dropped) == 4, "and purged from Redis"
