@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc
+import psutil
 import redis
 
 from pagedserve.keys import Keys
@@ -106,3 +109,15 @@ async def until(predicate: Callable[[], bool], what: str, timeout: float = 120) 
         if time.monotonic() > deadline:
             raise AssertionError(f"never happened: {what}")
         await asyncio.sleep(0.02)
+
+
+def kill_loop(client: redis.Redis, namespace: str, scheduler_pid: int) -> tuple[str, int]:
+    """SIGKILL a scheduler replica's loop process (its one child) mid-run, leading the namespace's
+    one executor; returns that executor's epoch key and its epoch before, for a test to check that
+    a new loop took the lease."""
+    (executor,) = executors(client, namespace)
+    key = Keys(namespace).executor(executor).epoch
+    epoch = int(client.get(key))
+    (loop_proc,) = psutil.Process(scheduler_pid).children()
+    os.kill(loop_proc.pid, signal.SIGKILL)
+    return key, epoch

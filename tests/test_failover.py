@@ -6,18 +6,16 @@ the queue and are recomputed on the new one)."""
 
 from __future__ import annotations
 
-import os
 import signal
 import threading
 import time
 from pathlib import Path
 
-import psutil
 import redis
 
 from pagedserve.keys import Keys
 from tests.conftest import make_cluster
-from tests.helpers import executors, greedy, run_all, wait_all_free
+from tests.helpers import executors, greedy, kill_loop, run_all, wait_all_free
 from tests.test_e2e_oracle import hf_greedy
 from tests.test_preemption import BLOCK_BYTES, PROMPTS
 
@@ -52,11 +50,7 @@ def test_killed_loop_is_replaced_and_requests_complete(tiny_llama: Path, redis_u
                       scheduler_args=["--lease-ms", "1500"]) as cluster:
         worker, results = run_in_background(cluster.address, [greedy(p, n) for p, n in zip(prompts, MAX_TOKENS)])
         wait_progress(client, ns, 20)
-        (executor,) = executors(client, ns)
-        epoch_key = Keys(ns).executor(executor).epoch
-        epoch = int(client.get(epoch_key))
-        (loop_proc,) = psutil.Process(cluster.scheduler.proc.pid).children()
-        os.kill(loop_proc.pid, signal.SIGKILL)
+        epoch_key, epoch = kill_loop(client, ns, cluster.scheduler.proc.pid)
         worker.join(120)
         assert int(client.get(epoch_key)) > epoch, "a new loop took the lease"
         free, totals = wait_all_free(client, ns)

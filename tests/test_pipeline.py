@@ -8,19 +8,16 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import signal
 from pathlib import Path
 
 import grpc
-import psutil
 import redis
 
 from pagedserve.keys import Keys
 from pagedserve.rpc import CHANNEL_OPTIONS
 from pagedserve.v1 import generation_pb2_grpc as gen_grpc
 from tests.conftest import make_cluster
-from tests.helpers import collect, executors, greedy, run_all, wait_all_free
+from tests.helpers import collect, executors, greedy, kill_loop, run_all, wait_all_free
 from tests.test_e2e_oracle import hf_greedy
 from tests.test_failover import run_in_background, wait_progress
 from tests.test_preemption import BLOCK_BYTES, PROMPTS
@@ -106,8 +103,7 @@ def test_loop_killed_with_two_plans_in_flight_loses_and_duplicates_nothing(tiny_
                       scheduler_args=["--lease-ms", "1500", "--step-log", str(log)]) as cluster:
         worker, results = run_in_background(cluster.address, [greedy(p, n) for p, n in zip(prompts, max_tokens)])
         wait_progress(client, ns, 40)
-        (loop_proc,) = psutil.Process(cluster.scheduler.proc.pid).children()
-        os.kill(loop_proc.pid, signal.SIGKILL)
+        kill_loop(client, ns, cluster.scheduler.proc.pid)
         worker.join(120)
         free, totals = wait_all_free(client, ns)
         assert len(executors(client, ns)) == 1

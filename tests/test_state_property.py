@@ -130,6 +130,16 @@ class ClusterState(RuleBasedStateMachine):
         assert self.run(self.loops[eid].iterate())
 
     @precondition(lambda self: bool(self.loops))
+    @rule(data=st.data(), prompt=st.integers(9, 20))
+    def resend(self, data: st.DataObject, prompt: int) -> None:
+        """A prompt sent, served, then sent again: the second time its full blocks are cached
+        (unless evicted meanwhile), so every run exercises hits and sharing, not only by chance."""
+        self.submit(prompt, 2, 0, None)
+        self.run_a_while(data, 6)
+        self.submit(prompt, 2, 0, None)
+        self.submit(prompt, 2, 0, None)
+
+    @precondition(lambda self: bool(self.loops))
     @rule(data=st.data(), steps=st.integers(2, 12))
     def run_a_while(self, data: st.DataObject, steps: int) -> None:
         """Several steps of one executor: requests finish, their cached blocks are hit, shared, evicted."""

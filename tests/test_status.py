@@ -319,7 +319,8 @@ def test_status_and_top_on_a_live_deployment_and_a_drain(tiny_llama: Path, redis
         assert all(e["id"][:8] in once.stdout for e in doc["executors"]) and "KV usage" in once.stdout
         rc, screen = top_live(redis_url, ns, frames=3)
         assert rc == 0, screen
-        assert "steps/s" in screen and all(e["id"][:12] in screen for e in doc["executors"])
+        # The drained victim may have left by now (its requests moved); the other is there throughout.
+        assert "steps/s" in screen and all(e["id"][:12] in screen for e in other)
         assert "tokens/s" in screen, "frames after the first show rates"
 
         assert victim.proc.wait(timeout=30) == 0

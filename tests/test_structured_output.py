@@ -14,22 +14,18 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import random
 import re
-import signal
 from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
 import jsonschema
 import openai
-import psutil
 import pydantic
 import pytest
 import redis
 
-from pagedserve.keys import Keys
 from pagedserve.launch import Cluster
 from pagedserve.procs import free_port
 from pagedserve.rpc import CHANNEL_OPTIONS
@@ -241,11 +237,7 @@ def test_structured_requests_survive_a_new_leader(tiny_llama: Path, redis_url: s
                       scheduler_args=["--lease-ms", "1500"]) as cluster:
         worker, results = run_in_background(cluster.address, structured_reqs())
         wait_progress(client, ns, 40)
-        (executor,) = helpers.executors(client, ns)
-        epoch_key = Keys(ns).executor(executor).epoch
-        epoch = int(client.get(epoch_key))
-        (loop_proc,) = psutil.Process(cluster.scheduler.proc.pid).children()
-        os.kill(loop_proc.pid, signal.SIGKILL)
+        epoch_key, epoch = helpers.kill_loop(client, ns, cluster.scheduler.proc.pid)
         worker.join(300)
         assert int(client.get(epoch_key)) > epoch, "a new loop took the lease"
         free, totals = wait_all_free(client, ns)
