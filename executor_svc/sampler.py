@@ -237,7 +237,14 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], num_generated: li
            histories: Sequence[Sequence[int] | None] | None = None) -> list[int]:
     """One token per row of ``logits`` ``[S, vocab]``. ``histories``: each row's tokens so
     far (prompt + outputs), needed by rows with penalties."""
-    logits = process(logits.float(), params, num_generated, histories)
+    raw = logits.float()
+    logits = process(raw, params, num_generated, histories)
+    if logits is not raw:
+        # A row the processors left without a token (min_tokens masking the EOS that a grammar alone
+        # allows, biases of -inf...) samples from its logits as they came (the grammar's mask included).
+        dead = ~(logits > float("-inf")).any(dim=-1)
+        if bool(dead.any()):
+            logits[dead] = raw[dead]
     tokens = logits.argmax(dim=-1)
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if rows:
@@ -271,7 +278,7 @@ def _draw_candidates(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Ten
     prefix of each row's candidates), hashed from (key, token id), all rows at once."""
     kept, ids = _candidates(scaled, top_k, top_p)
     assert ids is not None
-    width = int((kept > float("-inf")).sum(dim=-1).max())
+    width = max(1, int((kept > float("-inf")).sum(dim=-1).max()))  # a row with no finite logit keeps one
     kept, ids = kept[:, :width], ids[:, :width]
     # Unseeded rows take their key from torch's global generator.
     fresh = torch.randint(-(1 << 63), (1 << 63) - 1, (len(rows),), dtype=torch.int64).tolist()

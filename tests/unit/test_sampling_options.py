@@ -130,3 +130,21 @@ def test_logprobs_are_log_softmax_of_the_raw_logits() -> None:
         order = lp[i].argsort(descending=True)[:k].tolist()
         assert list(e.top_ids) == order
         assert torch.allclose(torch.tensor(e.top_logprobs), lp[i, order], atol=1e-6)
+
+
+def test_a_row_the_processors_leave_without_a_token_samples_its_raw_logits() -> None:
+    """A grammar that allows only EOS while min_tokens masks it (found by the fuzz campaign: the
+    executor crashed on an empty candidate set): the row falls back to its logits as they came,
+    greedy or sampled, filtered or not; a row with no finite logit at all still yields a token."""
+    eos = 5
+    masked = torch.full((1, 16), float("-inf"))
+    masked[0, eos] = 1.0
+    for p in (SamplingParams(min_tokens=3, min_tokens_ids=(eos,)),
+              SamplingParams(temperature=0.8, top_k=4, seed=1, min_tokens=3, min_tokens_ids=(eos,)),
+              SamplingParams(temperature=0.8, top_p=0.9, min_tokens=3, min_tokens_ids=(eos,)),
+              SamplingParams(temperature=0.8, min_tokens=3, min_tokens_ids=(eos,))):
+        assert sample(masked.clone(), [p], [0]) == [eos], p
+    nothing = torch.full((2, 16), float("-inf"))
+    for p in (SamplingParams(), SamplingParams(temperature=0.8, top_k=4, seed=1), SamplingParams(temperature=0.8)):
+        (token, _) = sample(nothing.clone(), [p, p], [0, 0])
+        assert 0 <= token < 16
