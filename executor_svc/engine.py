@@ -217,12 +217,23 @@ class Engine:
 
     def renew_instance(self) -> str:
         """Forget every block table and become a new instance (the schedulers evicted the old one)."""
-        self.tables.clear()
-        self.histories.clear()
-        self.grammars.clear()
-        self.sampled.clear()
+        self._forget_all()
         self.instance_id = uuid.uuid4().hex
         return self.instance_id
+
+    def _keepers(self) -> tuple[BlockTables, Histories, Grammars, LastSampled]:
+        """Everything the engine keeps per request: dropped together when a plan forgets one."""
+        return self.tables, self.histories, self.grammars, self.sampled
+
+    def _forget_all(self) -> None:
+        for keeper in self._keepers():
+            keeper.clear()
+
+    def _forget(self, request_ids: list[str]) -> None:
+        keepers = self._keepers()
+        for rid in request_ids:
+            for keeper in keepers:
+                keeper.forget(rid)
 
     # -- one step -------------------------------------------------------------
 
@@ -282,15 +293,8 @@ class Engine:
         # (before a forget or a reset drops it, and before any check or bookkeeping reads token_ids).
         self.sampled.resolve(plan.seqs)
         if plan.reset_tables:
-            self.tables.clear()
-            self.histories.clear()
-            self.grammars.clear()
-            self.sampled.clear()
-        for rid in plan.forget:
-            self.tables.forget(rid)
-            self.histories.forget(rid)
-            self.grammars.forget(rid)
-            self.sampled.forget(rid)
+            self._forget_all()
+        self._forget(plan.forget)
         for seq in plan.seqs:
             self._check(seq)
         self._record_history(plan.seqs)

@@ -12,7 +12,9 @@ import sys
 import uuid
 from pathlib import Path
 
+import grpc
 import redis.asyncio as aioredis
+from grpc_health.v1 import health
 from prometheus_client import CollectorRegistry
 
 from pagedserve import logs, metrics, rpc, tracing
@@ -21,7 +23,8 @@ from pagedserve.keys import Keys
 from pagedserve.members import Registry
 from pagedserve.procs import free_port
 from pagedserve.redis_check import require as require_redis
-from pagedserve.security import Dialer, ReloadingSSLContext, TLSFiles, reload_on_sighup, server_tls
+from pagedserve.security import (Dialer, ReloadingCertificate, ReloadingSSLContext, TLSFiles, reload_on_sighup,
+                                 server_tls)
 from scheduler_svc import codec, openai_http
 from scheduler_svc.attachments import DETACH_TIMEOUT_S, Attachments
 from scheduler_svc.core.queue import POLICIES
@@ -243,6 +246,21 @@ async def _supervise(args: argparse.Namespace, stop: asyncio.Event, metrics_port
             proc.kill()
 
 
+def _public_server(args: argparse.Namespace, frontend: Frontend,
+                   certificate: ReloadingCertificate | None) -> tuple[grpc.aio.Server, health.HealthServicer, int]:
+    """The public gRPC port: the Generation service with its limits, TLS and API keys (not started)."""
+    return rpc.make_server(
+        f"{args.host}:{args.port}",
+        [(functools.partial(add_to_server, max_request_bytes=args.max_request_bytes), GenerationServicer(frontend),
+          SERVICE_NAME)],
+        reflect=True,
+        credentials=certificate.credentials() if certificate else None,
+        interceptors=[api_key_interceptor(args.api_keys)] if args.api_keys else (),
+        max_receive_bytes=max(rpc.PUBLIC_MAX_MESSAGE_BYTES, args.max_request_bytes),
+        max_concurrent_streams=rpc.PUBLIC_MAX_CONCURRENT_STREAMS,
+    )
+
+
 async def serve(args: argparse.Namespace) -> None:
     """The public API (and, with role ``all``, the loops in a child process).
 
@@ -273,16 +291,7 @@ async def serve(args: argparse.Namespace) -> None:
     frontend = Frontend(store, bus, watch, args.policy, attachments, FrontendMetrics(registry),
                         traces.tracer if traces else None, caps=_caps(args), max_pending=args.max_pending_requests)
     certificate = server_tls(args.tls, verify_clients=False)
-    server, health, port = rpc.make_server(
-        f"{args.host}:{args.port}",
-        [(functools.partial(add_to_server, max_request_bytes=args.max_request_bytes), GenerationServicer(frontend),
-          SERVICE_NAME)],
-        reflect=True,
-        credentials=certificate.credentials() if certificate else None,
-        interceptors=[api_key_interceptor(args.api_keys)] if args.api_keys else (),
-        max_receive_bytes=max(rpc.PUBLIC_MAX_MESSAGE_BYTES, args.max_request_bytes),
-        max_concurrent_streams=rpc.PUBLIC_MAX_CONCURRENT_STREAMS,
-    )
+    server, health, port = _public_server(args, frontend, certificate)
     https = ReloadingSSLContext(certificate.cert, certificate.key) if args.http_port and certificate else None
     reload_on_sighup([certificate, https, args.api_keys, args.internal_token])
     await rpc.set_serving(health, [SERVICE_NAME], False)
