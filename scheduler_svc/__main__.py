@@ -107,9 +107,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.max_logprobs < 0:
         p.error("--max-logprobs must be >= 0")
     if min(args.max_stop_strings, args.max_stop_string_length, args.max_prompt_bytes, args.max_request_bytes,
-           args.max_grammar_bytes) < 1:
-        p.error("--max-stop-strings, --max-stop-string-length, --max-prompt-bytes, --max-request-bytes and "
-                "--max-grammar-bytes must be positive")
+           args.max_grammar_bytes, args.max_n) < 1:
+        p.error("--max-stop-strings, --max-stop-string-length, --max-prompt-bytes, --max-request-bytes, "
+                "--max-grammar-bytes and --max-n must be positive")
     return args
 
 
@@ -165,6 +165,8 @@ def _admission_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-logprobs", type=int, default=validate.MAX_LOGPROBS, metavar="N",
                    help="the most alternatives sampling.logprobs and sampling.prompt_logprobs may ask for (vLLM's "
                         "--max-logprobs)")
+    p.add_argument("--max-n", type=int, default=validate.MAX_N, metavar="N",
+                   help="the most completions one request may ask for (sampling.n, OpenAI's n)")
     p.add_argument("--max-prompt-bytes", type=int, default=validate.MAX_PROMPT_BYTES, metavar="N",
                    help="UTF-8 bytes of prompt text, or of all messages' roles and contents")
     p.add_argument("--max-grammar-bytes", type=int, default=validate.MAX_GRAMMAR_BYTES, metavar="N",
@@ -178,7 +180,7 @@ def _admission_arguments(p: argparse.ArgumentParser) -> None:
 def _caps(args: argparse.Namespace) -> validate.Caps:
     return validate.Caps(max_stop_strings=args.max_stop_strings, max_stop_string_length=args.max_stop_string_length,
                          max_prompt_bytes=args.max_prompt_bytes, max_logprobs=args.max_logprobs,
-                         max_grammar_bytes=args.max_grammar_bytes)
+                         max_grammar_bytes=args.max_grammar_bytes, max_n=args.max_n)
 
 
 def _scheduler_config(args: argparse.Namespace) -> SchedulerConfig:

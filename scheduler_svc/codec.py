@@ -40,13 +40,15 @@ def spec_json(req: Request, stop: list[str]) -> str:
         params["logit_bias"] = [list(x) for x in p.logit_bias]
     if p.grammar:
         params["grammar"] = list(p.grammar)
-    salt = {"salt": req.cache_salt} if req.cache_salt else {}
-    return json.dumps({"prompt": req.prompt_ids, "priority": req.priority, "stop": stop, **salt, "params": params})
+    extra: dict[str, object] = {"salt": req.cache_salt} if req.cache_salt else {}
+    if req.group:
+        extra["group"] = [req.group, req.index]
+    return json.dumps({"prompt": req.prompt_ids, "priority": req.priority, "stop": stop, **extra, "params": params})
 
 
 _EXTRA_DEFAULTS: dict[str, object] = {"min_p": 0.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
                                       "repetition_penalty": 1.0, "min_tokens": 0, "logprobs": None,
-                                      "prompt_logprobs": None}
+                                      "prompt_logprobs": None, "n": 1}
 
 
 def request_from(request_id: str, fields: dict[str, str], output: list[str], computed: int = 0) -> Request:
@@ -56,6 +58,7 @@ def request_from(request_id: str, fields: dict[str, str], output: list[str], com
     params["logit_bias"] = tuple((int(t), float(b)) for t, b in params.get("logit_bias", ()))
     if params.get("grammar"):
         params["grammar"] = tuple(params["grammar"])
+    group, index = spec.get("group", ("", 0))
     return Request(
         request_id=request_id,
         prompt_ids=spec["prompt"],
@@ -71,6 +74,8 @@ def request_from(request_id: str, fields: dict[str, str], output: list[str], com
         deadline_ms=int(fields.get("dl") or 0),
         cache_salt=spec.get("salt"),
         num_cached=int(fields.get("cached") or 0),
+        group=group,
+        index=index,
     )
 
 

@@ -25,7 +25,7 @@ from opentelemetry.trace import Span, Tracer
 from pagedserve import tracing
 from pagedserve.grammar import Compiler, GrammarError
 from pagedserve.members import now_ms
-from scheduler_svc import codec
+from scheduler_svc import codec, parallel
 from scheduler_svc.attachments import Attachments
 from scheduler_svc.codec import Event
 from scheduler_svc.core.admission import FinishRate, retry_after
@@ -80,6 +80,7 @@ class StreamDetached(RuntimeError):
         super().__init__(f"{why}; resume {request_id} from offset {offset}")
         self.request_id = request_id
         self.offset = offset
+        self.why = why
 
 
 @dataclass(slots=True)
@@ -94,10 +95,12 @@ class Chunk:
     logprobs: list[Any] | None = None  # one stored entry per token of token_ids (plan.entry's shape)
     prompt_logprobs: list[Any] | None = None  # one per prompt token from the second on
     cached_tokens: int = 0  # prompt tokens served from the prefix cache (last message)
+    index: int = 0  # which completion of a request with sampling.n > 1
 
     def to_pb(self) -> pb.GenerateResponse:
         return pb.GenerateResponse(
             request_id=self.request_id,
+            index=self.index,
             token_ids=self.token_ids,
             text=self.text,
             offset=self.offset,
@@ -180,22 +183,36 @@ class _Stream:
     logprobs: bool = False  # sampling.logprobs is set: messages carry them
     prompt_pending: bool = False  # sampling.prompt_logprobs is set and the first message has not left
     cached: int = 0  # prompt tokens served from the prefix cache, as the finish event says
-    cached: int = 0  # prompt tokens served from the prefix cache, as the finish event says
+    group: str = ""  # a completion of a request with sampling.n > 1: that request's id (what chunks carry)
+    index: int = 0  # and which completion
 
     def chunk(self, tokens: list[int], offset: int, final: bool = False, reason: str = "",
               logprobs: list[Any] | None = None) -> Chunk:
         text = self.detok.take(final=final)
         lps = logprobs[: len(tokens)] if self.logprobs and logprobs is not None else None
+        rid = self.group or self.request_id
         if not final:
-            return Chunk(self.request_id, tokens, text, offset, logprobs=lps)
+            return Chunk(rid, tokens, text, offset, logprobs=lps, index=self.index)
         self.done = True
-        return Chunk(self.request_id, tokens, text, offset, reason, self.prompt_tokens, len(self.detok.ids),
-                     logprobs=lps, cached_tokens=self.cached)
+        return Chunk(rid, tokens, text, offset, reason, self.prompt_tokens, len(self.detok.ids),
+                     logprobs=lps, cached_tokens=self.cached, index=self.index)
 
 
-def _end(span: Span | None, s: _Stream) -> None:
+@dataclass(slots=True)
+class _Reopened:
+    """A stream resumed from an offset (``Frontend._reopen``), before it is attached."""
+
+    stream: _Stream
+    queue: asyncio.Queue[tuple[str, Any]]
+    first: list[Chunk]  # the tokens from the offset on that Redis holds
+    req: Request
+    stop: list[str]
+    traceparent: str  # of the request's root span
+
+
+def _end(span: Span | None, streams: list[_Stream]) -> None:
     if span is not None:
-        span.set_attribute("pagedserve.completion_tokens", s.delivered)
+        span.set_attribute("pagedserve.completion_tokens", sum(s.delivered for s in streams))
         span.end()
 
 
@@ -398,12 +415,14 @@ class Frontend:
         return self.tracer.start_span(name, context=tracing.parent(traceparent),
                                       attributes={"pagedserve.request_id": rid, **attrs})
 
-    async def _submit(self, req: Request, stop: list[str], trace: str) -> None:
-        """Submit under admission control; raises TooManyPending with a retry hint."""
+    async def _submit(self, reqs: list[Request], stop: list[str], trace: str) -> None:
+        """Submit a request (or a group's completions, together) under admission control; raises
+        TooManyPending with a retry hint."""
+        req = reqs[0]
         try:
             limits = self.watch.limits
             hashes = prefix.prompt_hashes(req.prompt_ids, req.cache_salt, limits.block_size) if limits else []
-            seen = await self.store.admit(req, stop, self.policy, trace, self.max_pending, hashes=hashes)
+            seen = await self.store.admit_group(reqs, stop, self.policy, trace, self.max_pending, hashes=hashes)
         except Overloaded as exc:
             self.finish_rate.add(time.monotonic(), exc.seen.finished)
             hint = retry_after(exc.seen.queued, self.max_pending, self.finish_rate.per_s())
@@ -437,85 +456,146 @@ class Frontend:
                 return
             await asyncio.sleep(EXPIRE_RETRY_S)
 
+    def _stream(self, req: Request, stop: list[str], submitted: float, **kw: Any) -> _Stream:
+        return _Stream(req.request_id, len(req.prompt_ids), Detokenizer(self.tokenizer, stop), submitted,
+                       logprobs=req.params.logprobs is not None, group=req.group, index=req.index, **kw)
+
+    async def _views(self, streams: list[_Stream], queues: list[asyncio.Queue[tuple[str, Any]]],
+                     firsts: list[list[Chunk]], touch: bool = False) -> AsyncIterator[Chunk]:
+        """The attached streams of a request, or of a group's completions merged into one. A drain
+        or a Redis outage ends them all, leaving every completion running: the client resumes the
+        group from the least offset of the completions that had not ended."""
+        views = [self._attached(s, q, f, touch) for s, q, f in zip(streams, queues, firsts)]
+        if len(views) == 1:
+            async for chunk in views[0]:
+                yield chunk
+            return
+        detached: list[int] = []
+
+        def keep_running(exc: BaseException) -> None:
+            if isinstance(exc, StreamDetached):
+                detached.append(min([exc.offset] + [s.delivered for s in streams if not s.done]))
+                for s in streams:
+                    s.done = True  # closing the others must not abort them
+
+        try:
+            async for chunk in parallel.merge(views, keep_running):
+                yield chunk
+        except StreamDetached as exc:
+            raise StreamDetached(streams[0].group, detached[0], exc.why) from None
+        except QueueTimeout:
+            raise QueueTimeout(streams[0].group) from None
+
     async def generate(self, req: Request, stop: list[str]) -> AsyncIterator[Chunk]:
+        """Submit ``req`` and stream it; with sampling.n > 1, its completions (``parallel``), merged."""
         rid = req.request_id
         span = self._span("pagedserve.request", rid, **{"pagedserve.prompt_tokens": len(req.prompt_ids),
                                                         "pagedserve.max_tokens": req.params.max_tokens})
-        queue = self.bus.subscribe(rid)
+        reqs = parallel.completions(req)
+        queues = [self.bus.subscribe(r.request_id) for r in reqs]
         submitted = time.time()
-        s = _Stream(rid, len(req.prompt_ids), Detokenizer(self.tokenizer, stop), submitted,
-                    logprobs=req.params.logprobs is not None, prompt_pending=req.params.prompt_logprobs is not None)
-        timer = None
+        streams = [self._stream(r, stop, submitted, prompt_pending=r.params.prompt_logprobs is not None)
+                   for r in reqs]
+        timers: list[asyncio.Task[None] | None] = []
         try:
             try:
-                await self._submit(req, stop, tracing.traceparent(span) if span else "")
-            except asyncio.CancelledError:
-                self.bus.unsubscribe(rid, queue)
-                self._cancel_later(rid, Finish.ABORT)  # it may have landed
+                await self._submit(reqs, stop, tracing.traceparent(span) if span else "")
+            except BaseException as exc:
+                for r, q in zip(reqs, queues):
+                    self.bus.unsubscribe(r.request_id, q)
+                    if isinstance(exc, asyncio.CancelledError):
+                        self._cancel_later(r.request_id, Finish.ABORT)  # it may have landed
                 raise
-            except BaseException:
-                self.bus.unsubscribe(rid, queue)
-                raise
-            self.attachments.hold(req, stop)
-            timer = self._expire_at(rid, req.deadline_ms)
-            async for chunk in self._attached(s, queue, []):
+            for r in reqs:
+                self.attachments.hold(r, stop)
+            timers = [self._expire_at(r.request_id, r.deadline_ms) for r in reqs]
+            async for chunk in self._views(streams, queues, [[] for _ in reqs]):
                 yield chunk
         finally:
-            if timer is not None:
-                timer.cancel()
-            _end(span, s)
+            for timer in timers:
+                if timer is not None:
+                    timer.cancel()
+            _end(span, streams)
 
-    async def resume(self, request_id: str, offset: int) -> AsyncIterator[Chunk]:
-        """The tokens from ``offset`` on, the live tail, the final message; raises NotFound, OutOfRange."""
-        self._check_open()
+    async def _reopen(self, request_id: str, offset: int, clamp: bool = False) -> _Reopened:
+        """A stream of ``request_id`` from ``offset`` on (``clamp``: from its end if it has fewer
+        tokens), subscribed to its events, with its first chunks; raises NotFound, OutOfRange,
+        QueueTimeout."""
         queue = self.bus.subscribe(request_id)  # before reading: no event falls between the read and the tail
         try:
             got = await self.store.request(request_id)
             if got is None:
                 raise NotFound(f"request_id: no live or recently finished request {request_id!r}")
             fields, out = got
+            offset = min(offset, len(out)) if clamp else offset
             if offset > len(out):
                 raise OutOfRange(f"offset: {offset} is past the {len(out)} tokens generated so far")
+            req = codec.request_from(request_id, fields, out)
+            if req.status == Status.FINISHED and fields.get("finish_reason") == Finish.DEADLINE.value:
+                raise QueueTimeout(req.group or request_id)
+            stop = codec.stop_of(fields)
+            s = self._stream(req, stop, int(fields.get("ts", 0)) / 1000, first_pending=False,
+                             prompt_pending=req.params.prompt_logprobs is not None and offset == 0,
+                             cached=req.num_cached)
+            s.detok.add(req.output_ids[:offset])  # what the client has: the text state it left off at
+            s.detok.take(final=False)
+            s.delivered = offset
+            finished = fields.get("finish_reason") if req.status == Status.FINISHED else None
+            if s.detok.stopped:
+                first = [s.chunk([], offset, final=True, reason=Finish.STOP.value)]
+            else:
+                lps = None
+                if s.logprobs:
+                    lps = (await self.store.logprobs(request_id, offset))[: len(req.output_ids) - offset]
+                first = [c for c in [self._deliver(s, req.output_ids[offset:], finished, lps)] if c is not None]
         except BaseException:
             self.bus.unsubscribe(request_id, queue)
             raise
-        req = codec.request_from(request_id, fields, out)
-        stop = codec.stop_of(fields)
-        s = _Stream(request_id, len(req.prompt_ids), Detokenizer(self.tokenizer, stop),
-                    int(fields.get("ts", 0)) / 1000, first_pending=False, logprobs=req.params.logprobs is not None,
-                    prompt_pending=req.params.prompt_logprobs is not None and offset == 0, cached=req.num_cached)
-        s.detok.add(req.output_ids[:offset])  # what the client has: the text state it left off at
-        s.detok.take(final=False)
-        s.delivered = offset
-        finished = fields.get("finish_reason") if req.status == Status.FINISHED else None
-        if finished == Finish.DEADLINE.value:
-            self.bus.unsubscribe(request_id, queue)
-            raise QueueTimeout(request_id)
-        if s.detok.stopped:
-            first = [s.chunk([], offset, final=True, reason=Finish.STOP.value)]
-        else:
-            lps = None
-            if s.logprobs:
-                try:
-                    lps = (await self.store.logprobs(request_id, offset))[: len(req.output_ids) - offset]
-                except BaseException:
-                    self.bus.unsubscribe(request_id, queue)
-                    raise
-            first = [c for c in [self._deliver(s, req.output_ids[offset:], finished, lps)] if c is not None]
-        if not s.done:
-            self.attachments.hold(req, stop)
-        span = self._span("pagedserve.resume", request_id, fields.get("tp", ""), **{"pagedserve.offset": offset})
-        timer = None if s.done else self._expire_at(request_id, req.deadline_ms)
+        return _Reopened(s, queue, first, req, stop, fields.get("tp", ""))
+
+    async def resume(self, request_id: str, offset: int, index: int | None = None) -> AsyncIterator[Chunk]:
+        """The tokens from ``offset`` on, the live tail, the final message; raises NotFound, OutOfRange.
+        For a request with sampling.n > 1: of completion ``index``, or of every completion (each from
+        ``offset`` or its end, merged)."""
+        self._check_open()
+        n = await self.store.group_size(request_id)
+        if n == 0 and index:
+            raise OutOfRange(f"index: {index}, but request {request_id!r} has one completion")
+        if index is not None and n and index >= n:
+            raise OutOfRange(f"index: {index}, but request {request_id!r} has {n} completions")
+        ids = [request_id] if n == 0 else [parallel.completion_id(request_id, i)
+                                          for i in ([index] if index is not None else range(n))]
+        opened: list[_Reopened] = []
         try:
-            async for chunk in self._attached(s, queue, first, touch=True):
+            for rid in ids:
+                opened.append(await self._reopen(rid, offset, clamp=n > 0 and index is None))
+        except BaseException:
+            for o in opened:
+                self.bus.unsubscribe(o.stream.request_id, o.queue)
+            raise
+        streams = [o.stream for o in opened]
+        timers = []
+        for o in opened:
+            if not o.stream.done:
+                self.attachments.hold(o.req, o.stop)
+                timers.append(self._expire_at(o.req.request_id, o.req.deadline_ms))
+        span = self._span("pagedserve.resume", request_id, opened[0].traceparent, **{"pagedserve.offset": offset})
+        try:
+            async for chunk in self._views(streams, [o.queue for o in opened], [o.first for o in opened], touch=True):
                 yield chunk
         finally:
-            if timer is not None:
-                timer.cancel()
-            _end(span, s)
+            for timer in timers:
+                if timer is not None:
+                    timer.cancel()
+            _end(span, streams)
 
     async def abort(self, request_id: str) -> bool:
-        return await self.store.cancel(request_id, Finish.ABORT)
+        """Abort a request, or every completion of one with sampling.n > 1; False if none was live."""
+        if await self.store.cancel(request_id, Finish.ABORT):
+            return True
+        found = [await self.store.cancel(parallel.completion_id(request_id, i), Finish.ABORT)
+                 for i in range(await self.store.group_size(request_id))]
+        return any(found)
 
     def drain(self) -> None:
         """Stop taking streams and end the open ones (their requests go on)."""

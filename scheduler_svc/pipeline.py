@@ -13,9 +13,10 @@ and finishes are found one step late, their extra token dropped
 
 A pipelined turn: take step N's result (the executor already runs N+1), read
 Redis, plan and send N+2, commit N. So at most two plans are at the executor,
-and the loop has a whole step to plan the next one. A plan that moves KV between
-tiers (swaps) is never followed by another before its result is in, and no
-commit is made while it is in flight: a commit may include later plans'
+and the loop has a whole step to plan the next one. A plan that moves KV (swaps
+between tiers, or the copy of a forked group mate's partial block) is never
+followed by another before its result is in, and no commit is made while it
+is in flight: a commit may include later plans'
 allocations (blocks owned but not yet written, harmless to reload) and, for
 their requests, only what reported steps computed (``Flight.starts``), but
 never a swap that might not have happened.
@@ -54,7 +55,8 @@ class Flight:
 
     @property
     def moves(self) -> bool:
-        return bool(self.out.swap_out or self.out.swap_in)
+        """It swaps or copies KV: a commit must not record that before the result says it happened."""
+        return bool(self.out.swap_out or self.out.swap_in or self.out.copies)
 
 
 class Pipeline:

@@ -111,7 +111,7 @@ class PlanBuilder:
             self._sent.pop(rid, None)
             self._sampling.pop(rid, None)
         plan = pb.StepPlan(step_id=step_id, swap_out=_moves(out.swap_out), swap_in=_moves(out.swap_in),
-                           forget=forget, reset_tables=self._first, epoch=self.epoch,
+                           copies=_moves(out.copies), forget=forget, reset_tables=self._first, epoch=self.epoch,
                            instance_id=self.instance_id, seq=seq)
         add = plan.seqs.add
         for s in out.scheduled:

@@ -37,18 +37,20 @@ def pool_fields(totals: tuple[int, ...], block_size: int) -> dict[str, str]:
 def consistent(bm: BlockManager, requests: list[Request], cache: dict[int, bytes] | None = None) -> bool:
     """Every swap block is free or owned by exactly one request; every device block is free
     (plain or cached-evictable) or held by one or more requests, and only a cached block (one
-    with a hash in ``cache``) by more than one; no two blocks share a hash."""
+    with a hash in ``cache``) or a block of one parallel-sampling group by more than one; no two
+    blocks share a hash."""
     cache = cache or {}
-    owned: list[set[int]] = [set(), set(), set()]
+    owned: list[dict[int, str]] = [{}, {}, {}]  # block -> the group of its holder ("" for none)
     for req in requests:
         if len(set(req.blocks)) != len(req.blocks):
             return False
         for tier, block in [(TIERS[0], b) for b in req.blocks] + req.swap_blocks:
             if block >= bm.total(tier) or bm.is_free(tier, block):
                 return False
-            if block in owned[tier] and (tier != TIERS[0] or block not in cache):
+            if block in owned[tier] and not (tier == TIERS[0] and (block in cache or owned[tier][block] == req.group
+                                                                   and req.group)):
                 return False
-            owned[tier].add(block)
+            owned[tier][block] = req.group
     if len(set(cache.values())) != len(cache) or any(b >= bm.total(TIERS[0]) for b in cache):
         return False
     return all(len(owned[t]) + bm.num_free(t) == bm.total(t) for t in TIERS)
@@ -80,11 +82,13 @@ def restore(snap: Snapshot, totals: tuple[int, ...], config: SchedulerConfig, bl
         lost_step = applied_seq > 0 and applied_seq == snap.seq
         bm.load_cache(snap.cache, snap.ranks, trusted=not lost_step)
     sched = Scheduler(config, bm)
-    for req, cancel in sorted(snap.requests, key=lambda rc: rc[0].arrival):
+    for req, _ in sorted(snap.requests, key=lambda rc: rc[0].arrival):
         if reset or req.status not in (Status.RUNNING, Status.SWAPPED):
             req.blocks, req.swap_blocks, req.num_computed, req.status = [], [], 0, Status.WAITING
         bm.adopt(req)
         sched.add(req)
+    sched.relink()
+    for req, cancel in snap.requests:
         if cancel is not None:
             sched.finish(req.request_id, cancel)
     sched.requeue_waiting()

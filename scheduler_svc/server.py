@@ -74,7 +74,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         if not request.request_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id: must be set")
         try:
-            async for resp in _stream(self.frontend.resume(request.request_id, request.offset), context):
+            index = request.index if request.HasField("index") else None
+            async for resp in _stream(self.frontend.resume(request.request_id, request.offset, index), context):
                 yield resp
         except NotFound as exc:
             await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))

@@ -79,34 +79,58 @@ return {redis.call('HGETALL', x .. 'pool'), redis.call('GET', x .. 'free:0') or 
         redis.call('ZRANGE', x .. 'lru', 0, -1, 'WITHSCORES')}
 """
 
-# A request enters the shared queue. Queue members are "<arrival, 16 digits>:<id>"
+# Requests enter the shared queue: one, or the completions of a parallel-sampling
+# group (sampling.n), all or none. Queue members are "<arrival, 16 digits>:<id>"
 # (codec.queue_entry); the score is the priority under the priority policy.
-# Admission control lives here, not in a replica: with ARGV[10] > 0, a request
-# is refused while that many wait in the namespace's queue, whichever replicas
-# queued them. Returns {arrival (-1: duplicate id, -2: refused), queue length,
-# the namespace's finished counter (for the retry hint)}.
+# Admission control lives here, not in a replica: with ARGV[2] > 0, requests are
+# refused while that many wait in the namespace's queue, whichever replicas queued
+# them. A group's id must not be a live request's, nor a request's id a live
+# group's (KEYS[7]: the other one's 'req:' key), since Abort and Resume take either.
+# Returns {arrival of the first (-1: duplicate id, -2: refused), queue length, the
+# namespace's finished counter (for the retry hint)}.
+# KEYS: arrival, queue, live, incoming, attached, counters, the other one's req key,
+# then per request its req, out, lp and plp keys. ARGV: count, max pending, then
+# the fields all share (plen, maxt, prio, qs, ts, tp, dl, group id, n, block
+# hashes), then per request its id and spec.
 _SUBMIT = """
-local status = redis.call('HGET', KEYS[1], 'status')
-local finished = tonumber(redis.call('HGET', KEYS[8], 'finished') or '0')
-if status and status ~= 'finished' then
+local m = tonumber(ARGV[1])
+local finished = tonumber(redis.call('HGET', KEYS[6], 'finished') or '0')
+local function live(key)
+  local status = key ~= '' and redis.call('HGET', key, 'status')
+  return status and status ~= 'finished'
+end
+if live(KEYS[7]) and (ARGV[10] ~= '' or redis.call('HGET', KEYS[7], 'grp') == ARGV[13]) then
   return {-1, 0, finished}
 end
-local queued = redis.call('ZCARD', KEYS[4])
-local limit = tonumber(ARGV[10])
+for i = 0, m - 1 do
+  if live(KEYS[8 + 4 * i]) then
+    return {-1, 0, finished}
+  end
+end
+local queued = redis.call('ZCARD', KEYS[2])
+local limit = tonumber(ARGV[2])
 if limit > 0 and queued >= limit then
   return {-2, queued, finished}
 end
-local arrival = redis.call('INCR', KEYS[3])
-local qk = string.format('%016d:', arrival) .. ARGV[1]
-redis.call('DEL', KEYS[1], KEYS[2], KEYS[9], KEYS[10])
-redis.call('HSET', KEYS[1], 'spec', ARGV[2], 'arrival', arrival, 'status', 'waiting', 'executor', '',
-           'plen', ARGV[3], 'maxt', ARGV[4], 'prio', ARGV[5], 'qk', qk, 'qs', ARGV[6], 'ts', ARGV[7], 'tp', ARGV[8],
-           'dl', ARGV[9], 'bh', ARGV[11])
-redis.call('ZADD', KEYS[4], ARGV[6], qk)
-redis.call('SADD', KEYS[5], ARGV[1])
-redis.call('ZADD', KEYS[7], ARGV[7], ARGV[1])
-redis.call('XADD', KEYS[6], 'MAXLEN', '~', '10000', '*', 'op', 'submit', 'id', ARGV[1])
-return {arrival, queued + 1, finished}
+local first = nil
+for i = 0, m - 1 do
+  local rk, rid = KEYS[8 + 4 * i], ARGV[13 + 2 * i]
+  local arrival = redis.call('INCR', KEYS[1])
+  first = first or arrival
+  local qk = string.format('%016d:', arrival) .. rid
+  redis.call('DEL', rk, KEYS[9 + 4 * i], KEYS[10 + 4 * i], KEYS[11 + 4 * i])
+  redis.call('HSET', rk, 'spec', ARGV[14 + 2 * i], 'arrival', arrival, 'status', 'waiting', 'executor', '',
+             'plen', ARGV[3], 'maxt', ARGV[4], 'prio', ARGV[5], 'qk', qk, 'qs', ARGV[6], 'ts', ARGV[7], 'tp', ARGV[8],
+             'dl', ARGV[9], 'bh', ARGV[12])
+  if ARGV[10] ~= '' then
+    redis.call('HSET', rk, 'grp', ARGV[10], 'gn', ARGV[11])
+  end
+  redis.call('ZADD', KEYS[2], ARGV[6], qk)
+  redis.call('SADD', KEYS[3], rid)
+  redis.call('ZADD', KEYS[5], ARGV[7], rid)
+end
+redis.call('XADD', KEYS[4], 'MAXLEN', '~', '10000', '*', 'op', 'submit', 'id', ARGV[13])
+return {first, queued + m, finished}
 """
 
 # Finishing a request that holds nothing (queued): the same fields and event
@@ -220,7 +244,8 @@ return out
 """
 
 # A loop takes queued requests for its executor: each lands on exactly one
-# executor. Nothing is taken for a draining executor.
+# executor, and the queued completions of a parallel-sampling group ('grp', 'gn':
+# ids "<group>#<index>") land together. Nothing is taken for a draining executor.
 _CLAIM = _FENCE + """
 local p, eid = ARGV[3], ARGV[4]
 local out = {}
@@ -228,13 +253,26 @@ if redis.call('HGET', p .. 'exec:' .. eid, 'state') == 'draining' then
   return out
 end
 local live = p .. 'x:' .. eid .. ':live'
+local function take(rid)
+  local rk = p .. 'req:' .. rid
+  redis.call('HSET', rk, 'executor', eid)
+  redis.call('SADD', live, rid)
+  table.insert(out, {rid, redis.call('HGETALL', rk), redis.call('LRANGE', p .. 'out:' .. rid, 0, -1)})
+  return redis.call('HMGET', rk, 'grp', 'gn')
+end
 for i = 5, #ARGV do
   if redis.call('ZREM', p .. 'queue', ARGV[i]) == 1 then
     local rid = string.sub(ARGV[i], 18)
-    local rk = p .. 'req:' .. rid
-    redis.call('HSET', rk, 'executor', eid)
-    redis.call('SADD', live, rid)
-    table.insert(out, {rid, redis.call('HGETALL', rk), redis.call('LRANGE', p .. 'out:' .. rid, 0, -1)})
+    local g = take(rid)
+    if g[1] and g[1] ~= '' then
+      for j = 0, tonumber(g[2]) - 1 do
+        local mate = g[1] .. '#' .. j
+        local qk = redis.call('HGET', p .. 'req:' .. mate, 'qk')
+        if mate ~= rid and qk and redis.call('ZREM', p .. 'queue', qk) == 1 then
+          take(mate)
+        end
+      end
+    end
   end
 end
 return out
@@ -386,20 +424,38 @@ class RedisStore:
                     max_pending: int = 0, hashes: list[str] | None = None) -> Submitted:
         """``submit``, under admission control: with ``max_pending`` > 0 the request is refused
         (``Overloaded``) while that many requests wait in the namespace's queue."""
-        k, rid = self.keys, req.request_id
-        score, _ = codec.queue_entry(0, rid, req.priority, policy)
-        arrival, queued, finished = await self._submit(
-            keys=[k.req(rid), k.out(rid), k.arrival, k.queue, k.live, k.incoming, k.attached, k.counters,
-                  k.logprobs(rid), k.prompt_logprobs(rid)],
-            args=[rid, codec.spec_json(req, stop), len(req.prompt_ids), req.params.max_tokens, req.priority,
-                  repr(score), now_ms(), trace, req.deadline_ms or "", max_pending,
-                  codec.hashes_field(hashes or [])])
+        return await self.admit_group([req], stop, policy, trace, max_pending, hashes)
+
+    async def admit_group(self, reqs: list[Request], stop: list[str], policy: str, trace: str = "",
+                          max_pending: int = 0, hashes: list[str] | None = None) -> Submitted:
+        """``admit`` the completions of one parallel-sampling group (or one request alone) together:
+        all are queued, or none. A group's own id must not be a live request's either."""
+        k, head = self.keys, reqs[0]
+        group = head.group
+        # The other name of the request: a group's own id, or the completion 0 a group of this id would have.
+        other = k.req(group) if group else k.req(f"{head.request_id}#0")
+        keys = [k.arrival, k.queue, k.live, k.incoming, k.attached, k.counters, other]
+        args: list[object] = [len(reqs), max_pending, len(head.prompt_ids), head.params.max_tokens, head.priority,
+                              repr(codec.queue_entry(0, "", head.priority, policy)[0]), now_ms(), trace,
+                              head.deadline_ms or "", group, head.params.n if group else "",
+                              codec.hashes_field(hashes or [])]
+        for req in reqs:
+            rid = req.request_id
+            keys += [k.req(rid), k.out(rid), k.logprobs(rid), k.prompt_logprobs(rid)]
+            args += [rid, codec.spec_json(req, stop)]
+        arrival, queued, finished = await self._submit(keys=keys, args=args)
         got = Submitted(int(arrival), int(queued), int(finished))
         if got.arrival == -1:
-            raise DuplicateRequest(rid)
+            raise DuplicateRequest(group or head.request_id)
         if got.arrival == -2:
             raise Overloaded(got)
         return got
+
+    async def group_size(self, request_id: str) -> int:
+        """How many completions the request ``request_id`` has if it asked for sampling.n > 1 (read
+        from its completion 0); 0 if it is not such a request."""
+        group, n = await self.r.hmget(self.keys.req(f"{request_id}#0"), "grp", "gn")
+        return int(n) if group == request_id and n else 0
 
     async def cancel(self, request_id: str, reason: Finish) -> bool:
         """End a request (``abort`` or ``stop``) wherever it is; False if it is not live."""

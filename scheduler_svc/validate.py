@@ -17,6 +17,7 @@ MAX_PROMPT_BYTES = 512 << 10  # UTF-8 bytes of prompt text, or of all messages' 
 MAX_LOGPROBS = 20  # vLLM's default --max-logprobs
 MAX_LOGIT_BIAS = 100.0  # |bias| allowed, as OpenAI and vLLM
 MAX_CACHE_SALT = MAX_SALT  # characters of cache_salt
+MAX_N = 16  # completions per request (sampling.n): bounded, as vLLM had to after a CVE for an unbounded n
 MAX_REQUEST_BYTES = 1 << 20  # a serialized GenerateRequest (checked in server.py, before parsing)
 
 
@@ -44,13 +45,14 @@ class Limits:
 class Caps:
     """What one request may ask for, whatever the model could take (the scheduler's
     ``--max-stop-strings``, ``--max-stop-string-length``, ``--max-prompt-bytes``,
-    ``--max-logprobs``, ``--max-grammar-bytes``)."""
+    ``--max-logprobs``, ``--max-grammar-bytes``, ``--max-n``)."""
 
     max_stop_strings: int = MAX_STOP_STRINGS
     max_stop_string_length: int = MAX_STOP_STRING_LENGTH
     max_prompt_bytes: int = MAX_PROMPT_BYTES
     max_logprobs: int = MAX_LOGPROBS
     max_grammar_bytes: int = MAX_GRAMMAR_BYTES  # of a structured-output spec
+    max_n: int = MAX_N  # sampling.n
 
 
 DEFAULT_CAPS = Caps()
@@ -183,6 +185,7 @@ def check(req: pb.GenerateRequest, limits: Limits, caps: Caps = DEFAULT_CAPS) ->
         logprobs=s.logprobs if s.HasField("logprobs") else None,
         prompt_logprobs=s.prompt_logprobs if s.HasField("prompt_logprobs") else None,
         grammar=grammar,
+        n=s.n if s.HasField("n") else 1,
     )
     return Checked(req.request_id, given[0], params, list(s.stop), req.priority,
                    req.queue_timeout if req.HasField("queue_timeout") else None, grammar_field,
@@ -208,6 +211,8 @@ def _check_sampling(s: pb.SamplingParams, limits: Limits, caps: Caps) -> None:
         if not (math.isfinite(b) and -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS):
             raise InvalidArgument(f"sampling.logit_bias: the bias of token {t} must be a number in "
                                   f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}] (got {b})")
+    if s.HasField("n") and not 1 <= s.n <= caps.max_n:
+        raise InvalidArgument(f"sampling.n: must be in [1, {caps.max_n}] (got {s.n}; --max-n)")
     for name in ("logprobs", "prompt_logprobs"):
         if s.HasField(name) and getattr(s, name) > caps.max_logprobs:
             raise InvalidArgument(f"sampling.{name}: {getattr(s, name)} is more than the {caps.max_logprobs} "

@@ -10,6 +10,9 @@ full block by a hash chained over its prefix): a block is
   matches takes it back,
 - or held by one or more requests, ``refs[b]`` of them.
 
+A parallel-sampling group shares its prompt the same way (``fork``), cached
+or not; the partial block after the shared ones is copied on write.
+
 Allocation takes plain free blocks first, then evicts the least recently
 freed cached block (dropping its hash), so cached blocks are reclaimed before
 anyone is preempted: both count in ``num_free``. A request frees its blocks
@@ -207,6 +210,35 @@ class BlockManager:
             self.changed[DEVICE].add(b)
             self._rehashed.add(h)
         req.num_registered = full
+
+    # -- sharing within a parallel-sampling group -------------------------------
+
+    def fork_cost(self, upto: int) -> int:
+        """Device blocks ``fork`` takes at once: one for the copy of a partial block."""
+        return 1 if upto % self.block_size else 0
+
+    def fork(self, src: Request, dst: Request, upto: int) -> Move | None:
+        """``dst`` (holding nothing, same prompt) takes ``src``'s KV of its first ``upto`` tokens: the
+        full blocks among them by reference, the partial one as a copy made by the next plan before
+        its forward (copy on write: each goes on writing its own tokens there). Returns that copy;
+        its source stays held until the plan that copies is reported (``release_copies``)."""
+        full = upto // self.block_size
+        for b in src.blocks[:full]:
+            self._hold(b)
+        dst.blocks = src.blocks[:full]
+        dst.num_computed = upto
+        dst.block_hashes = src.block_hashes[:full]
+        dst.num_registered = min(src.num_registered, full)
+        if upto % self.block_size == 0:
+            return None
+        self._hold(src.blocks[full])
+        copy = Move(DEVICE, src.blocks[full], DEVICE, self._alloc(1)[0])
+        dst.blocks.append(copy.dst)
+        return copy
+
+    def release_copies(self, copies: list[Move]) -> None:
+        """The plan that made these copies was reported (or dropped them): their sources come free."""
+        self._unref([m.src for m in copies])
 
     def _hold(self, b: int) -> None:
         if self.refs[b] == 0 and b in self.lru:

@@ -25,6 +25,7 @@ class Counters:
     finished: int = 0  # requests that ended here (the finish rate behind admission's retry hint)
     prefix_cache_queries: int = 0  # tokens of requests admitted holding nothing, looked up in the prefix cache
     prefix_cache_hits: int = 0  # of which: tokens found cached (not computed again)
+    forked_tokens: int = 0  # prompt tokens a parallel-sampling group mate took from its source (not computed again)
 
     def as_dict(self) -> dict[str, int]:
         return {f.name: getattr(self, f.name) for f in fields(self)}

@@ -42,6 +42,7 @@ class Params:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), sorted by id
     logprobs: int | None = None  # top alternatives per generated token; None: no logprobs
     prompt_logprobs: int | None = None  # top alternatives per prompt token; None: no prompt logprobs
+    n: int = 1  # completions of the prompt (parallel sampling): the group this request belongs to has n mates
 
     @property
     def penalized(self) -> bool:
@@ -69,17 +70,24 @@ class Request:
     # Output tokens sampled by launched steps whose results are not in yet (the pipelined loop plans
     # one step ahead): counted in num_tokens, absent from output_ids, never stored.
     num_unreported: int = 0
-
-    @property
-    def num_known(self) -> int:
-        """Prompt and output tokens whose ids are known."""
-        return len(self.prompt_ids) + len(self.output_ids)
     cache_salt: str | None = None  # mixed into its first block's hash: other salts share none of its blocks
     num_cached: int = 0  # prompt tokens served from the prefix cache when it last started before its first token
     # The chain of its full blocks' hashes (core/prefix.py), extended as tokens are computed;
     # not persisted: a new leader recomputes it from the tokens and the salt.
     block_hashes: list[bytes] = field(default_factory=list)
     num_registered: int = 0  # of its blocks, how many the cache has seen (registered or found a twin)
+    # Parallel sampling (SamplingParams.n): the group's id (the request id the client knows; "" for a
+    # request of its own) and this completion's index in it. Group mates share one prompt.
+    group: str = ""
+    index: int = 0
+    # A group mate admitted without computing its prompt waits for this mate to have computed it,
+    # then shares its blocks (``Scheduler`` forks it); None once forked, and for everyone else.
+    source: Request | None = None
+
+    @property
+    def num_known(self) -> int:
+        """Prompt and output tokens whose ids are known."""
+        return len(self.prompt_ids) + len(self.output_ids)
 
     @property
     def num_tokens(self) -> int:

@@ -17,6 +17,14 @@ Order within a step:
 3. under ``priority``, a waiting request that does not fit preempts running
    requests that are less urgent than it.
 
+A parallel-sampling group (``SamplingParams.n``: mates with one prompt) is
+admitted, preempted and resumed together. One mate computes the prompt; the
+others wait, holding nothing, until it has launched the whole prompt, then fork
+(``BlockManager.fork``): they share its full blocks and copy the partial one,
+and compute only the last prompt token onward, each sampling its own
+completion. A preempted group is always recomputed (swapping would store its
+shared prompt once per mate), and forks again when it comes back.
+
 With several executors, each has its own ``Scheduler``: running and swapped
 requests are local, and waiting holds the requests its loop claimed from the
 shared queue for this step. Whatever is still waiting after a step (not
@@ -77,6 +85,7 @@ class SchedulerOutput:
     scheduled: list[Scheduled] = field(default_factory=list)
     swap_out: list[Move] = field(default_factory=list)
     swap_in: list[Move] = field(default_factory=list)
+    copies: list[Move] = field(default_factory=list)  # copy-on-write of forked group mates, before the forward
     preempted: list[Request] = field(default_factory=list)
     launched: bool = False  # ``Scheduler.launch`` ran
 
@@ -86,7 +95,7 @@ class SchedulerOutput:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.scheduled or self.swap_out or self.swap_in)
+        return bool(self.scheduled or self.swap_out or self.swap_in or self.copies)
 
 
 class Scheduler:
@@ -116,6 +125,14 @@ class Scheduler:
         else:
             raise ValueError(f"{req.request_id} is already finished")
 
+    def relink(self) -> None:
+        """After a reload: a running group mate holding nothing waits again to fork from a mate
+        that holds the prompt (else it computes its prompt itself)."""
+        for r in self.running:
+            if r.group and not r.blocks and r.source is None:
+                r.source = next((o for o in self.running if o.group == r.group and o.blocks and o.source is None),
+                                None)
+
     def fits_ever(self, req: Request) -> bool:
         """Whether ``req`` at its longest fits this executor's context and whole device pool."""
         total = min(len(req.prompt_ids) + req.params.max_tokens, self.config.max_model_len)
@@ -137,6 +154,7 @@ class Scheduler:
         if req is None:
             return None
         self._remove(req)
+        self._orphan(req)
         self.blocks.free(req)
         req.status = Status.FINISHED
         req.finish_reason = reason
@@ -155,8 +173,10 @@ class Scheduler:
     def requeue(self, req: Request) -> None:
         """``req`` leaves this executor for the shared queue, holding nothing: recomputed wherever it runs next."""
         self._remove(req)
+        self._orphan(req)
         self.blocks.free(req)
         req.num_computed = 0
+        req.source = None
         req.status = Status.WAITING
         self.record.requeued.append(req)
 
@@ -192,10 +212,28 @@ class Scheduler:
             return candidates[-1]
         return max(candidates, key=lambda r: r.order_key)
 
-    def _preempt(self, victim: Request, out: SchedulerOutput) -> None:
+    def _preempt(self, victim: Request, out: SchedulerOutput) -> int:
+        """Preempt ``victim`` and its running group mates (all or nothing); returns the tokens taken
+        out of this step's plan."""
+        group = self._mates_running(victim)
+        freed = 0
+        for req in reversed(group):  # prepended last to first: the group stays in index order
+            freed += self._unschedule(req, out)
+            self._preempt_one(req, out, recompute=len(group) > 1)
+        return freed
+
+    def _mates_running(self, req: Request) -> list[Request]:
+        """``req`` and its running group mates, in index order."""
+        if not req.group:
+            return [req]
+        return sorted((r for r in self.running if r.group == req.group), key=lambda r: r.index)
+
+    def _preempt_one(self, victim: Request, out: SchedulerOutput, recompute: bool) -> None:
         self.running.remove(victim)
         victim.num_preemptions += 1
-        if self.config.preemption_mode == "swap" and victim.num_computed > 0 and self.blocks.can_swap_out(victim):
+        victim.source = None
+        if (not recompute and self.config.preemption_mode == "swap" and victim.num_computed > 0
+                and self.blocks.can_swap_out(victim)):
             moves = self.blocks.swap_out(victim)
             out.swap_out.extend(moves)
             self._count("preemptions_swap")
@@ -213,7 +251,13 @@ class Scheduler:
         self.record.touch(victim)
 
     def _unschedule(self, victim: Request, out: SchedulerOutput) -> int:
-        """Drop ``victim`` from this step's plan if it was already in it; returns its tokens."""
+        """Drop ``victim`` from this step's plan if it was already in it (with the copy of its fork,
+        if it forked in this plan); returns its tokens."""
+        mine = set(victim.blocks)
+        dropped = [m for m in out.copies if m.dst in mine]
+        if dropped:
+            out.copies = [m for m in out.copies if m.dst not in mine]
+            self.blocks.release_copies(dropped)
         for i, s in enumerate(out.scheduled):
             if s.req is victim:
                 del out.scheduled[i]
@@ -229,6 +273,9 @@ class Scheduler:
             if req.num_unreported and self._ends_by_length(req, len(req.output_ids) + req.num_unreported):
                 i += 1
                 continue  # its token in flight ends it: nothing more to run (the pipelined loop)
+            if req.source is not None and not self._fork(req, out):
+                i += 1
+                continue  # its source has not launched the whole prompt yet, or no block for the copy
             n = min(req.num_pending, budget)
             preempted = False
             fits = self.blocks.can_append(req, n)
@@ -236,11 +283,10 @@ class Scheduler:
                 if self.blocks.needed(req, n) <= self.blocks.num_free_soon(DEVICE):
                     break  # swaps already in this plan free enough for the next step
                 victim = self._victim(self.running)
-                budget += self._unschedule(victim, out)
-                self._preempt(victim, out)
+                budget += self._preempt(victim, out)
                 preempted = True
-                if victim is req:
-                    break
+                if req.status != Status.RUNNING:
+                    break  # it was the victim, or in the victim's group
                 fits = self.blocks.can_append(req, n)
             if req.status != Status.RUNNING:
                 continue  # preempted itself: running[i] is now the next request
@@ -254,6 +300,55 @@ class Scheduler:
             budget -= n
         return budget
 
+    # -- parallel-sampling groups -------------------------------------------------
+
+    def _fork(self, req: Request, out: SchedulerOutput) -> bool:
+        """A waiting group mate forks from its source once the source has launched its whole prompt:
+        it shares the KV of all prompt tokens but the last, which it computes itself (it samples its
+        own first token from there). False while it must wait."""
+        src = req.source
+        assert src is not None
+        upto = len(src.prompt_ids) - 1
+        if src.num_computed <= upto or self.blocks.fork_cost(upto) > self.blocks.num_free(DEVICE):
+            return False
+        copy = self.blocks.fork(src, req, upto)
+        if copy is not None:
+            out.copies.append(copy)
+        req.source = None
+        self._count("forked_tokens", upto)
+        return True
+
+    def _orphan(self, src: Request) -> None:
+        """``src`` leaves (finished, requeued) while group mates still wait to fork from it: the first
+        of them takes over its computed full prompt blocks (no copy: ``src`` writes no more) and
+        computes the rest itself; the others wait for that one."""
+        mates = [r for r in self.running if r.source is src]
+        if not mates:
+            return
+        heir, bs = mates[0], self.blocks.block_size
+        heir.source = None
+        upto = min(src.num_computed, len(src.prompt_ids) - 1) // bs * bs
+        if upto:
+            self.blocks.fork(src, heir, upto)
+            self._count("forked_tokens", upto)
+        for m in mates[1:]:
+            m.source = heir
+
+    def _mates_waiting(self, head: Request) -> list[Request]:
+        """The waiting group mates ``head`` can bring along: same prompt, and not one that wants its
+        own prompt logprobs (it computes its prompt itself)."""
+        if not head.group:
+            return []
+        return [r for r in self.waiting if r is not head and r.group == head.group and not r.blocks
+                and len(r.prompt_ids) == len(head.prompt_ids)
+                and (r.params.prompt_logprobs is None or r.output_ids)]
+
+    def _fork_need(self, head: Request, mates: list[Request]) -> int:
+        """Device blocks the ``mates`` of ``head`` take beyond the prompt blocks they share with it."""
+        bs = self.blocks.block_size
+        shared = (len(head.prompt_ids) - 1) // bs
+        return sum(blocks_needed(m.num_tokens, bs) - shared for m in mates)
+
     def _next_candidate(self) -> tuple[Request, bool] | None:
         """The most urgent of the swapped and waiting heads; ``True`` if swapped."""
         s, w = self.swapped.peek(), self.waiting.peek()
@@ -263,36 +358,40 @@ class Scheduler:
             return s, True
         return w, False
 
-    def _fits(self, req: Request, n: int, from_swap: bool, hit: list[int]) -> bool:
-        reserve = self._watermark if self.running else 0
+    def _fits(self, req: Request, n: int, from_swap: bool, hit: list[int], mates: list[Request]) -> bool:
+        """Whether ``req`` and the group ``mates`` it brings along fit (seats, and device blocks
+        beyond the watermark)."""
+        if len(self.running) + 1 + len(mates) > self.config.max_num_seqs:
+            return False
+        reserve = (self._watermark if self.running else 0) + self._fork_need(req, mates)
         if from_swap:
             return self.blocks.can_swap_in(req, n, reserve)
         return self.blocks.can_allocate(req, hit, n, reserve)
 
-    def _need(self, req: Request, n: int, from_swap: bool, hit: list[int]) -> int:
-        """Free device blocks admitting ``req`` costs."""
+    def _need(self, req: Request, n: int, from_swap: bool, hit: list[int], mates: list[Request]) -> int:
+        """Free device blocks admitting ``req`` and its ``mates`` costs."""
         if from_swap:
             return blocks_needed(req.num_computed + n, self.blocks.block_size)
         bs = self.blocks.block_size
         return (blocks_needed(len(hit) * bs + n, bs) - len(hit)
-                + sum(1 for b in hit if b in self.blocks.lru))
+                + sum(1 for b in hit if b in self.blocks.lru) + self._fork_need(req, mates))
 
-    def _make_room(self, req: Request, n: int, from_swap: bool, out: SchedulerOutput, hit: list[int]) -> bool:
+    def _make_room(self, req: Request, n: int, from_swap: bool, out: SchedulerOutput, hit: list[int],
+                   mates: list[Request]) -> bool:
         """Under ``priority``, preempt less urgent running requests for ``req``.
 
         Returns whether ``req`` fits now; after swap-outs it fits only next step.
         """
         if self.config.policy != "priority":
             return False
-        while not self._fits(req, n, from_swap, hit):
+        while not self._fits(req, n, from_swap, hit, mates):
             reserve = self._watermark if self.running else 0
-            if self._need(req, n, from_swap, hit) + reserve <= self.blocks.num_free_soon(DEVICE):
+            if self._need(req, n, from_swap, hit, mates) + reserve <= self.blocks.num_free_soon(DEVICE):
                 return False  # enough is already on its way back
             lower = [r for r in self.running if r.order_key > req.order_key]
             if not lower:
                 return False
             victim = self._victim(lower)
-            self._unschedule(victim, out)
             self._preempt(victim, out)
         return True
 
@@ -304,8 +403,12 @@ class Scheduler:
             req, from_swap = head
             hit = [] if from_swap else self.blocks.lookup(req)
             n = min(budget, req.num_pending - len(hit) * self.blocks.block_size)
-            if not self._fits(req, n, from_swap, hit) and not self._make_room(req, n, from_swap, out, hit):
-                return  # head-of-line: later requests wait for this one
+            mates = [] if from_swap else self._mates_waiting(req)
+            while not (self._fits(req, n, from_swap, hit, mates)
+                       or self._make_room(req, n, from_swap, out, hit, mates)):
+                if not mates or self.running:
+                    return  # head-of-line: later requests wait for this one (a group, for all of it)
+                mates.pop()  # nothing runs and the whole group never fits: as many as fit
             if from_swap:
                 self.swapped.pop()
                 moves = self.blocks.swap_in(req)
@@ -320,6 +423,11 @@ class Scheduler:
             out.scheduled.append(Scheduled(req, req.num_computed, n))
             self.record.touch(req)
             budget -= n
+            for m in mates:  # they wait, holding nothing, to fork from ``req`` (``_fork``)
+                self.waiting.remove(m)
+                m.status, m.source = Status.RUNNING, req
+                self.running.append(m)
+                self.record.touch(m)
 
     def _start(self, req: Request, hit: list[int], n: int) -> None:
         """A waiting request (holding nothing) takes its cached prefix and room for ``n`` tokens."""
@@ -358,6 +466,7 @@ class Scheduler:
         if not out.launched:
             self.launch(out)
         self.blocks.release_pending(out.swap_out + out.swap_in)
+        self.blocks.release_copies(out.copies)
         finished = []
         generated = 0
         new_tokens, touched = self.record.new_tokens, self.record.touched
