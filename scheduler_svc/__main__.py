@@ -29,7 +29,8 @@ from scheduler_svc import codec, openai_http
 from scheduler_svc.attachments import DETACH_TIMEOUT_S, Attachments
 from scheduler_svc.core.queue import POLICIES
 from scheduler_svc.core.scheduler import PREEMPTION_MODES, SchedulerConfig
-from scheduler_svc.frontend import EventBus, Frontend
+from scheduler_svc.bus import EventBus
+from scheduler_svc.frontend import Frontend
 from scheduler_svc.manager import Manager
 from scheduler_svc.metrics import FrontendMetrics, LoopMetrics, NamespaceMetrics
 from scheduler_svc import validate

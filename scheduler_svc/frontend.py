@@ -2,11 +2,12 @@
 
 Any replica can serve any request: it persists the request in Redis (which
 queues it for every executor's loop), and follows the loops' events stream
-(one reader per replica, fanned out to the requests it serves) for tokens and
-finishes, wherever the request runs. A stream is only a view of a request:
+(``bus.EventBus``: one reader per replica, fanned out to the requests it
+serves) for tokens and finishes, wherever the request runs. A stream is only a view of a request:
 events carry each token's offset in the completion, so a stream never
 repeats or skips a token (overlap is dropped, a gap is read back from Redis),
-and a client whose stream broke resumes from its offset on any replica.
+and a client whose stream broke resumes from its offset on any replica. A
+request with sampling.n > 1 is its completions (``parallel``), streamed as one.
 """
 
 from __future__ import annotations
@@ -27,21 +28,20 @@ from pagedserve.grammar import Compiler, GrammarError
 from pagedserve.members import now_ms
 from scheduler_svc import codec, parallel
 from scheduler_svc.attachments import Attachments
-from scheduler_svc.codec import Event
+from scheduler_svc.bus import DRAIN, EventBus
 from scheduler_svc.core.admission import FinishRate, retry_after
 from scheduler_svc.core import prefix
 from scheduler_svc.core.deadline import deadline_ms
 from scheduler_svc.core.request import Finish, Request, Status
 from scheduler_svc.detok import Detokenizer
 from scheduler_svc.metrics import FrontendMetrics
-from scheduler_svc.store import UNAVAILABLE, Expiry, Overloaded, RedisStore
+from scheduler_svc.expiry import Expiries
+from scheduler_svc.store import UNAVAILABLE, Overloaded, RedisStore
 from scheduler_svc.validate import DEFAULT_CAPS, Caps, Checked, InvalidArgument, Unavailable, check, check_length
 from scheduler_svc.watch import ClusterWatch
 from pagedserve.v1 import generation_pb2 as pb
 
 log = logging.getLogger(__name__)
-DRAIN = "drain"  # put in every stream's queue when the replica drains
-EXPIRE_RETRY_S = 0.5  # a request past its deadline that a loop holds: ask again this often
 
 
 class NotFound(LookupError):
@@ -119,55 +119,6 @@ def token_logprobs(entry: Any) -> pb.TokenLogprobs:
                             top_logprobs=top_logprobs)
 
 
-class EventBus:
-    """Reads the loops' events stream once per replica and routes them by request."""
-
-    def __init__(self, store: RedisStore) -> None:
-        self.store = store
-        # Several streams may follow one request (a Generate and Resumes, or a Generate whose
-        # duplicate is being refused): each has its own queue, and leaving removes only its
-        # own (tests/test_fuzz.py found a refused duplicate silencing the running stream).
-        self._queues: dict[str, list[asyncio.Queue[tuple[str, Any]]]] = {}
-
-    def subscribe(self, request_id: str) -> asyncio.Queue[tuple[str, Any]]:
-        q: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
-        self._queues.setdefault(request_id, []).append(q)
-        return q
-
-    def unsubscribe(self, request_id: str, queue: asyncio.Queue[tuple[str, Any]]) -> None:
-        queues = self._queues.get(request_id, [])
-        if queue in queues:
-            queues.remove(queue)
-        if not queues:
-            self._queues.pop(request_id, None)
-
-    def broadcast(self, kind: str) -> None:
-        for queues in self._queues.values():
-            for q in queues:
-                q.put_nowait((kind, None))
-
-    async def run(self, stop: asyncio.Event) -> None:
-        last = await self.store.events_tail()
-        while not stop.is_set():
-            try:
-                events = await self.store.read_events(last, block_ms=500)
-            except UNAVAILABLE as exc:
-                log.warning("events stream unavailable (%s); retrying", exc)
-                await asyncio.sleep(1)
-                continue
-            for eid, event in events:
-                last = eid
-                self._route(event)
-
-    def _route(self, event: Event) -> None:
-        for rid, (offset, tokens) in event.tokens.items():
-            for q in self._queues.get(rid, ()):
-                q.put_nowait(("t", (offset, tokens, event.logprobs.get(rid))))
-        for rid, (reason, total) in event.finished.items():
-            for q in self._queues.get(rid, ()):
-                q.put_nowait(("f", (reason, total, event.cached.get(rid, 0))))
-
-
 @dataclass(slots=True)
 class _Stream:
     """One attached stream: what it has delivered and what turns tokens into text."""
@@ -232,6 +183,7 @@ class Frontend:
         self.max_pending = max_pending  # --max-pending-requests; 0: no limit
         self.finish_rate = FinishRate()
         self._grammars: Compiler | None = None  # built on the first structured request
+        self.expiries = Expiries(store)
         self._background: set[asyncio.Task[None]] = set()
 
     @property
@@ -429,33 +381,6 @@ class Frontend:
             raise TooManyPending(exc.seen.queued, self.max_pending, hint) from None
         self.finish_rate.add(time.monotonic(), seen.finished)
 
-    def _expire_at(self, request_id: str, deadline: int) -> asyncio.Task[None] | None:
-        """A task that expires the request at its deadline (ms) if it has not started; the
-        stream that holds the request cancels it when it ends."""
-        if not deadline:
-            return None
-        task = asyncio.get_running_loop().create_task(self._expire_when_due(request_id, deadline))
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-        return task
-
-    async def _expire_when_due(self, request_id: str, deadline: int) -> None:
-        """Queued past its deadline: it is removed here (one Lua call). A loop that holds it
-        (claimed, preempted, swapped) expires it itself at the end of its step; until the
-        request has started, finished or expired, ask again."""
-        while True:
-            await asyncio.sleep(max(0.0, min((deadline - now_ms()) / 1000, 60.0)))
-            if now_ms() < deadline:
-                continue
-            try:
-                outcome = await self.store.expire(request_id)
-            except UNAVAILABLE as exc:
-                log.warning("could not expire %s: %s", request_id, exc, extra={"request_id": request_id})
-                outcome = Expiry.LATER
-            if outcome != Expiry.LATER:
-                return
-            await asyncio.sleep(EXPIRE_RETRY_S)
-
     def _stream(self, req: Request, stop: list[str], submitted: float, **kw: Any) -> _Stream:
         return _Stream(req.request_id, len(req.prompt_ids), Detokenizer(self.tokenizer, stop), submitted,
                        logprobs=req.params.logprobs is not None, group=req.group, index=req.index, **kw)
@@ -496,7 +421,7 @@ class Frontend:
         submitted = time.time()
         streams = [self._stream(r, stop, submitted, prompt_pending=r.params.prompt_logprobs is not None)
                    for r in reqs]
-        timers: list[asyncio.Task[None] | None] = []
+        timers: list[asyncio.Task[None]] = []
         try:
             try:
                 await self._submit(reqs, stop, tracing.traceparent(span) if span else "")
@@ -508,13 +433,11 @@ class Frontend:
                 raise
             for r in reqs:
                 self.attachments.hold(r, stop)
-            timers = [self._expire_at(r.request_id, r.deadline_ms) for r in reqs]
+            timers = self.expiries.start(reqs)
             async for chunk in self._views(streams, queues, [[] for _ in reqs]):
                 yield chunk
         finally:
-            for timer in timers:
-                if timer is not None:
-                    timer.cancel()
+            self.expiries.stop(timers)
             _end(span, streams)
 
     async def _reopen(self, request_id: str, offset: int, clamp: bool = False) -> _Reopened:
@@ -574,19 +497,16 @@ class Frontend:
                 self.bus.unsubscribe(o.stream.request_id, o.queue)
             raise
         streams = [o.stream for o in opened]
-        timers = []
-        for o in opened:
-            if not o.stream.done:
-                self.attachments.hold(o.req, o.stop)
-                timers.append(self._expire_at(o.req.request_id, o.req.deadline_ms))
+        live = [o for o in opened if not o.stream.done]
+        for o in live:
+            self.attachments.hold(o.req, o.stop)
+        timers = self.expiries.start([o.req for o in live])
         span = self._span("pagedserve.resume", request_id, opened[0].traceparent, **{"pagedserve.offset": offset})
         try:
             async for chunk in self._views(streams, [o.queue for o in opened], [o.first for o in opened], touch=True):
                 yield chunk
         finally:
-            for timer in timers:
-                if timer is not None:
-                    timer.cancel()
+            self.expiries.stop(timers)
             _end(span, streams)
 
     async def abort(self, request_id: str) -> bool:

@@ -57,6 +57,9 @@ class LoopMetrics:
                                       ex, registry=registry)
         self.prefix_hits = Counter(name("prefix_cache_hits"), "Prompt tokens found in the prefix cache", ex,
                                    registry=registry)
+        self.forked_tokens = Counter(name("parallel_sampling_shared_tokens"),
+                                     "Prompt tokens a completion of a sampling.n request shared instead of computing",
+                                     ex, registry=registry)
         self.iteration_tokens = Histogram(name("iteration_tokens_total"), "Tokens scheduled per step", ex,
                                           buckets=TOKEN_BUCKETS, registry=registry)
         self.queue_time = Histogram(name("request_queue_time_seconds"),
@@ -67,7 +70,8 @@ class LoopMetrics:
     def lead(self, model: str, executor: str) -> None:
         """A loop starts: its counters exist (at 0) from now on, as vLLM's do."""
         labels = (model, executor)
-        for c in (self.prompt_tokens, self.generation_tokens, self.prefix_queries, self.prefix_hits):
+        for c in (self.prompt_tokens, self.generation_tokens, self.prefix_queries, self.prefix_hits,
+                  self.forked_tokens):
             c.labels(*labels)
         for mode in ("swap", "recompute"):
             self.preemptions.labels(*labels, mode)
@@ -102,6 +106,8 @@ class LoopMetrics:
         if c.prefix_cache_queries:
             self.prefix_queries.labels(*labels).inc(c.prefix_cache_queries)
             self.prefix_hits.labels(*labels).inc(c.prefix_cache_hits)
+        if c.forked_tokens:
+            self.forked_tokens.labels(*labels).inc(c.forked_tokens)
         for req in rec.finished:
             self.prompt_tokens.labels(*labels).inc(len(req.prompt_ids))
             self.success.labels(*labels, (req.finish_reason or Finish.ABORT).value).inc()

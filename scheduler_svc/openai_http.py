@@ -212,7 +212,7 @@ class Door:
             if parsed.stream:
                 streaming = True  # the stream closes the generator from now on
                 return EventStream(self._events(shape, first, chunks), headers)
-            done = await _unless_gone(request, _collect(first, chunks))
+            done = await _unless_gone(request, _collect(first, chunks, shape.n))
         finally:
             if not streaming:
                 await chunks.aclose()  # type: ignore[attr-defined]
@@ -243,11 +243,12 @@ class Door:
         yield DONE
 
 
-async def _collect(first: Chunk, chunks: AsyncIterator[Chunk]) -> proto.Collected:
-    done = proto.Collected()
-    done.add(first)
+async def _collect(first: Chunk, chunks: AsyncIterator[Chunk], n: int) -> list[proto.Collected]:
+    """Every completion gathered, by index."""
+    done = [proto.Collected() for _ in range(n)]
+    done[first.index].add(first)
     async for chunk in chunks:
-        done.add(chunk)
+        done[chunk.index].add(chunk)
     return done
 
 

@@ -166,9 +166,6 @@ def _stops(v: Any) -> list[str]:
 
 
 def _refuse_unsupported(body: dict[str, Any], chat: bool) -> None:
-    n = body.get("n")
-    if n is not None and _integer("n", n, 0, I32) != 1:
-        raise bad("n", "parallel sampling is not supported yet (only n=1)")
     for name, off in NOT_YET.items():
         if body.get(name) is not None and body[name] not in off:
             raise bad(name, "not supported yet")
@@ -187,6 +184,8 @@ def _sampling(body: dict[str, Any], chat: bool) -> pb.SamplingParams:
         s.top_k = top_k  # vLLM's -1 (like 0) means off
     if get("seed") is not None:
         s.seed = _integer("seed", get("seed"), 0, U64)
+    if get("n") is not None:  # its range is --max-n's (the frontend's check)
+        s.n = _integer("n", get("n"), 0, U32)
     if get("stop") is not None:
         s.stop.extend(_stops(get("stop")))
     if get("stop_token_ids") is not None:
@@ -452,26 +451,41 @@ class Collected:
 
 
 @dataclass(slots=True)
+class _Choice:
+    """What a stream keeps per choice (one per completion of ``n``)."""
+
+    pending: list[Any] = field(default_factory=list)  # logprobs of tokens not yet streamed (no text yet)
+    pending_prompt: list[Any] | None = None  # prompt logprobs that came with a chunk not yet streamed
+    text_offset: int = 0  # completions' text_offset of the next token
+    final: Chunk | None = None  # its last chunk, once seen (its token counts)
+
+
+@dataclass(slots=True)
 class Shape:
     """OpenAI's objects for one request. Finish reasons pass through: ``stop``, ``length``,
-    and ``abort`` (as vLLM reports a request stopped by an abort)."""
+    and ``abort`` (as vLLM reports a request stopped by an abort). With ``n`` > 1 there is a
+    choice per completion (its ``index``); usage counts the prompt once and every completion."""
 
     parsed: Parsed
     request_id: str
     created: int
     model: str
     prompt_ids: list[int] = field(default_factory=list)
-    final: Chunk | None = None  # the last chunk, once seen (its token counts)
     decode: Callable[[int], str] = str  # one token's text (the tokenizer's), for logprobs
-    _pending: list[Any] = field(default_factory=list)  # logprobs of tokens not yet streamed (no text yet)
-    _pending_prompt: list[Any] | None = None  # prompt logprobs that came with a chunk not yet streamed
-    _text_offset: int = 0  # completions' text_offset of the next token
+    _choices: dict[int, _Choice] = field(default_factory=dict)
+
+    @property
+    def n(self) -> int:
+        return max(1, self.parsed.request.sampling.n)
+
+    def _state(self, index: int) -> _Choice:
+        return self._choices.setdefault(index, _Choice())
 
     @property
     def wants_logprobs(self) -> bool:
         return self.parsed.request.sampling.HasField("logprobs")
 
-    def _logprobs(self, entries: list[Any]) -> dict[str, Any] | None:
+    def _logprobs(self, entries: list[Any], state: _Choice) -> dict[str, Any] | None:
         """OpenAI's logprobs object for these tokens' entries (``plan.entry``'s shape)."""
         if not self.wants_logprobs:
             return None
@@ -480,8 +494,8 @@ class Shape:
         tokens = [self.decode(e[0]) for e in entries]
         offsets = []
         for t in tokens:
-            offsets.append(self._text_offset)
-            self._text_offset += len(t)
+            offsets.append(state.text_offset)
+            state.text_offset += len(t)
         # As vLLM: the sampled token is among its position's top_logprobs, with the top k.
         tops = [{self.decode(i): lp for i, lp in zip(e[3], e[4])} | {tok: e[1]} for e, tok in zip(entries, tokens)]
         return {"tokens": tokens, "token_logprobs": [e[1] for e in entries], "top_logprobs": tops,
@@ -513,16 +527,16 @@ class Shape:
     def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def _choice(self, text: str, finish: str | None, token_ids: list[int], delta: bool,
+    def _choice(self, index: int, text: str, finish: str | None, token_ids: list[int], delta: bool,
                 logprobs: list[Any] | None = None, prompt_logprobs: list[Any] | None = None) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": 0}
+        choice: dict[str, Any] = {"index": index}
         if not self.parsed.chat:
             choice["text"] = text
         elif delta:
             choice["delta"] = {"content": text} if text else {}
         else:
             choice["message"] = {"role": "assistant", "content": text}
-        choice |= {"logprobs": self._logprobs(logprobs or []), "finish_reason": finish or None}
+        choice |= {"logprobs": self._logprobs(logprobs or [], self._state(index)), "finish_reason": finish or None}
         if prompt_logprobs is not None and not self.parsed.chat:
             choice["prompt_logprobs"] = self._prompt_logprobs(prompt_logprobs)
         if self.parsed.return_token_ids:
@@ -531,14 +545,16 @@ class Shape:
                 choice["prompt_token_ids"] = self.prompt_ids
         return choice
 
-    def body(self, done: Collected) -> dict[str, Any]:
-        """The non-streaming answer."""
+    def body(self, done: list[Collected]) -> dict[str, Any]:
+        """The non-streaming answer, from each completion gathered (by index)."""
         out = self._head("chat.completion" if self.parsed.chat else "text_completion")
-        out["choices"] = [self._choice("".join(done.texts), done.finish_reason, done.token_ids, delta=False,
-                                       logprobs=done.logprobs, prompt_logprobs=done.prompt_logprobs)]
-        if self.parsed.chat and done.prompt_logprobs is not None:
-            out["prompt_logprobs"] = self._prompt_logprobs(done.prompt_logprobs)  # vLLM: beside the choices
-        out["usage"] = usage(done.prompt_tokens, done.completion_tokens, done.cached_tokens)
+        out["choices"] = [self._choice(i, "".join(d.texts), d.finish_reason, d.token_ids, delta=False,
+                                       logprobs=d.logprobs, prompt_logprobs=d.prompt_logprobs)
+                          for i, d in enumerate(done)]
+        prompt = done[0].prompt_logprobs
+        if self.parsed.chat and prompt is not None:
+            out["prompt_logprobs"] = self._prompt_logprobs(prompt)  # vLLM: beside the choices
+        out["usage"] = usage(done[0].prompt_tokens, sum(d.completion_tokens for d in done), done[0].cached_tokens)
         if self.parsed.chat and self.parsed.return_token_ids:
             out["prompt_token_ids"] = self.prompt_ids
         return out
@@ -550,24 +566,25 @@ class Shape:
         return out
 
     def opening(self) -> list[dict[str, Any]]:
-        """What a stream starts with: the assistant's role, for chat."""
+        """What a stream starts with: the assistant's role, for chat (one chunk per choice)."""
         if not self.parsed.chat:
             return []
-        first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-        return [self._chunk([first])]
+        return [self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                              "finish_reason": None}]) for i in range(self.n)]
 
     def events(self, chunk: Chunk) -> list[dict[str, Any]]:
         """The stream chunks for one frontend chunk (none for tokens that are no text yet)."""
-        self._pending += chunk.logprobs or []
+        state = self._state(chunk.index)
+        state.pending += chunk.logprobs or []
         if chunk.prompt_logprobs is not None:
-            self._pending_prompt = chunk.prompt_logprobs
+            state.pending_prompt = chunk.prompt_logprobs
         if chunk.finish_reason:
-            self.final = chunk
+            state.final = chunk
         elif not chunk.text and not (self.parsed.return_token_ids and chunk.token_ids):
             return []  # its logprobs go with the next chunk that has text
-        pending, self._pending = self._pending, []
-        prompt, self._pending_prompt = self._pending_prompt, None
-        out = self._chunk([self._choice(chunk.text, chunk.finish_reason, chunk.token_ids, delta=True,
+        pending, state.pending = state.pending, []
+        prompt, state.pending_prompt = state.pending_prompt, None
+        out = self._chunk([self._choice(chunk.index, chunk.text, chunk.finish_reason, chunk.token_ids, delta=True,
                                         logprobs=pending, prompt_logprobs=prompt)])
         if self.parsed.chat and prompt is not None:
             out["prompt_logprobs"] = self._prompt_logprobs(prompt)
@@ -575,8 +592,9 @@ class Shape:
 
     def closing(self) -> list[dict[str, Any]]:
         """After the last chunk: the usage chunk, when ``stream_options.include_usage`` asked for it."""
-        if not self.parsed.include_usage or self.final is None:
+        finals = [c.final for c in self._choices.values() if c.final is not None]
+        if not self.parsed.include_usage or not finals:
             return []
         out = self._head("chat.completion.chunk" if self.parsed.chat else "text_completion")
-        return [out | {"choices": [], "usage": usage(self.final.prompt_tokens, self.final.completion_tokens,
-                                                         self.final.cached_tokens)}]
+        return [out | {"choices": [], "usage": usage(finals[0].prompt_tokens, sum(f.completion_tokens for f in finals),
+                                                         finals[0].cached_tokens)}]

@@ -152,7 +152,7 @@ def sampling(draw: st.DrawFn) -> pb.SamplingParams:
     for name, strat in (("max_tokens", u32), ("temperature", f32), ("top_p", f32), ("top_k", i32),
                         ("seed", u64), ("min_p", f32), ("presence_penalty", f32), ("frequency_penalty", f32),
                         ("repetition_penalty", f32), ("min_tokens", u32), ("logprobs", u32),
-                        ("prompt_logprobs", u32)):
+                        ("prompt_logprobs", u32), ("n", u32)):
         if draw(st.booleans()):
             kw[name] = draw(strat)
     if draw(st.booleans()):
@@ -224,6 +224,8 @@ def servable(draw: st.DrawFn) -> pb.GenerateRequest:
         s.prompt_logprobs = draw(st.integers(0, 20))
     if not s.ignore_eos and draw(st.booleans()):
         s.structured_output.CopyFrom(draw(st.sampled_from(SPECS)))
+    if draw(st.booleans()):  # issue 11's parallel sampling
+        s.n = draw(st.integers(1, 4) | st.just(16))
     req.priority = draw(i32)
     if draw(st.booleans()):
         req.queue_timeout = draw(st.floats(1e-300, 1e300) | st.sampled_from([1e-300, 1e-9, 30.0, 1e300]))
@@ -297,6 +299,8 @@ case = st.one_of(
     st.binary(max_size=256).map(lambda b: ("generate", "random-bytes", b)),
     st.builds(pb.ResumeRequest, request_id=text | st.just("fixed-id"), offset=u32).map(
         lambda r: ("resume", "request", r.SerializeToString())),
+    st.builds(pb.ResumeRequest, request_id=st.just("fixed-id"), offset=st.integers(0, 8), index=u32).map(
+        lambda r: ("resume", "index", r.SerializeToString())),
     st.builds(pb.AbortRequest, request_id=text | st.just("fixed-id")).map(
         lambda r: ("abort", "request", r.SerializeToString())),
     st.binary(max_size=64).map(lambda b: ("resume", "random-bytes", b)),

@@ -171,6 +171,31 @@ def test_stop_strings_and_seeds_behave_as_on_grpc(cluster: Cluster, client: open
     assert sampled == [want.token_ids, want.token_ids]
 
 
+def test_n_choices_through_the_openai_client(cluster: Cluster, client: openai.OpenAI, model: str) -> None:
+    """Choice i samples with seed + i: the same tokens as a request of its own with that seed (one
+    sequence at a time here, so the completions even run alone); streamed or not, the same."""
+    body = {"ignore_eos": True, "return_token_ids": True}
+    whole = client.completions.create(model=model, prompt=PROMPT, max_tokens=10, temperature=0.9, seed=7, n=3,
+                                      extra_body=body)
+    assert [c.index for c in whole.choices] == [0, 1, 2]
+    assert whole.usage.prompt_tokens == len(PROMPT) and whole.usage.completion_tokens == 30
+    for i, c in enumerate(whole.choices):
+        want = grpc_greedy(cluster, pb.GenerateRequest(prompt_token_ids=PROMPT, sampling=pb.SamplingParams(
+            max_tokens=10, temperature=0.9, seed=7 + i, ignore_eos=True)))
+        assert c.model_extra["token_ids"] == want.token_ids and c.finish_reason == "length"
+    texts: dict[int, str] = {}
+    finished: set[int] = set()
+    for chunk in client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}],
+                                                max_tokens=6, temperature=0, n=2, stream=True):
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + (c.delta.content or "")
+            if c.finish_reason:
+                finished.add(c.index)
+    alone = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=6,
+                                           temperature=0)
+    assert finished == {0, 1} and texts == {0: alone.choices[0].message.content, 1: alone.choices[0].message.content}
+
+
 def _grpc_logprobs(cluster: Cluster, req: pb.GenerateRequest) -> tuple[list[int], list[pb.TokenLogprobs]]:
     async def go() -> list[pb.GenerateResponse]:
         async with grpc.aio.insecure_channel(cluster.address, options=CHANNEL_OPTIONS) as ch:
@@ -246,7 +271,7 @@ BAD_JSON: list[tuple[str, bytes, str | None]] = [
     ("temperature NaN", b'{"prompt": "hi", "temperature": NaN}', "temperature"),
     ("max_tokens 0", b'{"prompt": "hi", "max_tokens": 0}', "max_tokens"),
     ("max_tokens a string", b'{"prompt": "hi", "max_tokens": "8"}', "max_tokens"),
-    ("n 2", b'{"prompt": "hi", "n": 2}', "n"),
+    ("n over --max-n", b'{"prompt": "hi", "n": 17}', "n"),
     ("top_p 0", b'{"prompt": "hi", "top_p": 0}', "top_p"),
     ("empty stop string", b'{"prompt": "hi", "stop": [""]}', "stop"),
     ("token id out of vocabulary", b'{"prompt": [5, 1000000]}', "prompt"),
@@ -282,8 +307,8 @@ def test_bad_input_is_400_naming_the_field_and_others_go_on(cluster: Cluster, cl
             resp = h.request(method, path)
             assert resp.status_code == status and "message" in resp.json()["error"]
     with pytest.raises(openai.BadRequestError) as info:
-        client.chat.completions.create(model=model, messages=[{"role": "user", "content": "x"}], n=2)
-    assert info.value.param == "n" and "parallel sampling" in info.value.message
+        client.chat.completions.create(model=model, messages=[{"role": "user", "content": "x"}], n=0)
+    assert info.value.param == "n" and "--max-n" in info.value.message
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model=model, prompt="hi", max_tokens=-1)
     assert info.value.param == "max_tokens"

@@ -10,7 +10,7 @@ back from Redis and checked, pool by pool: no swap block owned twice, none
 leaked, free + used = total on every tier, block tables consistent with token
 counts; every device block free, cached-and-evictable, or held by one or more
 live requests with a reference count (the loop's) equal to its holders, and
-only cached blocks shared; the cache's hashes, LRU and placement set agree;
+only cached blocks or blocks of one parallel-sampling group shared; the cache's hashes, LRU and placement set agree;
 and request by request: each live request is in the queue or on exactly one
 executor, and a reaped executor leaves nothing behind.
 """
@@ -28,7 +28,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from pagedserve.executor.v1 import executor_pb2 as epb
 from pagedserve.members import DRAINING, Member
 from pagedserve.tiers import TIERS
-from scheduler_svc import codec
+from scheduler_svc import codec, parallel
 from scheduler_svc.core.blocks import blocks_needed
 from scheduler_svc.core.request import Finish, Params, Request, Status
 from scheduler_svc.core.scheduler import SchedulerConfig
@@ -56,7 +56,7 @@ class EchoExecutor:
 
 class ClusterState(RuleBasedStateMachine):
     redis_url = ""
-    seen = {"hits": 0, "shared": 0}  # over all examples: the cache was really exercised
+    seen = {"hits": 0, "shared": 0, "forked": 0}  # over all examples: the cache and forks were really exercised
 
     def __init__(self) -> None:
         super().__init__()
@@ -82,6 +82,7 @@ class ClusterState(RuleBasedStateMachine):
 
     def teardown(self) -> None:
         self.seen["hits"] += int(self.run(self.client.hget(self.keys.counters, "prefix_cache_hits")) or 0)
+        self.seen["forked"] += int(self.run(self.client.hget(self.keys.counters, "forked_tokens")) or 0)
         self.run(self.client.aclose())
         self.aio.close()
 
@@ -122,6 +123,15 @@ class ClusterState(RuleBasedStateMachine):
         req = Request(rid, list(range(3, 3 + prompt)), Params(max_tokens=max_tokens, temperature=0.0),
                       priority=priority, cache_salt=salt)
         self.run(self.store.submit(req, [], self.config.policy))
+
+    @rule(n=st.integers(2, 4), prompt=st.integers(1, 14), max_tokens=st.integers(1, 12))
+    def submit_group(self, n: int, prompt: int, max_tokens: int) -> None:
+        """A request with sampling.n: its completions are queued together, claimed together, and fork
+        the prompt (shared full blocks, a copied partial one)."""
+        gid = f"g{self.next_id}"
+        self.next_id += 1
+        req = Request(gid, list(range(3, 3 + prompt)), Params(max_tokens=max_tokens, temperature=0.0, n=n))
+        self.run(self.store.admit_group(parallel.completions(req), [], self.config.policy))
 
     @precondition(lambda self: bool(self.loops))
     @rule(data=st.data())
@@ -222,17 +232,19 @@ def _state(loop: Loop) -> dict:
 
 def _check_cache(snap, loop: Loop, hashes: set[str]) -> None:  # noqa: ANN001
     """Reference counts: each device block's count in the loop equals its holders in Redis; a block
-    held twice is cached; the LRU holds exactly the cached blocks nobody holds; the placement set
-    holds exactly the cached hashes."""
+    held twice is cached, or held by mates of one parallel-sampling group; the LRU holds exactly the
+    cached blocks nobody holds; the placement set holds exactly the cached hashes."""
     holders = [0] * len(loop.s.sched.blocks.refs)
+    groups: list[set[str]] = [set() for _ in holders]
     for r, _ in snap.requests:
         assert len(set(r.blocks)) == len(r.blocks), f"{r.request_id} holds a block twice"
         for b in r.blocks:
             holders[b] += 1
+            groups[b].add(r.group or r.request_id)
     assert loop.s.sched.blocks.refs == holders, "reference counts equal holders"
     ClusterState.seen["shared"] += any(n > 1 for n in holders)
     for b, n in enumerate(holders):
-        assert n <= 1 or b in snap.cache, f"device block {b} is shared but not cached"
+        assert n <= 1 or b in snap.cache or len(groups[b]) == 1, f"device block {b} is shared but not cached"
     free = set(snap.free[0])
     assert set(snap.ranks) == {b for b in snap.cache if b in free}, "evictable = cached and held by nobody"
     assert len(set(snap.cache.values())) == len(snap.cache), "a hash names one block"
@@ -268,4 +280,4 @@ def test_redis_state_machine(redis_url: str) -> None:
     run.settings = settings(max_examples=60, stateful_step_count=40, deadline=None,
                             suppress_health_check=list(HealthCheck))
     run().runTest()
-    assert ClusterState.seen["hits"] > 0 and ClusterState.seen["shared"] > 0, ClusterState.seen
+    assert min(ClusterState.seen.values()) > 0, ClusterState.seen

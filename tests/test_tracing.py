@@ -23,7 +23,8 @@ from pagedserve.executor.v1 import executor_pb2 as epb
 from pagedserve.members import Member, Registry
 from scheduler_svc.core.request import Params, Request
 from scheduler_svc.core.scheduler import SchedulerConfig
-from scheduler_svc.frontend import EventBus, Frontend
+from scheduler_svc.bus import EventBus
+from scheduler_svc.frontend import Frontend
 from scheduler_svc.loop import Loop
 from scheduler_svc.store import RedisStore
 from scheduler_svc.validate import Limits

@@ -99,7 +99,7 @@ BAD: list[tuple[str, dict[str, Any], bool, str]] = [
     ("stop_token_ids negative", completion(stop_token_ids=[-1]), False, "stop_token_ids[0]"),
     ("ignore_eos a string", completion(ignore_eos="yes"), False, "ignore_eos"),
     ("priority a float", completion(priority=0.5), False, "priority"),
-    ("n 2", completion(n=2), False, "n"),
+    ("n negative", completion(n=-1), False, "n"),
     ("n a string", completion(n="1"), False, "n"),
     ("logprobs negative", completion(logprobs=-1), False, "logprobs"),
     ("logprobs a flag on a completion", completion(logprobs=True), False, "logprobs"),
@@ -207,12 +207,12 @@ def test_non_streaming_bodies() -> None:
     done = proto.Collected()
     for c in CHUNKS:
         done.add(c)
-    assert _shape(completion(), False).body(done) == {
+    assert _shape(completion(), False).body([done]) == {
         "id": "cmpl-rid", "object": "text_completion", "created": 1700, "model": M,
         "choices": [{"index": 0, "text": "Hello", "logprobs": None, "finish_reason": "length"}],
         "usage": {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6,
                   "prompt_tokens_details": {"cached_tokens": 0}}}
-    body = _shape(chat(return_token_ids=True), True).body(done)
+    body = _shape(chat(return_token_ids=True), True).body([done])
     assert body["id"] == "chatcmpl-rid" and body["object"] == "chat.completion"
     assert body["choices"] == [{"index": 0, "message": {"role": "assistant", "content": "Hello"}, "logprobs": None,
                                 "finish_reason": "length", "token_ids": [10, 11, 12]}]
@@ -279,7 +279,7 @@ def test_completion_logprobs_in_openai_shape_streamed_or_not() -> None:
     done = proto.Collected()
     for c in LP_CHUNKS:
         done.add(c)
-    choice = shape.body(done)["choices"][0]
+    choice = shape.body([done])["choices"][0]
     assert choice["logprobs"] == {"tokens": ["Hel", "", "lo"], "token_logprobs": [-0.5, -0.25, -0.125],
                                   "top_logprobs": [{"Hel": -0.5, "": -1.5}, {"lo": -0.2, "": -0.25},
                                                    {"lo": -0.125, "Hel": -3.0}],
@@ -307,7 +307,7 @@ def test_chat_logprobs_in_openai_shape() -> None:
     done = proto.Collected()
     for c in LP_CHUNKS:
         done.add(c)
-    content = shape.body(done)["choices"][0]["logprobs"]["content"]
+    content = shape.body([done])["choices"][0]["logprobs"]["content"]
     assert content[0] == {"token": "Hel", "logprob": -0.5, "bytes": [72, 101, 108],
                           "top_logprobs": [{"token": "Hel", "logprob": -0.5, "bytes": [72, 101, 108]},
                                            {"token": "", "logprob": -1.5, "bytes": []}]}

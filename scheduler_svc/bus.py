@@ -1,0 +1,68 @@
+"""One reader of the loops' events stream per replica, fanned out to the streams it serves.
+
+Loops commit each step's news (tokens with their offsets, finishes) as one
+entry of ``{ns}:events``; a replica reads the stream once and routes each
+request's part to the queues of the streams following it (a Generate, and any
+Resumes of the same request).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from scheduler_svc.codec import Event
+from scheduler_svc.store import UNAVAILABLE, RedisStore
+
+log = logging.getLogger(__name__)
+DRAIN = "drain"  # put in every stream's queue when the replica drains
+
+
+class EventBus:
+    """Reads the loops' events stream once per replica and routes them by request."""
+
+    def __init__(self, store: RedisStore) -> None:
+        self.store = store
+        # Several streams may follow one request (a Generate and Resumes, or a Generate whose
+        # duplicate is being refused): each has its own queue, and leaving removes only its
+        # own (tests/test_fuzz.py found a refused duplicate silencing the running stream).
+        self._queues: dict[str, list[asyncio.Queue[tuple[str, Any]]]] = {}
+
+    def subscribe(self, request_id: str) -> asyncio.Queue[tuple[str, Any]]:
+        q: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+        self._queues.setdefault(request_id, []).append(q)
+        return q
+
+    def unsubscribe(self, request_id: str, queue: asyncio.Queue[tuple[str, Any]]) -> None:
+        queues = self._queues.get(request_id, [])
+        if queue in queues:
+            queues.remove(queue)
+        if not queues:
+            self._queues.pop(request_id, None)
+
+    def broadcast(self, kind: str) -> None:
+        for queues in self._queues.values():
+            for q in queues:
+                q.put_nowait((kind, None))
+
+    async def run(self, stop: asyncio.Event) -> None:
+        last = await self.store.events_tail()
+        while not stop.is_set():
+            try:
+                events = await self.store.read_events(last, block_ms=500)
+            except UNAVAILABLE as exc:
+                log.warning("events stream unavailable (%s); retrying", exc)
+                await asyncio.sleep(1)
+                continue
+            for eid, event in events:
+                last = eid
+                self._route(event)
+
+    def _route(self, event: Event) -> None:
+        for rid, (offset, tokens) in event.tokens.items():
+            for q in self._queues.get(rid, ()):
+                q.put_nowait(("t", (offset, tokens, event.logprobs.get(rid))))
+        for rid, (reason, total) in event.finished.items():
+            for q in self._queues.get(rid, ()):
+                q.put_nowait(("f", (reason, total, event.cached.get(rid, 0))))
