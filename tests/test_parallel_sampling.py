@@ -23,7 +23,7 @@ from pagedserve.v1 import generation_pb2 as pb
 from pagedserve.v1 import generation_pb2_grpc as pb_grpc
 from tests import helpers
 from tests.conftest import make_cluster
-from tests.helpers import greedy, until, wait_all_free
+from tests.helpers import greedy, kill_loop, until, wait_all_free
 from tests.test_e2e_oracle import hf_greedy
 from tests.test_preemption import BLOCK_BYTES, GIB
 
@@ -34,7 +34,7 @@ OTHER = [rng.randrange(3, 49152) for _ in range(25)]
 
 @pytest.fixture(scope="module")
 def expected(tiny_llama: Path) -> list[list[int]]:
-    return hf_greedy(tiny_llama, [PROMPT, OTHER], [48, 40])
+    return hf_greedy(tiny_llama, [PROMPT, OTHER, PROMPT], [48, 40, 120])
 
 
 async def _group(stub: pb_grpc.GenerationStub, req: pb.GenerateRequest) -> dict[int, list[pb.GenerateResponse]]:
@@ -210,3 +210,31 @@ def test_groups_under_preemption_stay_transformers_greedy(mode: str, tiny_llama:
     assert free == totals, "blocks leaked"
     assert seen.get("preemptions_recompute", 0) + seen.get("preemptions_swap", 0) > 0, seen
     assert seen.get("forked_tokens", 0) > 0, seen
+
+
+def test_a_loop_killed_while_a_group_runs_loses_and_duplicates_nothing(tiny_llama: Path, redis_url: str,
+                                                                       expected: list[list[int]],
+                                                                       tmp_path: Path) -> None:
+    """SIGKILL the loop (pipelined, plans in flight) while a group decodes with its prompt shared: a
+    new loop reloads the shared tables (relinking any mate still waiting to fork) and goes on."""
+    ns = "parallel-kill"
+    keys = Keys(ns)
+    client = redis.Redis.from_url(redis_url, decode_responses=True)
+    with make_cluster(tiny_llama, redis_url, ns, tmp_path, kv_cache_memory=64 * BLOCK_BYTES,
+                      scheduler_args=["--lease-ms", "1500"]) as c:
+        async def go() -> dict[int, list[pb.GenerateResponse]]:
+            async with grpc.aio.insecure_channel(c.address, options=CHANNEL_OPTIONS) as ch:
+                req = greedy(PROMPT, 120, n=3)
+                req.request_id = "killed"
+                call = asyncio.ensure_future(_group(pb_grpc.GenerationStub(ch), req))
+                await until(lambda: all(client.llen(keys.out(f"killed#{i}")) >= 20 for i in range(3)),
+                            "every completion is well under way")
+                kill_loop(client, ns, c.scheduler.proc.pid)
+                return await call
+
+        got = asyncio.run(go())
+        free, totals = wait_all_free(client, ns)
+        stored = {i: [int(t) for t in client.lrange(keys.out(f"killed#{i}"), 0, -1)] for i in range(3)}
+    assert {i: _tokens(m) for i, m in got.items()} == {i: expected[2] for i in range(3)}
+    assert stored == {i: expected[2] for i in range(3)}
+    assert free == totals, "blocks leaked"
