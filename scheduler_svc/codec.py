@@ -207,7 +207,7 @@ def view_from(executor: str, data: str) -> PoolView:
 # -- one step's commit ------------------------------------------------------------
 
 
-# Operations the apply script runs itself rather than as one Redis command (store._APPLY):
+# Operations the apply script runs itself rather than as one Redis command (scripts.APPLY):
 FILL = "FILL"  # FILL key n: a bitmap of n one-bits (a tier's blocks, all free)
 BITS = "BITS"  # BITS key value b1 b2 ...: SETBIT key b value for each b
 
