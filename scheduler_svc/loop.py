@@ -223,13 +223,15 @@ class Loop:
         applied = (await self.stub.Info(pb.InfoRequest(omit_tokenizer_files=True), timeout=10)).applied_seq
         info = self.info
         totals = (info.num_gpu_blocks, info.num_cpu_blocks, info.num_disk_blocks)
+        writer = CommitWriter(self.store.keys, self.executor, self.config.policy, self.store.result_ttl)
+        # What Redis holds, before the restore changes anything (a cancelled completion hands its
+        # prompt blocks to a mate: that mate's table must be written).
+        writer.saw([r for r, _ in snap.requests])
         restored = restore(snap, totals, self.config, info.block_size, applied)
         sched = restored.sched
         for rid in rejected or []:
             if sched.finish(rid, Finish.ABORT) is not None:
                 self.log.error("aborting %s: the executor rejected its step", rid)
-        writer = CommitWriter(self.store.keys, self.executor, self.config.policy, self.store.result_ttl)
-        writer.saw(list(sched.requests.values()))
         ops = writer.reset_ops(totals, info.block_size, max(applied, snap.seq)) if restored.reset else []
         if restored.reset and snap.requests:
             self.log.warning("executor %s: pool state unusable (the executor ran plans up to write %d, Redis has %d); "
@@ -342,7 +344,7 @@ class Loop:
         flight = Flight.of(out, self._step_id)
         assert s.channel is not None
         timer.encode = s.channel.send(plan)
-        s.pipe.flights.append(flight)
+        s.pipe.add(flight)
         self._step_id += 1
         return flight
 
@@ -367,7 +369,7 @@ class Loop:
         rec = sched.take_record()
         s.ended += [r.request_id for r in rec.finished] + [r.request_id for r in rec.requeued]
         t = time.perf_counter()
-        ops = s.writer.ops(rec, sched.blocks.is_free, self._view(sched), s.pipe.starts() if s.pipe else None)
+        ops = s.writer.ops(rec, sched.blocks.is_free, self._view(sched), s.pipe.starts(sched.requests) if s.pipe else None)
         timer.commit = timer.since(t)
         left_ns = time.time_ns()
         if ops:

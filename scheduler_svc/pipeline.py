@@ -29,12 +29,14 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import grpc
 
 from pagedserve.executor.v1 import executor_pb2 as pb
 from pagedserve.executor.v1 import executor_pb2_grpc as pb_grpc
+from scheduler_svc.core.request import Request
 from scheduler_svc.core.scheduler import SchedulerOutput
 
 STEPS_METHOD = "/pagedserve.executor.v1.Executor/Steps"
@@ -87,11 +89,26 @@ class Pipeline:
         """A commit may not record a swap the executor might not have done."""
         return not any(f.moves for f in self.flights)
 
-    def starts(self) -> dict[str, int]:
-        """request -> what it has computed for sure, for the requests in launched plans."""
+    def add(self, flight: Flight) -> None:
+        """A plan went out. The requests it preempted start over (and may be admitted again in this
+        very plan, from a prefix hit or from nothing): what older plans in flight run for them is no
+        longer theirs to count as computed."""
+        gone = {r.request_id for r in flight.out.preempted}
+        for f in self.flights:
+            for rid in gone & f.starts.keys():
+                del f.starts[rid]
+        self.flights.append(flight)
+
+    def starts(self, live: Mapping[str, Request] | None = None) -> dict[str, int]:
+        """request -> what it has computed for sure, for the requests in launched plans. ``live``:
+        the scheduler's requests; a plan's entry for a request that left since (requeued, then
+        claimed back as another object while the plan was still in flight) is not the live one's."""
         merged: dict[str, int] = {}
         for f in reversed(self.flights):  # the oldest plan's start wins
-            merged.update(f.starts)
+            ran = {s.req.request_id: s.req for s in f.out.scheduled} if live is not None else {}
+            for rid, start in f.starts.items():
+                if rid not in ran or live.get(rid) is ran[rid]:  # type: ignore[union-attr]
+                    merged[rid] = start
         return merged
 
 

@@ -12,12 +12,15 @@ counts; every device block free, cached-and-evictable, or held by one or more
 live requests with a reference count (the loop's) equal to its holders, and
 only cached blocks or blocks of one parallel-sampling group shared; the cache's hashes, LRU and placement set agree;
 and request by request: each live request is in the queue or on exactly one
-executor, and a reaped executor leaves nothing behind.
+executor, and a reaped executor leaves nothing behind. Half the examples run
+the pipelined loop (``--async-scheduling``: a plan in flight while the loop
+commits the one before; the stub's channel answers plans in order).
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from dataclasses import replace
 
 import redis.asyncio as aioredis
@@ -52,6 +55,31 @@ class EchoExecutor:
 
     async def Info(self, request: epb.InfoRequest, timeout: float | None = None) -> epb.InfoResponse:
         return self.info
+
+
+class EchoChannel:
+    """The pipelined loop's channel to an ``EchoExecutor``: plans queue, results come back in order."""
+
+    def __init__(self, executor: EchoExecutor) -> None:
+        self.executor = executor
+        self.plans: deque[epb.StepPlan] = deque()
+
+    def send(self, plan: epb.StepPlan) -> float:
+        self.plans.append(plan)
+        return 0.0
+
+    async def result(self) -> tuple[epb.StepResult, float]:
+        return await self.executor.Step(self.plans.popleft()), 0.0
+
+    def close(self) -> None:
+        self.plans.clear()
+
+
+class EchoLoop(Loop):
+    """The real loop, with ``EchoChannel`` in place of the Steps stream when pipelined."""
+
+    def _open(self):  # noqa: ANN202
+        return EchoChannel(self.stub) if self.pipelined else super()._open()
 
 
 class ClusterState(RuleBasedStateMachine):
@@ -92,15 +120,17 @@ class ClusterState(RuleBasedStateMachine):
         epoch = self.run(self.store.acquire(eid, "test", 60_000))
         d, c, k = self.totals[eid]
         info = epb.InfoResponse(instance_id=eid, block_size=BLOCK, num_gpu_blocks=d, num_cpu_blocks=c,
-                                num_disk_blocks=k, max_model_len=64, eos_token_ids=[2])
-        loop = Loop(self.store, info, EchoExecutor(info), self.config, epoch, lambda: self.members.get(eid))
+                                num_disk_blocks=k, max_model_len=64, eos_token_ids=[2], pipelined=self.pipelined)
+        loop = EchoLoop(self.store, info, EchoExecutor(info), self.config, epoch, lambda: self.members.get(eid),
+                        channel=object() if self.pipelined else None, async_scheduling=self.pipelined)
         loop.idle_block_ms = None
         self.run(loop.start())
         self.loops[eid] = loop
 
     @initialize(policy=st.sampled_from(["fcfs", "priority"]), mode=st.sampled_from(["swap", "recompute"]),
-                budget=st.integers(4, 24))
-    def start(self, policy: str, mode: str, budget: int) -> None:
+                budget=st.integers(4, 24), pipelined=st.booleans())
+    def start(self, policy: str, mode: str, budget: int, pipelined: bool) -> None:
+        self.pipelined = pipelined
         self.config = SchedulerConfig(max_model_len=64, max_num_seqs=6, max_num_batched_tokens=budget,
                                       policy=policy, preemption_mode=mode, watermark=0.0)
         self.join()
@@ -169,10 +199,23 @@ class ClusterState(RuleBasedStateMachine):
         """A new leader rebuilds the executor's scheduler from Redis alone (and applies cancellations
         its predecessor had not read yet)."""
         eid = data.draw(st.sampled_from(sorted(self.loops)))
+        pipe, held = self.loops[eid].s.pipe, self.loops[eid].s.sched.requests
+        in_flight, synced = bool(pipe), pipe.can_commit()
         before = _state(self.loops[eid])
         cancelled = {rid for rid in before if self.run(self.client.hget(self.keys.req(rid), "cancel"))}
+        # A cancelled completion hands its prompt blocks to a mate still waiting to fork from it.
+        groups = {held[rid].group for rid in cancelled} - {""}
+        handed = {rid for rid, r in held.items() if r.group in groups}
         self.lead(eid)
-        assert _state(self.loops[eid]) == {rid: v for rid, v in before.items() if rid not in cancelled}
+        after = _state(self.loops[eid])
+        if not synced:
+            pass  # a deferred commit: the reload goes back to the last one (the invariants check it)
+        elif in_flight:  # it goes back to what reported steps computed: the same requests
+            assert set(after) == set(before) - cancelled
+        else:
+            assert {rid: v for rid, v in after.items() if rid not in handed} == {
+                rid: v for rid, v in before.items() if rid not in cancelled | handed}
+            assert set(after) == set(before) - cancelled
 
     @precondition(lambda self: bool(self.loops))
     @rule(data=st.data())
@@ -193,7 +236,9 @@ class ClusterState(RuleBasedStateMachine):
         eid = data.draw(st.sampled_from(sorted(self.loops)))
         self.members[eid] = replace(self.members[eid], state=DRAINING, evacuate_at_ms=1)
         self.run(self.client.hset(self.keys.member(eid), "state", DRAINING))
-        self.run(self.loops[eid].iterate())
+        # Requests leave with nothing in flight: pipelined, the plans in flight are taken first.
+        for _ in range(3 if self.pipelined else 1):
+            self.run(self.loops[eid].iterate())
         assert not self.loops[eid].s.sched.requests
         assert not self.run(self.client.smembers(self.keys.executor(eid).live))
         self.run(self.store.reap(eid))  # it exits; the membership record expires
@@ -208,12 +253,17 @@ class ClusterState(RuleBasedStateMachine):
         placed: dict[str, str] = {}
         for eid, loop in self.loops.items():
             snap = self.run(self.store.load(eid))
-            _check_pool(snap, self.totals[eid])
-            _check_cache(snap, loop, self.run(self.client.smembers(self.keys.executor(eid).hashes)))
+            # Pipelined, a plan that moves KV (swaps, a fork's copy) in flight defers the commit: Redis
+            # holds the last one (and claims since), the loop is ahead of it.
+            synced = loop.s.pipe.can_commit()
+            _check_pool(snap, self.totals[eid], self.pipelined, synced)
+            _check_cache(snap, loop if synced else None,
+                         self.run(self.client.smembers(self.keys.executor(eid).hashes)))
             for r, _ in snap.requests:
                 assert r.request_id not in placed and r.request_id not in queued, f"{r.request_id} is in two places"
                 placed[r.request_id] = eid
-            assert {r.request_id for r, _ in snap.requests} == set(loop.s.sched.requests)
+            if synced:
+                assert {r.request_id for r, _ in snap.requests} == set(loop.s.sched.requests)
         live = self.run(self.client.smembers(self.keys.live))
         assert live == queued | set(placed), "every live request is queued or placed, and nothing else is"
         for rid in queued:
@@ -230,18 +280,21 @@ def _state(loop: Loop) -> dict:
             for r in loop.s.sched.requests.values()}
 
 
-def _check_cache(snap, loop: Loop, hashes: set[str]) -> None:  # noqa: ANN001
-    """Reference counts: each device block's count in the loop equals its holders in Redis; a block
-    held twice is cached, or held by mates of one parallel-sampling group; the LRU holds exactly the
-    cached blocks nobody holds; the placement set holds exactly the cached hashes."""
-    holders = [0] * len(loop.s.sched.blocks.refs)
+def _check_cache(snap, loop: Loop | None, hashes: set[str]) -> None:  # noqa: ANN001
+    """Reference counts: each device block's count in the loop equals its holders in Redis (``loop``
+    None: the loop is ahead of Redis, only Redis is checked); a block held twice is cached, or held
+    by mates of one parallel-sampling group; the LRU holds exactly the cached blocks nobody holds;
+    the placement set holds exactly the cached hashes."""
+    holders = [0] * (len(snap.free[0]) + sum(len(r.blocks) for r, _ in snap.requests))
     groups: list[set[str]] = [set() for _ in holders]
     for r, _ in snap.requests:
         assert len(set(r.blocks)) == len(r.blocks), f"{r.request_id} holds a block twice"
         for b in r.blocks:
             holders[b] += 1
             groups[b].add(r.group or r.request_id)
-    assert loop.s.sched.blocks.refs == holders, "reference counts equal holders"
+    if loop is not None:
+        holders = holders[: len(loop.s.sched.blocks.refs)]
+        assert loop.s.sched.blocks.refs == holders, "reference counts equal holders"
     ClusterState.seen["shared"] += any(n > 1 for n in holders)
     for b, n in enumerate(holders):
         assert n <= 1 or b in snap.cache or len(groups[b]) == 1, f"device block {b} is shared but not cached"
@@ -249,19 +302,28 @@ def _check_cache(snap, loop: Loop, hashes: set[str]) -> None:  # noqa: ANN001
     assert set(snap.ranks) == {b for b in snap.cache if b in free}, "evictable = cached and held by nobody"
     assert len(set(snap.cache.values())) == len(snap.cache), "a hash names one block"
     assert hashes == {h.hex() for h in snap.cache.values()}, "placement's set is the cache's hashes"
-    bm = loop.s.sched.blocks
-    assert {b: h for b, h in bm.hash_of.items()} == snap.cache and dict(bm.lru) == snap.ranks
+    if loop is not None:
+        bm = loop.s.sched.blocks
+        assert {b: h for b, h in bm.hash_of.items()} == snap.cache and dict(bm.lru) == snap.ranks
 
 
-def _check_pool(snap, totals: tuple[int, int, int]) -> None:  # noqa: ANN001
+def _check_pool(snap, totals: tuple[int, int, int], pipelined: bool = False,  # noqa: ANN001
+                synced: bool = True) -> None:
+    """``pipelined``: a commit may hold a launched plan's allocations (blocks for tokens not computed
+    yet, which a reload keeps) beside what reported steps computed; ``synced`` False: the commit is
+    deferred, and requests claimed since are placed but still waiting."""
     owned: list[list[int]] = [[], [], []]
     for r, _ in snap.requests:
         owned[0] += r.blocks
         for tier, b in r.swap_blocks:
             owned[tier].append(b)
         if r.status == Status.RUNNING:
-            assert len(r.blocks) == blocks_needed(r.num_computed, BLOCK), r
+            needed = blocks_needed(r.num_computed, BLOCK)
+            assert len(r.blocks) >= needed if pipelined else len(r.blocks) == needed, r
             assert not r.swap_blocks
+        elif r.status == Status.WAITING and not synced:
+            assert not r.blocks and not r.swap_blocks, r
+            continue
         else:
             assert r.status == Status.SWAPPED, f"{r.request_id} is {r.status} while placed"
             assert len(r.swap_blocks) == blocks_needed(r.num_computed, BLOCK) and not r.blocks, r

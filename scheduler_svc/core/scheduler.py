@@ -315,6 +315,7 @@ class Scheduler:
         if copy is not None:
             out.copies.append(copy)
         req.source = None
+        self.record.touch(req)
         self._count("forked_tokens", upto)
         return True
 
@@ -327,6 +328,7 @@ class Scheduler:
             return
         heir, bs = mates[0], self.blocks.block_size
         heir.source = None
+        self.record.touch(heir)
         upto = min(src.num_computed, len(src.prompt_ids) - 1) // bs * bs
         if upto:
             self.blocks.fork(src, heir, upto)

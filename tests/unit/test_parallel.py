@@ -181,3 +181,20 @@ def test_relink_after_a_reload_puts_parked_mates_back_behind_their_source() -> N
         r.source = None  # what a reload from Redis knows
     s.relink()
     assert [r.source.request_id if r.source else None for r in s.running] == [None, "g#0", "g#0"]
+
+
+def test_every_table_a_fork_or_a_hand_over_changes_is_recorded_for_the_commit() -> None:
+    s = make(max_num_batched_tokens=4)
+    for r in group("g", 2, prompt=5, max_tokens=1):
+        s.add(r)
+    step(s)  # 4 prompt tokens
+    head_block = s.requests["g#0"].blocks[0]
+    s.take_record()
+    step(s)  # the last one: the head samples its only token and ends; its mate takes its full block
+    rec = s.take_record()
+    assert "g#1" in rec.touched, "the hand-over must reach Redis"
+    assert rec.touched["g#1"].blocks == [head_block]
+    s.add(Request("x", [1, 2, 3, 4, 5, 6], Params(max_tokens=2)))
+    s.take_record()
+    out = step(s)
+    assert [x.req.request_id for x in out.scheduled] == ["g#1", "x"]

@@ -16,7 +16,7 @@ from executor_svc.pipeline import LastSampled, UnknownSample
 from pagedserve.keys import Keys
 from scheduler_svc.codec import CommitWriter
 from scheduler_svc.core.blocks import CPU, DEVICE, Move, blocks_needed
-from scheduler_svc.core.request import Finish, Status
+from scheduler_svc.core.request import Finish, Params, Request, Status
 from scheduler_svc.core.scheduler import Scheduler, SchedulerOutput
 from scheduler_svc.pipeline import Flight, Pipeline
 from scheduler_svc.plan import PlanBuilder
@@ -230,3 +230,28 @@ def test_last_sampled_resolves_before_anything_reads_the_tokens() -> None:
     assert seq.token_ids == [5, 9] and not seq.from_last_sample
     last.forget("a")
     assert len(last) == 0
+
+
+def test_a_request_that_starts_over_takes_no_start_from_older_plans() -> None:
+    """Requeued while a plan runs it, then claimed back as a new object (or preempted for recompute
+    and admitted again in the plan that preempted it): the older plan's start is not what it has
+    computed now (the state machine found a commit storing it)."""
+    s = make(blocks=64, max_num_batched_tokens=8)
+    s.add(Request("a", list(range(10, 30)), Params(max_tokens=50)))
+    first = s.schedule()
+    s.launch(first)
+    s.update(first, {})
+    pipe = Pipeline(2)
+    second = s.schedule()
+    s.launch(second)
+    pipe.add(Flight.of(second, 1))  # its second chunk, from 8
+    s.requeue(s.requests["a"])
+    back = Request("a", list(range(10, 30)), Params(max_tokens=50))
+    s.add(back)
+    third = s.schedule()
+    s.launch(third)
+    pipe.add(Flight.of(third, 2))  # from 0 again, in other blocks
+    assert pipe.starts() == {"a": 8}, "without the live requests, the stale start"
+    assert pipe.starts(s.requests) == {"a": 0}
+    pipe.add(Flight(SchedulerOutput(preempted=[back]), 3, 0.0, {}))  # preempted (and maybe admitted again)
+    assert pipe.starts(s.requests) == {}
