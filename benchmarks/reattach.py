@@ -44,7 +44,8 @@ import redis
 
 from benchmarks.arm_pagedserve import request_pb
 from benchmarks.overhead import LONG_OUTPUT
-from benchmarks.scale_out import Leaders, start_all, stop_all
+from benchmarks.scale_out import Leaders
+from benchmarks.stack import start_all, stop_all
 from pagedserve import client as lib
 from pagedserve.keys import Keys
 from pagedserve.procs import RedisServer, Service, free_port
