@@ -17,9 +17,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import itertools
 import json
 import logging
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,6 +31,7 @@ import grpc
 import numpy as np
 
 from benchmarks.arm_pagedserve import request_pb
+from benchmarks.stack import stop_all
 from pagedserve.procs import RedisServer, Service, free_port
 from pagedserve.rpc import CHANNEL_OPTIONS
 from pagedserve.v1 import generation_pb2_grpc as pb_grpc
@@ -170,8 +175,8 @@ Grid = list[tuple[list[int], list[int], tuple[str, ...]]]  # (running levels, wa
 def sweep(model_dir: Path, grid: Grid, window_s: float, log_dir: Path, prompt_len: int = 8, reach_s: float = 90.0,
           step_ms: float = 20.0) -> list[OverheadPoint]:
     """Overhead points per loop and (running, waiting) point of ``grid``; a point not filled within ``reach_s`` is
-    skipped with the rest of its chain. Chains run by running level, both loops side by side; points come back
-    sorted by running, waiting and loop."""
+    skipped with the rest of its chain. Chains run by running level, both loops side by side (their deployments
+    started at once, each idle while the other is measured); points come back sorted by running, waiting and loop."""
     log_dir.mkdir(parents=True, exist_ok=True)
     prompt = list(range(100, 100 + prompt_len))
     order = list(LOOPS)
@@ -182,34 +187,60 @@ def sweep(model_dir: Path, grid: Grid, window_s: float, log_dir: Path, prompt_le
     redis = RedisServer()
     points: list[OverheadPoint] = []
     try:
-        for chain, loop in runs:
-            points += _chain(model_dir, redis.url, chain, window_s, log_dir, prompt, reach_s, loop, step_ms)
+        for _, group in itertools.groupby(runs, key=lambda c: c[0][-1][0]):
+            group = list(group)
+            deployments = _deploy_all([functools.partial(_deploy, model_dir, redis.url, chain[-1][0], loop, log_dir,
+                                                         len(prompt), step_ms) for chain, loop in group])
+            try:
+                for (chain, loop), dep in zip(group, deployments):
+                    points += asyncio.run(_sweep_chain(dep.address, dep.step_log, chain, window_s, prompt, reach_s,
+                                                       loop, step_ms))
+            finally:
+                stop_all([svc for dep in deployments for svc in (dep.scheduler, dep.stub)])
     finally:
         redis.stop()
     return sorted(points, key=lambda p: (p.running, p.waiting, order.index(p.loop)))
 
 
-def _chain(model_dir: Path, redis_url: str, chain: list[Point], window_s: float, log_dir: Path, prompt: list[int],
-           reach_s: float, loop: str, step_ms: float) -> list[OverheadPoint]:
-    """One chain of one loop: a fresh stub (its fencing epoch starts over), a fresh scheduler and namespace, with
-    ``--max-num-seqs`` the chain's last running level.
+@dataclass(slots=True)
+class ChainDeployment:
+    stub: Service
+    scheduler: Service
+    step_log: Path
 
-    The scheduler registers the stub itself (``--executor``): the stub is static, as in a fixed deployment."""
-    running = chain[-1][0]
+    @property
+    def address(self) -> str:
+        return self.scheduler.address
+
+
+def _deploy_all(starters: list[Callable[[], ChainDeployment]]) -> list[ChainDeployment]:
+    """Start deployments in parallel; all or none."""
+    with ThreadPoolExecutor(max(1, len(starters))) as pool:
+        futures = [pool.submit(f) for f in starters]
+    failed = [f.exception() for f in futures if f.exception() is not None]
+    if failed:
+        stop_all([svc for f in futures if f.exception() is None for svc in (f.result().scheduler, f.result().stub)])
+        raise failed[0]  # type: ignore[misc]
+    return [f.result() for f in futures]
+
+
+def _deploy(model_dir: Path, redis_url: str, running: int, loop: str, log_dir: Path, prompt_len: int,
+            step_ms: float) -> ChainDeployment:
+    """A fresh stub (its fencing epoch starts over) and a fresh scheduler and namespace for one chain of one loop,
+    ``--max-num-seqs`` its last running level. The scheduler registers the stub itself (``--executor``): the stub
+    is static, as in a fixed deployment."""
     step_log = log_dir / f"steps-{loop}-r{running}.jsonl"
     step_log.unlink(missing_ok=True)
     stub = Service("benchmarks.stub_executor", ["--model", str(model_dir), "--host", "127.0.0.1",
                                                 "--step-ms", str(step_ms)], free_port(),
-                   log_dir / "stub_executor.log")
+                   log_dir / f"stub-{loop}-r{running}.log")
     try:
         sched = Service("scheduler_svc", [
             "--redis-url", redis_url, "--executor", stub.address, "--namespace", f"ovh-{loop}-{running}",
-            "--max-num-seqs", str(running), "--max-num-batched-tokens", str(max(2048, running * len(prompt))),
+            "--max-num-seqs", str(running), "--max-num-batched-tokens", str(max(2048, running * prompt_len)),
             "--step-log", str(step_log), "--log-level", "WARNING", *LOOPS[loop],
         ], free_port(), log_dir / f"scheduler-{loop}-r{running}.log")
-        try:
-            return asyncio.run(_sweep_chain(sched.address, step_log, chain, window_s, prompt, reach_s, loop, step_ms))
-        finally:
-            sched.stop()
-    finally:
+    except BaseException:
         stub.stop()
+        raise
+    return ChainDeployment(stub, sched, step_log)
