@@ -1,20 +1,16 @@
 """Scale-out: aggregate throughput as executors are added behind two scheduler replicas.
 
-One redis-server and 2 real scheduler_svc replicas with no ``--executor``,
-which spread one loop per executor between them, serve every point (1, 2, 4, 8
-executors by default, in that order): each point adds stub executors that
-register themselves (``benchmarks.stub_executor --redis-url``) and simulate a
-``--step-ms`` forward pass (20 ms, a GPU decode step's order) until N run, and
-R more long requests per added executor (``max_tokens`` 8192, ``ignore_eos``:
-none finishes during the sweep), submitted by one asyncio client alternately to
-both replicas, over a few channels. Every stream stays attached without being
-read after its first message (a closed stream aborts its request; an unread one
-costs the client almost nothing, while the frontend still streams every token),
-so at point N the deployment runs N x R requests, as a fresh one would; the
-replicas and the earlier stubs are not started again. The earlier executors are
-full (``--max-num-seqs R``), so the added requests go to the added executors.
-Once every executor runs R and the loops are balanced over the replicas, a
-window of the replicas' step logs gives:
+Per point (1, 2, 4, 8 executors by default), a fresh redis-server, N stub
+executors that register themselves (``benchmarks.stub_executor --redis-url``)
+and simulate a ``--step-ms`` forward pass (20 ms, a GPU decode step's order),
+and 2 real scheduler_svc replicas with no ``--executor``, which spread one
+loop per executor between them. One asyncio client submits N x R long requests
+(``max_tokens`` 8192, ``ignore_eos``: none finishes in the window) alternately
+to both replicas, over a few channels, and keeps every stream attached
+without reading it after its first message (a closed stream aborts its
+request; an unread one costs the client almost nothing, while the frontend
+still streams every token). Once every executor runs R and the loops are
+balanced over the replicas, a window of the replicas' step logs gives:
 
 - steps/s and tokens/s over all executors (decode steps: one token per
   running sequence, so tokens = sum of ``scheduled_tokens``);
@@ -32,9 +28,9 @@ import contextlib
 import logging
 import math
 import os
+import threading
 import time
 from collections import Counter, defaultdict
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -96,14 +92,13 @@ class ScaleOutPoint:
 
 @dataclass(slots=True)
 class Deployment:
-    """The sweep's processes; ``procs`` maps a kind (client, frontends, loops, stubs, redis) to pids."""
+    """One point's processes; ``procs`` maps a kind (client, frontends, loops, stubs, redis) to pids."""
 
     redis: RedisServer
     namespace: str
     stubs: list[Service]
     schedulers: list[Service]
     step_logs: list[Path]
-    stub: Callable[[int], Service]  # starts the i-th stub, registered in the namespace
 
     def procs(self) -> dict[str, list[psutil.Process]]:
         fronts = [psutil.Process(s.proc.pid) for s in self.schedulers]
@@ -115,10 +110,6 @@ class Deployment:
             "redis": [psutil.Process(self.redis.proc.pid)],
         }
 
-    def grow(self, n: int) -> None:
-        """Start stubs (in parallel) until ``n`` run."""
-        self.stubs += start_all([lambda i=i: self.stub(i) for i in range(len(self.stubs), n)])
-
     def stop(self) -> None:
         stop_all(self.schedulers)
         stop_all(self.stubs)
@@ -126,10 +117,9 @@ class Deployment:
 
 
 def deploy(model_dir: Path, n: int, cfg: ScaleOutConfig, log_dir: Path) -> Deployment:
-    """Redis, ``n`` stubs and the replicas, all at once (a replica is healthy once some executor has registered)."""
     log_dir.mkdir(parents=True, exist_ok=True)
     redis_srv = RedisServer()
-    ns = "scaleout"
+    ns = f"scaleout{n}"
     try:
         def stub(i: int) -> Service:
             port = free_port()
@@ -137,9 +127,9 @@ def deploy(model_dir: Path, n: int, cfg: ScaleOutConfig, log_dir: Path) -> Deplo
                 "--model", str(model_dir), "--host", "127.0.0.1", "--step-ms", str(cfg.step_ms),
                 "--redis-url", redis_srv.url, "--advertise-address", f"127.0.0.1:{port}", "--namespace", ns,
                 "--log-level", cfg.log_level,
-            ], port, log_dir / f"stub-{i}.log")
+            ], port, log_dir / f"stub-{n}-{i}.log")
 
-        logs = [log_dir / f"steps-r{i}.jsonl" for i in range(cfg.replicas)]
+        logs = [log_dir / f"steps-{n}-r{i}.jsonl" for i in range(cfg.replicas)]
         for path in logs:
             path.unlink(missing_ok=True)
 
@@ -149,14 +139,15 @@ def deploy(model_dir: Path, n: int, cfg: ScaleOutConfig, log_dir: Path) -> Deplo
                 "--max-num-seqs", str(cfg.running),
                 "--max-num-batched-tokens", str(max(2048, cfg.running * cfg.prompt_len)),
                 "--lease-ms", str(cfg.lease_ms), "--step-log", str(logs[i]), "--log-level", cfg.log_level,
-            ], free_port(), log_dir / f"scheduler-r{i}.log")
+            ], free_port(), log_dir / f"scheduler-{n}-r{i}.log")
 
+        # All at once: a replica is healthy once some executor has registered.
         started = start_all([lambda i=i: stub(i) for i in range(n)]
                              + [lambda i=i: scheduler(i) for i in range(cfg.replicas)])
     except BaseException:
         redis_srv.stop()
         raise
-    return Deployment(redis_srv, ns, started[:n], started[n:], logs, stub)
+    return Deployment(redis_srv, ns, started[:n], started[n:], logs)
 
 
 class Leaders:
@@ -228,41 +219,17 @@ def _cpu(procs: dict[str, list[psutil.Process]]) -> dict[str, float]:
     return out
 
 
-@dataclass(slots=True)
-class Client:
-    """This process's streams: ``running`` more per executor at each point, every one held open to the end."""
-
-    dep: Deployment
-    cfg: ScaleOutConfig
-    channels: list[grpc.aio.Channel] = field(default_factory=list)
-    tasks: list[asyncio.Task[None]] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        options = [*CHANNEL_OPTIONS, ("grpc.use_local_subchannel_pool", 1)]
-        self.channels = [grpc.aio.insecure_channel(s.address, options=options)
-                         for s in self.dep.schedulers for _ in range(self.cfg.channels_per_replica)]
-
-    def submit(self, n: int) -> None:
-        """Up to ``n`` x ``running`` requests, alternately over every channel (so both replicas)."""
-        prompt = list(range(100, 100 + self.cfg.prompt_len))
-        stubs = [pb_grpc.GenerationStub(ch) for ch in self.channels]
-        for i in range(len(self.tasks), n * self.cfg.running):
-            self.tasks.append(asyncio.create_task(_consume(stubs[i % len(stubs)], prompt, f"so-{i}")))
-
-    async def close(self) -> None:
-        for t in self.tasks:
-            t.cancel()
-        await asyncio.gather(*self.tasks, return_exceptions=True)
-        for ch in self.channels:
-            await ch.close()
-
-
-async def _measure(dep: Deployment, client: Client, n: int, cfg: ScaleOutConfig) -> ScaleOutPoint | None:
-    """Once ``n`` executors run ``running`` each on balanced loops: settle, then one window."""
+async def _measure(dep: Deployment, n: int, cfg: ScaleOutConfig) -> ScaleOutPoint | None:
+    prompt = list(range(100, 100 + cfg.prompt_len))
+    options = [*CHANNEL_OPTIONS, ("grpc.use_local_subchannel_pool", 1)]
+    channels = [grpc.aio.insecure_channel(s.address, options=options)
+                for s in dep.schedulers for _ in range(cfg.channels_per_replica)]
+    stubs = [pb_grpc.GenerationStub(ch) for ch in channels]
     tails = [StepTail(p) for p in dep.step_logs]
     leaders = Leaders(dep.redis.url, dep.namespace)
     t0 = time.time()
-    client.submit(n)
+    tasks = [asyncio.create_task(_consume(stubs[i % len(stubs)], prompt, f"so-{n}-{i}"))
+             for i in range(n * cfg.running)]
     try:
         deadline = time.monotonic() + cfg.reach_timeout_s
         while not (_at_target(tails, n, cfg.running, t0)
@@ -281,6 +248,11 @@ async def _measure(dep: Deployment, client: Client, n: int, cfg: ScaleOutConfig)
         cpu1, sys1, end = _cpu(procs), psutil.cpu_times(), time.time()
         lead = await asyncio.to_thread(leaders.read)
     finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for ch in channels:
+            await ch.close()
         leaders.close()
     rows = [r for tail in tails for r in tail.poll() if start <= r["t"] <= end]
     busy = 1 - (sys1.idle - sys0.idle) / max(1e-9, sum(sys1) - sum(sys0))
@@ -322,32 +294,33 @@ def _step_gaps(by_exec: dict[str, list[dict[str, float]]]) -> list[float]:
 
 
 def sweep(model_dir: Path, cfg: ScaleOutConfig, log_dir: Path) -> list[ScaleOutPoint]:
-    """Every point on one deployment, grown point by point (see the module docstring)."""
-    return asyncio.run(_sweep(model_dir, cfg, log_dir))
-
-
-async def _sweep(model_dir: Path, cfg: ScaleOutConfig, log_dir: Path) -> list[ScaleOutPoint]:
-    counts = sorted(cfg.executors)
+    """Every point on a fresh deployment; one point's teardown overlaps the next one's start-up (never a window)."""
+    log_dir.mkdir(parents=True, exist_ok=True)
     points: list[ScaleOutPoint] = []
-    if not counts:
-        return points
-    t = time.monotonic()
-    dep = await asyncio.to_thread(deploy, model_dir, counts[0], cfg, log_dir)
-    client = Client(dep, cfg)
+    stopping: threading.Thread | None = None
     try:
-        for n in counts:
-            await asyncio.to_thread(dep.grow, n)
-            log.info("%d executors: deployed after %.1f s", n, time.monotonic() - t)
-            point = await _measure(dep, client, n, cfg)
+        for n in cfg.executors:
+            t = time.monotonic()
+            try:
+                dep = deploy(model_dir, n, cfg, log_dir)
+            finally:
+                if stopping is not None:
+                    stopping.join()
+                    stopping = None
+            log.info("%d executors: deployed in %.1f s", n, time.monotonic() - t)
+            try:
+                point = asyncio.run(_measure(dep, n, cfg))
+            finally:
+                stopping = threading.Thread(target=dep.stop)
+                stopping.start()
             if point is not None:
                 points.append(point)
                 cpu = ", ".join(f"{k} {v:.2f}" for k, v in point.cpu_cores.items())
                 print(f"[scale_out] {n} executors: {point.tokens_per_s:.0f} tok/s, {point.steps_per_s:.1f} steps/s, "
                       f"mean duty {point.mean_duty:.2f}, CPU cores: {cpu} ({time.monotonic() - t:.0f} s)", flush=True)
-            t = time.monotonic()
     finally:
-        await client.close()
-        await asyncio.to_thread(dep.stop)
+        if stopping is not None:
+            stopping.join()
     return points
 
 
