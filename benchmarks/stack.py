@@ -79,6 +79,7 @@ def start(model_dir: Path, cfg: StackConfig, log_dir: Path) -> Stack:
     """Redis, then ``cfg.executors`` executors and the scheduler at once; log files named as Cluster names them."""
     log_dir.mkdir(parents=True, exist_ok=True)
     if cfg.step_log is not None:
+        cfg.step_log.parent.mkdir(parents=True, exist_ok=True)
         cfg.step_log.unlink(missing_ok=True)
     redis = RedisServer()
 
