@@ -5,15 +5,14 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 
+from benchmarks import stack
 from benchmarks.metrics import RequestRecord
 from benchmarks.workload import Request, Workload
-from pagedserve.launch import Cluster
 from pagedserve.rpc import CHANNEL_OPTIONS
 from pagedserve.v1 import generation_pb2 as pb
 from pagedserve.v1 import generation_pb2_grpc as pb_grpc
@@ -81,7 +80,7 @@ async def drive(address: str, workload: Workload) -> tuple[list[RequestRecord], 
 
 
 def executor_args(cfg: ServeConfig) -> list[str]:
-    """The executor's flags in this arm (``Cluster`` adds model, block size and budget itself)."""
+    """The executor's flags in this arm (the stack adds model, block size and budget itself)."""
     return ["--swap-space", str(cfg.swap_space_gib), "--max-model-len", str(cfg.max_model_len)]
 
 
@@ -91,26 +90,30 @@ def standalone_executor_args(model_dir: Path, cfg: ServeConfig) -> list[str]:
             str(cfg.kv_budget_bytes), *executor_args(cfg)]
 
 
-def read_steps(path: Path, since: float) -> list[dict[str, float]]:
-    if not path.exists():
+def stack_config(cfg: ServeConfig, step_log: Path) -> stack.StackConfig:
+    """This arm's deployment; an arm with an equal ``ServeConfig`` (step log aside) shares it."""
+    sched = ("--max-num-seqs", str(cfg.max_num_seqs), "--max-num-batched-tokens", str(cfg.max_num_batched_tokens),
+             "--preemption-mode", cfg.preemption_mode,
+             "--enable-prefix-caching" if cfg.prefix_caching else "--no-enable-prefix-caching")
+    return stack.StackConfig(cfg.kv_budget_bytes, cfg.block_size, tuple(executor_args(cfg)), sched, step_log=step_log)
+
+
+def read_steps(path: Path | None, since: float) -> list[dict[str, float]]:
+    if path is None or not path.exists():
         return []
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     return [r for r in rows if r["t"] >= since]
 
 
-def run(model_dir: Path, workload: Workload, cfg: ServeConfig, log_dir: Path,
-        after: Callable[[Cluster], None] | None = None) -> ServeResult:
-    """Serve ``workload``; ``after`` runs on the drained, idle deployment before it is torn down."""
-    step_log = log_dir / "steps.jsonl"
-    step_log.unlink(missing_ok=True)
-    sched = ["--max-num-seqs", str(cfg.max_num_seqs), "--max-num-batched-tokens", str(cfg.max_num_batched_tokens),
-             "--preemption-mode", cfg.preemption_mode, "--step-log", str(step_log),
-             "--enable-prefix-caching" if cfg.prefix_caching else "--no-enable-prefix-caching"]
-    execu = executor_args(cfg)
-    with Cluster(str(model_dir), kv_cache_memory=cfg.kv_budget_bytes, block_size=cfg.block_size,
-                 scheduler_args=sched, executor_args=execu, log_dir=log_dir) as cluster:
-        records, wall0, duration, failures = asyncio.run(drive(cluster.address, workload))
-        if after is not None:
-            after(cluster)
-    steps = read_steps(step_log, wall0)
-    return ServeResult(records, duration, steps, log_dir, failures)
+def serve(deployment: stack.Stack, workload: Workload) -> ServeResult:
+    """Serve ``workload`` on a live deployment; its step-log lines from the timed run on (read at once, so a
+    deployment that serves another arm next adds none)."""
+    records, wall0, duration, failures = asyncio.run(drive(deployment.address, workload))
+    steps = read_steps(deployment.config.step_log, wall0)
+    return ServeResult(records, duration, steps, deployment.log_dir, failures)
+
+
+def run(model_dir: Path, workload: Workload, cfg: ServeConfig, log_dir: Path) -> ServeResult:
+    """Serve ``workload`` on a deployment of its own, torn down after."""
+    with stack.start(model_dir, stack_config(cfg, log_dir / "steps.jsonl"), log_dir) as deployment:
+        return serve(deployment, workload)

@@ -8,10 +8,12 @@ the others.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import time
 import traceback
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -26,7 +28,8 @@ from benchmarks.reattach import ReattachResult
 from benchmarks.sampling_cost import SamplingPoint, ratio_at, share_at
 from benchmarks.scale_out import ScaleOutConfig, ScaleOutPoint, efficiency
 from benchmarks.structured import StructuredResult
-from benchmarks.shared_prefix import SharedPrefixResult
+from benchmarks.shared_prefix import SharedPrefixConfig, SharedPrefixResult
+from benchmarks.stack import StackConfig, Stacks
 from benchmarks.workload import Vocab, Workload, WorkloadSpec, make_workload
 
 if TYPE_CHECKING:
@@ -78,10 +81,11 @@ def serve_config(args: argparse.Namespace, run: CoreRun, max_model_len: int) -> 
                        preemption_mode=args.preemption_mode, max_model_len=max_model_len)
 
 
-def serve(run: CoreRun, model_dir: Path, scfg: ServeConfig, log_dir: Path, errors: list[str], label: str) -> None:
+def serve(run: CoreRun, stacks: Stacks, scfg: ServeConfig, log_dir: Path, errors: list[str], label: str) -> None:
     from benchmarks import arm_pagedserve
 
-    res = arm_pagedserve.run(model_dir, run.workload, scfg, log_dir)
+    deployment = stacks.get(arm_pagedserve.stack_config(scfg, log_dir / "steps.jsonl"), log_dir)
+    res = arm_pagedserve.serve(deployment, run.workload)
     if res.failures:
         errors.append(f"{label}: {len(res.failures)} requests failed, e.g. {res.failures[0]}")
     run.arms["pagedserve"] = summarize(res.records, res.duration)
@@ -151,6 +155,35 @@ def overhead_keys(points: list[OverheadPoint]) -> dict[str, object]:
     }
 
 
+AUX_KV_BYTES = 256 << 20  # the logprobs and structured arms' deployment: room for either batch, no preemption
+
+
+def aux_stack(logs: Path) -> StackConfig:
+    """The deployment the logprobs and structured arms share: SmolLM2, default flags, 256 MiB of KV, a step log."""
+    return StackConfig(AUX_KV_BYTES, step_log=logs / "aux" / "steps.jsonl")
+
+
+def shared_prefix_config(args: argparse.Namespace, cfg: Config) -> SharedPrefixConfig:
+    return SharedPrefixConfig(cfg.shared_prefix_requests, cfg.shared_prefix_system_len,
+                              budget_tokens=cfg.shared_prefix_budget_tokens, seed=args.seed,
+                              measure_off=cfg.shared_prefix_measure_off)
+
+
+def model_lens(cfg: Config, spc: SharedPrefixConfig | None) -> dict[int, int]:
+    """``--max-model-len`` per KV budget (tokens): the longest sequence + 16 of every run on that budget (the short
+    run's or the preemption probe's, the long run's, the shared-prefix arm's), so that runs on one budget have equal
+    flags and share a deployment. The flag only caps admission: no sequence of any of them comes near it."""
+    needs = [(cfg.kv_budget_tokens, max(cfg.max_total_len, max(cfg.preemption_lengths, default=0)) + 16)]
+    if cfg.long_num_requests > 0:
+        needs.append((cfg.long_kv_budget_tokens, cfg.long_max_total_len + 16))
+    if spc is not None:
+        needs.append((spc.budget_tokens, spc.model_len()))
+    lens: dict[int, int] = {}
+    for budget, need in needs:
+        lens[budget] = max(lens.get(budget, 0), need)
+    return lens
+
+
 def long_summary(run: CoreRun | None, util: float | None) -> dict[str, object]:
     """The long run's ``summary.json`` keys (null when it did not run); ``util``: its steady-state KV utilization."""
     return {
@@ -186,6 +219,7 @@ def run_all(args: argparse.Namespace, cfg: Config, out: Path, started: float) ->
         return arm_hf.load_model(model_dir, args.threads)
 
     errors: list[str] = []
+    walls: dict[str, float] = {}  # each arm's wall time, a shared deployment's start-up in its first arm's
     overhead: list[OverheadPoint] = []
     preemption: list[PreemptionPoint] = []
     scale: list[ScaleOutPoint] = []
@@ -198,8 +232,13 @@ def run_all(args: argparse.Namespace, cfg: Config, out: Path, started: float) ->
     scale_cfg = ScaleOutConfig(executors=cfg.scale_out_executors, running=cfg.scale_out_running,
                                window_s=cfg.scale_out_window_s, step_ms=cfg.scale_out_step_ms)
     logs = out / "logs"
+    stacks = Stacks(model_dir)
+    spc = shared_prefix_config(args, cfg)
+    lens = model_lens(cfg, spc if "shared_prefix" in cfg.arms else None)
+    spc = dataclasses.replace(spc, max_model_len=lens.get(spc.budget_tokens, 0))
 
-    def attempt(name: str, fn) -> None:  # type: ignore[no-untyped-def]
+    def attempt(name: str, fn, share: bool = False) -> None:  # type: ignore[no-untyped-def]
+        """Run one arm; a failure is recorded, not raised. ``share``: leave its deployment up for the next arm."""
         t = time.monotonic()
         print(f"[bench] {name} ...", flush=True)
         try:
@@ -207,22 +246,38 @@ def run_all(args: argparse.Namespace, cfg: Config, out: Path, started: float) ->
         except Exception as exc:
             errors.append(f"{name}: {type(exc).__name__}: {exc} (logs in {logs})")
             traceback.print_exc()
-        print(f"[bench] {name} done in {time.monotonic() - t:.0f} s", flush=True)
+        if not share:
+            stacks.close()
+        walls[name] = round(time.monotonic() - t, 1)
+        print(f"[bench] {name} done in {walls[name]:.0f} s", flush=True)
 
     def paged() -> None:
         from benchmarks import arm_pagedserve, preemption as pre
 
         nonlocal preemption
-        scfg = serve_config(args, short, max(cfg.max_total_len, max(cfg.preemption_lengths, default=0)) + 16)
-        serve(short, model_dir, scfg, logs / "pagedserve", errors, "pagedserve")
-        write_steps(short.steps, out / "pagedserve_steps.jsonl")
-        if cfg.preemption_lengths:  # on an executor of its own: the cluster's is fenced by its loop's epoch
-            preemption = pre.measure_standalone(arm_pagedserve.standalone_executor_args(model_dir, scfg),
-                                                cfg.preemption_lengths, Vocab.from_model_dir(model_dir),
-                                                logs / "pagedserve" / "preemption-executor.log")
+        scfg = serve_config(args, short, lens[short.budget_tokens])
+        log_dir = logs / "pagedserve"
+        probe = None
+        try:
+            # The probe's executor (one of its own: the deployment's is fenced by its loop's epoch) starts beside the
+            # deployment; both are up and idle before the timed run starts.
+            with ThreadPoolExecutor(1) as pool:
+                started = pool.submit(pre.start_executor, arm_pagedserve.standalone_executor_args(model_dir, scfg),
+                                      log_dir / "preemption-executor.log") if cfg.preemption_lengths else None
+                try:
+                    stacks.get(arm_pagedserve.stack_config(scfg, log_dir / "steps.jsonl"), log_dir)
+                finally:
+                    probe = started.result() if started else None
+            serve(short, stacks, scfg, log_dir, errors, "pagedserve")
+            write_steps(short.steps, out / "pagedserve_steps.jsonl")
+            if probe is not None:
+                preemption = pre.measure(probe.address, cfg.preemption_lengths, vocab)
+        finally:
+            if probe is not None:
+                probe.stop()
 
     def long_paged(run: CoreRun) -> None:
-        serve(run, model_dir, serve_config(args, run, cfg.long_max_total_len + 16), logs / "pagedserve_long", errors,
+        serve(run, stacks, serve_config(args, run, lens[run.budget_tokens]), logs / "pagedserve_long", errors,
               "pagedserve (long)")
         write_steps(run.steps, out / "pagedserve_long_steps.jsonl")
 
@@ -230,9 +285,8 @@ def run_all(args: argparse.Namespace, cfg: Config, out: Path, started: float) ->
         from benchmarks import overhead as ovh
 
         nonlocal overhead
-        overhead = [p for running, waiting, loops in overhead_grid(cfg)
-                    for p in ovh.sweep(model_dir, running, waiting, cfg.overhead_window_s, logs / "overhead",
-                                       reach_s=cfg.overhead_reach_s, step_ms=cfg.overhead_step_ms, loops=loops)]
+        overhead = ovh.sweep(model_dir, overhead_grid(cfg), cfg.overhead_window_s, logs / "overhead",
+                             reach_s=cfg.overhead_reach_s, step_ms=cfg.overhead_step_ms)
 
     def scale_out() -> None:
         from benchmarks import scale_out as so
@@ -266,59 +320,71 @@ def run_all(args: argparse.Namespace, cfg: Config, out: Path, started: float) ->
 
         nonlocal sampling
         sampling = sc.run(model_dir, sc.SamplingConfig(batches=cfg.sampling_batches, reps=cfg.sampling_reps),
-                          short.steps, args.threads)
+                          short.steps, args.threads, hf_model)
 
     def logprobs_cost() -> None:
         from benchmarks import logprobs_cost as lc
 
         nonlocal logprobs
-        logprobs = asdict(lc.run(model_dir, lc.LogprobsConfig(requests=cfg.logprobs_requests,
-                                                              rounds=cfg.logprobs_rounds), logs / "logprobs_cost"))
+        deployment = stacks.get(aux_stack(logs), logs / "aux")
+        logprobs = asdict(lc.run(model_dir, deployment, lc.LogprobsConfig(requests=cfg.logprobs_requests,
+                                                                          rounds=cfg.logprobs_rounds)))
 
     def structured_cost() -> None:
         from benchmarks import structured as so
 
         nonlocal structured
-        structured = so.run(model_dir, so.StructuredConfig(rounds=cfg.structured_rounds), logs / "structured")
+        structured = so.run(model_dir, stacks.get(aux_stack(logs), logs / "aux"),
+                            so.StructuredConfig(rounds=cfg.structured_rounds))
 
-    if "pagedserve" in cfg.arms:
-        attempt("pagedserve (+ preemption probe)", paged)
-    if "overhead" in cfg.arms:
-        attempt("scheduler overhead sweep", sweep)
-    if "scale_out" in cfg.arms:
-        attempt("scale-out sweep", scale_out)
-    if "kv_spread" in cfg.arms:
-        attempt("KV usage spread", kv_spread)
-    if "reattach" in cfg.arms:
-        attempt("reattach latency", reattach)
-    if "sampling_cost" in cfg.arms:  # after pagedserve: its step log gives the decode forward per batch
-        attempt("seeded sampling cost", sampling_cost)
-    if "logprobs_cost" in cfg.arms:
-        attempt("logprobs cost", logprobs_cost)
-    if "structured" in cfg.arms:
-        attempt("JSON-schema constraint cost", structured_cost)
     def shared_prefix() -> None:
         from benchmarks import shared_prefix as sp
 
         nonlocal shared
-        spc = sp.SharedPrefixConfig(cfg.shared_prefix_requests, cfg.shared_prefix_system_len,
-                                    budget_tokens=cfg.shared_prefix_budget_tokens, seed=args.seed,
-                                    measure_off=cfg.shared_prefix_measure_off)
-        shared = sp.run(model_dir, spc, per_token, logs / "shared_prefix", hf_model())
+        shared = sp.serve(model_dir, spc, per_token, logs / "shared_prefix", stacks)
         errors.extend(shared.errors)
 
+    def shared_prefix_hf() -> None:
+        from benchmarks import shared_prefix as sp
+
+        if shared is None:
+            raise RuntimeError("its pagedserve runs failed: nothing to compare with")
+        sp.hf_continuous(shared, spc, hf_model())
+
+    # Real deployments first, arms with equal flags one after the other so that they share one (the short run, the
+    # shared-prefix arm's pagedserve run and the long run when they have one KV budget; the logprobs and structured
+    # arms); then the stub executors' arms; then transformers, in this process.
+    if "pagedserve" in cfg.arms:
+        attempt("pagedserve (+ preemption probe)", paged, share=True)
     if "shared_prefix" in cfg.arms:
-        attempt("shared prefix (caching on, off, HF continuous with block sharing)", shared_prefix)
+        attempt("shared prefix: pagedserve (caching on, off)", shared_prefix, share=True)
+    if long is not None and "pagedserve" in cfg.arms:  # the long workload: the same arms on longer sequences
+        attempt("long workload: pagedserve", lambda: long_paged(long))
+    if "logprobs_cost" in cfg.arms:
+        attempt("logprobs cost", logprobs_cost, share=True)
+    if "structured" in cfg.arms:
+        attempt("JSON-schema constraint cost", structured_cost)
+    if "kv_spread" in cfg.arms:
+        attempt("KV usage spread", kv_spread)
+    if "overhead" in cfg.arms:
+        attempt("scheduler overhead sweep", sweep)
+    if "scale_out" in cfg.arms:
+        attempt("scale-out sweep", scale_out)
+    if "reattach" in cfg.arms:
+        attempt("reattach latency", reattach)
+    if "sampling_cost" in cfg.arms:  # after pagedserve: its step log gives the decode forward per batch
+        attempt("seeded sampling cost", sampling_cost)
     if "hf_static" in cfg.arms:
         attempt("HF static", lambda: hf_static(short, hf_model(), None))
     if "hf_continuous" in cfg.arms:
         attempt("HF continuous", lambda: hf_continuous(short, hf_model(), args))
-    if long is not None and "pagedserve" in cfg.arms:  # the long workload: the same arms after the short run's
-        attempt("long workload: pagedserve", lambda: long_paged(long))
     if long is not None and "hf_static" in cfg.arms:
         attempt("long workload: HF static", lambda: hf_static(long, hf_model(), cfg.long_static_requests))
     if long is not None and "hf_continuous" in cfg.arms:
         attempt("long workload: HF continuous", lambda: hf_continuous(long, hf_model(), args))
+    if "shared_prefix" in cfg.arms:
+        attempt("shared prefix: HF continuous with block sharing", shared_prefix_hf)
+    stacks.close()
     hf_model.cache_clear()
 
     arms, steps, ratio = short.arms, short.steps, short.ratio
@@ -410,6 +476,8 @@ def run_all(args: argparse.Namespace, cfg: Config, out: Path, started: float) ->
         "plots": plots,
         "errors": errors,
         "wall_time_s": time.monotonic() - started,
+        "arm_wall_time_s": walls,
+        "deployments_started": stacks.started,
     }
     report.write_summary(summary, out)
     report.write_markdown(summary, arms, targets, overhead, preemption, plots, out, scale=scale, sampling=sampling)

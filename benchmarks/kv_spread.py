@@ -2,7 +2,7 @@
 
 Redis, ``executors`` real executor_svc processes with the same KV budget
 (registered in one namespace, as ``pagedserve.launch.Cluster`` starts them,
-but in parallel) and one scheduler. After one warm-up request per executor, a
+but in parallel: ``benchmarks.stack``) and one scheduler. After one warm-up request per executor, a
 uniform workload (prompt and output lengths drawn relative to the budget, all
 requests at once, ``ignore_eos``) fills both pools while a sampler reads the
 namespace's ``usage`` hash (each loop publishes its pool's free blocks per
@@ -27,10 +27,9 @@ import numpy as np
 import redis.asyncio as aioredis
 
 from benchmarks.arm_pagedserve import drive, request_pb
-from benchmarks.scale_out import start_all, stop_all
+from benchmarks.stack import Stack, StackConfig, start
 from benchmarks.workload import Vocab, WorkloadSpec, make_workload
 from pagedserve.keys import Keys
-from pagedserve.procs import RedisServer, Service, free_port
 from pagedserve.rpc import CHANNEL_OPTIONS
 from pagedserve.v1 import generation_pb2_grpc as pb_grpc
 
@@ -133,7 +132,7 @@ async def _drain(call) -> None:  # type: ignore[no-untyped-def]
         pass
 
 
-async def _run(dep: Deployment, cfg: SpreadConfig, vocab: Vocab) -> tuple[list[Sample], int, float]:
+async def _run(dep: Stack, cfg: SpreadConfig, vocab: Vocab) -> tuple[list[Sample], int, float]:
     samples: list[Sample] = []
     keys = Keys(NAMESPACE)
     await _all_led(dep.redis.url, keys, cfg.executors)
@@ -178,48 +177,15 @@ def summarize(samples: list[Sample], executors: int, duration: float, failures: 
                         series)
 
 
-@dataclass(slots=True)
-class Deployment:
-    redis: RedisServer
-    executors: list[Service]
-    scheduler: Service
-
-    def stop(self) -> None:
-        self.scheduler.stop()
-        stop_all(self.executors)
-        self.redis.stop()
-
-
-def deploy(model_dir: Path, cfg: SpreadConfig, per_token_bytes: int, log_dir: Path) -> Deployment:
-    """What ``pagedserve.launch.Cluster(executors=N)`` starts, with the processes started in parallel."""
-    log_dir.mkdir(parents=True, exist_ok=True)
-    redis_srv = RedisServer()
+def stack_config(cfg: SpreadConfig, per_token_bytes: int) -> StackConfig:
+    """``cfg.executors`` executors of one budget, registered in one namespace, and one scheduler."""
     budget = cfg.kv_budget_tokens
-
-    def executor(i: int) -> Service:
-        port = free_port()
-        return Service("executor_svc", [
-            "--model", str(model_dir), "--block-size", "16", "--kv-cache-memory", str(budget * per_token_bytes),
-            "--max-model-len", str(budget), "--swap-space", "0.05", "--drain-timeout", "5",
-            "--redis-url", redis_srv.url, "--advertise-address", f"127.0.0.1:{port}", "--namespace", NAMESPACE,
-        ], port, log_dir / f"executor-{i}.log")
-
-    def scheduler() -> Service:
-        return Service("scheduler_svc", ["--redis-url", redis_srv.url, "--namespace", NAMESPACE],
-                       free_port(), log_dir / "scheduler.log")
-
-    try:
-        started = start_all([*(lambda i=i: executor(i) for i in range(cfg.executors)), scheduler])
-    except BaseException:
-        redis_srv.stop()
-        raise
-    return Deployment(redis_srv, started[:-1], started[-1])
+    return StackConfig(budget * per_token_bytes, 16, ("--max-model-len", str(budget), "--swap-space", "0.05",
+                                                      "--drain-timeout", "5"), executors=cfg.executors,
+                       namespace=NAMESPACE)
 
 
 def run(model_dir: Path, cfg: SpreadConfig, per_token_bytes: int, log_dir: Path) -> SpreadResult:
-    dep = deploy(model_dir, cfg, per_token_bytes, log_dir)
-    try:
+    with start(model_dir, stack_config(cfg, per_token_bytes), log_dir) as dep:
         samples, failures, duration = asyncio.run(_run(dep, cfg, Vocab.from_model_dir(model_dir)))
-    finally:
-        dep.stop()
     return summarize(samples, cfg.executors, duration, failures)

@@ -1,6 +1,7 @@
 """What logprobs cost: tokens/s of greedy requests with ``logprobs=5`` against plain greedy.
 
-One real deployment (Redis + scheduler + executor, over gRPC), one batch of identical-shape
+One real deployment (Redis + scheduler + executor, over gRPC; the one the structured arm uses too, see
+``benchmarks.bench``), one batch of identical-shape
 greedy requests sent at once, plain and with logprobs in ``rounds`` rounds, in ABBA order
 (plain first in even rounds, last in odd ones) so that load drifting over the run hits
 both alike; each round's ratio is logprobs tokens/s over plain tokens/s, and the reported
@@ -21,7 +22,7 @@ from pathlib import Path
 import grpc
 
 from benchmarks.workload import Vocab
-from pagedserve.launch import Cluster
+from benchmarks.stack import Stack
 from pagedserve.rpc import CHANNEL_OPTIONS
 from pagedserve.v1 import generation_pb2 as pb
 from pagedserve.v1 import generation_pb2_grpc as pb_grpc
@@ -34,7 +35,6 @@ class LogprobsConfig:
     output_len: int = 12
     rounds: int = 2
     top: int = 5  # alternatives per token
-    kv_budget_bytes: int = 256 << 20
 
 
 @dataclass(slots=True)
@@ -65,20 +65,20 @@ async def _tokens_per_s(address: str, reqs: list[pb.GenerateRequest]) -> float:
         return n / (time.perf_counter() - t)
 
 
-def run(model_dir: Path, cfg: LogprobsConfig, log_dir: Path) -> LogprobsResult:
+def run(model_dir: Path, deployment: Stack, cfg: LogprobsConfig) -> LogprobsResult:
+    """On a live deployment whose ``--max-num-seqs`` admits ``cfg.requests`` at once."""
     vocab = Vocab.from_model_dir(model_dir)
     plain, with_lp = _requests(cfg, vocab, None), _requests(cfg, vocab, cfg.top)
     out = LogprobsResult(config={"requests": cfg.requests, "prompt_len": cfg.prompt_len,
                                  "output_len": cfg.output_len, "rounds": cfg.rounds, "top": cfg.top})
-    with Cluster(str(model_dir), kv_cache_memory=cfg.kv_budget_bytes, log_dir=log_dir,
-                 scheduler_args=["--max-num-seqs", str(cfg.requests)]) as cluster:
-        asyncio.run(_tokens_per_s(cluster.address, plain[:2]))  # warm-up: first forwards pay one-off costs
-        for r in range(cfg.rounds):
-            if r % 2 == 0:
-                out.plain_tokens_per_s.append(asyncio.run(_tokens_per_s(cluster.address, plain)))
-            out.logprobs_tokens_per_s.append(asyncio.run(_tokens_per_s(cluster.address, with_lp)))
-            if r % 2 == 1:
-                out.plain_tokens_per_s.append(asyncio.run(_tokens_per_s(cluster.address, plain)))
+    address = deployment.address
+    asyncio.run(_tokens_per_s(address, plain[:2]))  # warm-up: first forwards pay one-off costs
+    for r in range(cfg.rounds):
+        if r % 2 == 0:
+            out.plain_tokens_per_s.append(asyncio.run(_tokens_per_s(address, plain)))
+        out.logprobs_tokens_per_s.append(asyncio.run(_tokens_per_s(address, with_lp)))
+        if r % 2 == 1:
+            out.plain_tokens_per_s.append(asyncio.run(_tokens_per_s(address, plain)))
     ratios = [lp / p for p, lp in zip(out.plain_tokens_per_s, out.logprobs_tokens_per_s) if p > 0]
     out.ratio = round(statistics.median(ratios), 3) if ratios else None
     return out

@@ -1,10 +1,12 @@
 """Scheduler overhead: the real scheduler_svc + Redis driving the stub executor.
 
 For each loop (serial: ``--no-async-scheduling``; pipelined: the default) and
-each running target R a fresh stub (``--step-ms``: a simulated forward pass,
-20 ms by default) and scheduler (``--max-num-seqs R``, its own Redis namespace)
-gets R long requests, then more until W wait behind them; requests never finish
-during a window (long ``max_tokens``, ``ignore_eos``). From ``--step-log``:
+each running target R a stub (``--step-ms``: a simulated forward pass, 20 ms by
+default) and scheduler (``--max-num-seqs R``, its own Redis namespace) get R
+long requests, then more until W wait behind them; requests never finish
+during a window (long ``max_tokens``, ``ignore_eos``). Lower running levels
+with none waiting are measured on the way up, on the next level's stub and
+scheduler (``chains``). From ``--step-log``:
 the executor's wait between two steps (``idle_ms``, measured by the stub: from
 the end of one step to the start of the next, the scheduler's critical path),
 its duty cycle (time inside steps / (that + the waits)), and the loop's own
@@ -15,9 +17,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import itertools
 import json
 import logging
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,6 +31,7 @@ import grpc
 import numpy as np
 
 from benchmarks.arm_pagedserve import request_pb
+from benchmarks.stack import stop_all
 from pagedserve.procs import RedisServer, Service, free_port
 from pagedserve.rpc import CHANNEL_OPTIONS
 from pagedserve.v1 import generation_pb2_grpc as pb_grpc
@@ -107,14 +114,34 @@ async def _wait_for(tail: StepTail, running: int, waiting: int, timeout: float) 
     return False
 
 
-async def _sweep_level(address: str, step_log: Path, running: int, waiting_levels: list[int], window_s: float,
-                       prompt: list[int], reach_s: float, loop: str, step_ms: float) -> list[OverheadPoint]:
+Point = tuple[int, int]  # (running, waiting)
+
+
+def chains(levels: list[tuple[int, list[int]]]) -> list[list[Point]]:
+    """The points of ascending running levels (each with its waiting levels) grouped into chains of one deployment.
+
+    A point with requests waiting needs ``--max-num-seqs`` equal to its running level; one with none waiting only
+    needs it at least as large, so levels with no waiting join the next level's deployment, filled request by
+    request from one point to the next instead of a fresh stub and scheduler each.
+    """
+    out: list[list[Point]] = []
+    chain: list[Point] = []
+    for running, waiting in sorted(levels):
+        chain += [(running, w) for w in sorted(waiting)]
+        if any(w > 0 for w in waiting):
+            out.append(chain)
+            chain = []
+    return out + ([chain] if chain else [])
+
+
+async def _sweep_chain(address: str, step_log: Path, chain: list[Point], window_s: float, prompt: list[int],
+                       reach_s: float, loop: str, step_ms: float) -> list[OverheadPoint]:
     points: list[OverheadPoint] = []
     tasks: list[asyncio.Task[None]] = []
     tail = StepTail(step_log)
     # One HTTP/2 connection carries only so many concurrent streams (about 3000
     # were seen here): spread the thousands of requests over several connections.
-    total = running + max(waiting_levels, default=0)
+    total = max(r + w for r, w in chain)
     options = [*CHANNEL_OPTIONS, ("grpc.use_local_subchannel_pool", 1)]
     channels = [grpc.aio.insecure_channel(address, options=options) for _ in range(-(-total // STREAMS_PER_CHANNEL))]
     stubs = [pb_grpc.GenerationStub(ch) for ch in channels]
@@ -122,10 +149,10 @@ async def _sweep_level(address: str, step_log: Path, running: int, waiting_level
         for ch in channels:
             await stack.enter_async_context(ch)
         try:
-            for waiting in waiting_levels:
+            for running, waiting in chain:
                 while len(tasks) < running + waiting:
                     stub = stubs[len(tasks) // STREAMS_PER_CHANNEL]
-                    tasks.append(asyncio.create_task(_consume(stub, prompt, f"ovh-{loop}-{running}-{len(tasks)}")))
+                    tasks.append(asyncio.create_task(_consume(stub, prompt, f"ovh-{loop}-{chain[-1][0]}-{len(tasks)}")))
                 if not await _wait_for(tail, running, waiting, timeout=reach_s):
                     log.warning("scheduler never reached %d running / %d waiting; skipping", running, waiting)
                     break
@@ -142,44 +169,78 @@ async def _sweep_level(address: str, step_log: Path, running: int, waiting_level
     return points
 
 
-def sweep(model_dir: Path, running_levels: list[int], waiting_levels: list[int], window_s: float,
-          log_dir: Path, prompt_len: int = 8, reach_s: float = 90.0, step_ms: float = 20.0,
-          loops: tuple[str, ...] = tuple(LOOPS)) -> list[OverheadPoint]:
-    """Overhead points per loop and (running, waiting) level; a level not filled within ``reach_s`` is skipped."""
+Grid = list[tuple[list[int], list[int], tuple[str, ...]]]  # (running levels, waiting levels, loops)
+
+
+def sweep(model_dir: Path, grid: Grid, window_s: float, log_dir: Path, prompt_len: int = 8, reach_s: float = 90.0,
+          step_ms: float = 20.0) -> list[OverheadPoint]:
+    """Overhead points per loop and (running, waiting) point of ``grid``; a point not filled within ``reach_s`` is
+    skipped with the rest of its chain. Chains run by running level, both loops side by side (their deployments
+    started at once, each idle while the other is measured); points come back sorted by running, waiting and loop."""
     log_dir.mkdir(parents=True, exist_ok=True)
     prompt = list(range(100, 100 + prompt_len))
+    order = list(LOOPS)
+    runs = sorted(((chain, loop) for loop in order
+                   for chain in chains([(r, waiting) for running, waiting, loops in grid if loop in loops
+                                        for r in running])),
+                  key=lambda c: (c[0][-1], order.index(c[1])))
     redis = RedisServer()
     points: list[OverheadPoint] = []
     try:
-        for running in running_levels:
-            for loop in loops:
-                points += _level(model_dir, redis.url, running, waiting_levels, window_s, log_dir, prompt, reach_s,
-                                 loop, step_ms)
+        for _, group in itertools.groupby(runs, key=lambda c: c[0][-1][0]):
+            group = list(group)
+            deployments = _deploy_all([functools.partial(_deploy, model_dir, redis.url, chain[-1][0], loop, log_dir,
+                                                         len(prompt), step_ms) for chain, loop in group])
+            try:
+                for (chain, loop), dep in zip(group, deployments):
+                    points += asyncio.run(_sweep_chain(dep.address, dep.step_log, chain, window_s, prompt, reach_s,
+                                                       loop, step_ms))
+            finally:
+                stop_all([svc for dep in deployments for svc in (dep.scheduler, dep.stub)])
     finally:
         redis.stop()
-    return points
+    return sorted(points, key=lambda p: (p.running, p.waiting, order.index(p.loop)))
 
 
-def _level(model_dir: Path, redis_url: str, running: int, waiting_levels: list[int], window_s: float,
-           log_dir: Path, prompt: list[int], reach_s: float, loop: str, step_ms: float) -> list[OverheadPoint]:
-    """One running level of one loop: a fresh stub (its fencing epoch starts over), a fresh scheduler and namespace.
+@dataclass(slots=True)
+class ChainDeployment:
+    stub: Service
+    scheduler: Service
+    step_log: Path
 
-    The scheduler registers the stub itself (``--executor``): the stub is static, as in a fixed deployment."""
+    @property
+    def address(self) -> str:
+        return self.scheduler.address
+
+
+def _deploy_all(starters: list[Callable[[], ChainDeployment]]) -> list[ChainDeployment]:
+    """Start deployments in parallel; all or none."""
+    with ThreadPoolExecutor(max(1, len(starters))) as pool:
+        futures = [pool.submit(f) for f in starters]
+    failed = [f.exception() for f in futures if f.exception() is not None]
+    if failed:
+        stop_all([svc for f in futures if f.exception() is None for svc in (f.result().scheduler, f.result().stub)])
+        raise failed[0]  # type: ignore[misc]
+    return [f.result() for f in futures]
+
+
+def _deploy(model_dir: Path, redis_url: str, running: int, loop: str, log_dir: Path, prompt_len: int,
+            step_ms: float) -> ChainDeployment:
+    """A fresh stub (its fencing epoch starts over) and a fresh scheduler and namespace for one chain of one loop,
+    ``--max-num-seqs`` its last running level. The scheduler registers the stub itself (``--executor``): the stub
+    is static, as in a fixed deployment."""
     step_log = log_dir / f"steps-{loop}-r{running}.jsonl"
     step_log.unlink(missing_ok=True)
     stub = Service("benchmarks.stub_executor", ["--model", str(model_dir), "--host", "127.0.0.1",
                                                 "--step-ms", str(step_ms)], free_port(),
-                   log_dir / "stub_executor.log")
+                   log_dir / f"stub-{loop}-r{running}.log")
     try:
         sched = Service("scheduler_svc", [
             "--redis-url", redis_url, "--executor", stub.address, "--namespace", f"ovh-{loop}-{running}",
-            "--max-num-seqs", str(running), "--max-num-batched-tokens", str(max(2048, running * len(prompt))),
+            "--max-num-seqs", str(running), "--max-num-batched-tokens", str(max(2048, running * prompt_len)),
             "--step-log", str(step_log), "--log-level", "WARNING", *LOOPS[loop],
         ], free_port(), log_dir / f"scheduler-{loop}-r{running}.log")
-        try:
-            return asyncio.run(_sweep_level(sched.address, step_log, running, waiting_levels, window_s, prompt,
-                                            reach_s, loop, step_ms))
-        finally:
-            sched.stop()
-    finally:
+    except BaseException:
         stub.stop()
+        raise
+    return ChainDeployment(stub, sched, step_log)

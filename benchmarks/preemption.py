@@ -1,7 +1,7 @@
 """Preemption cost: swap versus recompute for one request of N tokens, on the real executor.
 
 Method: hand-made plans through the ``Step`` RPC of an executor of its own
-(``measure_standalone``: same model, KV budget and flags as the pagedserve
+(``start_executor``: same model, KV budget and flags as the pagedserve
 arm's, but not registered in Redis, so no scheduler loop leads it and it has
 seen no epoch above the probe's 0). Recompute = the prefill of N tokens (what a
 recomputed request runs again when it resumes); swap = a plan that moves its
@@ -73,17 +73,13 @@ def measure(address: str, lengths: list[int], vocab: Vocab, reps: int = 3) -> li
     return points
 
 
-def measure_standalone(executor_args: list[str], lengths: list[int], vocab: Vocab, log_path: Path,
-                       reps: int = 3) -> list[PreemptionPoint]:
-    """``measure`` on a fresh ``executor_svc`` started with ``executor_args`` and stopped after.
+def start_executor(executor_args: list[str], log_path: Path) -> Service:
+    """A fresh ``executor_svc`` started with ``executor_args``, for ``measure``; the caller stops it.
 
     ``--redis-url ""`` keeps it out of any namespace even when $REDIS_URL is set; ``--drain-timeout 0``
     lets it exit at once when stopped.
     """
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    svc = Service("executor_svc", [*executor_args, "--host", "127.0.0.1", "--redis-url", "", "--drain-timeout", "0"],
-                  free_port(), log_path)
-    try:
-        return measure(svc.address, lengths, vocab, reps)
-    finally:
-        svc.stop()
+    return Service("executor_svc", [*executor_args, "--host", "127.0.0.1", "--redis-url", "", "--drain-timeout", "0"],
+                   free_port(), log_path)
+

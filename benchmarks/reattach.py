@@ -44,7 +44,8 @@ import redis
 
 from benchmarks.arm_pagedserve import request_pb
 from benchmarks.overhead import LONG_OUTPUT
-from benchmarks.scale_out import Leaders, start_all, stop_all
+from benchmarks.scale_out import Leaders
+from benchmarks.stack import start_all, stop_all
 from pagedserve import client as lib
 from pagedserve.keys import Keys
 from pagedserve.procs import RedisServer, Service, free_port
@@ -174,8 +175,10 @@ def deploy(model_dir: Path, cfg: ReattachConfig, log_dir: Path) -> Deployment:
                 "--log-level", cfg.log_level,
             ], port, log_dir / f"stub-{i}.log")
 
-        dep.stubs = start_all([lambda i=i: stub(i) for i in range(cfg.executors)])
-        start_all([lambda r=r: dep.start_scheduler(r) for r in ("a0", "b")])
+        # All at once: a replica is healthy once some executor has registered.
+        started = start_all([*(lambda i=i: stub(i) for i in range(cfg.executors)),
+                             *(lambda r=r: dep.start_scheduler(r) for r in ("a0", "b"))])
+        dep.stubs = started[:cfg.executors]
     except BaseException:
         dep.stop()
         raise

@@ -149,8 +149,9 @@ def build_config(args: argparse.Namespace) -> Config:
     )
 
 
-def run_machine(args: argparse.Namespace, cfg: Config, model_dir: Path, errors: list[str]) -> MachineResult | None:
-    """The machine arm, in this process after every other arm; a failure is recorded, not raised."""
+def run_machine(args: argparse.Namespace, cfg: Config, summary: dict) -> MachineResult | None:
+    """The machine arm, in this process after every other arm; a failure is recorded in ``summary``, not raised,
+    and so is its wall time."""
     from benchmarks import machine
     from benchmarks.bench import short_spec
     from benchmarks.workload import Vocab, make_workload
@@ -160,13 +161,15 @@ def run_machine(args: argparse.Namespace, cfg: Config, model_dir: Path, errors: 
     spec = short_spec(args, cfg)
     mcfg = machine.MachineConfig(batches=cfg.machine_batches, reps=cfg.machine_reps, gemm_size=cfg.gemm_size)
     try:
+        model_dir = Path(summary["model"])
         return machine.run(model_dir, mcfg, make_workload(spec, Vocab.from_model_dir(model_dir)), args.threads)
     except Exception as exc:
-        errors.append(f"machine: {type(exc).__name__}: {exc}")
+        summary["errors"].append(f"machine: {type(exc).__name__}: {exc}")
         traceback.print_exc()
         return None
     finally:
-        print(f"[bench] against the machine done in {time.monotonic() - t:.0f} s", flush=True)
+        summary["arm_wall_time_s"]["against the machine"] = wall = round(time.monotonic() - t, 1)
+        print(f"[bench] against the machine done in {wall:.0f} s", flush=True)
 
 
 def against_machine(args: argparse.Namespace, cfg: Config, out: Path, summary: dict, started: float) -> None:
@@ -177,7 +180,7 @@ def against_machine(args: argparse.Namespace, cfg: Config, out: Path, summary: d
     """
     from benchmarks import machine, report
 
-    result = run_machine(args, cfg, Path(summary["model"]), summary["errors"]) if "machine" in cfg.arms else None
+    result = run_machine(args, cfg, summary) if "machine" in cfg.arms else None
     log = out / "pagedserve_steps.jsonl"
     ran = "pagedserve" in summary["arms"] and log.exists()
     steps = [json.loads(line) for line in log.read_text().splitlines() if line.strip()] if ran else []

@@ -22,9 +22,11 @@ tokens of KV per row) measured here.
 
 from __future__ import annotations
 
+import functools
 import json
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -126,21 +128,17 @@ def measure_forward(model: torch.nn.Module, batch: int, context: int, reps: int 
     return statistics.median(times[1:])
 
 
-def _forwards(model_dir: Path, cfg: SamplingConfig, steps: list[dict[str, float]],
-              threads: int) -> dict[int, tuple[float | None, str]]:
+def _forwards(model: Callable[[], torch.nn.Module], cfg: SamplingConfig,
+              steps: list[dict[str, float]]) -> dict[int, tuple[float | None, str]]:
     found = {b: forward_from_steps(steps, b) for b in cfg.batches}
-    missing = [b for b, (ms, _) in found.items() if ms is None]
-    if missing:
-        from benchmarks.arm_hf import load_model
-
-        model = load_model(model_dir, threads)
-        for b in missing:
-            found[b] = measure_forward(model, b, cfg.context), f"measured (transformers, {cfg.context} KV tokens/row)"
-        del model
+    for b in [b for b, (ms, _) in found.items() if ms is None]:
+        found[b] = measure_forward(model(), b, cfg.context), f"measured (transformers, {cfg.context} KV tokens/row)"
     return found
 
 
-def run(model_dir: Path, cfg: SamplingConfig, steps: list[dict[str, float]], threads: int) -> list[SamplingPoint]:
+def run(model_dir: Path, cfg: SamplingConfig, steps: list[dict[str, float]], threads: int,
+        model: Callable[[], torch.nn.Module] | None = None) -> list[SamplingPoint]:
+    """``model``: returns the transformers model for decode forwards the step log lacks (default: loads it)."""
     torch.set_num_threads(threads)
     vocab = int(json.loads((model_dir / "config.json").read_text())["vocab_size"])
     gen = torch.Generator().manual_seed(0)
@@ -153,7 +151,11 @@ def run(model_dir: Path, cfg: SamplingConfig, steps: list[dict[str, float]], thr
                                     (t.ratio - 1) * t.unseeded_ms, None, "", None, None))
         print(f"[sampling_cost] batch {b}: unseeded {t.unseeded_ms:.2f} ms, seeded {t.seeded_ms:.2f} ms "
               f"({t.ratio:.3f}x; A/A {t.noise_ratio:.3f}x)", flush=True)
-    forwards = _forwards(model_dir, cfg, steps, threads)
+    if model is None:
+        from benchmarks.arm_hf import load_model
+
+        model = functools.partial(load_model, model_dir, threads)
+    forwards = _forwards(functools.cache(model), cfg, steps)
     for p in points:
         p.forward_ms, p.forward_source = forwards[p.batch]
         if p.forward_ms:

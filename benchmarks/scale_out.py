@@ -31,8 +31,6 @@ import os
 import threading
 import time
 from collections import Counter, defaultdict
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -43,6 +41,7 @@ import redis
 
 from benchmarks.arm_pagedserve import request_pb
 from benchmarks.overhead import LONG_OUTPUT, StepTail
+from benchmarks.stack import start_all, stop_all
 from pagedserve.keys import Keys
 from pagedserve.procs import RedisServer, Service, free_port
 from pagedserve.rpc import CHANNEL_OPTIONS
@@ -115,23 +114,6 @@ class Deployment:
         stop_all(self.schedulers)
         stop_all(self.stubs)
         self.redis.stop()
-
-
-def start_all(starters: list[Callable[[], Service]]) -> list[Service]:
-    """Start services in parallel (each waits for its health check), in order; all or none."""
-    with ThreadPoolExecutor(max(1, len(starters))) as pool:
-        futures = [pool.submit(f) for f in starters]
-    started = [f.result() for f in futures if f.exception() is None]
-    failed = [f.exception() for f in futures if f.exception() is not None]
-    if failed:
-        stop_all(started)
-        raise failed[0]  # type: ignore[misc]
-    return started
-
-
-def stop_all(services: list[Service]) -> None:
-    with ThreadPoolExecutor(max(1, len(services))) as pool:
-        list(pool.map(Service.stop, services))
 
 
 def deploy(model_dir: Path, n: int, cfg: ScaleOutConfig, log_dir: Path) -> Deployment:

@@ -21,11 +21,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from benchmarks.metrics import summarize
+from benchmarks.stack import Stacks
 from benchmarks.workload import Request, Vocab, Workload, WorkloadSpec
+
+if TYPE_CHECKING:
+    from benchmarks.arm_pagedserve import ServeConfig
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +42,15 @@ class SharedPrefixConfig:
     budget_tokens: int = 2048  # KV budget of every run (pagedserve's pool, transformers' blocks)
     seed: int = 0
     measure_off: bool = True  # run pagedserve with caching off too (else: its prompt tokens, a lower bound)
+    max_model_len: int = 0  # the executors' --max-model-len if larger than the workload needs; it only caps admission
+
+    def model_len(self) -> int:
+        return max(self.max_model_len, self.system_len + self.question_range[1] + self.output_len + 16)
+
+    def serve_config(self, per_token: int, caching: bool) -> ServeConfig:
+        from benchmarks.arm_pagedserve import ServeConfig
+
+        return ServeConfig(self.budget_tokens * per_token, max_model_len=self.model_len(), prefix_caching=caching)
 
 
 @dataclass(slots=True)
@@ -78,25 +92,31 @@ def prefill_tokens(steps: list[dict[str, float]], workload: Workload) -> int:
     return scheduled - sum(r.output_len - 1 for r in workload.requests)
 
 
-def run(model_dir: Path, cfg: SharedPrefixConfig, per_token: int, log_dir: Path, hf_model=None,  # noqa: ANN001
-        threads: int = 2) -> SharedPrefixResult:
-    from benchmarks import arm_hf, arm_pagedserve
+def serve(model_dir: Path, cfg: SharedPrefixConfig, per_token: int, log_dir: Path, stacks: Stacks) -> SharedPrefixResult:
+    """The pagedserve runs, on ``stacks``: a live deployment with the same flags serves them (the short run's, when
+    both have one KV budget). ``hf_continuous`` adds transformers' run."""
+    from benchmarks import arm_pagedserve
 
     workload = make(cfg, Vocab.from_model_dir(model_dir))
     out = SharedPrefixResult(workload)
-    max_len = cfg.system_len + cfg.question_range[1] + cfg.output_len + 16
     runs = (("pagedserve", True), ("pagedserve_no_cache", False)) if cfg.measure_off else (("pagedserve", True),)
     if not cfg.measure_off:
         out.off_source = "prompt_tokens"
         out.prefill_tokens["pagedserve_no_cache"] = sum(len(r.prompt_ids) for r in workload.requests)
     for name, caching in runs:
-        scfg = arm_pagedserve.ServeConfig(cfg.budget_tokens * per_token, max_model_len=max_len, prefix_caching=caching)
-        res = arm_pagedserve.run(model_dir, workload, scfg, log_dir / name)
+        scfg = cfg.serve_config(per_token, caching)
+        deployment = stacks.get(arm_pagedserve.stack_config(scfg, log_dir / name / "steps.jsonl"), log_dir / name)
+        res = arm_pagedserve.serve(deployment, workload)
         if res.failures:
             out.errors.append(f"shared_prefix {name}: {len(res.failures)} requests failed, e.g. {res.failures[0]}")
         out.arms[name] = summarize(res.records, res.duration)
         out.prefill_tokens[name] = prefill_tokens(res.steps, workload)
-    model = hf_model if hf_model is not None else arm_hf.load_model(model_dir, threads)
-    hres = arm_hf.run_continuous(model, workload, arm_hf.CBConfig(cfg.budget_tokens, allow_block_sharing=True))
-    out.arms["hf_continuous_shared"] = summarize(hres.records, hres.duration)
     return out
+
+
+def hf_continuous(out: SharedPrefixResult, cfg: SharedPrefixConfig, model) -> None:  # noqa: ANN001
+    """transformers' continuous batching with block sharing on the same workload and budget."""
+    from benchmarks import arm_hf
+
+    hres = arm_hf.run_continuous(model, out.workload, arm_hf.CBConfig(cfg.budget_tokens, allow_block_sharing=True))
+    out.arms["hf_continuous_shared"] = summarize(hres.records, hres.duration)

@@ -1,7 +1,7 @@
 """What a JSON-schema constraint costs: output tokens/s constrained vs plain greedy, in one run.
 
-One deployment (Redis, scheduler, one SmolLM2 executor), ``requests`` chat requests at once,
-greedy, in rounds that alternate plain and constrained batches (plain, json, plain, json...):
+One deployment (Redis, scheduler, one SmolLM2 executor; the logprobs arm's too), ``requests`` chat requests at
+once, greedy, in rounds that alternate plain and constrained batches (plain, json, plain, json...):
 - **plain**: ``ignore_eos``, ``max_tokens`` = ``plain_tokens`` (every output the same length);
 - **json**: a JSON schema whose outputs have an almost fixed length (an array of exactly
   ``items`` enum strings), so both batches run about as many steps at the same batch size and
@@ -34,7 +34,7 @@ import grpc
 import jsonschema
 import torch
 
-from pagedserve.launch import Cluster
+from benchmarks.stack import Stack
 from pagedserve.rpc import CHANNEL_OPTIONS
 from pagedserve.v1 import generation_pb2 as pb
 from pagedserve.v1 import generation_pb2_grpc as pb_grpc
@@ -49,7 +49,6 @@ class StructuredConfig:
     rounds: int = 3
     items: int = 6  # array items of the schema: ~5 tokens each, ~35 tokens in all
     plain_tokens: int = 34
-    kv_cache_bytes: int = 256 << 20
 
 
 @dataclass(slots=True)
@@ -163,34 +162,34 @@ def mask_times(model_dir: Path, spec: str, outputs: list[list[int]], batch: int)
             compile_ms)
 
 
-def run(model_dir: Path, cfg: StructuredConfig, log_dir: Path) -> StructuredResult:
+def run(model_dir: Path, deployment: Stack, cfg: StructuredConfig) -> StructuredResult:
+    """On a live deployment with a step log (``--step-log``) that admits ``cfg.requests`` at once."""
     plain, constrained = _requests(cfg, False), _requests(cfg, True)
     spec = constrained[0].sampling.structured_output.json_schema
     rounds: list[dict[str, float]] = []
     outputs: list[list[int]] = []
     valid = count = 0
-    log_dir.mkdir(parents=True, exist_ok=True)
-    step_log = log_dir / "steps.jsonl"
-    step_log.unlink(missing_ok=True)
+    step_log = deployment.config.step_log
+    if step_log is None:
+        raise ValueError("the structured arm reads the scheduler's step log: its deployment needs one")
     windows: list[tuple[tuple[float, float], tuple[float, float]]] = []
-    with Cluster(str(model_dir), kv_cache_memory=cfg.kv_cache_bytes, log_dir=log_dir,
-                 scheduler_args=["--step-log", str(step_log)]) as cluster:
-        asyncio.run(_batch(cluster.address, [plain[0], constrained[0]]))  # warm-up: compile, executor's tokenizer
-        for _ in range(cfg.rounds):
-            pw, pout, pwin = _timed(cluster.address, plain)
-            jw, jout, jwin = _timed(cluster.address, constrained)
-            windows.append((pwin, jwin))
-            ptoks, jtoks = sum(len(o[0]) for o in pout), sum(len(o[0]) for o in jout)
-            rounds.append({"plain_tokens": ptoks, "plain_s": pw, "json_tokens": jtoks, "json_s": jw,
-                           "ratio": (jtoks / jw) / (ptoks / pw)})
-            for ids, text, reason in jout:
-                count += 1
-                outputs.append(ids)
-                try:
-                    jsonschema.validate(json.loads(text), json.loads(spec))
-                    valid += reason == "stop"
-                except (ValueError, jsonschema.ValidationError):
-                    pass
+    address = deployment.address
+    asyncio.run(_batch(address, [plain[0], constrained[0]]))  # warm-up: compile, executor's tokenizer
+    for _ in range(cfg.rounds):
+        pw, pout, pwin = _timed(address, plain)
+        jw, jout, jwin = _timed(address, constrained)
+        windows.append((pwin, jwin))
+        ptoks, jtoks = sum(len(o[0]) for o in pout), sum(len(o[0]) for o in jout)
+        rounds.append({"plain_tokens": ptoks, "plain_s": pw, "json_tokens": jtoks, "json_s": jw,
+                       "ratio": (jtoks / jw) / (ptoks / pw)})
+        for ids, text, reason in jout:
+            count += 1
+            outputs.append(ids)
+            try:
+                jsonschema.validate(json.loads(text), json.loads(spec))
+                valid += reason == "stop"
+            except (ValueError, jsonschema.ValidationError):
+                pass
     fill, fill99, apply, compile_ms = mask_times(model_dir, spec, outputs[:cfg.requests], cfg.requests)
     ptps = sum(r["plain_tokens"] for r in rounds) / sum(r["plain_s"] for r in rounds)
     jtps = sum(r["json_tokens"] for r in rounds) / sum(r["json_s"] for r in rounds)

@@ -59,8 +59,10 @@ def test_harness_writes_report(tiny_model: Path, tmp_path: Path, capsys: pytest.
         "--sampling-batches", "1", "32", "--sampling-reps", "2", "--logprobs-requests", "4", "--logprobs-rounds", "1",
         "--structured-rounds", "1",
         "--machine-batches", "1", "32", "--machine-reps", "2", "--gemm-size", "256",
+        # The long run's budget is the short run's: the harness then serves both (and the shared-prefix arm's
+        # pagedserve run) on one deployment, as the quick configuration does the short and shared-prefix runs.
         "--long-num-requests", "3", "--long-scale", "0.1", "--long-max-total-len", "64",
-        "--long-kv-budget-tokens", "320", "--long-static-requests", "2",
+        "--long-kv-budget-tokens", "256", "--long-static-requests", "2",
         "--shared-prefix-requests", "4", "--shared-prefix-system-len", "64", "--shared-prefix-budget-tokens", "256",
     ])
     assert rc == 0
@@ -68,6 +70,9 @@ def test_harness_writes_report(tiny_model: Path, tmp_path: Path, capsys: pytest.
 
     summary = json.loads((out / "summary.json").read_text())
     assert summary["errors"] == []
+    walls = summary["arm_wall_time_s"]
+    assert len(walls) == 16 and all(isinstance(v, int | float) and v >= 0 for v in walls.values())
+    assert summary["deployments_started"] == 2, "short, shared-prefix and long runs on one; logprobs and structured"
     assert set(summary["output_tokens_per_s"]) == {"pagedserve", "hf_static", "hf_continuous"}
     values = [*summary["output_tokens_per_s"].values(), *(summary[k] for k in NUMERIC_KEYS)]
     assert all(isinstance(v, int | float) and math.isfinite(v) for v in values)
@@ -112,7 +117,7 @@ def test_harness_writes_report(tiny_model: Path, tmp_path: Path, capsys: pytest.
     long = summary["long"]
     assert set(long["output_tokens_per_s"]) == set(long["arms"]) == {"pagedserve", "hf_static", "hf_continuous"}
     assert all(isinstance(v, int | float) and math.isfinite(v) for v in long["output_tokens_per_s"].values())
-    assert long["workload"]["num_requests"] == 3 and long["kv_budget_tokens"] == 320
+    assert long["workload"]["num_requests"] == 3 and long["kv_budget_tokens"] == 256
     assert long["hf_static_requests"] == 2 and long["arms"]["hf_static"]["num_requests"] == 2
     assert long["arms"]["pagedserve"]["num_requests"] == long["arms"]["hf_continuous"]["num_requests"] == 3
     assert len(summary["targets"]) == 11  # the streams figures are informational: no target

@@ -4,6 +4,7 @@ lengths that cross block boundaries, on SmolLM2 and two tiny architectures."""
 
 from __future__ import annotations
 
+import functools
 import random
 from pathlib import Path
 
@@ -31,14 +32,30 @@ TEXTS = [
 ]
 
 
+@functools.cache
+def _hf_model(model_dir: Path) -> torch.nn.Module:
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+# (model dir, prompt) -> the longest greedy output generated so far for it, in this session. Greedy decoding of one
+# prompt (batch 1) runs the same computations whatever max_new_tokens is, so a shorter output is a prefix of a
+# longer one, and an output that stopped before its max_new_tokens stopped at EOS: it is the whole answer.
+_GREEDY: dict[tuple[Path, tuple[int, ...]], tuple[list[int], int]] = {}
+
+
 def hf_greedy(model_dir: Path, prompts: list[list[int]], max_tokens: list[int]) -> list[list[int]]:
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    """transformers' ``generate(do_sample=False)`` per prompt, one at a time; outputs cached for the session."""
     outs = []
     with torch.inference_mode():
         for ids, n in zip(prompts, max_tokens):
-            gen = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False,
-                                 attention_mask=torch.ones(1, len(ids), dtype=torch.long))
-            outs.append(gen[0, len(ids):].tolist())
+            key = (Path(model_dir), tuple(ids))
+            tokens, asked = _GREEDY.get(key, ([], 0))
+            if asked < n and len(tokens) == asked:  # not generated this far, and not stopped at EOS
+                gen = _hf_model(Path(model_dir)).generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False,
+                                                          attention_mask=torch.ones(1, len(ids), dtype=torch.long))
+                tokens, asked = gen[0, len(ids):].tolist(), n
+                _GREEDY[key] = tokens, asked
+            outs.append(tokens[:n])
     return outs
 
 

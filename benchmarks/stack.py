@@ -1,0 +1,128 @@
+"""Real deployments for the benchmark arms, every process started at once, and reused by arms that agree on one.
+
+``start`` deploys what ``pagedserve.launch.Cluster`` deploys (redis-server, executors that register themselves in
+one namespace with the same flags, one scheduler without ``--executor``), but starts the executors and the scheduler
+in parallel: a scheduler reports SERVING once an executor has registered and served it the tokenizer, so nothing
+needs Cluster's one-after-the-other order, and on 2 cores the executor's start (torch, the model) overlaps the
+scheduler's (its imports). ``Stacks`` keeps the last stack it started and hands it to the next arm that asks for an
+identical ``StackConfig``, so arms grouped one after the other share a deployment instead of starting their own.
+A stack that is not running a request is idle (its loop blocks on the doorbell), so an arm measures its own work.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pagedserve.procs import RedisServer, Service, free_port
+
+
+def start_all(starters: list[Callable[[], Service]]) -> list[Service]:
+    """Start services in parallel (each waits for its health check), in order; all or none."""
+    with ThreadPoolExecutor(max(1, len(starters))) as pool:
+        futures = [pool.submit(f) for f in starters]
+    started = [f.result() for f in futures if f.exception() is None]
+    failed = [f.exception() for f in futures if f.exception() is not None]
+    if failed:
+        stop_all(started)
+        raise failed[0]  # type: ignore[misc]
+    return started
+
+
+def stop_all(services: list[Service]) -> None:
+    with ThreadPoolExecutor(max(1, len(services))) as pool:
+        list(pool.map(Service.stop, services))
+
+
+@dataclass(frozen=True, slots=True)
+class StackConfig:
+    """A deployment's flags; two arms with equal configs can share one deployment (whose step log is the first's)."""
+
+    kv_cache_bytes: int  # per executor
+    block_size: int = 16
+    executor_args: tuple[str, ...] = ()
+    scheduler_args: tuple[str, ...] = ()
+    executors: int = 1
+    namespace: str = "pagedserve"
+    step_log: Path | None = field(default=None, compare=False)  # the scheduler's --step-log, emptied at start
+
+    def scheduler_argv(self) -> list[str]:
+        return [*self.scheduler_args, *(["--step-log", str(self.step_log)] if self.step_log else [])]
+
+
+@dataclass(slots=True)
+class Stack:
+    config: StackConfig
+    redis: RedisServer
+    executors: list[Service]
+    scheduler: Service
+    log_dir: Path
+
+    @property
+    def address(self) -> str:
+        return self.scheduler.address
+
+    def stop(self) -> None:
+        stop_all([self.scheduler, *self.executors])
+        self.redis.stop()
+
+    def __enter__(self) -> Stack:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def start(model_dir: Path, cfg: StackConfig, log_dir: Path) -> Stack:
+    """Redis, then ``cfg.executors`` executors and the scheduler at once; log files named as Cluster names them."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    if cfg.step_log is not None:
+        cfg.step_log.parent.mkdir(parents=True, exist_ok=True)
+        cfg.step_log.unlink(missing_ok=True)
+    redis = RedisServer()
+
+    def executor(i: int) -> Service:
+        port = free_port()
+        return Service("executor_svc", [
+            "--block-size", str(cfg.block_size), *cfg.executor_args, "--model", str(model_dir),
+            "--kv-cache-memory", str(cfg.kv_cache_bytes), "--redis-url", redis.url,
+            "--advertise-address", f"127.0.0.1:{port}", "--namespace", cfg.namespace,
+        ], port, log_dir / f"executor-{i}.log")
+
+    def scheduler() -> Service:
+        return Service("scheduler_svc", ["--redis-url", redis.url, "--namespace", cfg.namespace, *cfg.scheduler_argv()],
+                       free_port(), log_dir / "scheduler-0.log")
+
+    try:
+        started = start_all([*(lambda i=i: executor(i) for i in range(cfg.executors)), scheduler])
+    except BaseException:
+        redis.stop()
+        raise
+    return Stack(cfg, redis, started[:-1], started[-1], log_dir)
+
+
+class Stacks:
+    """At most one live stack: ``get`` returns the live one when its config is equal, else stops it and starts anew.
+
+    Arms that agree on a config run one after the other and share it; ``close`` stops whatever is left.
+    """
+
+    def __init__(self, model_dir: Path) -> None:
+        self.model_dir = model_dir
+        self.live: Stack | None = None
+        self.started = 0  # how many stacks this run started (reported with the arms' wall times)
+
+    def get(self, cfg: StackConfig, log_dir: Path) -> Stack:
+        if self.live is not None and self.live.config == cfg:
+            return self.live
+        self.close()
+        self.live = start(self.model_dir, cfg, log_dir)
+        self.started += 1
+        return self.live
+
+    def close(self) -> None:
+        if self.live is not None:
+            live, self.live = self.live, None
+            live.stop()
