@@ -28,6 +28,7 @@ from benchmarks.reattach import ReattachResult
 from benchmarks.sampling_cost import SamplingPoint, ratio_at, share_at
 from benchmarks.scale_out import ScaleOutConfig, ScaleOutPoint, efficiency
 from benchmarks.structured import StructuredResult
+from benchmarks.parallel import ParallelConfig, ParallelResult
 from benchmarks.shared_prefix import SharedPrefixConfig, SharedPrefixResult
 from benchmarks.stack import StackConfig, Stacks
 from benchmarks.workload import Vocab, Workload, WorkloadSpec, make_workload
@@ -155,11 +156,13 @@ def overhead_keys(points: list[OverheadPoint]) -> dict[str, object]:
     }
 
 
-AUX_KV_BYTES = 256 << 20  # the logprobs and structured arms' deployment: room for either batch, no preemption
+# The logprobs, structured and parallel arms' deployment: room for either batch with no preemption, and for the
+# parallel arm's 8 independent requests whole (8 x 34 blocks of SmolLM2's 46 KB/token: 200 MiB).
+AUX_KV_BYTES = 256 << 20
 
 
 def aux_stack(logs: Path) -> StackConfig:
-    """The deployment the logprobs and structured arms share: SmolLM2, default flags, 256 MiB of KV, a step log."""
+    """The deployment the logprobs, structured and parallel arms share: default flags, 256 MiB of KV, a step log."""
     return StackConfig(AUX_KV_BYTES, step_log=logs / "aux" / "steps.jsonl")
 
 
@@ -229,6 +232,7 @@ def run_all(args: argparse.Namespace, cfg: Config, out: Path, started: float) ->
     logprobs: dict | None = None
     structured: StructuredResult | None = None
     shared: SharedPrefixResult | None = None
+    par: ParallelResult | None = None
     scale_cfg = ScaleOutConfig(executors=cfg.scale_out_executors, running=cfg.scale_out_running,
                                window_s=cfg.scale_out_window_s, step_ms=cfg.scale_out_step_ms)
     logs = out / "logs"
@@ -337,6 +341,15 @@ def run_all(args: argparse.Namespace, cfg: Config, out: Path, started: float) ->
         structured = so.run(model_dir, stacks.get(aux_stack(logs), logs / "aux"),
                             so.StructuredConfig(rounds=cfg.structured_rounds))
 
+    def parallel_sampling() -> None:
+        from benchmarks import parallel
+
+        nonlocal par
+        par = parallel.run(model_dir, stacks.get(aux_stack(logs), logs / "aux"),
+                           ParallelConfig(prompt_len=cfg.parallel_prompt_len, output_len=cfg.parallel_output_len,
+                                          seed=args.seed))
+        errors.extend(par.errors)
+
     def shared_prefix() -> None:
         from benchmarks import shared_prefix as sp
 
@@ -352,8 +365,8 @@ def run_all(args: argparse.Namespace, cfg: Config, out: Path, started: float) ->
         sp.hf_continuous(shared, spc, hf_model())
 
     # Real deployments first, arms with equal flags one after the other so that they share one (the short run, the
-    # shared-prefix arm's pagedserve run and the long run when they have one KV budget; the logprobs and structured
-    # arms); then the stub executors' arms; then transformers, in this process.
+    # shared-prefix arm's pagedserve run and the long run when they have one KV budget; the logprobs, structured and
+    # parallel arms); then the stub executors' arms; then transformers, in this process.
     if "pagedserve" in cfg.arms:
         attempt("pagedserve (+ preemption probe)", paged, share=True)
     if "shared_prefix" in cfg.arms:
@@ -363,7 +376,9 @@ def run_all(args: argparse.Namespace, cfg: Config, out: Path, started: float) ->
     if "logprobs_cost" in cfg.arms:
         attempt("logprobs cost", logprobs_cost, share=True)
     if "structured" in cfg.arms:
-        attempt("JSON-schema constraint cost", structured_cost)
+        attempt("JSON-schema constraint cost", structured_cost, share=True)
+    if "parallel" in cfg.arms:
+        attempt("parallel sampling (n=8) KV blocks", parallel_sampling)
     if "kv_spread" in cfg.arms:
         attempt("KV usage spread", kv_spread)
     if "overhead" in cfg.arms:
@@ -414,6 +429,7 @@ def run_all(args: argparse.Namespace, cfg: Config, out: Path, started: float) ->
                         shared.ratio() if shared else None, 2.0, True, "x"),
         analysis.Target("prefill tokens computed, caching on / off, shared prefix", "<= 0.2",
                         shared.prefill_ratio() if shared else None, 0.2, False),
+        analysis.Target("KV blocks at peak, n=8 / 8 requests", "<= 0.3", par.ratio() if par else None, 0.3, False),
     ]
     plots = {
         "throughput": report.plot_throughput(arms, out),
@@ -441,6 +457,8 @@ def run_all(args: argparse.Namespace, cfg: Config, out: Path, started: float) ->
         "throughput_ratio_vs_hf_continuous_shared_prefix": shared.ratio() if shared else None,
         "prefill_tokens_ratio_shared_prefix": shared.prefill_ratio() if shared else None,
         "shared_prefix": shared.as_dict() if shared else None,
+        "n8_block_ratio": par.ratio() if par else None,
+        "parallel_sampling": par.as_dict() if par else None,
         "workload": short.workload.describe(),
         "model": str(model_dir),
         "kv_budget_bytes": short.budget_bytes,

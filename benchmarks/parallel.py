@@ -1,7 +1,7 @@
 """The parallel-sampling arm: one request with ``n`` = 8 against eight requests of their own.
 
-One deployment (the arm's model, a KV budget that holds the eight independent
-requests whole), two rounds on it, one after the other: a request with a
+One deployment (the logprobs and structured arms' own, whose KV holds the
+eight independent requests whole), two rounds on it, one after the other: a request with a
 512-token prompt asking for 8 seeded completions (``sampling.n``), then the
 same prompt as 8 requests of their own with seeds seed + i (what completion i
 samples with) and a distinct ``cache_salt`` each, so that nothing is shared
@@ -26,15 +26,11 @@ import grpc
 import numpy as np
 
 from benchmarks.arm_pagedserve import read_steps
-from benchmarks.config import kv_bytes_per_token
+from benchmarks.stack import Stack
 from benchmarks.workload import Vocab
-from pagedserve.launch import Cluster
 from pagedserve.rpc import CHANNEL_OPTIONS
 from pagedserve.v1 import generation_pb2 as pb
 from pagedserve.v1 import generation_pb2_grpc as pb_grpc
-
-BLOCK_SIZE = 16
-
 
 @dataclass(frozen=True, slots=True)
 class ParallelConfig:
@@ -90,24 +86,19 @@ async def _rounds(address: str, prompt: list[int], cfg: ParallelConfig) -> dict[
     return out
 
 
-def run(model_dir: Path, cfg: ParallelConfig, log_dir: Path) -> ParallelResult:
+def run(model_dir: Path, deployment: Stack, cfg: ParallelConfig) -> ParallelResult:
+    """On a live deployment with a step log whose pool holds the ``n`` independent requests whole."""
     out = ParallelResult(cfg)
+    step_log = deployment.config.step_log
+    if step_log is None:
+        raise ValueError("the parallel arm reads the scheduler's step log: its deployment needs one")
     vocab = Vocab.from_model_dir(model_dir)
     prompt = [int(t) for t in np.random.default_rng(cfg.seed).integers(vocab.low, vocab.size, cfg.prompt_len)]
-    per_request = -(-(cfg.prompt_len + cfg.output_len) // BLOCK_SIZE)
-    blocks = cfg.n * per_request + 16
-    step_log = log_dir / "steps.jsonl"
-    step_log.unlink(missing_ok=True)
-    log_dir.mkdir(parents=True, exist_ok=True)
-    budget = blocks * BLOCK_SIZE * kv_bytes_per_token(model_dir)
-    with Cluster(str(model_dir), block_size=BLOCK_SIZE, kv_cache_memory=budget,
-                 scheduler_args=["--step-log", str(step_log), "--max-n", str(max(cfg.n, 16))],
-                 executor_args=["--max-model-len", str(cfg.prompt_len + cfg.output_len + BLOCK_SIZE)],
-                 log_dir=log_dir) as cluster:
-        rounds = asyncio.run(_rounds(cluster.address, prompt, cfg))
+    rounds = asyncio.run(_rounds(deployment.address, prompt, cfg))
     steps = read_steps(step_log, 0)
+    block = deployment.config.block_size
     for name, (wall, duration, tokens) in rounds.items():
-        held = [s["allocated_slots"] // BLOCK_SIZE for s in steps if wall <= s["t"] <= wall + duration + 0.5]
+        held = [s["allocated_slots"] // block for s in steps if wall <= s["t"] <= wall + duration + 0.5]
         out.peak_blocks[name] = int(max(held, default=0))
         out.output_tokens_per_s[name] = tokens / duration if duration > 0 else 0.0
         out.tokens[name] = tokens

@@ -79,6 +79,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="requests of the logprobs_cost arm, sent at once (default: 32)")
     p.add_argument("--logprobs-rounds", type=int, default=None,
                    help="plain / logprobs rounds of the logprobs_cost arm (default: quick 2, full 3)")
+    p.add_argument("--parallel-prompt-len", type=int, default=None,
+                   help="prompt tokens of the parallel arm's n=8 request and its 8 independent twins (default: 512)")
+    p.add_argument("--parallel-output-len", type=int, default=None,
+                   help="tokens each of the parallel arm's 8 completions generates (default: 32)")
     p.add_argument("--structured-rounds", type=int, default=None,
                    help="plain / JSON-schema batch pairs of the structured arm (default: quick 2, full 5)")
     p.add_argument("--machine-batches", type=int, nargs="+", default=None,
@@ -142,6 +146,8 @@ def build_config(args: argparse.Namespace) -> Config:
         long_max_total_len=pick(args.long_max_total_len, base.long_max_total_len),
         long_kv_budget_tokens=pick(args.long_kv_budget_tokens, base.long_kv_budget_tokens),
         long_static_requests=pick(args.long_static_requests, base.long_static_requests),
+        parallel_prompt_len=pick(args.parallel_prompt_len, base.parallel_prompt_len),
+        parallel_output_len=pick(args.parallel_output_len, base.parallel_output_len),
         shared_prefix_requests=pick(args.shared_prefix_requests, base.shared_prefix_requests),
         shared_prefix_system_len=pick(args.shared_prefix_system_len, base.shared_prefix_system_len),
         shared_prefix_budget_tokens=pick(args.shared_prefix_budget_tokens, base.shared_prefix_budget_tokens),

@@ -22,7 +22,7 @@ NUMERIC_KEYS = ("throughput_ratio_vs_hf_static", "throughput_ratio_vs_hf_continu
                 "throughput_ratio_vs_hf_static_long", "kv_utilization_steady_state_long",
                 "logprobs_top5_tokens_per_s_ratio", "json_schema_tokens_per_s_ratio", "json_schema_mask_fill_us_per_token",
                 "json_schema_mask_apply_ms_per_step", "throughput_ratio_vs_hf_continuous_shared_prefix",
-                "prefill_tokens_ratio_shared_prefix")
+                "prefill_tokens_ratio_shared_prefix", "n8_block_ratio")
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +57,7 @@ def test_harness_writes_report(tiny_model: Path, tmp_path: Path, capsys: pytest.
         "--kv-spread-budget-tokens", "256", "--kv-spread-requests", "32",
         "--reattach-requests", "4", "--reattach-rounds", "1", "--reattach-failover-rounds", "1",
         "--sampling-batches", "1", "32", "--sampling-reps", "2", "--logprobs-requests", "4", "--logprobs-rounds", "1",
-        "--structured-rounds", "1",
+        "--structured-rounds", "1", "--parallel-prompt-len", "40", "--parallel-output-len", "8",
         "--machine-batches", "1", "32", "--machine-reps", "2", "--gemm-size", "256",
         # The long run's budget is the short run's: the harness then serves both (and the shared-prefix arm's
         # pagedserve run) on one deployment, as the quick configuration does the short and shared-prefix runs.
@@ -71,8 +71,9 @@ def test_harness_writes_report(tiny_model: Path, tmp_path: Path, capsys: pytest.
     summary = json.loads((out / "summary.json").read_text())
     assert summary["errors"] == []
     walls = summary["arm_wall_time_s"]
-    assert len(walls) == 16 and all(isinstance(v, int | float) and v >= 0 for v in walls.values())
-    assert summary["deployments_started"] == 2, "short, shared-prefix and long runs on one; logprobs and structured"
+    assert len(walls) == 17 and all(isinstance(v, int | float) and v >= 0 for v in walls.values())
+    assert summary["deployments_started"] == 2, ("short, shared-prefix and long runs on one; logprobs, structured and "
+                                                 "parallel on the other")
     assert set(summary["output_tokens_per_s"]) == {"pagedserve", "hf_static", "hf_continuous"}
     values = [*summary["output_tokens_per_s"].values(), *(summary[k] for k in NUMERIC_KEYS)]
     assert all(isinstance(v, int | float) and math.isfinite(v) for v in values)
@@ -120,7 +121,13 @@ def test_harness_writes_report(tiny_model: Path, tmp_path: Path, capsys: pytest.
     assert long["workload"]["num_requests"] == 3 and long["kv_budget_tokens"] == 256
     assert long["hf_static_requests"] == 2 and long["arms"]["hf_static"]["num_requests"] == 2
     assert long["arms"]["pagedserve"]["num_requests"] == long["arms"]["hf_continuous"]["num_requests"] == 3
-    assert len(summary["targets"]) == 11  # the streams figures are informational: no target
+    assert len(summary["targets"]) == 12  # the streams figures are informational: no target
+    par = summary["parallel_sampling"]
+    # 40-token prompt, 8 tokens each: 2 shared blocks + 8 x 2 (a partial-block copy, then room for the tokens)
+    # against 8 x 3 blocks; the ratio is the arm's own reading of the step log.
+    assert par["tokens"] == {"n": 64, "independent": 64}
+    assert 0 < par["peak_blocks"]["n"] < par["peak_blocks"]["independent"]
+    assert summary["n8_block_ratio"] == par["peak_blocks"]["n"] / par["peak_blocks"]["independent"]
     shared = summary["shared_prefix"]
     # Quick: no caching-off run; its count is the prompt tokens (a lower bound of what it computes).
     assert shared["workload"]["num_requests"] == 4 and shared["prefill_tokens_off_source"] == "prompt_tokens"
