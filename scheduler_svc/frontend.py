@@ -385,16 +385,16 @@ class Frontend:
         return _Stream(req.request_id, len(req.prompt_ids), Detokenizer(self.tokenizer, stop), submitted,
                        logprobs=req.params.logprobs is not None, group=req.group, index=req.index, **kw)
 
-    async def _views(self, streams: list[_Stream], queues: list[asyncio.Queue[tuple[str, Any]]],
-                     firsts: list[list[Chunk]], touch: bool = False) -> AsyncIterator[Chunk]:
-        """The attached streams of a request, or of a group's completions merged into one. A drain
-        or a Redis outage ends them all, leaving every completion running: the client resumes the
-        group from the least offset of the completions that had not ended."""
+    def _views(self, streams: list[_Stream], queues: list[asyncio.Queue[tuple[str, Any]]],
+               firsts: list[list[Chunk]], touch: bool = False) -> AsyncIterator[Chunk]:
+        """The attached stream of a request (no extra layer: a decode step streams hundreds of
+        chunks), or its completions' streams merged into one (``_merged``)."""
         views = [self._attached(s, q, f, touch) for s, q, f in zip(streams, queues, firsts)]
-        if len(views) == 1:
-            async for chunk in views[0]:
-                yield chunk
-            return
+        return views[0] if len(views) == 1 else self._merged(streams, views)
+
+    async def _merged(self, streams: list[_Stream], views: list[AsyncIterator[Chunk]]) -> AsyncIterator[Chunk]:
+        """A drain or a Redis outage ends every completion's stream, leaving them all running: the
+        client resumes the group from the least offset of the completions that had not ended."""
         detached: list[int] = []
 
         def keep_running(exc: BaseException) -> None:
