@@ -21,7 +21,7 @@ from redis.client import NEVER_DECODE
 
 from pagedserve.keys import Keys
 from pagedserve.members import now_ms
-from scheduler_svc import codec, scripts
+from scheduler_svc import codec, parallel, scripts
 from scheduler_svc.core.placement import Candidate, PoolView
 from scheduler_svc.core.request import Finish, Request
 from scheduler_svc.restore import Snapshot
@@ -117,7 +117,7 @@ class RedisStore:
         k, head = self.keys, reqs[0]
         group = head.group
         # The other name of the request: a group's own id, or the completion 0 a group of this id would have.
-        other = k.req(group) if group else k.req(f"{head.request_id}#0")
+        other = k.req(group) if group else k.req(parallel.completion_id(head.request_id, 0))
         keys = [k.arrival, k.queue, k.live, k.incoming, k.attached, k.counters, other]
         args: list[object] = [len(reqs), max_pending, len(head.prompt_ids), head.params.max_tokens, head.priority,
                               repr(codec.queue_entry(0, "", head.priority, policy)[0]), now_ms(), trace,
@@ -138,7 +138,7 @@ class RedisStore:
     async def group_size(self, request_id: str) -> int:
         """How many completions the request ``request_id`` has if it asked for sampling.n > 1 (read
         from its completion 0); 0 if it is not such a request."""
-        group, n = await self.r.hmget(self.keys.req(f"{request_id}#0"), "grp", "gn")
+        group, n = await self.r.hmget(self.keys.req(parallel.completion_id(request_id, 0)), "grp", "gn")
         return int(n) if group == request_id and n else 0
 
     async def cancel(self, request_id: str, reason: Finish) -> bool:
