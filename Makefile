@@ -47,8 +47,11 @@ prometheus:
 	  update-rc.d prometheus disable >/dev/null 2>&1; deb-systemd-helper disable prometheus.service >/dev/null 2>&1; \
 	  command -v promtool >/dev/null; }
 
+# Two pytest-xdist workers, a test module each at a time (its module-scoped deployment started once): the suite
+# is CPU-bound (process starts, models, the state machine), and one worker left a core idle half the time.
+TEST_WORKERS ?= 2
 test: install prometheus
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadscope
 
 # The fuzzing campaign of tests/test_fuzz.py, long: FUZZ_EXAMPLES batches of calls against one live stack
 # (make test runs a bounded number). Prints how many ran; the JSON summary lands in .cache/fuzz-summary.json.

@@ -93,8 +93,8 @@ def make_config(dry_run: bool) -> Config:
         return Config(
             dry_run=True, device="cpu", dtype="float32", kernel_dtype="fp32",
             budgets_s={"kernels": 60.0, "e2e": 120.0},
-            identity_prompts=4, identity_lengths=(3, 15, 17, 33), identity_max_tokens=10,
-            tput_requests=4, tput_prompt_tokens=16, tput_max_tokens=8,
+            identity_prompts=4, identity_lengths=(3, 15, 17, 33), identity_max_tokens=6,
+            tput_requests=4, tput_prompt_tokens=16, tput_max_tokens=4,
             executor_args=("--device", "cpu", "--dtype", "float32", "--attention-backend", "triton",
                            "--kv-cache-memory", str(4 << 20), "--swap-space", "0"),
             rpc_timeout_s=60.0,

@@ -4,9 +4,9 @@ For each loop (serial: ``--no-async-scheduling``; pipelined: the default) and
 each running target R a stub (``--step-ms``: a simulated forward pass, 20 ms by
 default) and scheduler (``--max-num-seqs R``, its own Redis namespace) get R
 long requests, then more until W wait behind them; requests never finish
-during a window (long ``max_tokens``, ``ignore_eos``). Lower running levels
-with none waiting are measured on the way up, on the next level's stub and
-scheduler (``chains``). From ``--step-log``:
+during a window (long ``max_tokens``, ``ignore_eos``). Running levels with
+none waiting are measured on the way up on one stub and scheduler; each level
+with requests waiting gets its own (``chains``). From ``--step-log``:
 the executor's wait between two steps (``idle_ms``, measured by the stub: from
 the end of one step to the start of the next, the scheduler's critical path),
 its duty cycle (time inside steps / (that + the waits)), and the loop's own
@@ -22,8 +22,6 @@ import itertools
 import json
 import logging
 import time
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,8 +29,7 @@ import grpc
 import numpy as np
 
 from benchmarks.arm_pagedserve import request_pb
-from benchmarks.stack import stop_all
-from pagedserve.procs import RedisServer, Service, free_port
+from pagedserve.procs import RedisServer, Service, free_port, start_all, stop_all
 from pagedserve.rpc import CHANNEL_OPTIONS
 from pagedserve.v1 import generation_pb2_grpc as pb_grpc
 
@@ -118,20 +115,17 @@ Point = tuple[int, int]  # (running, waiting)
 
 
 def chains(levels: list[tuple[int, list[int]]]) -> list[list[Point]]:
-    """The points of ascending running levels (each with its waiting levels) grouped into chains of one deployment.
+    """The points of ``levels`` (running levels, each with its waiting levels) grouped into chains of one deployment.
 
-    A point with requests waiting needs ``--max-num-seqs`` equal to its running level; one with none waiting only
-    needs it at least as large, so levels with no waiting join the next level's deployment, filled request by
-    request from one point to the next instead of a fresh stub and scheduler each.
+    The points with none waiting form one chain, filled request by request from one running level to the next on
+    one stub and scheduler (``--max-num-seqs`` the largest). A level's points with requests waiting need
+    ``--max-num-seqs`` equal to it and form a chain of their own on a fresh deployment, its running and first
+    waiting requests sent at once: thousands of requests sent to a deployment already streaming tokens to dozens
+    were seen to take over a minute to queue on 2 cores.
     """
-    out: list[list[Point]] = []
-    chain: list[Point] = []
-    for running, waiting in sorted(levels):
-        chain += [(running, w) for w in sorted(waiting)]
-        if any(w > 0 for w in waiting):
-            out.append(chain)
-            chain = []
-    return out + ([chain] if chain else [])
+    idle = [(running, 0) for running, waiting in sorted(levels) if 0 in waiting]
+    queued = [[(running, w) for w in sorted(waiting) if w > 0] for running, waiting in sorted(levels)]
+    return [c for c in (idle, *queued) if c]
 
 
 async def _sweep_chain(address: str, step_log: Path, chain: list[Point], window_s: float, prompt: list[int],
@@ -189,14 +183,14 @@ def sweep(model_dir: Path, grid: Grid, window_s: float, log_dir: Path, prompt_le
     try:
         for _, group in itertools.groupby(runs, key=lambda c: c[0][-1][0]):
             group = list(group)
-            deployments = _deploy_all([functools.partial(_deploy, model_dir, redis.url, chain[-1][0], loop, log_dir,
+            deployments = start_all([functools.partial(_deploy, model_dir, redis.url, chain[-1][0], loop, log_dir,
                                                          len(prompt), step_ms) for chain, loop in group])
             try:
                 for (chain, loop), dep in zip(group, deployments):
                     points += asyncio.run(_sweep_chain(dep.address, dep.step_log, chain, window_s, prompt, reach_s,
                                                        loop, step_ms))
             finally:
-                stop_all([svc for dep in deployments for svc in (dep.scheduler, dep.stub)])
+                stop_all(deployments)
     finally:
         redis.stop()
     return sorted(points, key=lambda p: (p.running, p.waiting, order.index(p.loop)))
@@ -212,16 +206,8 @@ class ChainDeployment:
     def address(self) -> str:
         return self.scheduler.address
 
-
-def _deploy_all(starters: list[Callable[[], ChainDeployment]]) -> list[ChainDeployment]:
-    """Start deployments in parallel; all or none."""
-    with ThreadPoolExecutor(max(1, len(starters))) as pool:
-        futures = [pool.submit(f) for f in starters]
-    failed = [f.exception() for f in futures if f.exception() is not None]
-    if failed:
-        stop_all([svc for f in futures if f.exception() is None for svc in (f.result().scheduler, f.result().stub)])
-        raise failed[0]  # type: ignore[misc]
-    return [f.result() for f in futures]
+    def stop(self) -> None:
+        stop_all([self.scheduler, self.stub])
 
 
 def _deploy(model_dir: Path, redis_url: str, running: int, loop: str, log_dir: Path, prompt_len: int,

@@ -41,9 +41,8 @@ import redis
 
 from benchmarks.arm_pagedserve import request_pb
 from benchmarks.overhead import LONG_OUTPUT, StepTail
-from benchmarks.stack import start_all, stop_all
 from pagedserve.keys import Keys
-from pagedserve.procs import RedisServer, Service, free_port
+from pagedserve.procs import RedisServer, Service, free_port, start_all, stop_all
 from pagedserve.rpc import CHANNEL_OPTIONS
 from pagedserve.v1 import generation_pb2_grpc as pb_grpc
 

@@ -1,39 +1,18 @@
 """Real deployments for the benchmark arms, every process started at once, and reused by arms that agree on one.
 
 ``start`` deploys what ``pagedserve.launch.Cluster`` deploys (redis-server, executors that register themselves in
-one namespace with the same flags, one scheduler without ``--executor``), but starts the executors and the scheduler
-in parallel: a scheduler reports SERVING once an executor has registered and served it the tokenizer, so nothing
-needs Cluster's one-after-the-other order, and on 2 cores the executor's start (torch, the model) overlaps the
-scheduler's (its imports). ``Stacks`` keeps the last stack it started and hands it to the next arm that asks for an
+one namespace with the same flags, one scheduler without ``--executor``, all started at once: ``procs.start_all``)
+from a ``StackConfig``. ``Stacks`` keeps the last stack it started and hands it to the next arm that asks for an
 identical ``StackConfig``, so arms grouped one after the other share a deployment instead of starting their own.
 A stack that is not running a request is idle (its loop blocks on the doorbell), so an arm measures its own work.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pagedserve.procs import RedisServer, Service, free_port
-
-
-def start_all(starters: list[Callable[[], Service]]) -> list[Service]:
-    """Start services in parallel (each waits for its health check), in order; all or none."""
-    with ThreadPoolExecutor(max(1, len(starters))) as pool:
-        futures = [pool.submit(f) for f in starters]
-    started = [f.result() for f in futures if f.exception() is None]
-    failed = [f.exception() for f in futures if f.exception() is not None]
-    if failed:
-        stop_all(started)
-        raise failed[0]  # type: ignore[misc]
-    return started
-
-
-def stop_all(services: list[Service]) -> None:
-    with ThreadPoolExecutor(max(1, len(services))) as pool:
-        list(pool.map(Service.stop, services))
+from pagedserve.procs import RedisServer, Service, free_port, start_all, stop_all
 
 
 @dataclass(frozen=True, slots=True)

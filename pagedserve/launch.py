@@ -9,6 +9,7 @@ manager for tests and benchmarks.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import signal
@@ -25,7 +26,7 @@ import grpc
 from pagedserve.auth import SecretFile
 from pagedserve.devcerts import DevCerts
 from pagedserve.devcerts import write as write_devcerts
-from pagedserve.procs import RedisServer, Service, free_port
+from pagedserve.procs import RedisServer, Service, free_port, start_all, stop_all
 from pagedserve.redis_check import where
 from pagedserve.rpc import LIVENESS
 from pagedserve.security import channel_credentials
@@ -34,7 +35,8 @@ from pagedserve.security import channel_credentials
 class Cluster:
     """``executors`` executor processes register in Redis (``--redis-url``,
     ``--advertise-address``) under ``namespace``; one scheduler (no
-    ``--executor``) serves them all. More of either can be started later.
+    ``--executor``) serves them all. All start at once (``procs.start_all``);
+    more of either can be started later.
 
     ``tls`` (a ``pagedserve.devcerts`` set): TLS on every port, mutual TLS between
     scheduler and executors. ``api_key_file``: the scheduler requires a key from it;
@@ -86,10 +88,13 @@ class Cluster:
                 self._redis = RedisServer()
                 redis_url = self._redis.url
             self.redis_url = redis_url
-            for i in range(executors):
-                self.add_executor(port=executor_port if i == 0 else None)
             http = ["--http-port", str(http_port)] if http_port else []
-            self.start_scheduler([*http, *(scheduler_args or [])], port, ready="" if executors else LIVENESS)
+            *self.executors, first = start_all([
+                *(functools.partial(self._executor, i, [], executor_port if i == 0 else None) for i in range(executors)),
+                functools.partial(self._scheduler, 0, [*http, *(scheduler_args or [])], port,
+                                  "" if executors else LIVENESS),
+            ])
+            self.schedulers.append(first)
         except BaseException:
             self.close()
             raise
@@ -122,12 +127,7 @@ class Cluster:
         """Start one more executor; it registers itself and schedulers pick it up. ``secure``
         False: without the cluster's TLS and token flags (pass your own in ``args``, and
         ``credentials`` for its health check if its port speaks TLS)."""
-        port = port or free_port()
-        svc = Service("executor_svc", [
-            *self._executor_args, "--redis-url", self.redis_url, "--advertise-address", f"127.0.0.1:{port}",
-            "--namespace", self.namespace, *(self._executor_security if secure else []), *(args or []),
-        ], port, self.log_dir / f"executor-{len(self.executors)}.log",
-            credentials=self.internal_credentials if secure else credentials)
+        svc = self._executor(len(self.executors), args or [], port, secure, credentials)
         self.executors.append(svc)
         return svc
 
@@ -136,17 +136,30 @@ class Cluster:
         """Start one more scheduler replica (API and loops) on the same namespace; ``ready``
         as for ``Service`` (a scheduler is SERVING only once an executor serves); ``secure``
         and ``credentials`` as for ``add_executor``."""
-        svc = Service(
+        svc = self._scheduler(len(self.schedulers), args, port, ready, secure, credentials)
+        self.schedulers.append(svc)
+        return svc
+
+    def _executor(self, i: int, args: list[str], port: int | None, secure: bool = True,
+                  credentials: grpc.ChannelCredentials | None = None) -> Service:
+        port = port or free_port()
+        return Service("executor_svc", [
+            *self._executor_args, "--redis-url", self.redis_url, "--advertise-address", f"127.0.0.1:{port}",
+            "--namespace", self.namespace, *(self._executor_security if secure else []), *args,
+        ], port, self.log_dir / f"executor-{i}.log",
+            credentials=self.internal_credentials if secure else credentials)
+
+    def _scheduler(self, i: int, args: list[str], port: int | None, ready: str, secure: bool = True,
+                   credentials: grpc.ChannelCredentials | None = None) -> Service:
+        return Service(
             "scheduler_svc",
             ["--redis-url", self.redis_url, "--namespace", self.namespace,
              *(self._scheduler_security if secure else []), *args],
             port or free_port(),
-            self.log_dir / f"scheduler-{len(self.schedulers)}.log",
+            self.log_dir / f"scheduler-{i}.log",
             ready=ready,
             credentials=self.credentials if secure else credentials,
         )
-        self.schedulers.append(svc)
-        return svc
 
     @property
     def executor(self) -> Service:
@@ -161,8 +174,8 @@ class Cluster:
         return self.scheduler.address
 
     def close(self) -> None:
-        for svc in [*self.schedulers, *self.executors]:
-            svc.stop()
+        stop_all(self.schedulers)  # first: a scheduler stopping may still talk to its executors
+        stop_all(self.executors)
         if self._redis is not None:
             self._redis.stop()
 

@@ -13,8 +13,10 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Protocol, TypeVar
 from urllib.parse import quote
 
 import grpc
@@ -169,3 +171,30 @@ class Service:
 
     def stop(self) -> None:
         _stop(self.proc)
+
+
+class Stoppable(Protocol):
+    def stop(self) -> None: ...
+
+
+S = TypeVar("S", bound=Stoppable)
+
+
+def start_all(starters: Sequence[Callable[[], S]]) -> list[S]:
+    """Run the starters at once (each a ``Service`` or a group of them that waits for its own health check), results
+    in order; all or none: if one fails, the others are stopped and its error raised. A scheduler reports SERVING
+    once an executor has registered and served it the tokenizer, so nothing needs the services started one after
+    the other, and on 2 cores an executor's start (torch, the model) overlaps a scheduler's (its imports)."""
+    with ThreadPoolExecutor(max(1, len(starters))) as pool:
+        futures = [pool.submit(f) for f in starters]
+    failed = [f.exception() for f in futures if f.exception() is not None]
+    if failed:
+        stop_all([f.result() for f in futures if f.exception() is None])
+        raise failed[0]  # type: ignore[misc]
+    return [f.result() for f in futures]
+
+
+def stop_all(services: Sequence[Stoppable]) -> None:
+    """Stop them at once (each waits for its process to exit)."""
+    with ThreadPoolExecutor(max(1, len(services))) as pool:
+        list(pool.map(lambda s: s.stop(), services))

@@ -1,44 +1,22 @@
-"""``python -m scheduler_svc``: the public Generation API and the scheduling loops."""
+"""``python -m scheduler_svc``: the public Generation API and the scheduling loops.
+
+Flags are parsed here; role ``all`` and ``frontend`` run ``replica.serve``, role ``loop``
+runs ``loop_process.run_loops``."""
 
 from __future__ import annotations
 
 import argparse
-import asyncio
-import functools
-import logging
 import os
-import socket
 import sys
-import uuid
 from pathlib import Path
 
-import grpc
-import redis.asyncio as aioredis
-from grpc_health.v1 import health
-from prometheus_client import CollectorRegistry
-
-from pagedserve import logs, metrics, rpc, tracing
-from pagedserve.auth import SecretFile, api_key_interceptor
-from pagedserve.keys import Keys
-from pagedserve.members import Registry
-from pagedserve.procs import free_port
-from pagedserve.redis_check import require as require_redis
-from pagedserve.security import (Dialer, ReloadingCertificate, ReloadingSSLContext, TLSFiles, reload_on_sighup,
-                                 server_tls)
-from scheduler_svc import codec, openai_http
-from scheduler_svc.attachments import DETACH_TIMEOUT_S, Attachments
+from pagedserve import logs, rpc
+from pagedserve.auth import SecretFile
+from pagedserve.security import Dialer, TLSFiles
+from scheduler_svc import codec, validate
+from scheduler_svc.attachments import DETACH_TIMEOUT_S
 from scheduler_svc.core.queue import POLICIES
-from scheduler_svc.core.scheduler import PREEMPTION_MODES, SchedulerConfig
-from scheduler_svc.bus import EventBus
-from scheduler_svc.frontend import Frontend
-from scheduler_svc.manager import Manager
-from scheduler_svc.metrics import FrontendMetrics, LoopMetrics, NamespaceMetrics
-from scheduler_svc import validate
-from scheduler_svc.server import SERVICE_NAME, GenerationServicer, add_to_server
-from scheduler_svc.store import RedisStore
-from scheduler_svc.watch import ClusterWatch
-
-log = logging.getLogger("scheduler_svc")
+from scheduler_svc.core.scheduler import PREEMPTION_MODES
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -178,160 +156,14 @@ def _admission_arguments(p: argparse.ArgumentParser) -> None:
                         "transport refuses messages over the larger of this and 4 MiB with RESOURCE_EXHAUSTED)")
 
 
-def _caps(args: argparse.Namespace) -> validate.Caps:
-    return validate.Caps(max_stop_strings=args.max_stop_strings, max_stop_string_length=args.max_stop_string_length,
-                         max_prompt_bytes=args.max_prompt_bytes, max_logprobs=args.max_logprobs,
-                         max_grammar_bytes=args.max_grammar_bytes, max_n=args.max_n)
-
-
-def _scheduler_config(args: argparse.Namespace) -> SchedulerConfig:
-    """Per executor, ``max_model_len`` 0 becomes that executor's own."""
-    return SchedulerConfig(
-        max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        policy=args.policy,
-        preemption_mode=args.preemption_mode,
-        watermark=args.watermark,
-        enable_prefix_caching=args.enable_prefix_caching,
-    )
-
-
-async def run_loops(args: argparse.Namespace) -> None:
-    """The scheduling loops alone: lead this replica's share of the executors."""
-    # Each loop holds a connection while it waits on the doorbell stream.
-    pool = aioredis.BlockingConnectionPool.from_url(args.redis_url, max_connections=256, timeout=None,
-                                                     decode_responses=True)
-    client = aioredis.Redis.from_pool(pool)
-    keys = Keys(args.namespace)
-    step_log = open(args.step_log, "a") if args.step_log else None  # noqa: SIM115 - lives as long as the loops
-    replica = args.replica_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-    registry = CollectorRegistry()
-    metrics.serve(args.metrics_port, registry, args.metrics_host)
-    traces = tracing.setup("scheduler_svc", args.otlp_traces_endpoint)
-    manager = Manager(RedisStore(client, args.namespace, args.result_ttl), Registry(client, keys),
-                      _scheduler_config(args), replica, lease_ms=args.lease_ms, static=args.executor,
-                      executor_timeout=args.executor_timeout, detach_timeout=args.detach_timeout, step_log=step_log,
-                      metrics=LoopMetrics(registry), namespace_metrics=NamespaceMetrics(registry),
-                      tracer=traces.tracer if traces else None, dial=args.dialer.channel,
-                      async_scheduling=args.async_scheduling)
-    stop = await rpc.stop_on_signals()
-    reload_on_sighup([args.internal_token])
-    await manager.run(stop)
-    if traces is not None:
-        traces.shutdown()
-    await client.aclose()
-    if step_log:
-        step_log.close()
-
-
-async def _supervise(args: argparse.Namespace, stop: asyncio.Event, metrics_port: int) -> None:
-    """Run the loops as ``python -m scheduler_svc --role loop`` with the same flags, and
-    keep that process alive; if it dies, other replicas take its leases meanwhile. Its
-    metrics are served on ``metrics_port`` of the loopback (0: off)."""
-    argv = [sys.executable, "-m", "scheduler_svc", *args.argv, "--role", "loop", "--metrics-port", str(metrics_port),
-            "--metrics-host", "127.0.0.1"]
-    proc: asyncio.subprocess.Process | None = None
-    while not stop.is_set():
-        if proc is None or proc.returncode is not None:
-            if proc is not None:
-                log.error("scheduling loop process exited with %s; restarting it", proc.returncode)
-            proc = await asyncio.create_subprocess_exec(*argv)
-        try:
-            await asyncio.wait_for(stop.wait(), 1.0)
-        except TimeoutError:
-            pass
-    if proc is not None and proc.returncode is None:
-        proc.terminate()
-        try:
-            await asyncio.wait_for(proc.wait(), 10)
-        except TimeoutError:
-            proc.kill()
-
-
-def _public_server(args: argparse.Namespace, frontend: Frontend,
-                   certificate: ReloadingCertificate | None) -> tuple[grpc.aio.Server, health.HealthServicer, int]:
-    """The public gRPC port: the Generation service with its limits, TLS and API keys (not started)."""
-    return rpc.make_server(
-        f"{args.host}:{args.port}",
-        [(functools.partial(add_to_server, max_request_bytes=args.max_request_bytes), GenerationServicer(frontend),
-          SERVICE_NAME)],
-        reflect=True,
-        credentials=certificate.credentials() if certificate else None,
-        interceptors=[api_key_interceptor(args.api_keys)] if args.api_keys else (),
-        max_receive_bytes=max(rpc.PUBLIC_MAX_MESSAGE_BYTES, args.max_request_bytes),
-        max_concurrent_streams=rpc.PUBLIC_MAX_CONCURRENT_STREAMS,
-    )
-
-
-async def serve(args: argparse.Namespace) -> None:
-    """The public API (and, with role ``all``, the loops in a child process).
-
-    The loops run in their own process, as vLLM separates its engine core from
-    its API server: streaming and detokenizing for hundreds of requests must
-    not stall the steps the executors wait on. Both sides talk only via Redis.
-    The API answers at once; health says SERVING once an executor serves.
-    """
-    await require_redis(args.redis_url)  # wrong or missing credentials: one clear line, exit 2
-    if args.role == "loop":
-        await run_loops(args)
-        return
-    # Thousands of concurrent streams share a bounded pool and wait for a free
-    # connection instead of failing with "Too many connections".
-    pool = aioredis.BlockingConnectionPool.from_url(args.redis_url, max_connections=64, timeout=None,
-                                                     decode_responses=True)
-    client = aioredis.Redis.from_pool(pool)
-    store = RedisStore(client, args.namespace, args.result_ttl)
-    watch = ClusterWatch(Registry(client, store.keys), args.max_model_len, dial=args.dialer.channel)
-    bus = EventBus(store)
-    attachments = Attachments(store, args.policy, args.detach_timeout)
-    registry = CollectorRegistry()
-    loop_metrics_port = free_port() if args.metrics_port and args.role == "all" else 0
-    if loop_metrics_port:
-        registry.register(metrics.ChildCollector(f"http://127.0.0.1:{loop_metrics_port}/metrics"))
-    metrics.serve(args.metrics_port, registry, args.metrics_host)
-    traces = tracing.setup("scheduler_svc", args.otlp_traces_endpoint)
-    frontend = Frontend(store, bus, watch, args.policy, attachments, FrontendMetrics(registry),
-                        traces.tracer if traces else None, caps=_caps(args), max_pending=args.max_pending_requests)
-    certificate = server_tls(args.tls, verify_clients=False)
-    server, health, port = _public_server(args, frontend, certificate)
-    https = ReloadingSSLContext(certificate.cert, certificate.key) if args.http_port and certificate else None
-    reload_on_sighup([certificate, https, args.api_keys, args.internal_token])
-    await rpc.set_serving(health, [SERVICE_NAME], False)
-    stop = await rpc.stop_on_signals()
-    try:
-        http = await openai_http.serve(frontend, args.http_host, args.http_port, api_keys=args.api_keys, tls=https,
-                                       max_request_bytes=args.max_request_bytes) if args.http_port else None
-    except OSError as exc:
-        raise SystemExit(f"error: {exc}") from None  # one line, exit 1
-    await server.start()
-    tasks = [asyncio.create_task(bus.run(stop)), asyncio.create_task(watch.run(stop, health, [SERVICE_NAME])),
-             asyncio.create_task(attachments.run(stop))]
-    if args.role == "all":
-        tasks.append(asyncio.create_task(_supervise(args, stop, loop_metrics_port)))
-    log.info("scheduler serving on port %d (role %s, namespace %s, %s, %s, executors: %s)", port, args.role,
-             args.namespace, args.policy, args.preemption_mode, ", ".join(args.executor) or "registered")
-    log.info("public port: %s, %s; executors dialled %s%s", "TLS" if certificate else "plaintext",
-             "API key required" if args.api_keys else "no API key", "over TLS" if args.tls.ca else "in plaintext",
-             " with the internal token" if args.internal_token else "")
-    if http is not None:
-        log.info("OpenAI-compatible HTTP on port %d (%s, %s)", http.port, "HTTPS" if http.tls else "plain HTTP",
-                 "API key required" if args.api_keys else "no API key")
-    await stop.wait()
-    # Drain: open streams end UNAVAILABLE (HTTP: an error event) with where to resume; their
-    # requests go on, and this replica's loops hand their leases over as the loop process stops.
-    frontend.drain()
-    await health.enter_graceful_shutdown()
-    await asyncio.gather(server.stop(grace=5), *([http.stop()] if http is not None else []))
-    await asyncio.gather(*tasks, return_exceptions=True)
-    await client.aclose()
-    if traces is not None:
-        traces.shutdown()
-
-
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    rpc.run_service(serve, args, args.log_level, args.log_format)
+    # Each role imports only what it runs: the loops process starts without the frontend's transformers.
+    if args.role == "loop":
+        from scheduler_svc.loop_process import run_loops as run
+    else:
+        from scheduler_svc.replica import serve as run
+    rpc.run_service(run, args, args.log_level, args.log_format)
 
 
 if __name__ == "__main__":

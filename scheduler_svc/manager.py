@@ -35,6 +35,7 @@ from scheduler_svc.store import UNAVAILABLE, RedisStore
 
 log = logging.getLogger(__name__)
 INFO_TIMEOUT_S = 5.0
+TICK_S = 1.0  # at most, between two ticks: how soon an executor that registers gets a loop
 
 
 @dataclass(slots=True)
@@ -81,7 +82,7 @@ class Manager:
                     await self.tick()
                 except UNAVAILABLE as exc:
                     log.warning("redis unavailable (%s); retrying", exc)
-                await _sleep(stop, self.lease_ms / 3000)
+                await _sleep(stop, min(TICK_S, self.lease_ms / 3000))
         finally:
             await self.shutdown()
 

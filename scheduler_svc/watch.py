@@ -1,7 +1,7 @@
 """A frontend's view of its namespace: what requests are checked against, the
 tokenizer, and the truth its health check tells.
 
-Every second it reads the membership from Redis. The replica reports
+Every second (every 0.2 s until it has a tokenizer) it reads the membership from Redis. The replica reports
 SERVING only while Redis answers and at least one compatible executor is
 serving; the tokenizer comes once from the first executor's ``Info`` (a
 scheduler holds no copy of the model).
@@ -10,6 +10,7 @@ scheduler holds no copy of the model).
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import tempfile
 from pathlib import Path
@@ -17,7 +18,7 @@ from typing import Any
 
 import grpc
 from grpc_health.v1 import health
-from transformers import AutoTokenizer
+from transformers import TokenizersBackend
 
 from pagedserve import rpc
 from pagedserve.executor.v1 import executor_pb2 as epb
@@ -29,13 +30,25 @@ from scheduler_svc.validate import Limits
 
 log = logging.getLogger(__name__)
 INTERVAL_S = 1.0
+STARTING_INTERVAL_S = 0.2  # until a tokenizer is loaded: a replica is ready soon after its first executor
 
 
 def load_tokenizer(files: dict[str, bytes]) -> Any:
-    """A tokenizer from the files an executor sent."""
+    """A tokenizer from the files an executor sent, as ``AutoTokenizer`` loads it.
+
+    A ``tokenizer_config.json`` that names ``TokenizersBackend`` (SmolLM2's, and what transformers
+    saves for most models since v5) without custom code is loaded with that class directly: it is
+    the class ``AutoTokenizer`` picks then, and going through ``AutoTokenizer`` would import
+    torch (via its config classes), which a scheduler has no other use for (~3 s at every start).
+    """
     with tempfile.TemporaryDirectory(prefix="pagedserve-tok-") as tmp:
         for name, data in files.items():
             (Path(tmp) / name).write_bytes(data)
+        config = json.loads(files.get("tokenizer_config.json", b"{}") or b"{}")
+        if config.get("tokenizer_class") == "TokenizersBackend" and "auto_map" not in config:
+            return TokenizersBackend.from_pretrained(tmp)
+        from transformers import AutoTokenizer
+
         return AutoTokenizer.from_pretrained(tmp)
 
 
@@ -98,6 +111,6 @@ class ClusterWatch:
                 await rpc.set_serving(health_servicer, names, serving)
                 self._serving = serving
             try:
-                await asyncio.wait_for(stop.wait(), INTERVAL_S)
+                await asyncio.wait_for(stop.wait(), INTERVAL_S if self.tokenizer is not None else STARTING_INTERVAL_S)
             except TimeoutError:
                 pass

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks import run
+from benchmarks.overhead import chains
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
@@ -51,7 +52,7 @@ def test_harness_writes_report(tiny_model: Path, tmp_path: Path, capsys: pytest.
     rc = run.main([
         "--model", str(tiny_model), "--out", str(out), "--threads", "1",
         "--num-requests", "4", "--scale", "0.05", "--max-total-len", "48", "--kv-budget-tokens", "256",
-        "--overhead-running", "2", "--overhead-waiting", "0", "4", "--overhead-window", "0.5",
+        "--overhead-running", "2", "--overhead-waiting", "4", "--overhead-window", "0.5",
         "--preemption-lengths", "16", "32",
         "--scale-out-executors", "1", "2", "--scale-out-running", "4", "--scale-out-window", "1",
         "--kv-spread-budget-tokens", "256", "--kv-spread-requests", "32",
@@ -81,7 +82,7 @@ def test_harness_writes_report(tiny_model: Path, tmp_path: Path, capsys: pytest.
     for arm in summary["arms"].values():
         assert arm["num_requests"] == 4
         assert {"p50", "p90", "p99"} <= set(arm["ttft_ms"]) and {"p50", "p90", "p99"} <= set(arm["e2e_ms"])
-    assert {p["waiting"] for p in summary["overhead_sweep"]} == {0, 4}
+    assert {p["waiting"] for p in summary["overhead_sweep"]} == {4}
     assert {p["loop"] for p in summary["overhead_sweep"]} == {"serial", "pipelined"}
     assert isinstance(summary["scheduler_overhead_ms_p50_serial"], float)
     assert [p["tokens"] for p in summary["preemption"]] == [16, 32]
@@ -141,3 +142,11 @@ def test_harness_writes_report(tiny_model: Path, tmp_path: Path, capsys: pytest.
     for name in summary["plots"].values():
         assert (out / name).read_bytes()[:8] == PNG_MAGIC
         assert f"]({name})" in report
+
+
+def test_overhead_chains_share_a_deployment_only_without_waiting_requests() -> None:
+    """Levels with none waiting are filled one after the other on one deployment; each level with requests
+    waiting gets a fresh one, its requests sent at once."""
+    assert chains([(1, [0]), (64, [0]), (256, [1024])]) == [[(1, 0), (64, 0)], [(256, 1024)]]
+    assert chains([(16, [1024, 0, 256]), (4, [0])]) == [[(4, 0), (16, 0)], [(16, 256), (16, 1024)]]
+    assert chains([(2, [4])]) == [[(2, 4)]]
