@@ -70,7 +70,9 @@ def test_outputs_identical_under_preemption(mode: str, tiny_llama: Path, expecte
         assert seen["preemptions_recompute"] > 0 and seen.get("preemptions_swap", 0) == 0
     else:
         assert seen["preemptions_swap"] > 0
-        assert seen["swapped_out_blocks"] > 0 and seen["swapped_in_blocks"] == seen["swapped_out_blocks"]
+        # A request swapped out while its last token was in flight (the pipelined loop plans a step ahead;
+        # EOS is only known when reported) finishes swapped, and its blocks are freed without coming back.
+        assert 0 < seen["swapped_in_blocks"] <= seen["swapped_out_blocks"]
     if mode == "disk":
         assert seen["disk_spilled_blocks"] > 0
         assert seen["disk_spilled_blocks"] < seen["swapped_out_blocks"], "the CPU tier is used before disk"

@@ -7,7 +7,9 @@ across steps while running requests keep decoding.
 
 Order within a step:
 1. running requests, in policy order; a request that needs a block when none
-   is free preempts the least urgent running request (possibly itself);
+   is free preempts the least urgent running request (possibly itself), unless
+   swaps in this plan or requests that end with their tokens in flight (the
+   pipelined loop) free enough by the next step: then it waits that step;
 2. swapped requests come back, then waiting requests are admitted, both in
    policy order with swapped ones first among equals; admission keeps a
    watermark of free blocks back. Nothing is admitted in a step that had to
@@ -207,10 +209,22 @@ class Scheduler:
     # -- one step -------------------------------------------------------------
 
     def _victim(self, candidates: list[Request]) -> Request:
-        """The least urgent: under FCFS the latest admitted, else (priority, arrival) largest."""
+        """The least urgent: under FCFS the latest admitted, else (priority, arrival) largest. One that
+        ends with its token in flight (pipelined) is passed over while another can go: it frees its
+        blocks when that token is reported, and swapping it out would only move blocks about to be freed."""
+        candidates = [r for r in candidates if not self._ending(r)] or candidates
         if self.config.policy == "fcfs":
             return candidates[-1]
         return max(candidates, key=lambda r: r.order_key)
+
+    def _freed_soon(self) -> int:
+        """Device blocks free by the next step: free now, swapped out by this plan, or held by requests
+        whose tokens in flight end them (shared ones counted too: at worst a request waits a step more)."""
+        return self.blocks.num_free_soon(DEVICE) + sum(len(r.blocks) for r in self.running if self._ending(r))
+
+    def _ending(self, req: Request) -> bool:
+        """Whether the tokens ``req`` has in flight end it by length (nothing more to run)."""
+        return bool(req.num_unreported) and self._ends_by_length(req, len(req.output_ids) + req.num_unreported)
 
     def _preempt(self, victim: Request, out: SchedulerOutput) -> int:
         """Preempt ``victim`` and its running group mates (all or nothing); returns the tokens taken
@@ -270,7 +284,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            if req.num_unreported and self._ends_by_length(req, len(req.output_ids) + req.num_unreported):
+            if self._ending(req):
                 i += 1
                 continue  # its token in flight ends it: nothing more to run (the pipelined loop)
             if req.source is not None and not self._fork(req, out):
@@ -280,8 +294,8 @@ class Scheduler:
             preempted = False
             fits = self.blocks.can_append(req, n)
             while not fits:
-                if self.blocks.needed(req, n) <= self.blocks.num_free_soon(DEVICE):
-                    break  # swaps already in this plan free enough for the next step
+                if self.blocks.needed(req, n) <= self._freed_soon():
+                    break  # swaps in this plan, or requests ending in flight, free enough for the next step
                 victim = self._victim(self.running)
                 budget += self._preempt(victim, out)
                 preempted = True
@@ -388,7 +402,7 @@ class Scheduler:
             return False
         while not self._fits(req, n, from_swap, hit, mates):
             reserve = self._watermark if self.running else 0
-            if self._need(req, n, from_swap, hit, mates) + reserve <= self.blocks.num_free_soon(DEVICE):
+            if self._need(req, n, from_swap, hit, mates) + reserve <= self._freed_soon():
                 return False  # enough is already on its way back
             lower = [r for r in self.running if r.order_key > req.order_key]
             if not lower:

@@ -255,3 +255,24 @@ def test_a_request_that_starts_over_takes_no_start_from_older_plans() -> None:
     assert pipe.starts(s.requests) == {"a": 0}
     pipe.add(Flight(SchedulerOutput(preempted=[back]), 3, 0.0, {}))  # preempted (and maybe admitted again)
     assert pipe.starts(s.requests) == {}
+
+
+def test_a_request_ending_in_flight_is_waited_for_not_preempted() -> None:
+    """Pipelined: ``b``'s token in flight ends it by length; ``a`` needs a block and none is free. ``a`` waits a
+    step for ``b``'s blocks instead of swapping out a request about to finish (or itself)."""
+    s = make(blocks=3, cpu=8, preemption_mode="swap")
+    s.add(req("a", 3, max_tokens=20, arrival=0))
+    s.add(req("b", 7, max_tokens=2, arrival=1))
+    first = s.schedule()
+    s.launch(first)
+    second = s.schedule()  # a at position 3, b at 7: both within their blocks
+    assert sorted(x.req.request_id for x in second.scheduled) == ["a", "b"]
+    s.launch(second)
+    third = s.schedule()  # a needs a fourth block for position 4; b ends with its token in flight
+    assert third.scheduled == [] and third.preempted == [] and third.swap_out == []
+    s.update(first, {"a": 11, "b": 12})
+    (done,) = s.update(second, {"a": 13, "b": 14})
+    assert done.request_id == "b" and done.finish_reason == Finish.LENGTH and done.output_ids == [12, 14]
+    fourth = s.schedule()
+    assert [x.req.request_id for x in fourth.scheduled] == ["a"]
+    assert s.counters.preemptions_swap == s.counters.preemptions_recompute == 0
