@@ -25,7 +25,8 @@ others wait, holding nothing, until it has launched the whole prompt, then fork
 (``BlockManager.fork``): they share its full blocks and copy the partial one,
 and compute only the last prompt token onward, each sampling its own
 completion. A preempted group is always recomputed (swapping would store its
-shared prompt once per mate), and forks again when it comes back.
+shared prompt once per mate), and forks again when it comes back. Which mates
+move together, and what a fork costs, is ``core/group.py``.
 
 With several executors, each has its own ``Scheduler``: running and swapped
 requests are local, and waiting holds the requests its loop claimed from the
@@ -39,6 +40,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
+from scheduler_svc.core import group
 from scheduler_svc.core.blocks import DEVICE, DISK, TIERS, BlockManager, Move, blocks_needed
 from scheduler_svc.core.deadline import expired_among
 from scheduler_svc.core.placement import PoolView
@@ -128,12 +130,8 @@ class Scheduler:
             raise ValueError(f"{req.request_id} is already finished")
 
     def relink(self) -> None:
-        """After a reload: a running group mate holding nothing waits again to fork from a mate
-        that holds the prompt (else it computes its prompt itself)."""
-        for r in self.running:
-            if r.group and not r.blocks and r.source is None:
-                r.source = next((o for o in self.running if o.group == r.group and o.blocks and o.source is None),
-                                None)
+        """After a reload: group mates holding nothing wait again to fork (``group.relink``)."""
+        group.relink(self.running)
 
     def fits_ever(self, req: Request) -> bool:
         """Whether ``req`` at its longest fits this executor's context and whole device pool."""
@@ -229,18 +227,12 @@ class Scheduler:
     def _preempt(self, victim: Request, out: SchedulerOutput) -> int:
         """Preempt ``victim`` and its running group mates (all or nothing); returns the tokens taken
         out of this step's plan."""
-        group = self._mates_running(victim)
+        mates = group.mates_running(self.running, victim)
         freed = 0
-        for req in reversed(group):  # prepended last to first: the group stays in index order
+        for req in reversed(mates):  # prepended last to first: the group stays in index order
             freed += self._unschedule(req, out)
-            self._preempt_one(req, out, recompute=len(group) > 1)
+            self._preempt_one(req, out, recompute=len(mates) > 1)
         return freed
-
-    def _mates_running(self, req: Request) -> list[Request]:
-        """``req`` and its running group mates, in index order."""
-        if not req.group:
-            return [req]
-        return sorted((r for r in self.running if r.group == req.group), key=lambda r: r.index)
 
     def _preempt_one(self, victim: Request, out: SchedulerOutput, recompute: bool) -> None:
         self.running.remove(victim)
@@ -337,7 +329,7 @@ class Scheduler:
         """``src`` leaves (finished, requeued) while group mates still wait to fork from it: the first
         of them takes over its computed full prompt blocks (no copy: ``src`` writes no more) and
         computes the rest itself; the others wait for that one."""
-        mates = [r for r in self.running if r.source is src]
+        mates = group.waiting_on(self.running, src)
         if not mates:
             return
         heir, bs = mates[0], self.blocks.block_size
@@ -349,21 +341,6 @@ class Scheduler:
             self._count("forked_tokens", upto)
         for m in mates[1:]:
             m.source = heir
-
-    def _mates_waiting(self, head: Request) -> list[Request]:
-        """The waiting group mates ``head`` can bring along: same prompt, and not one that wants its
-        own prompt logprobs (it computes its prompt itself)."""
-        if not head.group:
-            return []
-        return [r for r in self.waiting if r is not head and r.group == head.group and not r.blocks
-                and len(r.prompt_ids) == len(head.prompt_ids)
-                and (r.params.prompt_logprobs is None or r.output_ids)]
-
-    def _fork_need(self, head: Request, mates: list[Request]) -> int:
-        """Device blocks the ``mates`` of ``head`` take beyond the prompt blocks they share with it."""
-        bs = self.blocks.block_size
-        shared = (len(head.prompt_ids) - 1) // bs
-        return sum(blocks_needed(m.num_tokens, bs) - shared for m in mates)
 
     def _next_candidate(self) -> tuple[Request, bool] | None:
         """The most urgent of the swapped and waiting heads; ``True`` if swapped."""
@@ -379,7 +356,7 @@ class Scheduler:
         beyond the watermark)."""
         if len(self.running) + 1 + len(mates) > self.config.max_num_seqs:
             return False
-        reserve = (self._watermark if self.running else 0) + self._fork_need(req, mates)
+        reserve = (self._watermark if self.running else 0) + group.fork_need(req, mates, self.blocks.block_size)
         if from_swap:
             return self.blocks.can_swap_in(req, n, reserve)
         return self.blocks.can_allocate(req, hit, n, reserve)
@@ -390,7 +367,7 @@ class Scheduler:
             return blocks_needed(req.num_computed + n, self.blocks.block_size)
         bs = self.blocks.block_size
         return (blocks_needed(len(hit) * bs + n, bs) - len(hit)
-                + sum(1 for b in hit if b in self.blocks.lru) + self._fork_need(req, mates))
+                + sum(1 for b in hit if b in self.blocks.lru) + group.fork_need(req, mates, self.blocks.block_size))
 
     def _make_room(self, req: Request, n: int, from_swap: bool, out: SchedulerOutput, hit: list[int],
                    mates: list[Request]) -> bool:
@@ -419,7 +396,7 @@ class Scheduler:
             req, from_swap = head
             hit = [] if from_swap else self.blocks.lookup(req)
             n = min(budget, req.num_pending - len(hit) * self.blocks.block_size)
-            mates = [] if from_swap else self._mates_waiting(req)
+            mates = [] if from_swap else group.mates_waiting(self.waiting, req)
             while not (self._fits(req, n, from_swap, hit, mates)
                        or self._make_room(req, n, from_swap, out, hit, mates)):
                 if not mates or self.running:

@@ -198,3 +198,22 @@ def test_every_table_a_fork_or_a_hand_over_changes_is_recorded_for_the_commit() 
     s.take_record()
     out = step(s)
     assert [x.req.request_id for x in out.scheduled] == ["g#1", "x"]
+
+
+def test_group_helpers_on_plain_requests() -> None:
+    """``core/group.py`` alone: who moves with whom, and what forking costs."""
+    from scheduler_svc.core import group as groups
+
+    g = group("g", 3, prompt=10)
+    lone = Request("solo", list(range(10, 20)), Params(max_tokens=5))
+    assert groups.mates_running([lone, *g], lone) == [lone]
+    assert groups.mates_running([g[2], lone, g[0]], g[2]) == [g[0], g[2]], "index order, only the group's"
+    g[1].params = Params(max_tokens=100, prompt_logprobs=1)
+    assert groups.mates_waiting([*g, lone], g[0]) == [g[2]], "one that wants prompt logprobs computes its own"
+    # 10-token prompt, blocks of 4: the first 9 tokens' 2 full blocks are shared; each mate needs 3 - 2 = 1.
+    assert groups.fork_need(g[0], [g[1], g[2]], BS) == 2
+    g[1].source = g[2].source = g[0]
+    assert groups.waiting_on([*g, lone], g[0]) == [g[1], g[2]]
+    g[0].blocks, g[1].source, g[2].source = [0, 1, 2], None, None
+    groups.relink([*g, lone])
+    assert g[1].source is g[0] and g[2].source is g[0] and g[0].source is None and lone.source is None
