@@ -12,13 +12,36 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
+
+# One torch (OpenMP) thread per process, inherited by every executor the suite starts: make test runs two workers on
+# 2 cores, each with a model in its own process and in its deployments' executors, and tiny models gain nothing from
+# a second thread; more threads per process only spin against each other for the cores. An explicit value wins.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch  # noqa: E402
 
 from executor_svc.model_store import resolve_model
 from pagedserve.launch import Cluster
 from pagedserve.procs import RedisServer
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+
+# The longest modules first (wall seconds measured with two workers, 2026-12-01). ``make test``'s xdist workers take
+# whole modules (``--dist loadscope``) in collection order, so starting with the longest and ending with the short
+# ones (unit tests last) keeps both workers busy to the end instead of one finishing a long module alone.
+LONGEST_FIRST = (
+    "tests/test_scale_out.py", "tests/test_streams.py", "tests/test_bench_smoke.py", "tests/test_structured_output.py",
+    "tests/test_preemption.py", "tests/test_prefix_cache.py", "tests/test_e2e_oracle.py",
+    "tests/test_parallel_sampling.py", "tests/test_failover.py", "tests/test_pipeline.py", "tests/test_redis_auth.py",
+    "tests/test_gpu_check.py", "tests/test_sampling.py", "tests/test_security.py", "tests/test_state_property.py",
+    "tests/test_prometheus.py", "tests/test_http.py", "tests/test_status.py", "tests/test_health.py",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: (rank.get(item.nodeid.split("::")[0], len(rank)),
+                                 item.nodeid.startswith("tests/unit/")))  # stable: a module keeps its order
 
 
 @pytest.fixture(scope="session")
