@@ -24,23 +24,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--host", default="0.0.0.0")
     p.add_argument("--port", type=int, default=50051)
     p.add_argument("--redis-url", default=os.environ.get("REDIS_URL"), help="default: $REDIS_URL (required)")
-    p.add_argument("--executor", action="append", default=[], metavar="HOST:PORT",
-                   help="a statically configured executor (repeatable); without it, every executor registered "
-                        "in the namespace is served")
-    p.add_argument("--executor-timeout", type=float, default=60.0,
-                   help="seconds a Step may take before its executor counts as lost")
-    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
-                   help="plan each step while the executor runs the previous one (a Steps stream); "
-                        "--no-async-scheduling: the serial loop, one unary Step at a time")
-    p.add_argument("--policy", choices=POLICIES, default="fcfs", help="the same on every replica of a namespace")
-    p.add_argument("--preemption-mode", choices=PREEMPTION_MODES, default="recompute")
-    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
-                   help="reuse the KV of cached prompt prefixes across requests (hash-chained, reference-counted "
-                        "blocks; evicted LRU when their memory is needed); --no-enable-prefix-caching turns it off")
-    p.add_argument("--max-num-seqs", type=int, default=256, help="running sequences per executor at most")
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens per executor step at most")
-    p.add_argument("--max-model-len", type=int, default=0, help="context limit (default: each executor's)")
-    p.add_argument("--watermark", type=float, default=0.01, help="fraction of KV blocks kept free when admitting")
     p.add_argument("--namespace", default="pagedserve", help="prefix of every Redis key")
     p.add_argument("--replica-id", default=None, help="name in the loop leases (default: host-pid)")
     p.add_argument("--lease-ms", type=int, default=10_000,
@@ -68,11 +51,39 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--log-level", default="INFO")
     p.add_argument("--log-format", choices=logs.FORMATS, default="text",
                    help="json: one object per line, with request_id and executor fields")
+    _scheduling_arguments(p)
     _security_arguments(p)
     _admission_arguments(p)
     args = p.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
     _check_security(p, args)
+    _check_limits(p, args)
+    return args
+
+
+def _scheduling_arguments(p: argparse.ArgumentParser) -> None:
+    """Which executors this replica steps, and how its loops schedule them."""
+    p.add_argument("--executor", action="append", default=[], metavar="HOST:PORT",
+                   help="a statically configured executor (repeatable); without it, every executor registered "
+                        "in the namespace is served")
+    p.add_argument("--executor-timeout", type=float, default=60.0,
+                   help="seconds a Step may take before its executor counts as lost")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
+                   help="plan each step while the executor runs the previous one (a Steps stream); "
+                        "--no-async-scheduling: the serial loop, one unary Step at a time")
+    p.add_argument("--policy", choices=POLICIES, default="fcfs", help="the same on every replica of a namespace")
+    p.add_argument("--preemption-mode", choices=PREEMPTION_MODES, default="recompute")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the KV of cached prompt prefixes across requests (hash-chained, reference-counted "
+                        "blocks; evicted LRU when their memory is needed); --no-enable-prefix-caching turns it off")
+    p.add_argument("--max-num-seqs", type=int, default=256, help="running sequences per executor at most")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens per executor step at most")
+    p.add_argument("--max-model-len", type=int, default=0, help="context limit (default: each executor's)")
+    p.add_argument("--watermark", type=float, default=0.01, help="fraction of KV blocks kept free when admitting")
+
+
+def _check_limits(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Numbers that must be in range: one clear line at start."""
     if not args.redis_url:
         p.error("--redis-url (or $REDIS_URL) is required")
     if args.max_num_seqs < 1 or args.max_num_batched_tokens < 1:
@@ -89,7 +100,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
            args.max_grammar_bytes, args.max_n) < 1:
         p.error("--max-stop-strings, --max-stop-string-length, --max-prompt-bytes, --max-request-bytes, "
                 "--max-grammar-bytes and --max-n must be positive")
-    return args
 
 
 def _security_arguments(p: argparse.ArgumentParser) -> None:
