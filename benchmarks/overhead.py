@@ -90,10 +90,20 @@ def _point(rows: list[dict[str, float]], running: int, waiting: int, loop: str, 
                          med("encode_ms"), med("decode_ms"))
 
 
-async def _consume(stub: pb_grpc.GenerationStub, prompt: list[int], rid: str) -> None:
-    with contextlib.suppress(grpc.aio.AioRpcError, asyncio.CancelledError):
-        async for _ in stub.Generate(request_pb(prompt, LONG_OUTPUT, rid)):
-            pass
+async def hold(stub: pb_grpc.GenerationStub, prompt: list[int], rid: str) -> None:
+    """Read the first message (the request runs), then hold the stream open unread until cancelled.
+
+    Reading every token (~12,800 messages/s at 256 running on a 20 ms step) would take this one asyncio
+    client most of a core of the two the measured loop runs on; an unread stream costs it nothing while the
+    frontend still streams every token (coalesced once the stream's flow-control window is full)."""
+    call = stub.Generate(request_pb(prompt, LONG_OUTPUT, rid))
+    try:
+        await call.read()
+        await asyncio.Event().wait()
+    except (grpc.aio.AioRpcError, asyncio.CancelledError):
+        pass
+    finally:
+        call.cancel()
 
 
 def _reached(row: dict[str, float], running: int, waiting: int) -> bool:
@@ -128,25 +138,31 @@ def chains(levels: list[tuple[int, list[int]]]) -> list[list[Point]]:
     return [c for c in (idle, *queued) if c]
 
 
-async def _sweep_chain(address: str, step_log: Path, chain: list[Point], window_s: float, prompt: list[int],
+async def _sweep_chain(dep: ChainDeployment, chain: list[Point], window_s: float, prompt: list[int],
                        reach_s: float, loop: str, step_ms: float) -> list[OverheadPoint]:
+    """The chain's points on ``dep``: requests meant to run go to its scheduler, those meant to wait to its intake."""
     points: list[OverheadPoint] = []
     tasks: list[asyncio.Task[None]] = []
-    tail = StepTail(step_log)
+    tail = StepTail(dep.step_log)
     # One HTTP/2 connection carries only so many concurrent streams (about 3000
     # were seen here): spread the thousands of requests over several connections.
-    total = max(r + w for r, w in chain)
     options = [*CHANNEL_OPTIONS, ("grpc.use_local_subchannel_pool", 1)]
-    channels = [grpc.aio.insecure_channel(address, options=options) for _ in range(-(-total // STREAMS_PER_CHANNEL))]
-    stubs = [pb_grpc.GenerationStub(ch) for ch in channels]
+    top, deepest = max(r for r, _ in chain), max(w for _, w in chain)
+    run_channels = [grpc.aio.insecure_channel(dep.address, options=options)
+                    for _ in range(-(-top // STREAMS_PER_CHANNEL))]
+    wait_channels = [grpc.aio.insecure_channel(dep.intake_address, options=options)
+                     for _ in range(-(-deepest // STREAMS_PER_CHANNEL))]
+    run_stubs = [pb_grpc.GenerationStub(ch) for ch in run_channels]
+    wait_stubs = [pb_grpc.GenerationStub(ch) for ch in wait_channels]
     async with contextlib.AsyncExitStack() as stack:
-        for ch in channels:
+        for ch in (*run_channels, *wait_channels):
             await stack.enter_async_context(ch)
         try:
             for running, waiting in chain:
                 while len(tasks) < running + waiting:
-                    stub = stubs[len(tasks) // STREAMS_PER_CHANNEL]
-                    tasks.append(asyncio.create_task(_consume(stub, prompt, f"ovh-{loop}-{chain[-1][0]}-{len(tasks)}")))
+                    i = len(tasks)
+                    stub = run_stubs[i // STREAMS_PER_CHANNEL] if i < top else wait_stubs[(i - top) // STREAMS_PER_CHANNEL]
+                    tasks.append(asyncio.create_task(hold(stub, prompt, f"ovh-{loop}-{chain[-1][0]}-{i}")))
                 if not await _wait_for(tail, running, waiting, timeout=reach_s):
                     log.warning("scheduler never reached %d running / %d waiting; skipping", running, waiting)
                     break
@@ -184,11 +200,11 @@ def sweep(model_dir: Path, grid: Grid, window_s: float, log_dir: Path, prompt_le
         for _, group in itertools.groupby(runs, key=lambda c: c[0][-1][0]):
             group = list(group)
             deployments = start_all([functools.partial(_deploy, model_dir, redis.url, chain[-1][0], loop, log_dir,
-                                                         len(prompt), step_ms) for chain, loop in group])
+                                                         len(prompt), step_ms, any(w for _, w in chain))
+                                     for chain, loop in group])
             try:
                 for (chain, loop), dep in zip(group, deployments):
-                    points += asyncio.run(_sweep_chain(dep.address, dep.step_log, chain, window_s, prompt, reach_s,
-                                                       loop, step_ms))
+                    points += asyncio.run(_sweep_chain(dep, chain, window_s, prompt, reach_s, loop, step_ms))
             finally:
                 stop_all(deployments)
     finally:
@@ -199,34 +215,53 @@ def sweep(model_dir: Path, grid: Grid, window_s: float, log_dir: Path, prompt_le
 @dataclass(slots=True)
 class ChainDeployment:
     stub: Service
-    scheduler: Service
+    scheduler: Service  # role all: the loop, and the frontend of the running requests
     step_log: Path
+    intake: Service | None = None  # role frontend: where requests meant to wait are sent
 
     @property
     def address(self) -> str:
         return self.scheduler.address
 
+    @property
+    def intake_address(self) -> str:
+        return (self.intake or self.scheduler).address
+
     def stop(self) -> None:
-        stop_all([self.scheduler, self.stub])
+        stop_all([s for s in (self.intake, self.scheduler, self.stub) if s is not None])
 
 
 def _deploy(model_dir: Path, redis_url: str, running: int, loop: str, log_dir: Path, prompt_len: int,
-            step_ms: float) -> ChainDeployment:
+            step_ms: float, intake: bool = False) -> ChainDeployment:
     """A fresh stub (its fencing epoch starts over) and a fresh scheduler and namespace for one chain of one loop,
     ``--max-num-seqs`` its last running level. The scheduler registers the stub itself (``--executor``): the stub
-    is static, as in a fixed deployment."""
+    is static, as in a fixed deployment.
+
+    ``intake``: a second replica (``--role frontend``) takes the requests meant to wait. The replica streaming
+    tokens to 256 running requests (~12,800 messages/s on a 20 ms step) was seen to accept new requests at
+    ~20/s, and gRPC cancels calls the application has not taken within 30 s (the server's
+    ``max_unrequested_time_in_server``): the queue stopped at 364-600 of 1,024. Spreading the API over replicas
+    is what a deployment does; the loop measured is the same."""
     step_log = log_dir / f"steps-{loop}-r{running}.jsonl"
     step_log.unlink(missing_ok=True)
     stub = Service("benchmarks.stub_executor", ["--model", str(model_dir), "--host", "127.0.0.1",
                                                 "--step-ms", str(step_ms)], free_port(),
                    log_dir / f"stub-{loop}-r{running}.log")
+    common = ["--redis-url", redis_url, "--executor", stub.address, "--namespace", f"ovh-{loop}-{running}",
+              "--max-num-seqs", str(running), "--max-num-batched-tokens", str(max(2048, running * prompt_len)),
+              "--log-level", "WARNING", *LOOPS[loop]]
+
+    def scheduler() -> Service:
+        return Service("scheduler_svc", [*common, "--step-log", str(step_log)], free_port(),
+                       log_dir / f"scheduler-{loop}-r{running}.log")
+
+    def frontend() -> Service:
+        return Service("scheduler_svc", [*common, "--role", "frontend"], free_port(),
+                       log_dir / f"intake-{loop}-r{running}.log")
+
     try:
-        sched = Service("scheduler_svc", [
-            "--redis-url", redis_url, "--executor", stub.address, "--namespace", f"ovh-{loop}-{running}",
-            "--max-num-seqs", str(running), "--max-num-batched-tokens", str(max(2048, running * prompt_len)),
-            "--step-log", str(step_log), "--log-level", "WARNING", *LOOPS[loop],
-        ], free_port(), log_dir / f"scheduler-{loop}-r{running}.log")
+        started = start_all([scheduler, *([frontend] if intake else [])])
     except BaseException:
         stub.stop()
         raise
-    return ChainDeployment(stub, sched, step_log)
+    return ChainDeployment(stub, started[0], step_log, started[1] if intake else None)

@@ -39,8 +39,7 @@ import numpy as np
 import psutil
 import redis
 
-from benchmarks.arm_pagedserve import request_pb
-from benchmarks.overhead import LONG_OUTPUT, StepTail
+from benchmarks.overhead import StepTail, hold
 from pagedserve.keys import Keys
 from pagedserve.procs import RedisServer, Service, free_port, start_all, stop_all
 from pagedserve.rpc import CHANNEL_OPTIONS
@@ -194,18 +193,6 @@ def _diagnose(tails: list[StepTail], leaders: dict[str, str | None]) -> str:
     return "; ".join(parts) or "no executor registered"
 
 
-async def _consume(stub: pb_grpc.GenerationStub, prompt: list[int], rid: str) -> None:
-    """Read the first message (the request runs), then hold the stream open unread until cancelled."""
-    call = stub.Generate(request_pb(prompt, LONG_OUTPUT, rid))
-    try:
-        await call.read()
-        await asyncio.Event().wait()
-    except (grpc.aio.AioRpcError, asyncio.CancelledError):
-        pass
-    finally:
-        call.cancel()
-
-
 def _cpu(procs: dict[str, list[psutil.Process]]) -> dict[str, float]:
     out: dict[str, float] = {}
     for kind, ps in procs.items():
@@ -227,7 +214,7 @@ async def _measure(dep: Deployment, n: int, cfg: ScaleOutConfig) -> ScaleOutPoin
     tails = [StepTail(p) for p in dep.step_logs]
     leaders = Leaders(dep.redis.url, dep.namespace)
     t0 = time.time()
-    tasks = [asyncio.create_task(_consume(stubs[i % len(stubs)], prompt, f"so-{n}-{i}"))
+    tasks = [asyncio.create_task(hold(stubs[i % len(stubs)], prompt, f"so-{n}-{i}"))
              for i in range(n * cfg.running)]
     try:
         deadline = time.monotonic() + cfg.reach_timeout_s

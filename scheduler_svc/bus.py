@@ -17,6 +17,33 @@ from scheduler_svc.store import UNAVAILABLE, RedisStore
 
 log = logging.getLogger(__name__)
 DRAIN = "drain"  # put in every stream's queue when the replica drains
+Item = tuple[str, Any]  # ("t", (offset, tokens, logprobs)), ("f", (reason, total, cached)) or (DRAIN, None)
+
+
+def backlog(queue: asyncio.Queue[Item]) -> list[Item]:
+    """Everything queued right now, without waiting."""
+    return [queue.get_nowait() for _ in range(queue.qsize())]
+
+
+def merge_tokens(items: list[Item]) -> tuple[Item, list[Item]]:
+    """The first of ``items`` with the token events queued right behind it merged in, and the rest.
+
+    A stream whose client (or whose write path) lags behind the loop finds several steps' tokens
+    queued; sent as one chunk, they cost the frontend and the client one message instead of one per
+    step, so the work per stream stops growing with the lag (vLLM's output collector merges a slow
+    consumer's deltas the same way). Only contiguous events merge (each starts where the last ended,
+    logprobs on all or none): an overlap or gap goes through the stream's own repair."""
+    (kind, payload), rest = items[0], items[1:]
+    if kind != "t":
+        return items[0], rest
+    offset, tokens, lps = payload
+    merged = 0
+    for kind, item in rest:
+        if kind != "t" or item[0] != offset + len(tokens) or (item[2] is None) != (lps is None):
+            break
+        tokens, lps = [*tokens, *item[1]], None if lps is None else [*lps, *item[2]]
+        merged += 1
+    return ("t", (offset, tokens, lps)), rest[merged:]
 
 
 class EventBus:
@@ -27,14 +54,14 @@ class EventBus:
         # Several streams may follow one request (a Generate and Resumes, or a Generate whose
         # duplicate is being refused): each has its own queue, and leaving removes only its
         # own (tests/test_fuzz.py found a refused duplicate silencing the running stream).
-        self._queues: dict[str, list[asyncio.Queue[tuple[str, Any]]]] = {}
+        self._queues: dict[str, list[asyncio.Queue[Item]]] = {}
 
-    def subscribe(self, request_id: str) -> asyncio.Queue[tuple[str, Any]]:
-        q: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+    def subscribe(self, request_id: str) -> asyncio.Queue[Item]:
+        q: asyncio.Queue[Item] = asyncio.Queue()
         self._queues.setdefault(request_id, []).append(q)
         return q
 
-    def unsubscribe(self, request_id: str, queue: asyncio.Queue[tuple[str, Any]]) -> None:
+    def unsubscribe(self, request_id: str, queue: asyncio.Queue[Item]) -> None:
         queues = self._queues.get(request_id, [])
         if queue in queues:
             queues.remove(queue)

@@ -28,7 +28,7 @@ from pagedserve.grammar import Compiler, GrammarError
 from pagedserve.members import now_ms
 from scheduler_svc import codec, parallel
 from scheduler_svc.attachments import Attachments
-from scheduler_svc.bus import DRAIN, EventBus
+from scheduler_svc.bus import DRAIN, EventBus, Item, backlog, merge_tokens
 from scheduler_svc.core.admission import FinishRate, retry_after
 from scheduler_svc.core import prefix
 from scheduler_svc.core.deadline import deadline_ms
@@ -154,7 +154,7 @@ class _Reopened:
     """A stream resumed from an offset (``Frontend._reopen``), before it is attached."""
 
     stream: _Stream
-    queue: asyncio.Queue[tuple[str, Any]]
+    queue: asyncio.Queue[Item]
     first: list[Chunk]  # the tokens from the offset on that Redis holds
     req: Request
     stop: list[str]
@@ -285,9 +285,12 @@ class Frontend:
             return s.chunk(accepted, offset, final=True, reason=finished, logprobs=lps)
         return s.chunk(accepted, offset, logprobs=lps) if accepted else None
 
-    async def _follow(self, s: _Stream, queue: asyncio.Queue[tuple[str, Any]]) -> AsyncIterator[Chunk]:
+    async def _follow(self, s: _Stream, queue: asyncio.Queue[Item]) -> AsyncIterator[Chunk]:
+        held: list[Item] = []  # taken from the queue, not yet handled
         while not s.done:
-            kind, payload = await queue.get()
+            if not held:
+                held.append(await queue.get())
+            (kind, payload), held = merge_tokens([*held, *backlog(queue)])
             if kind == DRAIN:
                 raise StreamDetached(s.request_id, s.delivered)
             if kind == "t":
@@ -304,7 +307,7 @@ class Frontend:
             if chunk is not None:
                 yield chunk
 
-    async def _attached(self, s: _Stream, queue: asyncio.Queue[tuple[str, Any]], first: list[Chunk],
+    async def _attached(self, s: _Stream, queue: asyncio.Queue[Item], first: list[Chunk],
                         touch: bool = False) -> AsyncIterator[Chunk]:
         """Stream ``first``, then the live tail; the request is held (attached) meanwhile, and
         ``touch`` refreshes that at once. A client that goes away aborts it; a draining replica
