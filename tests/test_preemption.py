@@ -1,7 +1,8 @@
 """Scheduling under memory pressure on a real deployment (tiny Llama, real Redis,
 gRPC and executor pools): outputs stay token-identical to transformers while
-requests are preempted by swap (CPU, then disk) or recompute; seeds survive
-preemption; priority preempts; long prompts are chunked between decode steps."""
+requests are preempted by swap (CPU, then disk) or recompute; priority preempts;
+long prompts are chunked between decode steps. Seeded sampling under preemption,
+with every sampling option: tests/test_sampling.py."""
 
 from __future__ import annotations
 
@@ -76,20 +77,6 @@ def test_outputs_identical_under_preemption(mode: str, tiny_llama: Path, expecte
     if mode == "disk":
         assert seen["disk_spilled_blocks"] > 0
         assert seen["disk_spilled_blocks"] < seen["swapped_out_blocks"], "the CPU tier is used before disk"
-
-
-def test_seeded_sampling_survives_preemption(tiny_llama: Path, redis_url: str, tmp_path: Path) -> None:
-    reqs = [pb.GenerateRequest(prompt_token_ids=p, sampling=pb.SamplingParams(
-        max_tokens=n, temperature=0.8, top_k=40, seed=100 + i)) for i, (p, n) in enumerate(zip(PROMPTS, MAX_TOKENS))]
-    ns = "seeded"
-    with make_cluster(tiny_llama, redis_url, ns, tmp_path, kv_cache_memory=12 * BLOCK_BYTES,
-                      scheduler_args=["--preemption-mode", "recompute", "--max-num-batched-tokens", "48"]) as cluster:
-        alone = [run_all(cluster.address, [r])[0] for r in reqs[:6]]
-        assert counters(redis_url, ns).get("preemptions_recompute", 0) == 0
-        together = run_all(cluster.address, reqs)
-        assert counters(redis_url, ns)["preemptions_recompute"] > 0
-    for a, t in zip(alone, together[:6]):
-        assert a.token_ids == t.token_ids
 
 
 def test_priority_request_jumps_a_full_pool(tiny_llama: Path, redis_url: str, tmp_path: Path) -> None:

@@ -106,7 +106,7 @@ def test_regex_choice_grammar_and_json_object(smol: Cluster) -> None:
             chat("Is the sky blue?", pb.StructuredOutput(choice=pb.Choices(choices=CHOICES)), temperature=1.0,
                  seed=9),
             chat("Is the sky blue?", pb.StructuredOutput(grammar=grammar), temperature=0.0),
-            chat("Describe a dog as JSON.", pb.StructuredOutput(json_object=True), max_tokens=300, temperature=0.0)]
+            chat("Describe a dog as JSON.", pb.StructuredOutput(json_object=True), max_tokens=120, temperature=0.0)]
     regex1, regex2, choice1, choice2, ebnf, obj = run_all(smol.address, reqs)
     for res in (regex1, regex2):
         assert res.finish_reason == "stop" and re.fullmatch(REGEX, res.text), res.text
