@@ -25,6 +25,7 @@ def _sdpa_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
         ([9, 24], [9, 24], 8, 6, 2),  # whole prompts
         ([40], [15], 16, 4, 1),  # prefill chunk on 25 cached tokens
         ([33, 5, 64, 20], [1, 5, 31, 1], 16, 3, 1),  # mixed, chunk on cached context
+        ([300, 3, 40, 41, 100, 9, 250], [1] * 7, 16, 6, 2),  # long-tailed decodes: several length buckets
     ],
 )
 def test_reference_matches_sdpa_causal(seq_lens, q_lens, block_size, heads, kv_heads):
@@ -64,3 +65,15 @@ def test_reference_slot_mapping_points_at_last_positions():
     )
     # seq 0: position 4 -> block 2 offset 0; seq 1: positions 5..7 -> block 7.
     assert meta.slot_mapping.tolist() == [8, 29, 30, 31]
+
+
+def test_decodes_are_padded_within_a_length_bucket_only():
+    """A long tail does not pad every decode to the longest context: each group pads to under
+    twice the block count of its shortest sequence."""
+    seq_lens = [1000, 250, 240, 230, 17, 16]
+    block_tables = torch.arange(len(seq_lens) * 63, dtype=torch.int32).view(len(seq_lens), 63)
+    meta = reference.make_metadata(block_tables, torch.arange(len(seq_lens) + 1, dtype=torch.int32),
+                                   torch.tensor(seq_lens, dtype=torch.int32), 16)
+    groups = reference._groups(meta)
+    gathered = sum(len(g.blocks) for g in groups)
+    assert len(groups) == 4 and gathered == 63 + 3 * 16 + 2 + 1  # not 6 x 63
