@@ -143,8 +143,9 @@ def paged_attention(
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its paged context.
 
-    Vectorised across sequences: decode tokens and prefill chunks form two
-    padded groups, each one batched ``scaled_dot_product_attention`` call.
+    Vectorised across sequences: decode tokens (by context-length bucket) and
+    prefill chunks form padded groups, each one batched
+    ``scaled_dot_product_attention`` call (``_groups``).
     """
     heads, dim = query.shape[1:]
     kvh = key_cache.shape[-2]
