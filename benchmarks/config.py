@@ -59,7 +59,7 @@ class Config:
 
 ARMS = ("pagedserve", "hf_static", "hf_continuous", "overhead", "scale_out", "kv_spread", "reattach", "sampling_cost",
         "logprobs_cost", "structured", "shared_prefix", "parallel", "machine")
-# Quick: aims at 10 min on 2 cores with the long workload (not met: 12-19 min, docs/benchmarks.md), so HF static serves the
+# Quick: aims at 10 min on 2 cores with the long workload (not met: 17 min, docs/benchmarks.md), so HF static serves the
 # long workload's first batch only (6 requests: ~45 s instead of ~4 min), and the overhead grid tries queued
 # requests only at the target point (256 running / 1024 waiting), where alone it runs the serial loop beside the
 # pipelined one; the scale-out windows and the machine arm's pairs are shorter than they were. The shared-prefix
