@@ -148,10 +148,11 @@ async def _sweep_chain(dep: ChainDeployment, chain: list[Point], window_s: float
     # were seen here): spread the thousands of requests over several connections.
     options = [*CHANNEL_OPTIONS, ("grpc.use_local_subchannel_pool", 1)]
     top, deepest = max(r for r, _ in chain), max(w for _, w in chain)
-    run_channels = [grpc.aio.insecure_channel(dep.address, options=options)
-                    for _ in range(-(-top // STREAMS_PER_CHANNEL))]
-    wait_channels = [grpc.aio.insecure_channel(dep.intake_address, options=options)
-                     for _ in range(-(-deepest // STREAMS_PER_CHANNEL))]
+
+    def channels(address: str, streams: int) -> list[grpc.aio.Channel]:
+        return [grpc.aio.insecure_channel(address, options=options) for _ in range(-(-streams // STREAMS_PER_CHANNEL))]
+
+    run_channels, wait_channels = channels(dep.address, top), channels(dep.intake_address, deepest)
     run_stubs = [pb_grpc.GenerationStub(ch) for ch in run_channels]
     wait_stubs = [pb_grpc.GenerationStub(ch) for ch in wait_channels]
     async with contextlib.AsyncExitStack() as stack:

@@ -20,11 +20,6 @@ DRAIN = "drain"  # put in every stream's queue when the replica drains
 Item = tuple[str, Any]  # ("t", (offset, tokens, logprobs)), ("f", (reason, total, cached)) or (DRAIN, None)
 
 
-def backlog(queue: asyncio.Queue[Item]) -> list[Item]:
-    """Everything queued right now, without waiting."""
-    return [queue.get_nowait() for _ in range(queue.qsize())]
-
-
 def merge_tokens(items: list[Item]) -> tuple[Item, list[Item]]:
     """The first of ``items`` with the token events queued right behind it merged in, and the rest.
 
@@ -36,14 +31,37 @@ def merge_tokens(items: list[Item]) -> tuple[Item, list[Item]]:
     (kind, payload), rest = items[0], items[1:]
     if kind != "t":
         return items[0], rest
-    offset, tokens, lps = payload
+    offset, first, first_lps = payload
+    tokens, lps = list(first), None if first_lps is None else list(first_lps)
     merged = 0
-    for kind, item in rest:
-        if kind != "t" or item[0] != offset + len(tokens) or (item[2] is None) != (lps is None):
+    for kind, (o, more, more_lps) in rest:
+        if kind != "t" or o != offset + len(tokens) or (more_lps is None) != (lps is None):
             break
-        tokens, lps = [*tokens, *item[1]], None if lps is None else [*lps, *item[2]]
+        tokens.extend(more)
+        if lps is not None:
+            lps.extend(more_lps)
         merged += 1
     return ("t", (offset, tokens, lps)), rest[merged:]
+
+
+class StreamQueue:
+    """One stream's events in order; ``get`` merges the token events queued behind the next one
+    into it (``merge_tokens``)."""
+
+    def __init__(self) -> None:
+        self._queue: asyncio.Queue[Item] = asyncio.Queue()
+        self._held: list[Item] = []  # taken from the queue, not yet handed out
+
+    def put_nowait(self, item: Item) -> None:
+        self._queue.put_nowait(item)
+
+    async def get(self) -> Item:
+        if not self._held:
+            self._held.append(await self._queue.get())
+        while not self._queue.empty():
+            self._held.append(self._queue.get_nowait())
+        item, self._held = merge_tokens(self._held)
+        return item
 
 
 class EventBus:
@@ -54,14 +72,14 @@ class EventBus:
         # Several streams may follow one request (a Generate and Resumes, or a Generate whose
         # duplicate is being refused): each has its own queue, and leaving removes only its
         # own (tests/test_fuzz.py found a refused duplicate silencing the running stream).
-        self._queues: dict[str, list[asyncio.Queue[Item]]] = {}
+        self._queues: dict[str, list[StreamQueue]] = {}
 
-    def subscribe(self, request_id: str) -> asyncio.Queue[Item]:
-        q: asyncio.Queue[Item] = asyncio.Queue()
+    def subscribe(self, request_id: str) -> StreamQueue:
+        q = StreamQueue()
         self._queues.setdefault(request_id, []).append(q)
         return q
 
-    def unsubscribe(self, request_id: str, queue: asyncio.Queue[Item]) -> None:
+    def unsubscribe(self, request_id: str, queue: StreamQueue) -> None:
         queues = self._queues.get(request_id, [])
         if queue in queues:
             queues.remove(queue)

@@ -28,7 +28,7 @@ from pagedserve.grammar import Compiler, GrammarError
 from pagedserve.members import now_ms
 from scheduler_svc import codec, parallel
 from scheduler_svc.attachments import Attachments
-from scheduler_svc.bus import DRAIN, EventBus, Item, backlog, merge_tokens
+from scheduler_svc.bus import DRAIN, EventBus, StreamQueue
 from scheduler_svc.core.admission import FinishRate, retry_after
 from scheduler_svc.core import prefix
 from scheduler_svc.core.deadline import deadline_ms
@@ -154,7 +154,7 @@ class _Reopened:
     """A stream resumed from an offset (``Frontend._reopen``), before it is attached."""
 
     stream: _Stream
-    queue: asyncio.Queue[Item]
+    queue: StreamQueue
     first: list[Chunk]  # the tokens from the offset on that Redis holds
     req: Request
     stop: list[str]
@@ -285,12 +285,9 @@ class Frontend:
             return s.chunk(accepted, offset, final=True, reason=finished, logprobs=lps)
         return s.chunk(accepted, offset, logprobs=lps) if accepted else None
 
-    async def _follow(self, s: _Stream, queue: asyncio.Queue[Item]) -> AsyncIterator[Chunk]:
-        held: list[Item] = []  # taken from the queue, not yet handled
+    async def _follow(self, s: _Stream, queue: StreamQueue) -> AsyncIterator[Chunk]:
         while not s.done:
-            if not held:
-                held.append(await queue.get())
-            (kind, payload), held = merge_tokens([*held, *backlog(queue)])
+            kind, payload = await queue.get()
             if kind == DRAIN:
                 raise StreamDetached(s.request_id, s.delivered)
             if kind == "t":
@@ -307,7 +304,7 @@ class Frontend:
             if chunk is not None:
                 yield chunk
 
-    async def _attached(self, s: _Stream, queue: asyncio.Queue[Item], first: list[Chunk],
+    async def _attached(self, s: _Stream, queue: StreamQueue, first: list[Chunk],
                         touch: bool = False) -> AsyncIterator[Chunk]:
         """Stream ``first``, then the live tail; the request is held (attached) meanwhile, and
         ``touch`` refreshes that at once. A client that goes away aborts it; a draining replica
@@ -388,7 +385,7 @@ class Frontend:
         return _Stream(req.request_id, len(req.prompt_ids), Detokenizer(self.tokenizer, stop), submitted,
                        logprobs=req.params.logprobs is not None, group=req.group, index=req.index, **kw)
 
-    def _views(self, streams: list[_Stream], queues: list[asyncio.Queue[tuple[str, Any]]],
+    def _views(self, streams: list[_Stream], queues: list[StreamQueue],
                firsts: list[list[Chunk]], touch: bool = False) -> AsyncIterator[Chunk]:
         """The attached stream of a request (no extra layer: a decode step streams hundreds of
         chunks), or its completions' streams merged into one (``_merged``)."""

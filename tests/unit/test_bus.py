@@ -1,10 +1,11 @@
-"""Pure: how a lagging stream's queued events merge into one chunk (scheduler_svc.bus.merge_tokens)."""
+"""How a lagging stream's queued events merge into one chunk: ``merge_tokens`` (pure) and the
+``StreamQueue`` a stream reads (an asyncio queue, no Redis)."""
 
 from __future__ import annotations
 
 import asyncio
 
-from scheduler_svc.bus import DRAIN, backlog, merge_tokens
+from scheduler_svc.bus import DRAIN, StreamQueue, merge_tokens
 
 
 def t(offset: int, tokens: list[int], lps: list[str] | None = None) -> tuple:
@@ -32,9 +33,17 @@ def test_other_events_pass_alone() -> None:
     assert merge_tokens([t(0, [7])]) == (t(0, [7]), [])
 
 
-def test_backlog_takes_what_is_queued_without_waiting() -> None:
-    q: asyncio.Queue = asyncio.Queue()
-    assert backlog(q) == []
-    for item in (t(0, [1]), t(1, [2])):
-        q.put_nowait(item)
-    assert backlog(q) == [t(0, [1]), t(1, [2])] and q.empty()
+def test_a_stream_queue_hands_out_what_queued_behind_merged() -> None:
+    async def go() -> list[tuple]:
+        q = StreamQueue()
+        for item in (t(0, [1]), t(1, [2]), ("f", ("length", 3, 0))):
+            q.put_nowait(item)
+        got = [await q.get()]  # the two token events as one, the finish held back
+        q.put_nowait(t(3, [4]))
+        got += [await q.get(), await q.get()]
+        waiter = asyncio.ensure_future(q.get())  # nothing queued: it waits for the next event
+        await asyncio.sleep(0)
+        q.put_nowait((DRAIN, None))
+        return [*got, await waiter]
+
+    assert asyncio.run(go()) == [t(0, [1, 2]), ("f", ("length", 3, 0)), t(3, [4]), (DRAIN, None)]
