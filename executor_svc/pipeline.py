@@ -2,9 +2,11 @@
 
 A pipelined scheduler sends plan N+1 while the executor still runs plan N, on
 one ``Steps`` stream; ``PlanRunner`` runs the plans of that stream back to back,
-in order, one at a time (the pool is not reentrant). A plan that fails ends the
-stream, and the plans queued behind it are dropped, never run: they were built
-on a result that did not come. The same holds for a stream that a newer stream
+in order, one at a time (the pool is not reentrant), in a task of their own: a
+step starts as soon as the previous one ends, while that one's result is still
+being written to the stream (a refusal is sent after the results before it,
+``Refusal``). A plan that fails ends the stream, and the plans queued behind it
+are dropped, never run: they were built on a result that did not come. The same holds for a stream that a newer stream
 (or a unary ``Step``) superseded: once another caller's plan ran, the older
 stream's queued plans end with ABORTED, so after any failure only plans of the
 scheduler's fresh stream touch the KV.
@@ -76,6 +78,29 @@ async def in_thread(fn: Callable[..., T], *args: Any) -> T:
         raise
 
 
+class Refusal(Exception):
+    """A plan's abort, raised where it was refused and sent on the stream after the results before it."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(f"{code.name}: {details}")
+        self.code = code
+        self.details = details
+
+
+class _Ahead:
+    """The stream's context for plans run ahead of its writes: ``abort`` raises a ``Refusal``
+    instead of ending the call at once, which would drop results not written yet."""
+
+    def __init__(self, context: grpc.aio.ServicerContext) -> None:
+        self._context = context
+
+    async def abort(self, code: grpc.StatusCode, details: str = "", *_: Any) -> None:
+        raise Refusal(code, details)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._context, name)
+
+
 class PlanRunner:
     """Runs plans one at a time, in arrival order, from unary calls and ``Steps`` streams."""
 
@@ -90,9 +115,12 @@ class PlanRunner:
 
     async def stream(self, plans: AsyncIterator[pb.StepPlan],
                      context: grpc.aio.ServicerContext) -> AsyncIterator[pb.StepResult]:
-        """One result per plan, in order; plans are read (and queued) while earlier ones run."""
+        """One result per plan, in order. Plans are read (and queued) while earlier ones run, and run
+        in a task of their own: the next step starts as soon as the last one ends, while its result
+        is still being written to the stream (the device never waits for gRPC)."""
         me = object()
         queue: asyncio.Queue[pb.StepPlan | None] = asyncio.Queue()
+        results: asyncio.Queue[pb.StepResult | BaseException | None] = asyncio.Queue()
 
         async def read() -> None:
             try:
@@ -101,16 +129,29 @@ class PlanRunner:
             finally:
                 queue.put_nowait(None)
 
-        reader = asyncio.create_task(read())
-        started = False
-        try:
-            while (plan := await queue.get()) is not None:
-                yield await self._locked(plan, context, me, started)
-                started = True
-        finally:
-            reader.cancel()  # whatever is still queued is dropped with the stream
+        async def run() -> None:
+            started, ahead = False, _Ahead(context)
+            try:
+                while (plan := await queue.get()) is not None:
+                    results.put_nowait(await self._locked(plan, ahead, me, started))
+                    started = True
+                results.put_nowait(None)
+            except Exception as exc:  # a refusal or a failed step: the stream ends after the results before it
+                results.put_nowait(exc)
 
-    async def _locked(self, plan: pb.StepPlan, context: grpc.aio.ServicerContext, me: object,
+        reader, runner = asyncio.create_task(read()), asyncio.create_task(run())
+        try:
+            while (item := await results.get()) is not None:
+                if isinstance(item, Refusal):
+                    await context.abort(item.code, item.details)
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:  # whatever is still queued is dropped with the stream
+            reader.cancel()
+            runner.cancel()
+
+    async def _locked(self, plan: pb.StepPlan, context: Any, me: object,
                       started: bool) -> pb.StepResult:
         async with self.lock:
             if started and self._owner is not me:

@@ -310,7 +310,10 @@ class BlockManager:
 
     def append(self, req: Request, num_new: int) -> list[int]:
         """Grow ``req``'s block table to hold ``num_new`` more tokens; returns the new blocks."""
-        new = self._alloc(self.needed(req, num_new))
+        need = self.needed(req, num_new)
+        if not need:  # most decode steps: room left in its last block
+            return []
+        new = self._alloc(need)
         req.blocks.extend(new)
         return new
 

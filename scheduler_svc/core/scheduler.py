@@ -284,9 +284,10 @@ class Scheduler:
                 continue  # its source has not launched the whole prompt yet, or no block for the copy
             n = min(req.num_pending, budget)
             preempted = False
-            fits = self.blocks.can_append(req, n)
+            need = self.blocks.needed(req, n)  # 0 for most decode steps: room left in its last block
+            fits = need <= self.blocks.num_free(DEVICE)
             while not fits:
-                if self.blocks.needed(req, n) <= self._freed_soon():
+                if need <= self._freed_soon():
                     break  # swaps in this plan, or requests ending in flight, free enough for the next step
                 victim = self._victim(self.running)
                 budget += self._preempt(victim, out)
@@ -300,7 +301,8 @@ class Scheduler:
             i = self.running.index(req) + 1 if preempted else i + 1
             if not fits:
                 continue  # waits one step for swapped-out blocks to come free
-            self.blocks.append(req, n)
+            if need:
+                self.blocks.append(req, n)
             out.scheduled.append(Scheduled(req, req.num_computed, n))
             self.record.touch(req)
             budget -= n

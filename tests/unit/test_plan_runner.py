@@ -112,3 +112,24 @@ def test_a_newer_caller_supersedes_a_stream() -> None:
             await server.stop(None)
 
     asyncio.run(go())
+
+
+def test_the_next_plan_runs_while_a_result_is_still_being_written() -> None:
+    """Driven without gRPC: the stream's consumer (the call's writer) takes the first result and
+    then stalls, as a slow write would; the plan queued behind it runs anyway."""
+    async def go() -> None:
+        rec = Recorder(delay=0.01)
+
+        async def plans():  # type: ignore[no-untyped-def]
+            for i in (1, 2, 3):
+                yield pb.StepPlan(step_id=i)
+            await asyncio.sleep(10)  # the stream stays open
+
+        results = rec.runner.stream(plans(), context=None)  # type: ignore[arg-type]
+        assert (await results.__anext__()).step_id == 1
+        await asyncio.sleep(0.2)  # nothing asks for the next result meanwhile
+        assert rec.ran == [1, 2, 3]
+        assert [(await results.__anext__()).step_id for _ in range(2)] == [2, 3]
+        await results.aclose()
+
+    asyncio.run(go())
