@@ -390,7 +390,7 @@ def run_all(args: argparse.Namespace, cfg: Config, out: Path, started: float) ->
     if "sampling_cost" in cfg.arms:  # after pagedserve: its step log gives the decode forward per batch
         attempt("seeded sampling cost", sampling_cost)
     if "hf_static" in cfg.arms:
-        attempt("HF static", lambda: hf_static(short, hf_model(), cfg.static_requests))
+        attempt("HF static", lambda: hf_static(short, hf_model(), None))
     if "hf_continuous" in cfg.arms:
         attempt("HF continuous", lambda: hf_continuous(short, hf_model(), args))
     if long is not None and "hf_static" in cfg.arms:
@@ -451,7 +451,6 @@ def run_all(args: argparse.Namespace, cfg: Config, out: Path, started: float) ->
         "throughput_ratio_vs_hf_continuous": ratio("hf_continuous"),
         "kv_utilization_steady_state": kv_util,
         "static_allocation_utilization": short.static_util,
-        "hf_static_requests": short.static_requests,
         **ovh_keys,
         "scheduler_overhead_share_real_run": share,
         **long_keys,

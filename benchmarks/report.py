@@ -331,21 +331,15 @@ def _arm_table(arms: dict[str, dict]) -> list[str]:
     return lines
 
 
-def _static_subset(n_static: int | None, n_all: int) -> str:
-    """The note a ratio to HF static carries when that arm served a prefix of the workload."""
-    if n_static is None or n_static >= n_all:
-        return ""
-    return (f" (HF static served only the first {n_static} of the {n_all} requests, to fit the run's time: its "
-            "tokens/s are those requests')")
-
-
 def _long_lines(summary: dict, plots: dict[str, str]) -> list[str]:
     """The long workload's section: the short run's table and KV figures, on ShareGPT x 0.5 lengths."""
     lg = summary.get("long")
     if not lg:
         return []
     arms = lg["arms"]
-    subset = _static_subset(lg.get("hf_static_requests"), lg["workload"]["num_requests"])
+    n_static, n_all = lg.get("hf_static_requests"), lg["workload"]["num_requests"]
+    subset = (f" (HF static served only the first {n_static} of the {n_all} requests, to fit the run's time: its "
+              "tokens/s are those requests')") if n_static is not None and n_static < n_all else ""
     return ["## Long workload", "",
             f"The same arms after the short run, on longer sequences: KV budget {lg['kv_budget_bytes']:,} bytes "
             f"({lg['kv_budget_tokens']} tokens) for every arm.", "", _workload_line(lg["workload"]), "",
@@ -370,9 +364,6 @@ def write_markdown(summary: dict, arms: dict[str, dict], targets: list[Target], 
     ]
     lines += [f"| {t.name} | {t.goal} | {_f(t.value, 3)}{t.unit} | {t.verdict()} |" for t in targets]
     lines += ["", "## Throughput and latency per arm", "", *_arm_table(arms)]
-    subset = _static_subset(summary.get("hf_static_requests"), summary["workload"]["num_requests"])
-    if subset:
-        lines += ["", f"HF static{subset}."]
     lines += ["", _previous_run_line(summary)]
     for err in summary.get("errors", []):
         lines.append(f"\n**Arm failed:** {err}")

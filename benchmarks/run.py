@@ -95,8 +95,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--long-max-total-len", type=int, default=None, help="the long workload's total cap (default: 1024)")
     p.add_argument("--long-kv-budget-tokens", type=int, default=None,
                    help="KV budget of the long workload's arms, in tokens (default: 4096)")
-    p.add_argument("--static-requests", type=int, default=None,
-                   help="HF static serves only the first N short requests (default: quick 32, full all)")
     p.add_argument("--long-static-requests", type=int, default=None,
                    help="HF static serves only the first N long requests (default: quick 6, full all)")
     p.add_argument("--shared-prefix-requests", type=int, default=None,
@@ -147,7 +145,6 @@ def build_config(args: argparse.Namespace) -> Config:
         long_scale=pick(args.long_scale, base.long_scale),
         long_max_total_len=pick(args.long_max_total_len, base.long_max_total_len),
         long_kv_budget_tokens=pick(args.long_kv_budget_tokens, base.long_kv_budget_tokens),
-        static_requests=pick(args.static_requests, base.static_requests),
         long_static_requests=pick(args.long_static_requests, base.long_static_requests),
         parallel_prompt_len=pick(args.parallel_prompt_len, base.parallel_prompt_len),
         parallel_output_len=pick(args.parallel_output_len, base.parallel_output_len),
