@@ -34,8 +34,11 @@ def merge_tokens(items: list[Item]) -> tuple[Item, list[Item]]:
     offset, first, first_lps = payload
     tokens, lps = list(first), None if first_lps is None else list(first_lps)
     merged = 0
-    for kind, (o, more, more_lps) in rest:
-        if kind != "t" or o != offset + len(tokens) or (more_lps is None) != (lps is None):
+    for kind, more_payload in rest:
+        if kind != "t":  # a finish, or a drain (whose payload is None)
+            break
+        o, more, more_lps = more_payload
+        if o != offset + len(tokens) or (more_lps is None) != (lps is None):
             break
         tokens.extend(more)
         if lps is not None:

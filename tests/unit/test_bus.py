@@ -30,6 +30,7 @@ def test_logprobs_merge_only_when_every_event_has_them() -> None:
 
 def test_other_events_pass_alone() -> None:
     assert merge_tokens([(DRAIN, None), t(0, [7])]) == ((DRAIN, None), [t(0, [7])])
+    assert merge_tokens([t(0, [7]), (DRAIN, None)]) == (t(0, [7]), [(DRAIN, None)])  # a drain behind tokens
     assert merge_tokens([t(0, [7])]) == (t(0, [7]), [])
 
 
