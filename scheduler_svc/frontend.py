@@ -3,16 +3,16 @@
 Any replica can serve any request: it persists the request in Redis (which
 queues it for every executor's loop), and follows the loops' events stream
 (``bus.EventBus``: one reader per replica, fanned out to the requests it
-serves) for tokens and finishes, wherever the request runs. A stream is only a view of a request:
-events carry each token's offset in the completion, so a stream never
-repeats or skips a token (overlap is dropped, a gap is read back from Redis),
-and a client whose stream broke resumes from its offset on any replica. A
+serves) for tokens and finishes, wherever the request runs. A stream is only a
+view of a request (``streams``: it never repeats or skips a token), and a
+client whose stream broke resumes from its offset on any replica. A
 request with sampling.n > 1 is its completions (``parallel``), streamed as one.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import secrets
 import time
@@ -37,6 +37,7 @@ from scheduler_svc.detok import Detokenizer
 from scheduler_svc.metrics import FrontendMetrics
 from scheduler_svc.expiry import Expiries
 from scheduler_svc.store import UNAVAILABLE, Overloaded, RedisStore
+from scheduler_svc.streams import Chunk, QueueTimeout, Stream, StreamDetached, follow
 from scheduler_svc.validate import DEFAULT_CAPS, Caps, Checked, InvalidArgument, Unavailable, check, check_length
 from scheduler_svc.watch import ClusterWatch
 from pagedserve.v1 import generation_pb2 as pb
@@ -63,97 +64,11 @@ class TooManyPending(RuntimeError):
         self.retry_after = retry_after_s
 
 
-class QueueTimeout(RuntimeError):
-    """Maps to DEADLINE_EXCEEDED: the request's queue deadline passed before it started; it
-    was removed and holds nothing."""
-
-    def __init__(self, request_id: str) -> None:
-        super().__init__(f"queue_timeout: request {request_id} did not start before its deadline (queue_timeout "
-                         f"or the call's deadline); it was removed from the queue")
-
-
-class StreamDetached(RuntimeError):
-    """The stream ends, its request goes on (the replica drains, or Redis is unreachable):
-    resume it from ``offset``."""
-
-    def __init__(self, request_id: str, offset: int, why: str = "this replica is draining") -> None:
-        super().__init__(f"{why}; resume {request_id} from offset {offset}")
-        self.request_id = request_id
-        self.offset = offset
-        self.why = why
-
-
-@dataclass(slots=True)
-class Chunk:
-    request_id: str
-    token_ids: list[int]
-    text: str
-    offset: int  # index in the completion of token_ids[0]
-    finish_reason: str = ""
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    logprobs: list[Any] | None = None  # one stored entry per token of token_ids (plan.entry's shape)
-    prompt_logprobs: list[Any] | None = None  # one per prompt token from the second on
-    cached_tokens: int = 0  # prompt tokens served from the prefix cache (last message)
-    index: int = 0  # which completion of a request with sampling.n > 1
-
-    def to_pb(self) -> pb.GenerateResponse:
-        return pb.GenerateResponse(
-            request_id=self.request_id,
-            index=self.index,
-            token_ids=self.token_ids,
-            text=self.text,
-            offset=self.offset,
-            finish_reason=self.finish_reason,
-            prompt_tokens=self.prompt_tokens,
-            completion_tokens=self.completion_tokens,
-            logprobs=[token_logprobs(e) for e in self.logprobs or ()],
-            prompt_logprobs=[token_logprobs(e) for e in self.prompt_logprobs or ()],
-            cached_tokens=self.cached_tokens,
-        )
-
-
-def token_logprobs(entry: Any) -> pb.TokenLogprobs:
-    token, logprob, rank, top_ids, top_logprobs = entry
-    return pb.TokenLogprobs(token_id=token, logprob=logprob, rank=rank, top_token_ids=top_ids,
-                            top_logprobs=top_logprobs)
-
-
-@dataclass(slots=True)
-class _Stream:
-    """One attached stream: what it has delivered and what turns tokens into text."""
-
-    request_id: str
-    prompt_tokens: int
-    detok: Detokenizer
-    submitted: float  # wall time of the submission (s)
-    delivered: int = 0  # tokens of the completion given to the detokenizer so far
-    done: bool = False
-    first_pending: bool = True  # no token streamed yet: the next one is the first (TTFT)
-    last: float = 0.0  # when the last message with tokens left
-    logprobs: bool = False  # sampling.logprobs is set: messages carry them
-    prompt_pending: bool = False  # sampling.prompt_logprobs is set and the first message has not left
-    cached: int = 0  # prompt tokens served from the prefix cache, as the finish event says
-    group: str = ""  # a completion of a request with sampling.n > 1: that request's id (what chunks carry)
-    index: int = 0  # and which completion
-
-    def chunk(self, tokens: list[int], offset: int, final: bool = False, reason: str = "",
-              logprobs: list[Any] | None = None) -> Chunk:
-        text = self.detok.take(final=final)
-        lps = logprobs[: len(tokens)] if self.logprobs and logprobs is not None else None
-        rid = self.group or self.request_id
-        if not final:
-            return Chunk(rid, tokens, text, offset, logprobs=lps, index=self.index)
-        self.done = True
-        return Chunk(rid, tokens, text, offset, reason, self.prompt_tokens, len(self.detok.ids),
-                     logprobs=lps, cached_tokens=self.cached, index=self.index)
-
-
 @dataclass(slots=True)
 class _Reopened:
     """A stream resumed from an offset (``Frontend._reopen``), before it is attached."""
 
-    stream: _Stream
+    stream: Stream
     queue: StreamQueue
     first: list[Chunk]  # the tokens from the offset on that Redis holds
     req: Request
@@ -161,7 +76,7 @@ class _Reopened:
     traceparent: str  # of the request's root span
 
 
-def _end(span: Span | None, streams: list[_Stream]) -> None:
+def _end(span: Span | None, streams: list[Stream]) -> None:
     if span is not None:
         span.set_attribute("pagedserve.completion_tokens", sum(s.delivered for s in streams))
         span.end()
@@ -256,55 +171,7 @@ class Frontend:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    async def _fresh(self, s: _Stream, offset: int, tokens: list[int],
-                     lps: list[Any] | None = None) -> tuple[list[int], list[Any] | None]:
-        """The tokens (and logprobs) of an event not yet delivered: overlap dropped, a gap
-        filled from Redis."""
-        if offset > s.delivered:
-            log.warning("%s: events skipped tokens %d..%d; reading them back", s.request_id, s.delivered, offset,
-                        extra={"request_id": s.request_id})
-            gap = await self.store.output(s.request_id, s.delivered, offset)
-            gap_lps = await self.store.logprobs(s.request_id, s.delivered, offset) if s.logprobs else None
-            return gap + tokens, (gap_lps + (lps or [])) if s.logprobs and gap_lps is not None else None
-        cut = s.delivered - offset
-        return tokens[cut:], (lps[cut:] if lps is not None else None)
-
-    def _deliver(self, s: _Stream, tokens: list[int], finished: str | None = None,
-                 lps: list[Any] | None = None) -> Chunk | None:
-        """Give ``tokens`` (the completion's next ones, ``lps`` their logprobs) to the stream;
-        ``finished``: the request's finish reason when these are its last. Returns the chunk to
-        send, if any."""
-        offset = s.delivered
-        s.delivered += len(tokens)
-        accepted = s.detok.add(tokens)
-        if s.detok.stopped:  # a stop string: the text ends here whatever the loop does next
-            if finished is None:
-                self._cancel_later(s.request_id, Finish.STOP)
-            return s.chunk(accepted, offset, final=True, reason=Finish.STOP.value, logprobs=lps)
-        if finished is not None:
-            return s.chunk(accepted, offset, final=True, reason=finished, logprobs=lps)
-        return s.chunk(accepted, offset, logprobs=lps) if accepted else None
-
-    async def _follow(self, s: _Stream, queue: StreamQueue) -> AsyncIterator[Chunk]:
-        while not s.done:
-            kind, payload = await queue.get()
-            if kind == DRAIN:
-                raise StreamDetached(s.request_id, s.delivered)
-            if kind == "t":
-                offset, toks, lps = payload
-                toks, lps = await self._fresh(s, offset, toks, lps)
-                chunk = self._deliver(s, toks, lps=lps)
-            else:
-                reason, total, s.cached = payload
-                if reason == Finish.DEADLINE.value:
-                    s.done = True
-                    raise QueueTimeout(s.request_id)
-                toks, lps = await self._fresh(s, total, [], [])
-                chunk = self._deliver(s, toks, finished=reason, lps=lps)
-            if chunk is not None:
-                yield chunk
-
-    async def _attached(self, s: _Stream, queue: StreamQueue, first: list[Chunk],
+    async def _attached(self, s: Stream, queue: StreamQueue, first: list[Chunk],
                         touch: bool = False) -> AsyncIterator[Chunk]:
         """Stream ``first``, then the live tail; the request is held (attached) meanwhile, and
         ``touch`` refreshes that at once. A client that goes away aborts it; a draining replica
@@ -319,7 +186,7 @@ class Frontend:
                 await self._with_prompt_logprobs(s, chunk)
                 self._observe(s, chunk)
                 yield chunk
-            async for chunk in self._follow(s, queue):
+            async for chunk in follow(self.store, s, queue):
                 await self._with_prompt_logprobs(s, chunk)
                 self._observe(s, chunk)
                 yield chunk
@@ -340,14 +207,14 @@ class Frontend:
             if not s.done:
                 self._cancel_later(rid, Finish.ABORT)  # the client went away: free its blocks
 
-    async def _with_prompt_logprobs(self, s: _Stream, chunk: Chunk) -> None:
+    async def _with_prompt_logprobs(self, s: Stream, chunk: Chunk) -> None:
         """The first message with tokens (or the last) carries the prompt's logprobs, read from
         Redis: the step that sampled the first token committed them with it."""
         if s.prompt_pending and (chunk.token_ids or chunk.finish_reason):
             s.prompt_pending = False
             chunk.prompt_logprobs = await self.store.prompt_logprobs(s.request_id)
 
-    def _observe(self, s: _Stream, chunk: Chunk) -> None:
+    def _observe(self, s: Stream, chunk: Chunk) -> None:
         """TTFT (streams that submitted), inter-token latency, end-to-end latency."""
         if self.metrics is None:
             return
@@ -381,18 +248,19 @@ class Frontend:
             raise TooManyPending(exc.seen.queued, self.max_pending, hint) from None
         self.finish_rate.add(time.monotonic(), seen.finished)
 
-    def _stream(self, req: Request, stop: list[str], submitted: float, **kw: Any) -> _Stream:
-        return _Stream(req.request_id, len(req.prompt_ids), Detokenizer(self.tokenizer, stop), submitted,
+    def _stream(self, req: Request, stop: list[str], submitted: float, **kw: Any) -> Stream:
+        return Stream(req.request_id, len(req.prompt_ids), Detokenizer(self.tokenizer, stop), submitted,
+                      functools.partial(self._cancel_later, reason=Finish.STOP),
                        logprobs=req.params.logprobs is not None, group=req.group, index=req.index, **kw)
 
-    def _views(self, streams: list[_Stream], queues: list[StreamQueue],
+    def _views(self, streams: list[Stream], queues: list[StreamQueue],
                firsts: list[list[Chunk]], touch: bool = False) -> AsyncIterator[Chunk]:
         """The attached stream of a request (no extra layer: a decode step streams hundreds of
         chunks), or its completions' streams merged into one (``_merged``)."""
         views = [self._attached(s, q, f, touch) for s, q, f in zip(streams, queues, firsts)]
         return views[0] if len(views) == 1 else self._merged(streams, views)
 
-    async def _merged(self, streams: list[_Stream], views: list[AsyncIterator[Chunk]]) -> AsyncIterator[Chunk]:
+    async def _merged(self, streams: list[Stream], views: list[AsyncIterator[Chunk]]) -> AsyncIterator[Chunk]:
         """A drain or a Redis outage ends every completion's stream, leaving them all running: the
         client resumes the group from the least offset of the completions that had not ended."""
         detached: list[int] = []
@@ -470,7 +338,7 @@ class Frontend:
                 lps = None
                 if s.logprobs:
                     lps = (await self.store.logprobs(request_id, offset))[: len(req.output_ids) - offset]
-                first = [c for c in [self._deliver(s, req.output_ids[offset:], finished, lps)] if c is not None]
+                first = [c for c in [s.deliver(req.output_ids[offset:], finished, lps)] if c is not None]
         except BaseException:
             self.bus.unsubscribe(request_id, queue)
             raise

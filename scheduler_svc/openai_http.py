@@ -36,8 +36,9 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from pagedserve.auth import SecretFile, bearer
 from pagedserve.security import ReloadingSSLContext
 from scheduler_svc import openai_protocol as proto
-from scheduler_svc.frontend import Chunk, Frontend, StreamDetached
+from scheduler_svc.frontend import Frontend
 from scheduler_svc.openai_protocol import ApiError
+from scheduler_svc.streams import Chunk, StreamDetached
 from scheduler_svc.validate import InvalidArgument
 
 log = logging.getLogger(__name__)

@@ -21,8 +21,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from scheduler_svc.frontend import Chunk, QueueTimeout, StreamDetached, TooManyPending
+from scheduler_svc.frontend import TooManyPending
 from scheduler_svc.store import UNAVAILABLE, DuplicateRequest
+from scheduler_svc.streams import Chunk, QueueTimeout, StreamDetached
 from scheduler_svc.validate import InvalidArgument, Limits, OverCapacity, Unavailable
 from pagedserve.v1 import generation_pb2 as pb
 

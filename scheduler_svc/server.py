@@ -13,9 +13,9 @@ from collections.abc import AsyncIterator
 import grpc
 
 from pagedserve import handlers
-from scheduler_svc.frontend import (Chunk, Frontend, NotFound, OutOfRange, QueueTimeout, StreamDetached,
-                                    TooManyPending)
+from scheduler_svc.frontend import Frontend, NotFound, OutOfRange, TooManyPending
 from scheduler_svc.store import UNAVAILABLE, DuplicateRequest
+from scheduler_svc.streams import Chunk, QueueTimeout, StreamDetached
 from scheduler_svc.validate import MAX_REQUEST_BYTES, InvalidArgument, OverCapacity, Unavailable
 from pagedserve.v1 import generation_pb2 as pb
 from pagedserve.v1 import generation_pb2_grpc as pb_grpc

@@ -12,7 +12,8 @@ import redis
 
 from pagedserve.v1 import generation_pb2 as pb
 from scheduler_svc import openai_protocol as proto
-from scheduler_svc.frontend import Chunk, QueueTimeout, StreamDetached, TooManyPending
+from scheduler_svc.frontend import TooManyPending
+from scheduler_svc.streams import Chunk, QueueTimeout, StreamDetached
 from scheduler_svc.store import DuplicateRequest
 from scheduler_svc.validate import InvalidArgument, OverCapacity, Unavailable
 
