@@ -100,20 +100,21 @@ def _build_group(meta: PagedMetadata, seqs: torch.Tensor) -> _Group:
 
 
 def _groups(meta: PagedMetadata) -> list[_Group]:
-    """Decodes bucketed by context length (the power of two at or above their block count), then the
-    prefill chunks.
+    """Decodes, then prefill chunks, each bucketed by context length (the power of two at or above
+    their block count).
 
     A group gathers every sequence's KV padded to its longest context, once per layer: with one
     decode group, a long-tailed batch (one 1,000-token context among a dozen of ~250) gathered and
     attended over ~3x the tokens it holds, which made the step's time grow with the longest
-    sequence rather than with the tokens. Within a bucket the padding is under 2x."""
+    sequence rather than with the tokens. Within a bucket the context's padding is under 2x.
+    Prefill chunks apart from decodes: their query rows pad to the longest chunk of the group."""
     if meta.groups is None:
         q_lens = meta.query_start_loc[1:] - meta.query_start_loc[:-1]
-        decode = q_lens == 1
         num_blocks = (meta.seq_lens.long() + meta.block_size - 1) // meta.block_size
-        bucket = torch.where(decode, torch.ceil(torch.log2(num_blocks.clamp(min=1).double())).long(), -1)
-        seqs = [torch.nonzero(bucket == b).flatten() for b in torch.unique(bucket[decode]).tolist()]
-        meta.groups = [_build_group(meta, s) for s in (*seqs, torch.nonzero(~decode).flatten()) if len(s)]
+        level = torch.ceil(torch.log2(num_blocks.clamp(min=1).double())).long()
+        bucket = torch.where(q_lens == 1, level, level + 64)  # 64 levels cover any context
+        meta.groups = [_build_group(meta, torch.nonzero(bucket == b).flatten())
+                       for b in torch.unique(bucket).tolist()]
     return meta.groups
 
 

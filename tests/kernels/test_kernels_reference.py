@@ -26,6 +26,7 @@ def _sdpa_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
         ([40], [15], 16, 4, 1),  # prefill chunk on 25 cached tokens
         ([33, 5, 64, 20], [1, 5, 31, 1], 16, 3, 1),  # mixed, chunk on cached context
         ([300, 3, 40, 41, 100, 9, 250], [1] * 7, 16, 6, 2),  # long-tailed decodes: several length buckets
+        ([300, 20, 18, 150, 7], [40, 20, 18, 1, 7], 16, 4, 2),  # prefill chunks in two length buckets, a decode
     ],
 )
 def test_reference_matches_sdpa_causal(seq_lens, q_lens, block_size, heads, kv_heads):
@@ -77,3 +78,14 @@ def test_decodes_are_padded_within_a_length_bucket_only():
     groups = reference._groups(meta)
     gathered = sum(len(g.blocks) for g in groups)
     assert len(groups) == 4 and gathered == 63 + 3 * 16 + 2 + 1  # not 6 x 63
+
+
+def test_prefill_chunks_are_padded_within_a_length_bucket_only():
+    """A chunk of a long prompt does not pad short whole prompts to its context (nor its query rows)."""
+    seq_lens, q_lens = [1000, 20, 18], [64, 20, 18]
+    block_tables = torch.arange(len(seq_lens) * 63, dtype=torch.int32).view(len(seq_lens), 63)
+    starts = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    meta = reference.make_metadata(block_tables, starts, torch.tensor(seq_lens, dtype=torch.int32), 16)
+    groups = reference._groups(meta)
+    assert sorted(g.token_index.shape for g in groups) == [(1, 64), (2, 20)]
+    assert sum(len(g.blocks) for g in groups) == 63 + 2 * 2  # not 3 x 63
