@@ -34,7 +34,7 @@ import redis.asyncio as aioredis
 
 from executor_svc.lifecycle import Lifecycle, Registration
 from executor_svc.pipeline import PlanRunner
-from pagedserve import rpc
+from pagedserve import heap, rpc
 from pagedserve.executor.v1 import executor_pb2 as pb
 from pagedserve.executor.v1 import executor_pb2_grpc as pb_grpc
 from pagedserve.keys import Keys
@@ -145,6 +145,7 @@ async def serve(args: argparse.Namespace) -> None:
     server, health, port = rpc.make_server(f"{args.host}:{args.port}",
                                            [(pb_grpc.add_ExecutorServicer_to_server, stub, SERVICE_NAME)])
     await server.start()
+    heap.settle()  # as the executor it stands in for
     await rpc.set_serving(health, [SERVICE_NAME], True)
     stop = await rpc.stop_on_signals()
     client, registration, beat = None, None, None

@@ -18,7 +18,7 @@ from executor_svc.metrics import ExecutorMetrics
 from executor_svc.model_store import DEFAULT_MODEL, resolve_model
 from executor_svc.server import SERVICE_NAME, ExecutorServicer, add_to_server
 from kernels import BACKENDS
-from pagedserve import logs, metrics, rpc
+from pagedserve import heap, logs, metrics, rpc
 from pagedserve.auth import SecretFile, internal_token_interceptor
 from pagedserve.keys import Keys
 from pagedserve.members import Registry
@@ -147,6 +147,7 @@ async def serve(args: argparse.Namespace) -> None:
     )
     reload_on_sighup([certificate, args.internal_token])
     await server.start()
+    heap.settle()  # the model and every module are in: keep the collector off the steps
     await rpc.set_serving(health, [SERVICE_NAME], True)
     pool = engine.pool
     log.info("port %d: %s, %s", port, "mutual TLS" if args.tls.ca else "TLS" if certificate else "plaintext",

@@ -14,7 +14,7 @@ import uuid
 import redis.asyncio as aioredis
 from prometheus_client import CollectorRegistry
 
-from pagedserve import metrics, rpc, tracing
+from pagedserve import heap, metrics, rpc, tracing
 from pagedserve.keys import Keys
 from pagedserve.members import Registry
 from pagedserve.redis_check import require as require_redis
@@ -59,6 +59,7 @@ async def run_loops(args: argparse.Namespace) -> None:
                       async_scheduling=args.async_scheduling)
     stop = await rpc.stop_on_signals()
     reload_on_sighup([args.internal_token])
+    heap.settle()  # keep the collector off the loops' turns
     await manager.run(stop)
     if traces is not None:
         traces.shutdown()

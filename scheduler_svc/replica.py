@@ -15,7 +15,7 @@ import redis.asyncio as aioredis
 from grpc_health.v1 import health
 from prometheus_client import CollectorRegistry
 
-from pagedserve import metrics, rpc, tracing
+from pagedserve import heap, metrics, rpc, tracing
 from pagedserve.auth import api_key_interceptor
 from pagedserve.members import Registry
 from pagedserve.procs import free_port
@@ -128,6 +128,7 @@ async def serve(args: argparse.Namespace) -> None:
     if http is not None:
         log.info("OpenAI-compatible HTTP on port %d (%s, %s)", http.port, "HTTPS" if http.tls else "plain HTTP",
                  "API key required" if args.api_keys else "no API key")
+    heap.settle()  # keep the collector's full passes off the streams
     await stop.wait()
     # Drain: open streams end UNAVAILABLE (HTTP: an error event) with where to resume; their
     # requests go on, and this replica's loops hand their leases over as the loop process stops.
