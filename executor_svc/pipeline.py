@@ -6,10 +6,10 @@ in order, one at a time (the pool is not reentrant), in a task of their own: a
 step starts as soon as the previous one ends, while that one's result is still
 being written to the stream (a refusal is sent after the results before it,
 ``Refusal``). A plan that fails ends the stream, and the plans queued behind it
-are dropped, never run: they were built on a result that did not come. The same holds for a stream that a newer stream
-(or a unary ``Step``) superseded: once another caller's plan ran, the older
-stream's queued plans end with ABORTED, so after any failure only plans of the
-scheduler's fresh stream touch the KV.
+are dropped, never run: they were built on a result that did not come. The same
+holds for a stream that a newer stream (or a unary ``Step``) superseded: once
+another caller's plan ran, the older stream's queued plans end with ABORTED, so
+after any failure only plans of the scheduler's fresh stream touch the KV.
 
 Plan N+1 is built before step N's tokens are known, so a decoding sequence's
 input may be "the token sampled for this request in the previous step"

@@ -301,8 +301,7 @@ class Scheduler:
             i = self.running.index(req) + 1 if preempted else i + 1
             if not fits:
                 continue  # waits one step for swapped-out blocks to come free
-            if need:
-                self.blocks.append(req, n)
+            self.blocks.append(req, n)
             out.scheduled.append(Scheduled(req, req.num_computed, n))
             self.record.touch(req)
             budget -= n
