@@ -17,11 +17,10 @@ loop ends.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from typing import TextIO
 
 import grpc
@@ -40,7 +39,9 @@ from scheduler_svc.metrics import LoopMetrics
 from scheduler_svc.pipeline import Flight, Pipeline, StreamChannel, UnaryChannel
 from scheduler_svc.placements import Placements
 from scheduler_svc.plan import PlanBuilder, outputs
+from scheduler_svc import steplog
 from scheduler_svc.restore import intake, restore
+from scheduler_svc.steplog import Timer
 from scheduler_svc.store import UNAVAILABLE, Fenced, RedisStore, Stale
 
 log = logging.getLogger(__name__)
@@ -52,63 +53,6 @@ PEEK_DEPTH = 64  # queued requests placement looks at per step
 
 class ExecutorLost(RuntimeError):
     """Step failed or timed out and the executor did not answer as the same instance."""
-
-
-@dataclass(slots=True)
-class StepStats:
-    executor: str
-    step: int
-    t: float
-    running: int
-    waiting: int  # in the shared queue
-    swapped: int
-    scheduled_tokens: int
-    live_tokens: int  # tokens whose KV is held on the device
-    allocated_slots: int  # device blocks in use x block size
-    schedule_ms: float  # the loop's own work: everything but Redis and the Step round trip
-    plan_ms: float  # of which: building the step plan
-    commit_ms: float  # of which: building the step's Redis commands
-    redis_ms: float
-    executor_ms: float  # serial: the Step round trip; pipelined: the wait for the oldest result
-    forward_ms: float
-    step_ms: float  # the executor's own time for the step
-    encode_ms: float = 0.0  # pipelined: encoding the plan (part of schedule_ms)
-    decode_ms: float = 0.0  # pipelined: decoding the result (part of schedule_ms)
-    rtt_ms: float = 0.0  # from sending the reported step's plan to its result (pipelined: spans a loop turn)
-    idle_ms: float = 0.0  # the executor's wait for this plan after its previous step (StepResult.idle_ms)
-    in_flight: int = 0  # plans sent and not reported after this iteration (pipelined: 1 in steady state)
-
-
-@dataclass(slots=True)
-class Timer:
-    """Milliseconds per part of one loop iteration."""
-
-    redis: float = 0.0
-    executor: float = 0.0
-    plan: float = 0.0
-    commit: float = 0.0
-    encode: float = 0.0
-    decode: float = 0.0
-    total: float = 0.0
-    t0: float = 0.0
-
-    def start(self) -> None:
-        self.redis = self.executor = self.plan = self.commit = self.encode = self.decode = 0.0
-        self.t0 = time.perf_counter()
-
-    def since(self, t: float) -> float:
-        """Milliseconds since ``t`` (a ``perf_counter`` reading)."""
-        return (time.perf_counter() - t) * 1e3
-
-    async def redis_call(self, aw):  # type: ignore[no-untyped-def]
-        t = time.perf_counter()
-        try:
-            return await aw
-        finally:
-            self.redis += (time.perf_counter() - t) * 1e3
-
-    def stop(self) -> None:
-        self.total = (time.perf_counter() - self.t0) * 1e3
 
 
 @dataclass(slots=True)
@@ -417,34 +361,8 @@ class Loop:
         return info.instance_id == self.executor and info.state != "failed"
 
     def _log_step(self, sched: Scheduler, done: tuple[Flight, pb.StepResult], queued: int, timer: Timer) -> None:
-        flight, result = done
-        bm = sched.blocks
-        stats = StepStats(
-            executor=self.executor,
-            step=flight.step_id,
-            t=time.time(),
-            running=len(sched.running),
-            waiting=queued,
-            swapped=len(sched.swapped),
-            scheduled_tokens=flight.out.num_tokens,
-            live_tokens=sum(r.num_computed for r in sched.running),
-            allocated_slots=bm.used(DEVICE) * bm.block_size,
-            schedule_ms=timer.total - timer.redis - timer.executor,
-            plan_ms=timer.plan,
-            commit_ms=timer.commit,
-            redis_ms=timer.redis,
-            executor_ms=timer.executor,
-            forward_ms=result.forward_ms,
-            step_ms=result.step_ms,
-            encode_ms=timer.encode,
-            decode_ms=timer.decode,
-            rtt_ms=(time.perf_counter() - flight.sent) * 1e3,
-            idle_ms=result.idle_ms,
-            in_flight=len(self.s.pipe),
-        )
         assert self.step_log is not None
-        self.step_log.write(json.dumps(asdict(stats)) + "\n")
-        self.step_log.flush()
+        steplog.write(self.step_log, steplog.stats(self.executor, sched, *done, queued, timer, len(self.s.pipe)))
 
 
 async def _sleep(stop: asyncio.Event, seconds: float) -> None:
