@@ -116,9 +116,8 @@ async def _drain(args: argparse.Namespace, servicer: ExecutorServicer, registrat
         await quiet(servicer.lifecycle, lambda: servicer.last_step)
 
 
-async def serve(args: argparse.Namespace) -> None:
-    await require_redis(args.redis_url)  # wrong or missing credentials: one clear line, exit 2
-    engine = Engine(
+def _engine(args: argparse.Namespace) -> Engine:
+    return Engine(
         EngineConfig(
             model=resolve_model(args.model, args.cache_dir),
             block_size=args.block_size,
@@ -134,6 +133,11 @@ async def serve(args: argparse.Namespace) -> None:
             dtype=args.dtype,
         )
     )
+
+
+async def serve(args: argparse.Namespace) -> None:
+    await require_redis(args.redis_url)  # wrong or missing credentials: one clear line, exit 2
+    engine = _engine(args)
     registry = CollectorRegistry()
     executor_metrics = ExecutorMetrics(registry, engine.cfg.model.name)
     executor_metrics.pools({t: engine.pool.count(t) for t in Tier})

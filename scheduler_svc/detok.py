@@ -56,7 +56,7 @@ class Detokenizer:
     def take(self, final: bool) -> str:
         """Text not yet returned; holds back a possible stop-string prefix unless ``final``."""
         if final and not self.stopped:
-            # The whole decode is the ground truth: flush what the window kept back.
+            # The whole decode is the ground truth: flush what the stream kept back (an unfinished character).
             full = self.tokenizer.decode(self.ids, skip_special_tokens=True)
             if full.startswith(self.text):
                 self.text = full

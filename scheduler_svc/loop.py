@@ -303,7 +303,8 @@ class Loop:
         try:
             done = await self._complete()
         except BaseException:
-            if not read.cancel() and not read.cancelled():
+            read.cancel()
+            if read.done() and not read.cancelled():
                 read.exception()  # the result's failure is the one handled; the read's is dropped
             raise
         t = time.perf_counter()
