@@ -276,7 +276,7 @@ def test_status_and_top_on_a_live_deployment_and_a_drain(tiny_llama: Path, redis
     ns = "status-live"
     rng = random.Random(4)
     reqs = [greedy([rng.randrange(3, 49152) for _ in range(rng.randrange(8, 24))], rng.randrange(200, 240))
-            for _ in range(10)]
+            for _ in range(16)]
     with make_cluster(tiny_llama, redis_url, ns, tmp_path, kv_cache_memory=32 * BLOCK_BYTES, executors=2,
                       executor_args=["--lease-ms", "3000", "--drain-timeout", "10"],
                       scheduler_args=["--lease-ms", "3000"]) as cluster:
@@ -301,8 +301,11 @@ def test_status_and_top_on_a_live_deployment_and_a_drain(tiny_llama: Path, redis
         assert rated["totals"]["rates"]["steps_per_s"] > 0
         assert all(e["rates"]["steps_per_s"] > 0 for e in rated["executors"])
 
-        # SIGTERM one executor that holds requests: it shows as draining until it has left.
-        busiest = max(rated["executors"], key=lambda e: e["placed"])
+        # SIGTERM one executor that holds requests: it shows as draining until it has left. It is
+        # chosen from a fresh read, not the rated one (seconds old on a loaded machine): an executor
+        # with nothing placed left at once, before any read could see it draining.
+        now = status_json(redis_url, ns, capsys)
+        busiest = max(now["executors"], key=lambda e: e["placed"])
         assert busiest["placed"] > 0
         (victim,) = [s for s in cluster.executors if s.address == busiest["address"]]
         victim.proc.send_signal(signal.SIGTERM)
