@@ -114,7 +114,8 @@ class TlsTerminator:
         ctx.load_cert_chain(cert, key)
         self.upstream_port, self.connections = upstream_port, 0
         self.loop = asyncio.new_event_loop()
-        threading.Thread(target=self.loop.run_forever, daemon=True).start()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
         start = asyncio.start_server(self._relay, "127.0.0.1", 0, ssl=ctx)
         self.server = asyncio.run_coroutine_threadsafe(start, self.loop).result(10)
         self.port = self.server.sockets[0].getsockname()[1]
@@ -136,8 +137,20 @@ class TlsTerminator:
         await asyncio.gather(pump(reader, up_writer), pump(up_reader, writer))
 
     def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.server.close)
+        """Stop listening, end the relays still open (their sockets closed on the loop, not left to the
+        collector after it), then stop and close the loop."""
+
+        async def shut() -> None:
+            self.server.close()
+            relays = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in relays:
+                task.cancel()
+            await asyncio.gather(*relays, return_exceptions=True)
+
+        asyncio.run_coroutine_threadsafe(shut(), self.loop).result(10)
         self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+        self.loop.close()
 
 
 def test_rediss_with_a_password_serves_requests(tiny_llama: Path, tmp_path: Path) -> None:
