@@ -29,8 +29,8 @@ from pagedserve.v1 import generation_pb2 as pb
 
 U32, I32, U64 = (1 << 32) - 1, (1 << 31) - 1, (1 << 64) - 1
 FLOAT32_MAX = 3.4028234663852886e38
-# Fields OpenAI or vLLM define that pagedserve cannot honour yet: refused, never ignored
-# (issue 12 adds them). Each maps to the value that means "off", which is accepted.
+# Fields OpenAI or vLLM define that pagedserve does not honour: refused with a 400 naming
+# them, never ignored. Each maps to the value that means "off", which is accepted.
 NOT_YET: dict[str, tuple[Any, ...]] = {
     "best_of": (1,), "echo": (False,), "suffix": ("",), "tools": ([],), "functions": ([],),
 }
@@ -166,7 +166,7 @@ def _stops(v: Any) -> list[str]:
     return [_text(f"stop[{i}]", x) for i, x in enumerate(v)]
 
 
-def _refuse_unsupported(body: dict[str, Any], chat: bool) -> None:
+def _refuse_unsupported(body: dict[str, Any]) -> None:
     for name, off in NOT_YET.items():
         if body.get(name) is not None and body[name] not in off:
             raise bad(name, "not supported yet")
@@ -234,6 +234,8 @@ def _logprobs(s: pb.SamplingParams, body: dict[str, Any], chat: bool) -> None:
         s.logprobs = _integer("logprobs", get("logprobs"), 0, U32)
     if get("prompt_logprobs") is not None:
         s.prompt_logprobs = _integer("prompt_logprobs", get("prompt_logprobs"), 0, U32)
+
+
 def _schema(name: str, v: Any) -> str:
     """A JSON schema given as an object (or, as vLLM takes it, as JSON text)."""
     if isinstance(v, str):
@@ -387,7 +389,7 @@ def parse(body: dict[str, Any], chat: bool, request_id: str = "") -> Parsed:
     if body.get("model") is None:
         raise bad("model", "required")
     model = _text("model", body["model"])
-    _refuse_unsupported(body, chat)
+    _refuse_unsupported(body)
     req = pb.GenerateRequest(request_id=_text("X-Request-Id", request_id), sampling=_sampling(body, chat))
     structured = _structured(body)
     if structured is not None:
