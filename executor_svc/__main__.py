@@ -31,12 +31,34 @@ log = logging.getLogger("executor_svc")
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m executor_svc", description=__doc__)
-    p.add_argument("--model", default=DEFAULT_MODEL, help="local Hugging Face model directory (default: %(default)s)")
     p.add_argument("--host", default="0.0.0.0")
     p.add_argument("--port", type=int, default=50061)
-    p.add_argument("--kv-cache-memory", type=int, default=None, help="bytes of device KV pool (default: 512 MiB on CPU, profiled on CUDA)")
+    p.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus /metrics on this HTTP port (0: off)")
+    p.add_argument("--metrics-host", default="0.0.0.0", help="address the metrics port binds")
+    p.add_argument("--log-level", default="INFO")
+    p.add_argument("--log-format", choices=logs.FORMATS, default="text", help="json: one object per line")
+    _engine_arguments(p)
+    _membership_arguments(p)
+    _security_arguments(p)
+    args = p.parse_args(argv)
+    _check_security(p, args)
+    if args.block_size < 1 or args.block_size & (args.block_size - 1):
+        p.error("--block-size must be a power of two")
+    if args.drain_timeout < 0:
+        p.error("--drain-timeout must be >= 0")
+    if args.advertise_address is None:
+        args.advertise_address = f"{socket.gethostname()}:{args.port}"
+    return args
+
+
+def _engine_arguments(p: argparse.ArgumentParser) -> None:
+    """The model, its device and dtype, and the paged KV pool with its swap tiers."""
+    p.add_argument("--model", default=DEFAULT_MODEL, help="local Hugging Face model directory (default: %(default)s)")
+    p.add_argument("--kv-cache-memory", type=int, default=None,
+                   help="bytes of device KV pool (default: 512 MiB on CPU, profiled on CUDA)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="fraction of GPU memory to use on CUDA")
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="largest step; profiled on CUDA to size the pool")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                   help="largest step; profiled on CUDA to size the pool")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument("--max-model-len", type=int, default=None, help="context length limit (default: the model's)")
     p.add_argument("--swap-space", type=float, default=4.0, help="GiB of CPU memory for swapped-out blocks")
@@ -45,7 +67,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--attention-backend", choices=BACKENDS, default="auto", help="auto: Triton on CUDA, torch on CPU")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
     p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
-    p.add_argument("--cache-dir", default=None, help="where the default model is converted (default: $PAGEDSERVE_CACHE or ~/.cache/pagedserve)")
+    p.add_argument("--cache-dir", default=None,
+                   help="where the default model is converted (default: $PAGEDSERVE_CACHE or ~/.cache/pagedserve)")
+
+
+def _membership_arguments(p: argparse.ArgumentParser) -> None:
+    """How schedulers find this executor (docs/architecture.md, "Membership"), and how it leaves."""
     p.add_argument("--redis-url", default=os.environ.get("REDIS_URL"),
                    help="register in this Redis so that schedulers find this executor (default: $REDIS_URL; "
                         "unset: only schedulers started with --executor reach it)")
@@ -58,8 +85,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--drain-timeout", type=float, default=45.0,
                    help="seconds after SIGTERM to let running requests finish before they move elsewhere "
                         "(fits Kubernetes' 75 s grace period after a 15 s preStop)")
-    p.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus /metrics on this HTTP port (0: off)")
-    p.add_argument("--metrics-host", default="0.0.0.0", help="address the metrics port binds")
+
+
+def _security_arguments(p: argparse.ArgumentParser) -> None:
+    """TLS and the internal token (docs/security.md)."""
     p.add_argument("--tls-cert", default=None, metavar="PATH",
                    help="serve TLS with this certificate (PEM; with --tls-key); reloaded on change or SIGHUP")
     p.add_argument("--tls-key", default=None, metavar="PATH", help="the private key of --tls-cert (PEM)")
@@ -70,9 +99,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="require this shared token (first line of the file) in metadata "
                         "x-pagedserve-internal-token on every call but health; the protection when TLS is off, "
                         "and checked too when it is on; reloaded on change or SIGHUP")
-    p.add_argument("--log-level", default="INFO")
-    p.add_argument("--log-format", choices=logs.FORMATS, default="text", help="json: one object per line")
-    args = p.parse_args(argv)
+
+
+def _check_security(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Files are read now: a typo is one clear line at start, not a refusal at the first call."""
     args.tls = TLSFiles.from_args(args)
     if (problem := args.tls.problem()) is not None:
         p.error(problem)
@@ -84,13 +114,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             args.internal_token = SecretFile(Path(args.internal_token_file), "--internal-token-file")
         except ValueError as exc:
             p.error(str(exc))
-    if args.block_size < 1 or args.block_size & (args.block_size - 1):
-        p.error("--block-size must be a power of two")
-    if args.drain_timeout < 0:
-        p.error("--drain-timeout must be >= 0")
-    if args.advertise_address is None:
-        args.advertise_address = f"{socket.gethostname()}:{args.port}"
-    return args
 
 
 async def _health(servicer: ExecutorServicer, health: object, stop: asyncio.Event) -> None:
