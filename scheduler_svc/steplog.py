@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Awaitable
 from dataclasses import asdict, dataclass
-from typing import TextIO
+from typing import TextIO, TypeVar
 
 from pagedserve.executor.v1 import executor_pb2 as pb
 from scheduler_svc.core.blocks import DEVICE
 from scheduler_svc.core.scheduler import Scheduler
 from scheduler_svc.pipeline import Flight
+
+T = TypeVar("T")
 
 
 @dataclass(slots=True)
@@ -65,7 +68,8 @@ class Timer:
         """Milliseconds since ``t`` (a ``perf_counter`` reading)."""
         return (time.perf_counter() - t) * 1e3
 
-    async def redis_call(self, aw):  # type: ignore[no-untyped-def]
+    async def redis_call(self, aw: Awaitable[T]) -> T:
+        """Await ``aw`` (a Redis call), counting its time as Redis time."""
         t = time.perf_counter()
         try:
             return await aw

@@ -294,7 +294,7 @@ class Scheduler:
                 preempted = True
                 if req.status != Status.RUNNING:
                     break  # it was the victim, or in the victim's group
-                fits = self.blocks.can_append(req, n)
+                fits = need <= self.blocks.num_free(DEVICE)  # ``need`` is its own: others' preemption leaves it
             if req.status != Status.RUNNING:
                 continue  # preempted itself: running[i] is now the next request
             # Victims ahead of it (priority policy) shift it towards the front.
