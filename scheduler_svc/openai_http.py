@@ -36,6 +36,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from pagedserve.auth import SecretFile, bearer
 from pagedserve.security import ReloadingSSLContext
 from scheduler_svc import openai_protocol as proto
+from scheduler_svc import openai_response as answer
 from scheduler_svc.frontend import Frontend
 from scheduler_svc.openai_protocol import ApiError
 from scheduler_svc.streams import Chunk, StreamDetached
@@ -203,7 +204,7 @@ class Door:
         if chat and not parsed.request.sampling.HasField("max_tokens") and limits is not None:
             req.params = replace(req.params, max_tokens=proto.context_room(limits, len(req.prompt_ids)))
         tokenizer = self.frontend.tokenizer
-        shape = proto.Shape(parsed, req.request_id, int(time.time()), self.model, list(req.prompt_ids),
+        shape = answer.Shape(parsed, req.request_id, int(time.time()), self.model, list(req.prompt_ids),
                             decode=lambda t: tokenizer.decode([t]))
         chunks = self.frontend.generate(req, stop)
         headers = {"X-Request-Id": req.request_id}
@@ -219,7 +220,7 @@ class Door:
                 await chunks.aclose()  # type: ignore[attr-defined]
         return JSONResponse(shape.body(done), headers=headers)
 
-    async def _events(self, shape: proto.Shape, first: Chunk, chunks: AsyncIterator[Chunk]) -> AsyncIterator[bytes]:
+    async def _events(self, shape: answer.Shape, first: Chunk, chunks: AsyncIterator[Chunk]) -> AsyncIterator[bytes]:
         """The stream: chunks, the usage chunk, ``[DONE]``; or, if the stream cannot go on,
         an error event and no ``[DONE]``."""
         try:
@@ -244,9 +245,9 @@ class Door:
         yield DONE
 
 
-async def _collect(first: Chunk, chunks: AsyncIterator[Chunk], n: int) -> list[proto.Collected]:
+async def _collect(first: Chunk, chunks: AsyncIterator[Chunk], n: int) -> list[answer.Collected]:
     """Every completion gathered, by index."""
-    done = [proto.Collected() for _ in range(n)]
+    done = [answer.Collected() for _ in range(n)]
     done[first.index].add(first)
     async for chunk in chunks:
         done[chunk.index].add(chunk)

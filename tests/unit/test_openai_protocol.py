@@ -1,4 +1,4 @@
-"""OpenAI JSON <-> pagedserve.v1 (scheduler_svc/openai_protocol.py) on plain data: what each
+"""OpenAI JSON <-> pagedserve.v1 (scheduler_svc/openai_protocol.py, openai_response.py) on plain data: what each
 body becomes, the 400s that name the field, the mapping of the frontend's exceptions to
 HTTP statuses, and the exact response and stream-chunk shapes. No processes, no I/O."""
 
@@ -12,6 +12,7 @@ import redis
 
 from pagedserve.v1 import generation_pb2 as pb
 from scheduler_svc import openai_protocol as proto
+from scheduler_svc import openai_response as answer
 from scheduler_svc.frontend import TooManyPending
 from scheduler_svc.streams import Chunk, QueueTimeout, StreamDetached
 from scheduler_svc.store import DuplicateRequest
@@ -197,15 +198,15 @@ def test_exceptions_map_to_statuses() -> None:
     assert proto.error_for(KeyError("x")) is None, "a bug is not mapped: it is a 500"
 
 
-def _shape(body: dict[str, Any], is_chat: bool) -> proto.Shape:
-    return proto.Shape(proto.parse(body, chat=is_chat), "rid", 1700, M, [1, 2, 3])
+def _shape(body: dict[str, Any], is_chat: bool) -> answer.Shape:
+    return answer.Shape(proto.parse(body, chat=is_chat), "rid", 1700, M, [1, 2, 3])
 
 
 CHUNKS = [Chunk("rid", [10], "Hel", 0), Chunk("rid", [11], "", 1), Chunk("rid", [12], "lo", 2, "length", 3, 3)]
 
 
 def test_non_streaming_bodies() -> None:
-    done = proto.Collected()
+    done = answer.Collected()
     for c in CHUNKS:
         done.add(c)
     assert _shape(completion(), False).body([done]) == {
@@ -275,9 +276,9 @@ DECODE = {10: "Hel", 11: "", 12: "lo", 9: "x", 2: "a", 3: "b"}
 
 
 def test_completion_logprobs_in_openai_shape_streamed_or_not() -> None:
-    shape = proto.Shape(proto.parse(completion(logprobs=2, prompt_logprobs=1), chat=False), "rid", 1700, M,
+    shape = answer.Shape(proto.parse(completion(logprobs=2, prompt_logprobs=1), chat=False), "rid", 1700, M,
                         [1, 2, 3], decode=DECODE.__getitem__)
-    done = proto.Collected()
+    done = answer.Collected()
     for c in LP_CHUNKS:
         done.add(c)
     choice = shape.body([done])["choices"][0]
@@ -289,13 +290,13 @@ def test_completion_logprobs_in_openai_shape_streamed_or_not() -> None:
         None, {"9": {"logprob": -0.1, "rank": 1, "decoded_token": "x"},
                "2": {"logprob": -3.0, "rank": 4, "decoded_token": "a"}},
         {"3": {"logprob": -2.0, "rank": 1, "decoded_token": "b"}}]
-    streamed = proto.Shape(shape.parsed, "rid", 1700, M, [1, 2, 3], decode=DECODE.__getitem__)
+    streamed = answer.Shape(shape.parsed, "rid", 1700, M, [1, 2, 3], decode=DECODE.__getitem__)
     events = [e for c in LP_CHUNKS for e in streamed.events(c)]
     assert len(events) == 2, "the token with no text yet travels with the next chunk"
     tokens = [t for e in events for t in e["choices"][0]["logprobs"]["tokens"]]
     assert tokens == ["Hel", "", "lo"]
     assert [o for e in events for o in e["choices"][0]["logprobs"]["text_offset"]] == [0, 3, 3]
-    late = proto.Shape(shape.parsed, "rid", 1700, M, [1, 2, 3], decode=DECODE.__getitem__)
+    late = answer.Shape(shape.parsed, "rid", 1700, M, [1, 2, 3], decode=DECODE.__getitem__)
     first_no_text = [Chunk("rid", [11], "", 0, logprobs=LP_CHUNKS[1].logprobs,
                            prompt_logprobs=LP_CHUNKS[0].prompt_logprobs), *LP_CHUNKS[2:]]
     events = [e for c in first_no_text for e in late.events(c)]
@@ -303,9 +304,9 @@ def test_completion_logprobs_in_openai_shape_streamed_or_not() -> None:
 
 
 def test_chat_logprobs_in_openai_shape() -> None:
-    shape = proto.Shape(proto.parse(chat(logprobs=True, top_logprobs=2), chat=True), "rid", 1700, M, [1, 2, 3],
+    shape = answer.Shape(proto.parse(chat(logprobs=True, top_logprobs=2), chat=True), "rid", 1700, M, [1, 2, 3],
                         decode=DECODE.__getitem__)
-    done = proto.Collected()
+    done = answer.Collected()
     for c in LP_CHUNKS:
         done.add(c)
     content = shape.body([done])["choices"][0]["logprobs"]["content"]
@@ -354,5 +355,5 @@ def test_cache_salt_passes_through_and_usage_reports_cached_tokens() -> None:
     with pytest.raises(InvalidArgument, match="cache_salt"):
         validate.check(pb.GenerateRequest(prompt="x", cache_salt="s" * (MAX_SALT + 1)), limits)
     assert validate.check(pb.GenerateRequest(prompt="x", cache_salt="s"), limits).cache_salt == "s"
-    assert proto.usage(40, 3, 32) == {"prompt_tokens": 40, "completion_tokens": 3, "total_tokens": 43,
+    assert answer.usage(40, 3, 32) == {"prompt_tokens": 40, "completion_tokens": 3, "total_tokens": 43,
                                       "prompt_tokens_details": {"cached_tokens": 32}}
