@@ -251,7 +251,7 @@ class Frontend:
     def _stream(self, req: Request, stop: list[str], submitted: float, **kw: Any) -> Stream:
         return Stream(req.request_id, len(req.prompt_ids), Detokenizer(self.tokenizer, stop), submitted,
                       functools.partial(self._cancel_later, reason=Finish.STOP),
-                       logprobs=req.params.logprobs is not None, group=req.group, index=req.index, **kw)
+                      logprobs=req.params.logprobs is not None, group=req.group, index=req.index, **kw)
 
     def _views(self, streams: list[Stream], queues: list[StreamQueue],
                firsts: list[list[Chunk]], touch: bool = False) -> AsyncIterator[Chunk]:

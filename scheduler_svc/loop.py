@@ -30,6 +30,7 @@ from pagedserve.executor.v1 import executor_pb2 as pb
 from pagedserve.executor.v1 import executor_pb2_grpc as pb_grpc
 from pagedserve import logs
 from pagedserve.members import Member, now_ms
+from scheduler_svc import steplog
 from scheduler_svc.codec import CommitWriter
 from scheduler_svc.core import placement
 from scheduler_svc.core.blocks import DEVICE
@@ -39,9 +40,7 @@ from scheduler_svc.metrics import LoopMetrics
 from scheduler_svc.pipeline import Flight, Pipeline, StreamChannel, UnaryChannel
 from scheduler_svc.placements import Placements
 from scheduler_svc.plan import PlanBuilder, outputs
-from scheduler_svc import steplog
 from scheduler_svc.restore import intake, restore
-from scheduler_svc.steplog import Timer
 from scheduler_svc.store import UNAVAILABLE, Fenced, RedisStore, Stale
 
 log = logging.getLogger(__name__)
@@ -66,7 +65,7 @@ class Session:
     seq: int  # writes of the executor's state in Redis: what the next fenced write expects
     ended: list[str] = field(default_factory=list)  # left this executor since the last plan: tables to drop
     retry: bool = False  # placement gave us requests another loop took first: look again at once
-    timer: Timer = field(default_factory=Timer)
+    timer: steplog.Timer = field(default_factory=steplog.Timer)
     pipe: Pipeline = field(default_factory=lambda: Pipeline(1))
     channel: UnaryChannel | StreamChannel | None = None
 
@@ -206,7 +205,7 @@ class Loop:
             self.metrics.pool(self.model, self.executor, view)
         return view
 
-    async def _claim(self, sched: Scheduler, timer: Timer) -> tuple[list, bool]:
+    async def _claim(self, sched: Scheduler, timer: steplog.Timer) -> tuple[list, bool]:
         """Claim what placement gives this executor; also whether some were lost to other loops."""
         seats, tokens = sched.room()
         if seats <= 0 or tokens <= 0:
@@ -307,10 +306,7 @@ class Loop:
             if read.done() and not read.cancelled():
                 read.exception()  # the result's failure is the one handled; the read's is dropped
             raise
-        t = time.perf_counter()
-        incoming = await read
-        self.s.timer.redis += self.s.timer.since(t)
-        return done, incoming
+        return done, await self.s.timer.redis_call(read)
 
     async def _complete(self) -> tuple[Flight, pb.StepResult]:
         """Wait for the oldest plan's result and apply it."""
@@ -333,7 +329,8 @@ class Loop:
         rec = sched.take_record()
         s.ended += [r.request_id for r in rec.finished] + [r.request_id for r in rec.requeued]
         t = time.perf_counter()
-        ops = s.writer.ops(rec, sched.blocks.is_free, self._view(sched), s.pipe.starts(sched.requests) if s.pipe else None)
+        starts = s.pipe.starts(sched.requests) if s.pipe else None
+        ops = s.writer.ops(rec, sched.blocks.is_free, self._view(sched), starts)
         timer.commit = timer.since(t)
         left_ns = time.time_ns()
         if ops:
@@ -361,7 +358,8 @@ class Loop:
             return False
         return info.instance_id == self.executor and info.state != "failed"
 
-    def _log_step(self, sched: Scheduler, done: tuple[Flight, pb.StepResult], queued: int, timer: Timer) -> None:
+    def _log_step(self, sched: Scheduler, done: tuple[Flight, pb.StepResult], queued: int,
+                  timer: steplog.Timer) -> None:
         assert self.step_log is not None
         steplog.write(self.step_log, steplog.stats(self.executor, sched, *done, queued, timer, len(self.s.pipe)))
 

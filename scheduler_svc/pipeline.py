@@ -12,11 +12,11 @@ and finishes are found one step late, their extra token dropped
 (``Scheduler.update``).
 
 A pipelined turn: take step N's result (the executor already runs N+1) while
-reading the doorbell from Redis, plan and send N+2, commit N. So at most two plans are at the executor,
-and the loop has a whole step to plan the next one. A plan that moves KV (swaps
-between tiers, or the copy of a forked group mate's partial block) is never
-followed by another before its result is in, and no commit is made while it
-is in flight: a commit may include later plans'
+reading the doorbell from Redis, plan and send N+2, commit N. So at most two
+plans are at the executor, and the loop has a whole step to plan the next one.
+A plan that moves KV (swaps between tiers, or the copy of a forked group mate's
+partial block) is never followed by another before its result is in, and no
+commit is made while it is in flight: a commit may include later plans'
 allocations (blocks owned but not yet written, harmless to reload) and, for
 their requests, only what reported steps computed (``Flight.starts``), but
 never a swap that might not have happened.
