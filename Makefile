@@ -27,7 +27,7 @@ model: install
 	$(BIN)/python -m executor_svc.model_store
 
 run: install model
-	$(BIN)/python -m pagedserve.launch $(ARGS)
+	$(BIN)/python -m pagedserve.dev.launch $(ARGS)
 
 # Debian's prometheus (prometheus + promtool) for tests/test_prometheus.py, installed only as root;
 # without it that test is skipped. A policy-rc.d that exits 101 (the Docker convention), present for
@@ -62,8 +62,14 @@ fuzz: install
 	  $(BIN)/python -m pytest -q -s tests/test_fuzz.py
 	@$(BIN)/python -c "import json; d = json.load(open('.cache/fuzz-summary.json')); print(f\"fuzz: {d['cases']} cases ran: {d['status_codes']}\")"
 
+# The checks CI runs before the suite (.ci/run), and .pre-commit-config.yaml runs on a commit: ruff's lint rules
+# and formatting, mypy on the packages, and the import contract between the layers (pyproject.toml).
+LINT_PATHS := pagedserve scheduler_svc executor_svc kernels benchmarks tests
 lint: install
-	$(BIN)/ruff check --select F,E9,B,UP --ignore B905 --line-length 120 --exclude pagedserve/v1,pagedserve/executor .
+	$(BIN)/ruff check $(LINT_PATHS)
+	$(BIN)/ruff format --check $(LINT_PATHS)
+	$(BIN)/mypy
+	$(BIN)/lint-imports
 
 bench: install model
 	$(BIN)/python -m benchmarks.run $(ARGS)

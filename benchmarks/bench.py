@@ -23,14 +23,14 @@ from benchmarks.config import PREVIOUS_QUICK, Config, kv_bytes_per_token
 from benchmarks.kv_spread import SpreadResult
 from benchmarks.metrics import summarize
 from benchmarks.overhead import OverheadPoint
+from benchmarks.parallel import ParallelConfig, ParallelResult
 from benchmarks.preemption import PreemptionPoint
 from benchmarks.reattach import ReattachResult
 from benchmarks.sampling_cost import SamplingPoint, ratio_at, share_at
 from benchmarks.scale_out import ScaleOutConfig, ScaleOutPoint, efficiency
-from benchmarks.structured import StructuredResult
-from benchmarks.parallel import ParallelConfig, ParallelResult
 from benchmarks.shared_prefix import SharedPrefixConfig, SharedPrefixResult
 from benchmarks.stack import StackConfig, Stacks
+from benchmarks.structured import StructuredResult
 from benchmarks.workload import Vocab, Workload, WorkloadSpec, make_workload
 
 if TYPE_CHECKING:
@@ -256,7 +256,8 @@ def run_all(args: argparse.Namespace, cfg: Config, out: Path, started: float) ->
         print(f"[bench] {name} done in {walls[name]:.0f} s", flush=True)
 
     def paged() -> None:
-        from benchmarks import arm_pagedserve, preemption as pre
+        from benchmarks import arm_pagedserve
+        from benchmarks import preemption as pre
 
         nonlocal preemption
         scfg = serve_config(args, short, lens[short.budget_tokens])

@@ -334,7 +334,7 @@ def throughput(address: str, cfg: Config) -> dict[str, Any]:
 
 def phase_e2e(cfg: Config, out_dir: Path, model: str | None) -> dict[str, Any]:
     from executor_svc.model_store import resolve_model
-    from pagedserve.launch import Cluster
+    from pagedserve.dev.launch import Cluster
 
     model_dir = Path(model) if model else (tiny_model(out_dir / "tiny-model") if cfg.dry_run else resolve_model(None))
     prompts = identity_prompts(model_dir, cfg)

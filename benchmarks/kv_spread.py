@@ -1,7 +1,7 @@
 """KV usage spread across real executors under a uniform load.
 
 Redis, ``executors`` real executor_svc processes with the same KV budget
-(registered in one namespace, as ``pagedserve.launch.Cluster`` starts them,
+(registered in one namespace, as ``pagedserve.dev.launch.Cluster`` starts them,
 but in parallel: ``benchmarks.stack``) and one scheduler. After one warm-up request per executor, a
 uniform workload (prompt and output lengths drawn relative to the budget, all
 requests at once, ``ignore_eos``) fills both pools while a sampler reads the

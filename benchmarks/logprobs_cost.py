@@ -21,8 +21,8 @@ from pathlib import Path
 
 import grpc
 
-from benchmarks.workload import Vocab
 from benchmarks.stack import Stack
+from benchmarks.workload import Vocab
 from pagedserve.rpc import CHANNEL_OPTIONS
 from pagedserve.v1 import generation_pb2 as pb
 from pagedserve.v1 import generation_pb2_grpc as pb_grpc

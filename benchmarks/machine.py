@@ -35,7 +35,8 @@ import torch
 
 from benchmarks.config import kv_bytes_per_token
 from benchmarks.workload import Workload
-from executor_svc.engine import Engine, EngineConfig, SeqInput, StepInput
+from executor_svc.engine import Engine, EngineConfig
+from executor_svc.plan import SeqInput, StepInput
 
 GEMM_SIZE = 2048
 RATIO_BATCH = 32  # the batch of summary.json's model_runner_ratio_32

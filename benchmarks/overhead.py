@@ -29,7 +29,7 @@ import grpc
 import numpy as np
 
 from benchmarks.arm_pagedserve import request_pb
-from pagedserve.procs import RedisServer, Service, free_port, start_all, stop_all
+from pagedserve.dev.procs import RedisServer, Service, free_port, start_all, stop_all
 from pagedserve.rpc import CHANNEL_OPTIONS
 from pagedserve.v1 import generation_pb2_grpc as pb_grpc
 

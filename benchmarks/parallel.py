@@ -32,6 +32,7 @@ from pagedserve.rpc import CHANNEL_OPTIONS
 from pagedserve.v1 import generation_pb2 as pb
 from pagedserve.v1 import generation_pb2_grpc as pb_grpc
 
+
 @dataclass(frozen=True, slots=True)
 class ParallelConfig:
     n: int = 8

@@ -20,9 +20,9 @@ from pathlib import Path
 import grpc
 
 from benchmarks.workload import Vocab
+from pagedserve.dev.procs import Service, free_port
 from pagedserve.executor.v1 import executor_pb2 as pb
 from pagedserve.executor.v1 import executor_pb2_grpc as pb_grpc
-from pagedserve.procs import Service, free_port
 from pagedserve.rpc import CHANNEL_OPTIONS
 
 

@@ -46,8 +46,8 @@ from benchmarks.arm_pagedserve import request_pb
 from benchmarks.overhead import LONG_OUTPUT
 from benchmarks.scale_out import Leaders
 from pagedserve import client as lib
+from pagedserve.dev.procs import RedisServer, Service, free_port, start_all, stop_all
 from pagedserve.keys import Keys
-from pagedserve.procs import RedisServer, Service, free_port, start_all, stop_all
 from pagedserve.rpc import CHANNEL_OPTIONS
 from pagedserve.v1 import generation_pb2 as pb
 from pagedserve.v1 import generation_pb2_grpc as pb_grpc

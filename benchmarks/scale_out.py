@@ -40,8 +40,8 @@ import psutil
 import redis
 
 from benchmarks.overhead import StepTail, hold
+from pagedserve.dev.procs import RedisServer, Service, free_port, start_all, stop_all
 from pagedserve.keys import Keys
-from pagedserve.procs import RedisServer, Service, free_port, start_all, stop_all
 from pagedserve.rpc import CHANNEL_OPTIONS
 from pagedserve.v1 import generation_pb2_grpc as pb_grpc
 

@@ -1,6 +1,6 @@
 """Real deployments for the benchmark arms, every process started at once, and reused by arms that agree on one.
 
-``start`` deploys what ``pagedserve.launch.Cluster`` deploys (redis-server, executors that register themselves in
+``start`` deploys what ``pagedserve.dev.launch.Cluster`` deploys (redis-server, executors that register themselves in
 one namespace with the same flags, one scheduler without ``--executor``, all started at once: ``procs.start_all``)
 from a ``StackConfig``. ``Stacks`` keeps the last stack it started and hands it to the next arm that asks for an
 identical ``StackConfig``, so arms grouped one after the other share a deployment instead of starting their own.
@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pagedserve.procs import RedisServer, Service, free_port, start_all, stop_all
+from pagedserve.dev.procs import RedisServer, Service, free_port, start_all, stop_all
 
 
 @dataclass(frozen=True, slots=True)

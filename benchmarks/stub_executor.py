@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import hashlib
 import json
 import logging
 import time
@@ -32,8 +31,9 @@ from pathlib import Path
 import grpc
 import redis.asyncio as aioredis
 
+from executor_svc import model
 from executor_svc.lifecycle import Lifecycle, Registration
-from executor_svc.pipeline import PlanRunner
+from executor_svc.runner import PlanRunner
 from pagedserve import heap, rpc
 from pagedserve.executor.v1 import executor_pb2 as pb
 from pagedserve.executor.v1 import executor_pb2_grpc as pb_grpc
@@ -42,27 +42,6 @@ from pagedserve.members import Member, Registry
 
 log = logging.getLogger("stub_executor")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Executor"].full_name
-# The same files, in the same order, as executor_svc.engine.TOKENIZER_FILES (not imported: that loads torch).
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-                   "generation_config.json", "config.json", "vocab.json", "merges.txt", "tokenizer.model")
-
-
-def _eos_ids(model_dir: Path) -> list[int]:
-    for name in ("generation_config.json", "config.json"):
-        path = model_dir / name
-        if path.exists() and (eos := json.loads(path.read_text()).get("eos_token_id")) is not None:
-            return sorted({int(e) for e in (eos if isinstance(eos, list) else [eos])})
-    return []
-
-
-def _digest(files: dict[str, bytes]) -> str:
-    """As ``Engine._digest``: executors of one namespace must agree on it."""
-    h = hashlib.sha256()
-    for name, data in sorted(files.items()):
-        h.update(name.encode() + b"\0" + data)
-    return h.hexdigest()[:32]
-
-
 class StubExecutor(pb_grpc.ExecutorServicer):
     def __init__(self, model_dir: Path, num_gpu_blocks: int, block_size: int, max_model_len: int,
                  step_ms: float = 0.0, dtype: str = "float32", lifecycle: Lifecycle | None = None) -> None:
@@ -71,7 +50,7 @@ class StubExecutor(pb_grpc.ExecutorServicer):
         self.token = min(100, self.vocab_size - 1)  # any ordinary token; never eos for SmolLM2-like vocabularies
         self.step_s = step_ms / 1e3
         self.lifecycle = lifecycle or Lifecycle()
-        self.tokenizer_files = {n: (model_dir / n).read_bytes() for n in TOKENIZER_FILES if (model_dir / n).exists()}
+        self.tokenizer_files = model.tokenizer_files(model_dir)
         self.instance_id = uuid.uuid4().hex
         self._epoch = 0  # the highest loop epoch seen
         self.runner = PlanRunner(self._run)  # one plan at a time, in order, as the real executor
@@ -80,12 +59,12 @@ class StubExecutor(pb_grpc.ExecutorServicer):
             block_size=block_size,
             num_gpu_blocks=num_gpu_blocks,
             max_model_len=max_model_len,
-            eos_token_ids=_eos_ids(model_dir),
+            eos_token_ids=model.eos_ids(model_dir, config.get("eos_token_id")),
             vocab_size=self.vocab_size,
             device="none",
             attention_backend="stub",
             dtype=dtype,
-            model_digest=_digest(self.tokenizer_files),
+            model_digest=model.digest(self.tokenizer_files),
             pipelined=True,
         )
 

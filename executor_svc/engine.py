@@ -8,7 +8,6 @@ that, in one packed forward pass, and returns the sampled tokens.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import time
 import uuid
 from collections import defaultdict
@@ -19,33 +18,25 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from executor_svc import attention
-from executor_svc import logprobs
+from executor_svc import attention, logprobs, model
 from executor_svc.block_tables import BlockTables
 from executor_svc.grammar import Grammars, Row
 from executor_svc.history import Histories
-from executor_svc.kv_pool import GIB, KVGeometry, KVPool, cpu_tier, device_tier, disk_tier
-from executor_svc.pipeline import LastSampled
-from executor_svc.sampler import SamplingParams, sample
+from executor_svc.kv_pool import (
+    GIB,
+    KVGeometry,
+    KVPool,
+    cpu_tier,
+    device_tier,
+    disk_tier,
+)
+from executor_svc.plan import Move, PlanError, SeqInput, StepInput, StepOutput
+from executor_svc.runner import LastSampled
+from executor_svc.sampler import sample
 from kernels import get_backend, make_metadata
-from pagedserve.grammar import Compiler, Spec
+from pagedserve.grammar import Compiler
 
 TIER_NAMES = ("device", "cpu", "disk")
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "chat_template.jinja",
-    "generation_config.json",
-    "config.json",
-    "vocab.json",
-    "merges.txt",
-    "tokenizer.model",
-)
-
-
-class PlanError(ValueError):
-    """A step plan that cannot be executed as given (bad block ids, positions...)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,71 +53,6 @@ class EngineConfig:
     attention_backend: str = "auto"
     device: str | None = None
     dtype: str = "float32"
-
-
-@dataclass(frozen=True, slots=True)
-class Move:
-    src_tier: int
-    src: int
-    dst_tier: int
-    dst: int
-
-
-@dataclass(slots=True)
-class SeqInput:
-    request_id: str
-    token_ids: list[int]
-    start_pos: int
-    block_table: list[int]  # the whole table, or with full_table=False the blocks new since the last step
-    sampling: SamplingParams = field(default_factory=SamplingParams)
-    sample: bool = True
-    num_generated: int = 0
-    full_table: bool = True
-    history: list[int] | None = None  # tokens [0, start_pos), sent with a full table when sampling needs them
-    prompt_logprobs: int | None = None  # alternatives per prompt position; None: no prompt logprobs
-    prompt_next: int | None = None  # the prompt token after this chunk, if the prompt goes on
-    grammar: Spec | None = None  # structured output: (kind, text)
-    from_last_sample: bool = False  # the last input is this request's latest sampled token (resolved first)
-
-
-@dataclass(slots=True)
-class StepInput:
-    step_id: int = 0
-    swap_out: list[Move] = field(default_factory=list)
-    swap_in: list[Move] = field(default_factory=list)
-    copies: list[Move] = field(default_factory=list)
-    seqs: list[SeqInput] = field(default_factory=list)
-    forget: list[str] = field(default_factory=list)  # requests whose tables can be dropped
-    reset_tables: bool = False  # drop every table before this plan
-
-
-@dataclass(slots=True)
-class StepOutput:
-    step_id: int
-    tokens: list[tuple[str, int]]
-    swapped_out: int
-    swapped_in: int
-    forward_ms: float
-    step_ms: float
-    swap_in_ms: float = 0.0  # swap-ins and copies before the forward (host time; launch time on CUDA)
-    swap_out_ms: float = 0.0  # swap-outs (host time: inline on CPU, launched onto a side stream on CUDA)
-    logprobs: dict[str, logprobs.Entry] = field(default_factory=dict)  # sampled tokens' logprobs, if asked
-    # request -> (prompt position of the first entry, one entry per prompt position)
-    prompt_logprobs: dict[str, tuple[int, list[logprobs.Entry]]] = field(default_factory=dict)
-
-
-def _eos_ids(model_dir: Path, config: object) -> list[int]:
-    from transformers import GenerationConfig
-
-    ids: set[int] = set()
-    try:
-        eos = GenerationConfig.from_pretrained(model_dir).eos_token_id
-    except OSError:
-        eos = getattr(config, "eos_token_id", None)
-    for value in eos if isinstance(eos, list) else [eos]:
-        if value is not None:
-            ids.add(int(value))
-    return sorted(ids)
 
 
 class Engine:
@@ -149,7 +75,7 @@ class Engine:
         )
         self.max_model_len = cfg.max_model_len or text_config.max_position_embeddings
         self.vocab_size = text_config.vocab_size
-        self.eos_token_ids = _eos_ids(cfg.model, text_config)
+        self.eos_token_ids = model.eos_ids(cfg.model, getattr(text_config, "eos_token_id", None))
         self.instance_id = uuid.uuid4().hex
         self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.pool = KVPool(
@@ -166,7 +92,7 @@ class Engine:
         self.histories = Histories()  # token histories of requests whose sampling needs them
         self.grammars = Grammars(self._grammar_compiler, self.vocab_size, self.eos_token_ids)
         self.sampled = LastSampled()  # what a pipelined plan's from_last_sample refers to
-        self.model_digest = self._digest()
+        self.model_digest = model.digest(self.tokenizer_files())
 
     def _device_blocks(self) -> int:
         if self.cfg.kv_cache_memory is not None:
@@ -200,14 +126,7 @@ class Engine:
         return total * self.cfg.gpu_memory_utilization - peak - outside_torch
 
     def tokenizer_files(self) -> dict[str, bytes]:
-        return {n: (self.cfg.model / n).read_bytes() for n in TOKENIZER_FILES if (self.cfg.model / n).exists()}
-
-    def _digest(self) -> str:
-        """sha256 over config.json and the tokenizer files: what executors of one namespace must share."""
-        h = hashlib.sha256()
-        for name, data in sorted(self.tokenizer_files().items()):
-            h.update(name.encode() + b"\0" + data)
-        return h.hexdigest()[:32]
+        return model.tokenizer_files(self.cfg.model)
 
     def _grammar_compiler(self) -> Compiler:
         """Built on the first structured request: it loads the tokenizer (~0.5 s)."""

@@ -18,7 +18,14 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from pagedserve.members import DRAINING, SERVING, Member, Registry, describe_mismatch, now_ms
+from pagedserve.members import (
+    DRAINING,
+    SERVING,
+    Member,
+    Registry,
+    describe_mismatch,
+    now_ms,
+)
 
 log = logging.getLogger(__name__)
 FAILED = "failed"

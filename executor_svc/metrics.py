@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from executor_svc.engine import StepOutput
+from executor_svc.plan import StepOutput
 from pagedserve.metrics import LATENCY_BUCKETS, name
 from pagedserve.tiers import Tier
 

@@ -14,11 +14,12 @@ from collections.abc import AsyncIterator
 import grpc
 
 from executor_svc.block_tables import UnknownTable
-from executor_svc.engine import Engine, Move, PlanError, SeqInput, StepInput, StepOutput
+from executor_svc.engine import Engine
 from executor_svc.lifecycle import Lifecycle
 from executor_svc.logprobs import Entry
 from executor_svc.metrics import ExecutorMetrics
-from executor_svc.pipeline import PlanRunner, UnknownSample, in_thread
+from executor_svc.plan import Move, PlanError, SeqInput, StepInput, StepOutput
+from executor_svc.runner import PlanRunner, UnknownSample, in_thread
 from executor_svc.sampler import SamplingParams
 from pagedserve import handlers
 from pagedserve.executor.v1 import executor_pb2 as pb

@@ -1,13 +1,6 @@
-"""``pagedserve generate``: call the public API from the command line; ``generate()`` from Python.
+"""The resuming client: ``generate()`` streams a completion and survives the replica behind it.
 
-    pagedserve generate "Write a haiku about paging"                       # chat prompt
-    pagedserve generate --raw "The capital of France is" -n 8              # plain completion
-    pagedserve generate --address host-a:50051 --address host-b:50051 --json "Hi"
-    pagedserve status --json --redis-url redis://localhost:6379/0          # the deployment, once
-    pagedserve top --redis-url redis://localhost:6379/0                    # refreshing (pagedserve/status.py)
-    pagedserve generate --tls-ca ca.crt --api-key KEY "Hi"                # TLS and an API key (docs/security.md)
-    pagedserve health --address localhost:50061 --tls-ca ca.crt --tls-cert c.crt --tls-key c.key  # a probe
-
+The command line (``pagedserve generate``, ``status``, ``top``, ``health``) is ``pagedserve.cli``.
 A stream survives the replica behind it. The protocol, for clients in other
 languages too (see ``protos/pagedserve/v1/generation.proto``):
 1. send ``Generate`` with a ``request_id`` of your own;
@@ -22,10 +15,6 @@ languages too (see ``protos/pagedserve/v1/generation.proto``):
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import sys
 import time
 import uuid
 from collections.abc import Iterator, Sequence
@@ -33,9 +22,7 @@ from pathlib import Path
 from typing import TextIO
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from pagedserve import status
 from pagedserve.auth import AUTHORIZATION
 from pagedserve.rpc import CHANNEL_OPTIONS
 from pagedserve.security import channel_credentials
@@ -132,131 +119,3 @@ def stream_chat(address: str | Sequence[str], prompt: str, out: TextIO, max_toke
         out.write(last.text)
         out.flush()
     return last
-
-
-def _as_json(resp: pb.GenerateResponse) -> str:
-    return json.dumps({"request_id": resp.request_id, "offset": resp.offset, "token_ids": list(resp.token_ids),
-                       "text": resp.text, "finish_reason": resp.finish_reason})
-
-
-def _health_main(args: argparse.Namespace) -> int:
-    if (args.tls_cert is None) != (args.tls_key is None):
-        sys.stderr.write("error: --tls-cert and --tls-key go together\n")
-        return 2
-    try:
-        creds = channel_credentials(args.tls_ca, args.tls_cert, args.tls_key) if args.tls_ca else None
-    except ValueError as exc:
-        sys.stderr.write(f"error: {exc}\n")
-        return 2
-    channel = grpc.secure_channel(args.address, creds) if creds else grpc.insecure_channel(args.address)
-    with channel:
-        try:
-            resp = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=args.service),
-                                                             timeout=args.timeout)
-        except grpc.RpcError as exc:
-            sys.stderr.write(f"{args.address}: {exc.code().name}: {exc.details()}\n")
-            return 1
-    name = health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
-    print(f"{args.address}: {name}")
-    return 0 if resp.status == health_pb2.HealthCheckResponse.SERVING else 1
-
-
-def _generate_parser(sub: argparse._SubParsersAction) -> None:
-    g = sub.add_parser("generate", help="stream a completion to stdout")
-    g.add_argument("prompt")
-    g.add_argument("--address", action="append", default=None,
-                   help="a scheduler replica HOST:PORT (repeatable: a broken stream resumes on the next; "
-                        "default localhost:50051)")
-    g.add_argument("--raw", action="store_true", help="plain completion instead of a chat message")
-    g.add_argument("--json", action="store_true",
-                   help="one JSON object per response: request_id, offset, token_ids, text, finish_reason")
-    g.add_argument("--request-id", default="", help="default: a random one (needed to resume)")
-    g.add_argument("-n", "--max-tokens", type=int, default=128)
-    g.add_argument("-t", "--temperature", type=float, default=0.0)
-    g.add_argument("--top-p", type=float, default=None)
-    g.add_argument("--top-k", type=int, default=None)
-    g.add_argument("--seed", type=int, default=None)
-    g.add_argument("--stop", action="append", default=[])
-    g.add_argument("--priority", type=int, default=0)
-    g.add_argument("--api-key", default=os.environ.get("PAGEDSERVE_API_KEY"),
-                   help="sent as authorization: Bearer KEY (default: $PAGEDSERVE_API_KEY)")
-    g.add_argument("--tls-ca", default=None, metavar="PATH",
-                   help="speak TLS, trusting this CA bundle (PEM) for the scheduler's certificate")
-
-
-def _health_parser(sub: argparse._SubParsersAction) -> None:
-    h = sub.add_parser("health", help="exit 0 if a scheduler or executor reports SERVING (a probe that speaks TLS)")
-    h.add_argument("--address", default="localhost:50051", help="HOST:PORT (default: %(default)s)")
-    h.add_argument("--service", default="", help="the health service name (default: the overall status; "
-                                                   "`liveness`: merely up)")
-    h.add_argument("--tls-ca", default=None, metavar="PATH", help="speak TLS, trusting this CA bundle")
-    h.add_argument("--tls-cert", default=None, metavar="PATH",
-                   help="client certificate, for an executor with --tls-ca (with --tls-key)")
-    h.add_argument("--tls-key", default=None, metavar="PATH", help="the key of --tls-cert")
-    h.add_argument("--timeout", type=float, default=1.0, help="seconds (default: %(default)s)")
-
-
-def _status_parsers(sub: argparse._SubParsersAction) -> None:
-    st = sub.add_parser("status", help="the deployment as Redis holds it: executors, queue, replicas (once)")
-    status.add_arguments(st, interval=None)
-    st.add_argument("--json", action="store_true", help="one JSON object (top-level key `executors`), for scripts")
-    tp = sub.add_parser("top", help="the deployment as Redis holds it, refreshing until Ctrl-C")
-    status.add_arguments(tp, interval=1.0)
-    tp.add_argument("--once", action="store_true", help="print one frame and exit")
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="pagedserve", description="Client for a pagedserve deployment.")
-    sub = p.add_subparsers(dest="command", required=True)
-    _generate_parser(sub)
-    _health_parser(sub)
-    _status_parsers(sub)
-    return p
-
-
-def _request_of(args: argparse.Namespace) -> pb.GenerateRequest:
-    sampling = pb.SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, stop=args.stop)
-    for name in ("top_p", "top_k", "seed"):
-        if getattr(args, name) is not None:
-            setattr(sampling, name, getattr(args, name))
-    req = pb.GenerateRequest(request_id=args.request_id, sampling=sampling, priority=args.priority)
-    if args.raw:
-        req.prompt = args.prompt
-    else:
-        req.messages.append(pb.ChatMessage(role="user", content=args.prompt))
-    return req
-
-
-def _generate_main(args: argparse.Namespace) -> int:
-    try:
-        for resp in generate(args.address or ["localhost:50051"], _request_of(args), api_key=args.api_key,
-                             tls_ca=args.tls_ca):
-            if args.json:
-                print(_as_json(resp), flush=True)
-                continue
-            sys.stdout.write(resp.text)
-            sys.stdout.flush()
-            if resp.finish_reason:
-                sys.stdout.write("\n")
-                sys.stderr.write(f"[{resp.finish_reason}: {resp.prompt_tokens} prompt + "
-                                 f"{resp.completion_tokens} completion tokens]\n")
-    except grpc.RpcError as exc:
-        sys.stderr.write(f"error: {exc.code().name}: {exc.details()}\n")
-        return 1
-    return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = build_parser()
-    args = p.parse_args(argv)
-    if args.command == "health":
-        return _health_main(args)
-    if args.command in ("status", "top"):
-        if not args.redis_url:
-            p.error("--redis-url (or $REDIS_URL) is required")
-        return status.status_main(args) if args.command == "status" else status.top_main(args)
-    return _generate_main(args)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import socket
 from collections.abc import Awaitable, Callable, Sequence
 
 import grpc
@@ -114,3 +115,10 @@ def run_service(serve: Callable[[object], Awaitable[None]], args: object, log_le
                 log_format: str = "text") -> None:
     logs.setup(log_level, log_format)
     asyncio.run(serve(args))
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now (the OS picks it; a later bind may still race)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -38,7 +38,12 @@ from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 
 from pagedserve import rpc
-from pagedserve.auth import INTERNAL_TOKEN, SecretFile, TokenClientInterceptor, TokenStreamInterceptor
+from pagedserve.auth import (
+    INTERNAL_TOKEN,
+    SecretFile,
+    TokenClientInterceptor,
+    TokenStreamInterceptor,
+)
 
 log = logging.getLogger(__name__)
 

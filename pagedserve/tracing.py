@@ -44,7 +44,9 @@ def setup(service: str, endpoint: str | None = None, exporter: SpanExporter | No
     if exporter is None and not endpoint:
         return None
     if exporter is None:
-        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import (
+            OTLPSpanExporter,
+        )
 
         exporter = OTLPSpanExporter(endpoint=endpoint)
     provider = TracerProvider(resource=Resource.create({"service.name": service}))

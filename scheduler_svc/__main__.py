@@ -13,10 +13,11 @@ from pathlib import Path
 from pagedserve import logs, rpc
 from pagedserve.auth import SecretFile
 from pagedserve.security import Dialer, TLSFiles
-from scheduler_svc import codec, validate
-from scheduler_svc.attachments import DETACH_TIMEOUT_S
 from scheduler_svc.core.queue import POLICIES
 from scheduler_svc.core.scheduler import PREEMPTION_MODES
+from scheduler_svc.frontend import validate
+from scheduler_svc.state import codec
+from scheduler_svc.state.store import DETACH_TIMEOUT_S
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -170,9 +171,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     # Each role imports only what it runs: the loops process starts without the frontend's transformers.
     if args.role == "loop":
-        from scheduler_svc.loop_process import run_loops as run
+        from scheduler_svc.loops.process import run_loops as run
     else:
-        from scheduler_svc.replica import serve as run
+        from scheduler_svc.frontend.replica import serve as run
     rpc.run_service(run, args, args.log_level, args.log_format)
 
 

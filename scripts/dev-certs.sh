@@ -10,7 +10,7 @@ if [ $# -gt 0 ] && [ "${1#-}" = "$1" ]; then dir=$1; shift; fi
 python=python3
 [ -x .venv/bin/python ] && python=.venv/bin/python
 # The compose service names (scheduler, executor) are SANs already.
-"$python" -m pagedserve.devcerts "$dir" "$@"
+"$python" -m pagedserve.dev.devcerts "$dir" "$@"
 # Containers run as uid 10001: let them read the bind-mounted files (a dev CA, not production).
 chmod 0755 "$dir"
 chmod 0644 "$dir"/*.crt "$dir"/*.key "$dir"/api-keys "$dir"/internal-token

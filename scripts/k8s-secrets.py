@@ -3,7 +3,7 @@
     python scripts/k8s-secrets.py certs/ | kubectl apply -f -      # from a dev-certs directory
     python scripts/k8s-secrets.py --placeholders                    # k8s/examples/secrets.yaml
 
-From DIR (the layout ``python -m pagedserve.devcerts DIR`` writes: ca.crt,
+From DIR (the layout ``python -m pagedserve.dev.devcerts DIR`` writes: ca.crt,
 scheduler.crt/.key, executor.crt/.key, api-keys, internal-token) it builds:
 
 - ``pagedserve-scheduler-tls`` and ``pagedserve-executor-tls`` (kubernetes.io/tls:
@@ -92,11 +92,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         docs = build(args.dir, args.redis_password)
     except OSError as e:
-        p.error(f"{e.filename}: {e.strerror} (python -m pagedserve.devcerts DIR writes the files)")
+        p.error(f"{e.filename}: {e.strerror} (python -m pagedserve.dev.devcerts DIR writes the files)")
     header = "# Secrets for k8s/ (scripts/k8s-secrets.py)."
     if args.placeholders:
         header += (f"\n# EXAMPLE ONLY: every value is a {PLACEHOLDER} placeholder. Create real ones with\n"
-                   "#   python -m pagedserve.devcerts certs/ && python scripts/k8s-secrets.py certs/ | kubectl apply -f -\n"
+                   "#   python -m pagedserve.dev.devcerts certs/ && python scripts/k8s-secrets.py certs/ | kubectl apply -f -\n"
                    "# or from your own CA with these names and keys (docs/deploy.md, \"Secrets\").")
     sys.stdout.write(header + "\n" + yaml.safe_dump_all(docs, sort_keys=False, explicit_start=True, width=200))
     return 0

@@ -21,8 +21,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import torch  # noqa: E402
 
 from executor_svc.model_store import resolve_model
-from pagedserve.launch import Cluster
-from pagedserve.procs import RedisServer
+from pagedserve.dev.launch import Cluster
+from pagedserve.dev.procs import RedisServer
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
@@ -62,7 +62,12 @@ def smol_dir() -> Path:
 
 def build_tiny(kind: str, dst: Path, tokenizer_src: Path) -> Path:
     """A tiny random model of architecture ``kind`` with a real tokenizer."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+    )
 
     common = dict(
         vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

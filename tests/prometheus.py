@@ -14,7 +14,7 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
-from pagedserve.procs import _stop, free_port, wait_until
+from pagedserve.dev.procs import _stop, free_port, wait_until
 
 
 def available() -> bool:

@@ -19,16 +19,16 @@ import redis
 import redis.asyncio as aioredis
 
 from executor_svc.server import add_to_server as add_executor_service
+from pagedserve.dev.launch import Cluster
 from pagedserve.executor.v1 import executor_pb2 as xpb
 from pagedserve.executor.v1 import executor_pb2_grpc as xpb_grpc
 from pagedserve.keys import Keys
 from pagedserve.members import now_ms
-from pagedserve.launch import Cluster
 from pagedserve.rpc import CHANNEL_OPTIONS
 from pagedserve.v1 import generation_pb2 as pb
 from pagedserve.v1 import generation_pb2_grpc as pb_grpc
 from scheduler_svc.core.request import Params, Request
-from scheduler_svc.store import Expiry, Overloaded, RedisStore
+from scheduler_svc.state.store import Expiry, Overloaded, RedisStore
 from tests.conftest import make_cluster
 from tests.helpers import Result, greedy, until, wait_all_free
 from tests.test_e2e_oracle import hf_greedy

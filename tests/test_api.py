@@ -14,8 +14,8 @@ import pytest
 import redis
 from transformers import AutoTokenizer
 
+from pagedserve.dev.launch import Cluster
 from pagedserve.keys import Keys
-from pagedserve.launch import Cluster
 from pagedserve.rpc import CHANNEL_OPTIONS
 from pagedserve.v1 import generation_pb2 as pb
 from pagedserve.v1 import generation_pb2_grpc as pb_grpc

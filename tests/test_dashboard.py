@@ -374,7 +374,7 @@ def test_the_endpoint_serves_the_documented_names(accept):
     import urllib.request
 
     from pagedserve import metrics
-    from pagedserve.procs import free_port
+    from pagedserve.dev.procs import free_port
 
     port = free_port()
     metrics.serve(port, populated_registry(), "127.0.0.1")

@@ -589,7 +589,7 @@ def test_compose_wrapper_starts_a_tls_stack(tmp_path, tiny_llama, redis_url):
     request with the CA and the key is served; without the set, plaintext as before."""
     import grpc
 
-    from pagedserve.procs import free_port, wait_until
+    from pagedserve.dev.procs import free_port, wait_until
     from pagedserve.v1 import generation_pb2 as pb
     from pagedserve.v1 import generation_pb2_grpc as pb_grpc
 

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from executor_svc.engine import Engine, EngineConfig, PlanError, SeqInput, StepInput
+from executor_svc.engine import Engine, EngineConfig
+from executor_svc.plan import PlanError, SeqInput, StepInput
 from executor_svc.sampler import SamplingParams
 
 BLOCK_BYTES = 2 * 2 * 16 * 2 * 16 * 4

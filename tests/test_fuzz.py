@@ -40,8 +40,8 @@ import redis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pagedserve.launch import Cluster
-from pagedserve.procs import grpc_healthy
+from pagedserve.dev.launch import Cluster
+from pagedserve.dev.procs import grpc_healthy
 from pagedserve.rpc import CHANNEL_OPTIONS
 from pagedserve.v1 import generation_pb2 as pb
 from tests.conftest import make_cluster

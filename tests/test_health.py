@@ -15,9 +15,9 @@ import grpc
 import pytest
 import redis
 
+from pagedserve.dev.launch import Cluster
+from pagedserve.dev.procs import Service, free_port, grpc_healthy, wait_until
 from pagedserve.keys import Keys
-from pagedserve.launch import Cluster
-from pagedserve.procs import Service, free_port, grpc_healthy, wait_until
 from pagedserve.rpc import LIVENESS
 from tests.helpers import executors, greedy, run_all
 

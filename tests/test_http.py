@@ -31,10 +31,10 @@ import pytest
 import redis
 from cryptography import x509
 
-from pagedserve import devcerts
+from pagedserve.dev import devcerts
+from pagedserve.dev.launch import Cluster
+from pagedserve.dev.procs import free_port, wait_until
 from pagedserve.keys import Keys
-from pagedserve.launch import Cluster
-from pagedserve.procs import free_port, wait_until
 from pagedserve.rpc import CHANNEL_OPTIONS
 from pagedserve.security import ReloadingSSLContext
 from pagedserve.v1 import generation_pb2 as pb

@@ -15,12 +15,12 @@ import grpc
 import pytest
 import redis
 
+from pagedserve.keys import Keys
 from pagedserve.rpc import CHANNEL_OPTIONS
 from pagedserve.v1 import generation_pb2 as pb
 from pagedserve.v1 import generation_pb2_grpc as pb_grpc
-from tests.conftest import make_cluster
-from pagedserve.keys import Keys
 from tests import helpers
+from tests.conftest import make_cluster
 from tests.helpers import collect, greedy, run_all, wait_all_free
 from tests.test_e2e_oracle import hf_greedy
 

@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 import redis
 
+from pagedserve.dev.procs import free_port
 from pagedserve.keys import Keys
-from pagedserve.procs import free_port
 from pagedserve.tiers import Tier
 from tests import prometheus
 from tests.conftest import make_cluster

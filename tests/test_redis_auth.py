@@ -19,8 +19,9 @@ from pathlib import Path
 import pytest
 import redis
 
-from pagedserve import devcerts, redis_check
-from pagedserve.procs import RedisServer, free_port
+from pagedserve import redis_check
+from pagedserve.dev import devcerts
+from pagedserve.dev.procs import RedisServer, free_port
 from tests.conftest import make_cluster
 from tests.helpers import greedy, run_all, wait_all_free
 from tests.test_e2e_oracle import hf_greedy

@@ -16,7 +16,7 @@ import redis
 import torch
 from transformers import AutoModelForCausalLM
 
-from pagedserve.launch import Cluster
+from pagedserve.dev.launch import Cluster
 from pagedserve.rpc import CHANNEL_OPTIONS
 from pagedserve.v1 import generation_pb2 as pb
 from pagedserve.v1 import generation_pb2_grpc as pb_grpc

@@ -20,9 +20,9 @@ import psutil
 import pytest
 import redis
 
+from pagedserve.dev.launch import Cluster
+from pagedserve.dev.procs import Service, grpc_healthy
 from pagedserve.keys import Keys
-from pagedserve.launch import Cluster
-from pagedserve.procs import Service, grpc_healthy
 from tests.conftest import make_cluster
 from tests.helpers import executors, greedy, pool_state, wait_all_free
 from tests.test_e2e_oracle import hf_greedy

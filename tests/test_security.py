@@ -1,5 +1,5 @@
 """TLS, mutual TLS, API keys and the internal token on a real deployment (tiny Llama,
-real Redis, real gRPC over sockets, certificates from ``pagedserve.devcerts``):
+real Redis, real gRPC over sockets, certificates from ``pagedserve.dev.devcerts``):
 a call without a key is UNAUTHENTICATED and either of two keys is served; health
 and reflection stay open; a plaintext client cannot talk to a TLS port; an
 executor turns away whoever lacks a client certificate from its CA (a scheduler
@@ -23,14 +23,14 @@ from cryptography import x509
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from pagedserve import devcerts
 from pagedserve.auth import INTERNAL_TOKEN, SecretFile, bearer, parse_secrets
+from pagedserve.cli import main as client_main
 from pagedserve.client import generate
-from pagedserve.client import main as client_main
+from pagedserve.dev import devcerts
+from pagedserve.dev.launch import Cluster
+from pagedserve.dev.procs import grpc_healthy, wait_until
 from pagedserve.executor.v1 import executor_pb2 as epb
 from pagedserve.executor.v1 import executor_pb2_grpc as epb_grpc
-from pagedserve.launch import Cluster
-from pagedserve.procs import grpc_healthy, wait_until
 from pagedserve.rpc import CHANNEL_OPTIONS, LIVENESS, PUBLIC_MAX_MESSAGE_BYTES
 from pagedserve.security import ReloadingCertificate, TLSFiles, channel_credentials
 from pagedserve.v1 import generation_pb2 as pb

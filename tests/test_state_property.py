@@ -26,17 +26,24 @@ from dataclasses import replace
 import redis.asyncio as aioredis
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
 
 from pagedserve.executor.v1 import executor_pb2 as epb
 from pagedserve.members import DRAINING, Member
 from pagedserve.tiers import TIERS
-from scheduler_svc import codec, parallel
+from scheduler_svc.core import parallel
 from scheduler_svc.core.blocks import blocks_needed
 from scheduler_svc.core.request import Finish, Params, Request, Status
 from scheduler_svc.core.scheduler import SchedulerConfig
-from scheduler_svc.loop import Loop
-from scheduler_svc.store import RedisStore
+from scheduler_svc.loops.loop import Loop
+from scheduler_svc.state import codec
+from scheduler_svc.state.store import RedisStore
 
 BLOCK = 4
 SIZES = [(10, 3, 5), (6, 0, 0), (14, 4, 0)]  # device, CPU, disk blocks of the executors that join, in turn

@@ -1,4 +1,4 @@
-"""``pagedserve status`` / ``pagedserve top`` (pagedserve/status.py): the snapshot built from plain
+"""``pagedserve status`` / ``pagedserve top`` (pagedserve/cli/status.py): the snapshot built from plain
 data, the reader against a real Redis seeded by hand, and both commands on a real deployment of two
 tiny-Llama executors: pool sizes and usage while requests run, ``draining`` during a drain.
 """
@@ -22,12 +22,13 @@ import pytest
 import redis
 from rich.console import Console
 
-from pagedserve import client, status
+from pagedserve.cli import main as cli_main
+from pagedserve.cli import status, top
 from pagedserve.keys import Keys
 from pagedserve.members import ClusterView, Member, Registry
 from pagedserve.tiers import Tier
-from scheduler_svc.codec import view_json
 from scheduler_svc.core.placement import PoolView
+from scheduler_svc.state.codec import view_json
 from tests.conftest import make_cluster
 from tests.helpers import greedy
 from tests.test_failover import run_in_background
@@ -154,7 +155,7 @@ def test_render_shows_every_executor_and_replica() -> None:
     a = status.build(raw(now=1_000_000))
     b = status.build(raw(now=1_001_000))
     wide = Console(record=True, width=160, color_system=None)
-    wide.print(status.render(b, status.rates(a, b)))
+    wide.print(top.render(b, status.rates(a, b)))
     text = wide.export_text()
     for needle in ("e1", "e2", "e3", "e4", "e5", "10.0.0.1:50061", "draining 5s", "refused", "dead", "left",
                    "75%", "24/32", "host-1-aa", "host-3-cc", "expired", "5 waiting", "12 unfinished",
@@ -162,12 +163,12 @@ def test_render_shows_every_executor_and_replica() -> None:
         assert needle in text, needle
     assert "██████░░  75%" in text, "a 75% KV usage bar"
     narrow = Console(record=True, width=80, color_system=None)
-    narrow.print(status.render(b))
+    narrow.print(top.render(b))
     text = narrow.export_text()
     assert max(map(len, text.splitlines())) <= 80 and "10.0.0.1" not in text, "no addresses on 80 columns"
     assert "preempt" in text and "e5" in text
     unled = Console(record=True, width=120, color_system=None)
-    unled.print(status.render(status.build(raw(leaders={"e1": None, "e2": "host-2-bb"}))))
+    unled.print(top.render(status.build(raw(leaders={"e1": None, "e2": "host-2-bb"}))))
     assert [ln.split() for ln in unled.export_text().splitlines() if ln.startswith("(none)")] == [["(none)", "-", "e1"]]
 
 
@@ -215,7 +216,7 @@ def test_reader_reads_the_documented_keys(redis_url: str) -> None:
 
 
 def cli(redis_url: str, ns: str, *args: str, timeout: float = 30) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pagedserve.client", *args, "--redis-url", redis_url,
+    return subprocess.run([sys.executable, "-m", "pagedserve.cli", *args, "--redis-url", redis_url,
                            "--namespace", ns], capture_output=True, text=True, timeout=timeout, check=False)
 
 
@@ -227,7 +228,7 @@ def status_json(redis_url: str, ns: str, capsys: pytest.CaptureFixture[str] | No
         assert out.returncode == 0, out.stderr
         return json.loads(out.stdout)
     capsys.readouterr()
-    assert client.main(["status", "--json", "--redis-url", redis_url, "--namespace", ns]) == 0
+    assert cli_main(["status", "--json", "--redis-url", redis_url, "--namespace", ns]) == 0
     return json.loads(capsys.readouterr().out)
 
 
@@ -246,7 +247,7 @@ def top_live(redis_url: str, ns: str, frames: int) -> tuple[int, str]:
     """``pagedserve top`` on a pseudo-terminal until it has drawn ``frames`` frames, then Ctrl-C:
     (exit status, everything it wrote)."""
     master, slave = pty.openpty()
-    proc = subprocess.Popen([sys.executable, "-m", "pagedserve.client", "top", "--redis-url", redis_url,
+    proc = subprocess.Popen([sys.executable, "-m", "pagedserve.cli", "top", "--redis-url", redis_url,
                              "--namespace", ns, "--interval", "0.3"], stdout=slave, stderr=slave, stdin=slave,
                             env={**os.environ, "COLUMNS": "240", "LINES": "60", "TERM": "xterm"})
     os.close(slave)

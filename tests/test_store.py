@@ -9,9 +9,9 @@ from collections.abc import Iterator
 import pytest
 import redis.asyncio as aioredis
 
-from scheduler_svc import codec
 from scheduler_svc.core.request import Finish, Params, Request
-from scheduler_svc.store import Fenced, RedisStore, Stale
+from scheduler_svc.state import codec
+from scheduler_svc.state.store import Fenced, RedisStore, Stale
 
 
 @pytest.fixture()

@@ -10,11 +10,11 @@ the same request run again with the seed the frontend drew and stored.
 from __future__ import annotations
 
 import json
-import uuid
 import random
 import signal
 import threading
 import time
+import uuid
 from pathlib import Path
 
 import grpc
@@ -23,9 +23,9 @@ import pytest
 import redis
 
 from pagedserve import client as lib
+from pagedserve.dev.launch import Cluster
+from pagedserve.dev.procs import RedisServer, Service
 from pagedserve.keys import Keys
-from pagedserve.launch import Cluster
-from pagedserve.procs import RedisServer, Service
 from pagedserve.rpc import CHANNEL_OPTIONS
 from pagedserve.v1 import generation_pb2 as pb
 from pagedserve.v1 import generation_pb2_grpc as pb_grpc

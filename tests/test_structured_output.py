@@ -26,8 +26,8 @@ import pydantic
 import pytest
 import redis
 
-from pagedserve.launch import Cluster
-from pagedserve.procs import free_port
+from pagedserve.dev.launch import Cluster
+from pagedserve.dev.procs import free_port
 from pagedserve.rpc import CHANNEL_OPTIONS
 from pagedserve.v1 import generation_pb2 as pb
 from pagedserve.v1 import generation_pb2_grpc as pb_grpc

@@ -23,12 +23,12 @@ from pagedserve.executor.v1 import executor_pb2 as epb
 from pagedserve.members import Member, Registry
 from scheduler_svc.core.request import Params, Request
 from scheduler_svc.core.scheduler import SchedulerConfig
-from scheduler_svc.bus import EventBus
-from scheduler_svc.frontend import Frontend
-from scheduler_svc.loop import Loop
-from scheduler_svc.store import RedisStore
-from scheduler_svc.validate import Limits
-from scheduler_svc.watch import ClusterWatch
+from scheduler_svc.frontend.bus import EventBus
+from scheduler_svc.frontend.service import Frontend
+from scheduler_svc.frontend.validate import Limits
+from scheduler_svc.frontend.watch import ClusterWatch
+from scheduler_svc.loops.loop import Loop
+from scheduler_svc.state.store import RedisStore
 from tests.test_state_property import EchoExecutor
 
 

@@ -2,7 +2,7 @@
 
 The scheduler fills a ``StepRecord`` as things happen (intake, scheduling,
 the executor's result, requeues) and hands it over with ``take_record``;
-``scheduler_svc.codec`` turns it into Redis operations and the frontends'
+``scheduler_svc.state.codec`` turns it into Redis operations and the frontends'
 event. Nothing here knows about Redis.
 """
 

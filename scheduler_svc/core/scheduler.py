@@ -41,7 +41,14 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from scheduler_svc.core import group
-from scheduler_svc.core.blocks import DEVICE, DISK, TIERS, BlockManager, Move, blocks_needed
+from scheduler_svc.core.blocks import (
+    DEVICE,
+    DISK,
+    TIERS,
+    BlockManager,
+    Move,
+    blocks_needed,
+)
 from scheduler_svc.core.deadline import expired_among
 from scheduler_svc.core.placement import PoolView
 from scheduler_svc.core.queue import make_queue

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from executor_svc.engine import Engine, EngineConfig, SeqInput, StepInput
+from executor_svc.engine import Engine, EngineConfig
+from executor_svc.plan import SeqInput, StepInput
 from executor_svc.sampler import SamplingParams
 
 

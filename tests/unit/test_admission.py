@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
-from scheduler_svc.core.admission import RETRY_AFTER_DEFAULT_S, RETRY_AFTER_MAX_S, FinishRate, retry_after
+from scheduler_svc.core.admission import (
+    RETRY_AFTER_DEFAULT_S,
+    RETRY_AFTER_MAX_S,
+    FinishRate,
+    retry_after,
+)
 
 
 def test_retry_after_is_the_time_to_finish_the_excess_at_the_recent_rate() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
-from scheduler_svc.bus import DRAIN, StreamQueue, merge_tokens
+from scheduler_svc.frontend.bus import DRAIN, StreamQueue, merge_tokens
 
 
 def t(offset: int, tokens: list[int], lps: list[str] | None = None) -> tuple:

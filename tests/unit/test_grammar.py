@@ -14,10 +14,10 @@ from transformers import AutoTokenizer
 from executor_svc.grammar import Grammars, Row
 from pagedserve.grammar import Compiler, GrammarError, choice_ebnf
 from pagedserve.v1 import generation_pb2 as pb
-from scheduler_svc import codec
 from scheduler_svc.core.request import Params, Request
-from scheduler_svc.plan import PlanBuilder
-from scheduler_svc.validate import Caps, InvalidArgument, structured
+from scheduler_svc.frontend.validate import Caps, InvalidArgument, structured
+from scheduler_svc.loops.plan import PlanBuilder
+from scheduler_svc.state import codec
 from tests.unit.test_scheduler import make, req
 
 VOCAB, EOS = 49152, 2

@@ -1,4 +1,4 @@
-"""OpenAI JSON <-> pagedserve.v1 (scheduler_svc/openai_protocol.py, openai_response.py) on plain data: what each
+"""OpenAI JSON <-> pagedserve.v1 (scheduler_svc/frontend/openai_request.py, openai_response.py) on plain data: what each
 body becomes, the 400s that name the field, the mapping of the frontend's exceptions to
 HTTP statuses, and the exact response and stream-chunk shapes. No processes, no I/O."""
 
@@ -11,12 +11,12 @@ import pytest
 import redis
 
 from pagedserve.v1 import generation_pb2 as pb
-from scheduler_svc import openai_protocol as proto
-from scheduler_svc import openai_response as answer
-from scheduler_svc.frontend import TooManyPending
-from scheduler_svc.streams import Chunk, QueueTimeout, StreamDetached
-from scheduler_svc.store import DuplicateRequest
-from scheduler_svc.validate import InvalidArgument, OverCapacity, Unavailable
+from scheduler_svc.frontend import openai_request as proto
+from scheduler_svc.frontend import openai_response as answer
+from scheduler_svc.frontend.service import TooManyPending
+from scheduler_svc.frontend.streams import Chunk, QueueTimeout, StreamDetached
+from scheduler_svc.frontend.validate import InvalidArgument, OverCapacity, Unavailable
+from scheduler_svc.state.store import DuplicateRequest
 
 M = "tiny"
 
@@ -247,7 +247,7 @@ def test_completion_stream_chunks_carry_token_ids_when_asked() -> None:
 
 
 def test_chat_without_a_limit_runs_to_the_end_of_the_context_a_pool_holds() -> None:
-    from scheduler_svc.validate import Limits
+    from scheduler_svc.frontend.validate import Limits
 
     # Two executors: a 512-token context on a pool of 24 blocks of 16 (384 tokens), and a
     # 256-token context on a pool of 64 blocks: the first lets a 100-token prompt go furthest.
@@ -343,8 +343,8 @@ def test_a_refused_spec_is_named_as_the_body_named_it() -> None:
     assert err.message == "response_format.json_schema.schema: does not compile: bad"
     assert proto.structured_error(InvalidArgument("sampling.top_p: bad"), parsed) is None
 def test_cache_salt_passes_through_and_usage_reports_cached_tokens() -> None:
-    from scheduler_svc import validate
     from scheduler_svc.core.prefix import MAX_SALT
+    from scheduler_svc.frontend import validate
 
     p = proto.parse(chat(cache_salt="tenant-7"), chat=True)
     assert p.request.cache_salt == "tenant-7" and p.request.HasField("cache_salt")

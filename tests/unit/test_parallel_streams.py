@@ -1,4 +1,4 @@
-"""``scheduler_svc.parallel`` on plain data: a request's completions, and merging their streams
+"""``scheduler_svc.core.parallel`` on plain data: a request's completions, and merging their streams
 (asyncio generators stand in for the attached streams)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from scheduler_svc import parallel
+from scheduler_svc.core import parallel
 from scheduler_svc.core.request import Params, Request
 
 

@@ -12,14 +12,14 @@ from collections import deque
 
 import pytest
 
-from executor_svc.pipeline import LastSampled, UnknownSample
+from executor_svc.runner import LastSampled, UnknownSample
 from pagedserve.keys import Keys
-from scheduler_svc.codec import CommitWriter
 from scheduler_svc.core.blocks import CPU, DEVICE, Move, blocks_needed
 from scheduler_svc.core.request import Finish, Params, Request, Status
 from scheduler_svc.core.scheduler import Scheduler, SchedulerOutput
-from scheduler_svc.pipeline import Flight, Pipeline
-from scheduler_svc.plan import PlanBuilder
+from scheduler_svc.loops.flights import Flight, Pipeline
+from scheduler_svc.loops.plan import PlanBuilder
+from scheduler_svc.state.codec import CommitWriter
 from tests.unit.test_scheduler import EOS, check_blocks, make, req
 
 

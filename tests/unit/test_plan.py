@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from executor_svc.block_tables import BlockTables, UnknownTable
-from scheduler_svc.plan import PlanBuilder
+from scheduler_svc.loops.plan import PlanBuilder
 from tests.unit.test_scheduler import make, req
 
 

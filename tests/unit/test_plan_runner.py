@@ -1,4 +1,4 @@
-"""``executor_svc.pipeline.PlanRunner`` over real gRPC (a local server), with a stand-in for the
+"""``executor_svc.runner.PlanRunner`` over real gRPC (a local server), with a stand-in for the
 engine that records which plans ran: it isolates the ordering and dropping rules of the ``Steps``
 stream from the model."""
 
@@ -8,7 +8,7 @@ import asyncio
 
 import grpc
 
-from executor_svc.pipeline import PlanRunner
+from executor_svc.runner import PlanRunner
 from pagedserve import handlers
 from pagedserve.executor.v1 import executor_pb2 as pb
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pagedserve.tiers import Tier
 from scheduler_svc.core.request import Finish, Params, Request, Status
+from scheduler_svc.core.restore import Snapshot, pool_fields, restore
 from scheduler_svc.core.scheduler import SchedulerConfig
-from scheduler_svc.restore import Snapshot, pool_fields, restore
 
 CONFIG = SchedulerConfig(max_model_len=256, watermark=0.0)
 TOTALS = (8, 4, 0)

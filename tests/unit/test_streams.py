@@ -1,4 +1,4 @@
-"""A stream's repair and endings (``scheduler_svc.streams``): SmolLM2's real tokenizer and a real
+"""A stream's repair and endings (``scheduler_svc.frontend.streams``): SmolLM2's real tokenizer and a real
 ``StreamQueue``; the store's two reads (a completion's tokens and logprobs by offset) are stood in
 by a list, which isolates the stream's bookkeeping from Redis."""
 
@@ -10,9 +10,15 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from scheduler_svc.bus import DRAIN, StreamQueue
-from scheduler_svc.detok import Detokenizer
-from scheduler_svc.streams import Chunk, QueueTimeout, Stream, StreamDetached, follow
+from scheduler_svc.frontend.bus import DRAIN, StreamQueue
+from scheduler_svc.frontend.detok import Detokenizer
+from scheduler_svc.frontend.streams import (
+    Chunk,
+    QueueTimeout,
+    Stream,
+    StreamDetached,
+    follow,
+)
 
 
 class Completion:

@@ -8,10 +8,16 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from scheduler_svc.core.request import Params
-from scheduler_svc.detok import Detokenizer
-from scheduler_svc.validate import InvalidArgument, Limits, OverCapacity, check, check_length
 from pagedserve.v1 import generation_pb2 as pb
+from scheduler_svc.core.request import Params
+from scheduler_svc.frontend.detok import Detokenizer
+from scheduler_svc.frontend.validate import (
+    InvalidArgument,
+    Limits,
+    OverCapacity,
+    check,
+    check_length,
+)
 
 LIMITS = Limits(max_model_len=100, vocab_size=1000, block_size=16, pools=((4, 100),))
 

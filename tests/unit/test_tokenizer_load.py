@@ -11,7 +11,7 @@ from pathlib import Path
 from transformers import AutoTokenizer
 
 from executor_svc.model_store import resolve_model
-from scheduler_svc.watch import load_tokenizer
+from scheduler_svc.frontend.watch import load_tokenizer
 
 TEXTS = ["Hello world, this is ünïcode 日本 and \t tabs", " leading space", "<|im_start|>user\nhi<|im_end|>"]
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+2?"}]
@@ -51,7 +51,7 @@ def test_other_tokenizer_classes_go_through_auto_tokenizer(tmp_path: Path) -> No
 
 
 def test_the_fast_path_imports_no_torch() -> None:
-    code = ("import sys; from executor_svc.model_store import resolve_model; from scheduler_svc.watch import "
+    code = ("import sys; from executor_svc.model_store import resolve_model; from scheduler_svc.frontend.watch import "
             "load_tokenizer; d = resolve_model(None); load_tokenizer({p.name: p.read_bytes() for p in d.iterdir() "
             "if p.name.startswith(('tokenizer', 'special', 'chat'))}); print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

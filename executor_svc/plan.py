@@ -1,0 +1,65 @@
+"""A step plan as the engine takes it, and what a step gives back: plain data, decoded from the
+executor proto by ``server.py`` and run by ``Engine.step``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from executor_svc import logprobs
+from executor_svc.sampler import SamplingParams
+from pagedserve.grammar import Spec
+
+
+class PlanError(ValueError):
+    """A step plan that cannot be executed as given (bad block ids, positions...)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Move:
+    src_tier: int
+    src: int
+    dst_tier: int
+    dst: int
+
+
+@dataclass(slots=True)
+class SeqInput:
+    request_id: str
+    token_ids: list[int]
+    start_pos: int
+    block_table: list[int]  # the whole table, or with full_table=False the blocks new since the last step
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    sample: bool = True
+    num_generated: int = 0
+    full_table: bool = True
+    history: list[int] | None = None  # tokens [0, start_pos), sent with a full table when sampling needs them
+    prompt_logprobs: int | None = None  # alternatives per prompt position; None: no prompt logprobs
+    prompt_next: int | None = None  # the prompt token after this chunk, if the prompt goes on
+    grammar: Spec | None = None  # structured output: (kind, text)
+    from_last_sample: bool = False  # the last input is this request's latest sampled token (resolved first)
+
+
+@dataclass(slots=True)
+class StepInput:
+    step_id: int = 0
+    swap_out: list[Move] = field(default_factory=list)
+    swap_in: list[Move] = field(default_factory=list)
+    copies: list[Move] = field(default_factory=list)
+    seqs: list[SeqInput] = field(default_factory=list)
+    forget: list[str] = field(default_factory=list)  # requests whose tables can be dropped
+    reset_tables: bool = False  # drop every table before this plan
+
+
+@dataclass(slots=True)
+class StepOutput:
+    step_id: int
+    tokens: list[tuple[str, int]]
+    swapped_out: int
+    swapped_in: int
+    forward_ms: float
+    step_ms: float
+    swap_in_ms: float = 0.0  # swap-ins and copies before the forward (host time; launch time on CUDA)
+    swap_out_ms: float = 0.0  # swap-outs (host time: inline on CPU, launched onto a side stream on CUDA)
+    logprobs: dict[str, logprobs.Entry] = field(default_factory=dict)  # sampled tokens' logprobs, if asked
+    # request -> (prompt position of the first entry, one entry per prompt position)
+    prompt_logprobs: dict[str, tuple[int, list[logprobs.Entry]]] = field(default_factory=dict)

@@ -1,0 +1,222 @@
+"""``pagedserve top``: the deployment as ``status.py`` reads it, drawn with rich and refreshed until Ctrl-C.
+
+    pagedserve top --redis-url redis://host:6379/0 [--namespace NS] [--interval S] [--once]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from pagedserve.cli.status import (
+    DEAD,
+    LEFT,
+    REFUSED,
+    ExecutorStatus,
+    Rate,
+    Snapshot,
+    connect,
+    rates,
+    read,
+)
+from pagedserve.keys import Keys
+from pagedserve.members import DRAINING, SERVING
+from pagedserve.tiers import Tier
+
+if TYPE_CHECKING:  # rich is imported when something is drawn
+    from rich.console import Console, ConsoleOptions, RenderableType, RenderResult
+    from rich.text import Text
+
+
+# -- rendering -----------------------------------------------------------------------
+
+
+SHORT_ID = 12  # executor ids (32 hex digits) in ``top``, as docker shows container ids
+
+
+def _bar(frac: float | None, width: int = 8) -> Text:
+    from rich.text import Text
+
+    if frac is None:
+        return Text("-", style="dim")
+    frac = min(max(frac, 0.0), 1.0)
+    full = math.floor(frac * width + 0.5)
+    style = "green" if frac < 0.7 else "yellow" if frac < 0.9 else "red"
+    t = Text("█" * full, style=style)
+    t.append("░" * (width - full), style="dim")
+    t.append(f" {frac * 100:3.0f}%")
+    return t
+
+
+def _num(x: float | None, fmt: str = "{}") -> str:
+    return "-" if x is None else fmt.format(x)
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{x * 100:.0f}%"
+
+
+_STATE_STYLE = {SERVING: "green", DRAINING: "yellow", REFUSED: "red", DEAD: "red", LEFT: "dim"}
+
+
+def _state(e: ExecutorStatus, at_ms: int) -> Text:
+    from rich.text import Text
+
+    t = Text(e.state, style=_STATE_STYLE.get(e.state, ""))
+    if e.state == DRAINING and e.evacuate_at_ms:
+        left = (e.evacuate_at_ms - at_ms) / 1000
+        t.append(f" {left:.0f}s" if left > 0 else " evac", style="yellow")
+    return t
+
+
+WIDE = 110  # console columns from which ``top`` shows executor addresses and swap usage
+
+
+def render(snap: Snapshot, rate: tuple[dict[str, Rate], Rate] | None = None,
+           error: str | None = None) -> RenderableType:
+    """One frame of ``top``: a header (queue, totals), the executors (KV usage bars), the replicas
+    and the executors whose loops they lead (``(none)``: executors no loop steps right now). Fits
+    the console: narrower than ``WIDE`` columns, it leaves out addresses and swap usage."""
+    return _Frame(snap, rate, error)
+
+
+@dataclass(frozen=True, slots=True)
+class _Frame:
+    snap: Snapshot
+    rate: tuple[dict[str, Rate], Rate] | None
+    error: str | None
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        from rich import box
+        from rich.table import Table
+        from rich.text import Text
+
+        snap, rate = self.snap, self.rate
+        wide = options.max_width >= WIDE
+        t = snap.totals
+        head = Text()
+        head.append(f"pagedserve {snap.namespace}", style="bold")
+        head.append(f"  {snap.model or '-'}  ")
+        head.append(time.strftime("%H:%M:%S", time.localtime(snap.at_ms / 1000)), style="dim")
+        head.append(f"\nrequests: {snap.waiting} waiting in the queue, {snap.live} unfinished, "
+                    f"{snap.attached} attached")
+        head.append(f"\nsteps {t.get('steps', 0)}  preemptions {t.get('preemptions_swap', 0)} swap "
+                    f"{t.get('preemptions_recompute', 0)} recompute  swapped blocks "
+                    f"{t.get('swapped_out_blocks', 0)} out {t.get('swapped_in_blocks', 0)} in "
+                    f"{t.get('disk_spilled_blocks', 0)} to disk")
+        if rate is not None:
+            r = rate[1]
+            head.append(f"\n{_num(r.steps_per_s, '{:.1f}')} steps/s  {_num(r.tokens_per_s, '{:.1f}')} tokens/s  "
+                        f"{_num(r.preemptions_per_s, '{:.2f}')} preemptions/s")
+        if self.error:
+            head.append(f"\n{self.error}", style="bold red")
+        yield head
+
+        ex = Table(box=box.SIMPLE_HEAD, padding=(0, 0), show_edge=False, title="executors", title_justify="left",
+                   title_style="bold")
+        cols = ["executor", "address", "state", "KV usage", "blocks", "swap", "run", "swp", "placed", "steps/s",
+                "tok/s", "preempt"]
+        left = {"executor", "address", "state", "KV usage"}
+        least = {"executor": 8, "state": 7, "KV usage": 13}
+        keep = [c not in ("address", "swap") or wide for c in cols]
+        for name, k in zip(cols, keep):
+            if k:
+                ex.add_column(name, justify="left" if name in left else "right", no_wrap=True, overflow="ellipsis",
+                              min_width=least.get(name, len(name)))
+        short = SHORT_ID if wide else 8
+        for e in snap.executors:
+            r = rate[0].get(e.id) if rate is not None else None
+            swap_total = e.blocks[Tier.CPU] + e.blocks[Tier.DISK]
+            swap = None
+            if e.free is not None and swap_total:
+                swap = (swap_total - e.free[Tier.CPU] - e.free[Tier.DISK]) / swap_total
+            used = None if e.free is None else e.blocks[Tier.DEVICE] - e.free[Tier.DEVICE]
+            row = [e.id[:short], e.address or "-", _state(e, snap.at_ms), _bar(e.kv_usage),
+                   f"{_num(used)}/{e.blocks[Tier.DEVICE]}", _pct(swap), _num(e.running), _num(e.swapped),
+                   str(e.placed), _num(r.steps_per_s if r else None, "{:.1f}"),
+                   _num(r.tokens_per_s if r else None, "{:.1f}"),
+                   f"{e.counter('preemptions_swap')}/{e.counter('preemptions_recompute')}"]
+            ex.add_row(*(v for v, k in zip(row, keep) if k))
+        yield ex
+
+        rep = Table(box=box.SIMPLE_HEAD, padding=(0, 0), show_edge=False, title="scheduler replicas",
+                    title_justify="left", title_style="bold")
+        rep.add_column("replica", no_wrap=True)
+        rep.add_column("heartbeat", no_wrap=True)
+        rep.add_column("leads the loops of")
+        for rp in snap.replicas:
+            rep.add_row(rp.id, Text("alive" if rp.alive else "expired", style="green" if rp.alive else "red"),
+                        " ".join(x[:SHORT_ID] for x in rp.leads) or "-")
+        unled = [e.id[:SHORT_ID] for e in snap.executors if e.leader is None and e.state in (SERVING, DRAINING)]
+        if unled:
+            rep.add_row(Text("(none)", style="red"), "-", " ".join(unled))
+        yield rep
+        legend = ("blocks: device blocks used/total; " + ("swap: CPU+disk swap used; " if wide else "")
+                  + "run/swp: running/swapped requests; placed: requests on it; preempt: preemptions by "
+                  "swap/recompute; rates between the last two reads")
+        if not snap.counts_tokens:
+            legend += "; tok/s: these step commits do not count generated tokens"
+        yield Text(legend, style="dim")
+
+
+async def _top(url: str, namespace: str, interval: float, once: bool, console: Console) -> None:
+    """Refresh until Ctrl-C. The first Ctrl-C only sets ``stop``: the frame in progress finishes
+    and the loop ends (no cancellation inside the Redis client, which could lose it); a second one
+    interrupts whatever is under way."""
+    from rich.live import Live
+
+    stop = asyncio.Event()
+
+    def interrupt() -> None:
+        if stop.is_set():
+            raise KeyboardInterrupt
+        stop.set()
+
+    loop = asyncio.get_running_loop()
+    try:
+        loop.add_signal_handler(signal.SIGINT, interrupt)
+    except (NotImplementedError, RuntimeError):  # no signal handlers here: Ctrl-C cancels, as asyncio.run does
+        pass
+    client = connect(url)
+    keys = Keys(namespace)
+    try:
+        prev = snap = await read(client, keys)
+        if once:
+            console.print(render(snap))
+            return
+        with Live(render(snap), console=console, auto_refresh=False, screen=False, transient=False) as live:
+            while not stop.is_set():
+                try:
+                    await asyncio.wait_for(stop.wait(), interval)
+                    break
+                except TimeoutError:
+                    pass
+                try:
+                    snap = await read(client, keys)
+                except Exception as exc:  # noqa: BLE001  keep showing the last frame while Redis is away
+                    live.update(render(snap, error=f"redis: {type(exc).__name__}: {exc}"), refresh=True)
+                    continue
+                live.update(render(snap, rates(prev, snap)), refresh=True)
+                prev = snap
+    finally:
+        await client.aclose()
+
+
+def top_main(args: argparse.Namespace, console: Console | None = None) -> int:
+    from rich.console import Console
+
+    console = console or Console()
+    try:
+        asyncio.run(_top(args.redis_url, args.namespace, args.interval, args.once, console))
+    except KeyboardInterrupt:
+        return 0
+    except Exception as exc:  # noqa: BLE001
+        sys.stderr.write(f"error: {type(exc).__name__}: {exc}\n")
+        return 1
+    return 0

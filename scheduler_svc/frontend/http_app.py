@@ -1,0 +1,343 @@
+"""The OpenAI-compatible HTTP door of a scheduler replica (``--http-port``): Starlette on uvicorn.
+
+A thin layer over the same ``Frontend`` as the gRPC servicer: each request becomes
+a ``pb.GenerateRequest`` (``openai_protocol.parse``), then ``Frontend.prepare`` and
+``Frontend.generate`` exactly as ``GenerationServicer.Generate`` calls them. No
+second scheduling path; the tokens, stop strings, caps and admission control are
+the gRPC API's. docs/http.md describes the endpoints, the field mapping, the
+status codes and the stream format.
+
+The first chunk of a completion is awaited before the answer starts, so that a
+refusal at submission (429 over ``--max-pending-requests``, 409, 504) is an HTTP
+status rather than an error inside a 200 stream. A client that hangs up, while
+waiting or mid-stream, closes the frontend's generator, which aborts its request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import socket
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from dataclasses import dataclass, replace
+from typing import Any, TypeVar
+
+import uvicorn
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from pagedserve.auth import SecretFile, bearer
+from pagedserve.security import ReloadingSSLContext
+from scheduler_svc.frontend import openai_request as proto
+from scheduler_svc.frontend import openai_response as answer
+from scheduler_svc.frontend.openai_request import ApiError
+from scheduler_svc.frontend.service import Frontend
+from scheduler_svc.frontend.streams import Chunk, StreamDetached
+from scheduler_svc.frontend.validate import InvalidArgument
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+OPEN_PATHS = frozenset({"/health"})  # for probes: no API key
+DONE = b"data: [DONE]\n\n"
+SHUTDOWN_GRACE_S = 5  # as the gRPC server's grace on drain
+
+
+def sse(obj: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
+
+
+def error_response(err: ApiError) -> JSONResponse:
+    return JSONResponse(err.body(), err.status, headers=err.headers)
+
+
+class ClientGone(Exception):
+    """The client hung up before the answer started."""
+
+
+class BearerAuth:
+    """ASGI middleware: every path but ``OPEN_PATHS`` needs ``Authorization: Bearer <key>``
+    with a key of ``--api-key-file``, compared in constant time; else 401 before the body
+    is read."""
+
+    def __init__(self, app: ASGIApp, keys: SecretFile) -> None:
+        self.app, self.keys = app, keys
+
+    def allowed(self, scope: Scope) -> bool:
+        headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"] if k == b"authorization"]
+        ok = False
+        for candidate in bearer(headers):
+            ok |= self.keys.matches(candidate)
+        return ok
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS or self.allowed(scope):
+            await self.app(scope, receive, send)
+            return
+        err = ApiError(401, "missing or invalid API key (header Authorization: Bearer <key>)",
+                       code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+        await error_response(err)(scope, receive, send)
+
+
+class EventStream(StreamingResponse):
+    """Server-sent events whose generator is closed however the response ends (Starlette
+    leaves it suspended when a send fails), so that the request behind it is aborted."""
+
+    def __init__(self, events: AsyncIterator[bytes], headers: dict[str, str]) -> None:
+        super().__init__(events, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers})
+        self.events = events
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.events.aclose()  # type: ignore[attr-defined]
+
+
+async def _disconnected(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _unless_gone(request: Request, work: Awaitable[T]) -> T:
+    """``work``'s result, or ClientGone (``work`` cancelled) if the client hangs up first."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnected(request.receive))
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+    if task.cancelled():
+        raise ClientGone
+    return task.result()
+
+
+async def _read_json(request: Request, limit: int) -> dict[str, Any]:
+    size = request.headers.get("content-length", "")
+    if size.isdigit() and int(size) > limit:
+        raise ApiError(413, f"request: {size} bytes, over the limit of {limit}", code="request_too_large")
+    data = bytearray()
+    try:
+        async for part in request.stream():
+            data += part
+            if len(data) > limit:
+                raise ApiError(413, f"request: over the limit of {limit} bytes", code="request_too_large")
+    except ClientDisconnect:
+        raise ClientGone from None
+    try:
+        body = json.loads(data)
+    except (ValueError, RecursionError) as exc:
+        raise ApiError(400, f"the body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "the body must be a JSON object")
+    return body
+
+
+@dataclass(slots=True)
+class Door:
+    """The endpoints; ``max_request_bytes`` (``--max-request-bytes``) bounds the translated
+    request as on gRPC, and four times it the JSON body (token ids take more room in JSON)."""
+
+    frontend: Frontend
+    max_request_bytes: int
+    started: int  # the models' ``created``
+
+    @property
+    def model(self) -> str:
+        return self.frontend.watch.model
+
+    def _card(self) -> dict[str, Any]:
+        limits = self.frontend.watch.limits
+        return {"id": self.model, "object": "model", "created": self.started, "owned_by": "pagedserve",
+                "max_model_len": limits.max_model_len if limits else None}
+
+    async def models(self, request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [self._card()] if self.model else []})
+
+    async def model_card(self, request: Request) -> Response:
+        if not self.model or request.path_params["model"] != self.model:
+            return error_response(self._unknown_model(request.path_params["model"]))
+        return JSONResponse(self._card())
+
+    async def health(self, request: Request) -> Response:
+        """200 while this replica can serve (not draining, an executor serving), else 503: what
+        its gRPC health says (the cluster watch's last look, refreshed every second)."""
+        serving = not self.frontend.draining and self.frontend.watch.serving
+        return JSONResponse({"status": "serving" if serving else "not serving"}, 200 if serving else 503)
+
+    def _unknown_model(self, name: str) -> ApiError:
+        return ApiError(404, f"The model `{name}` does not exist (this server serves `{self.model}`).",
+                        param="model", code="model_not_found")
+
+    async def completions(self, request: Request) -> Response:
+        return await _answered(self._generate(request, chat=False))
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await _answered(self._generate(request, chat=True))
+
+    async def _generate(self, request: Request, chat: bool) -> Response:
+        body = await _read_json(request, 4 * self.max_request_bytes)
+        parsed = proto.parse(body, chat, request.headers.get("x-request-id", ""))
+        if self.model and parsed.model != self.model:
+            raise self._unknown_model(parsed.model)
+        if (size := parsed.request.ByteSize()) > self.max_request_bytes:
+            raise ApiError(400, f"request: {size} bytes as a pagedserve.v1 request, over the limit of "
+                                f"{self.max_request_bytes} (--max-request-bytes)")
+        try:
+            req, stop = self.frontend.prepare(parsed.request, None)
+        except InvalidArgument as exc:  # a refused structured-output spec is named as the body named it
+            if (renamed := proto.structured_error(exc, parsed)) is None:
+                raise
+            raise renamed from exc
+        limits = self.frontend.watch.limits
+        if chat and not parsed.request.sampling.HasField("max_tokens") and limits is not None:
+            req.params = replace(req.params, max_tokens=proto.context_room(limits, len(req.prompt_ids)))
+        tokenizer = self.frontend.tokenizer
+        shape = answer.Shape(parsed, req.request_id, int(time.time()), self.model, list(req.prompt_ids),
+                            decode=lambda t: tokenizer.decode([t]))
+        chunks = self.frontend.generate(req, stop)
+        headers = {"X-Request-Id": req.request_id}
+        streaming = False
+        try:
+            first = await _unless_gone(request, anext(chunks))
+            if parsed.stream:
+                streaming = True  # the stream closes the generator from now on
+                return EventStream(self._events(shape, first, chunks), headers)
+            done = await _unless_gone(request, _collect(first, chunks, shape.n))
+        finally:
+            if not streaming:
+                await chunks.aclose()  # type: ignore[attr-defined]
+        return JSONResponse(shape.body(done), headers=headers)
+
+    async def _events(self, shape: answer.Shape, first: Chunk, chunks: AsyncIterator[Chunk]) -> AsyncIterator[bytes]:
+        """The stream: chunks, the usage chunk, ``[DONE]``; or, if the stream cannot go on,
+        an error event and no ``[DONE]``."""
+        try:
+            for event in shape.opening():
+                yield sse(event)
+            for event in shape.events(first):
+                yield sse(event)
+            async for chunk in chunks:
+                for event in shape.events(chunk):
+                    yield sse(event)
+        except StreamDetached as exc:  # the replica drains; the request goes on
+            yield sse(proto.detached(exc).body())
+            return
+        except Exception:
+            log.exception("stream of %s failed", shape.request_id, extra={"request_id": shape.request_id})
+            yield sse(ApiError(500, "internal error", "server_error").body())
+            return
+        finally:
+            await chunks.aclose()  # type: ignore[attr-defined]
+        for event in shape.closing():
+            yield sse(event)
+        yield DONE
+
+
+async def _collect(first: Chunk, chunks: AsyncIterator[Chunk], n: int) -> list[answer.Collected]:
+    """Every completion gathered, by index."""
+    done = [answer.Collected() for _ in range(n)]
+    done[first.index].add(first)
+    async for chunk in chunks:
+        done[chunk.index].add(chunk)
+    return done
+
+
+async def _answered(work: Awaitable[Response]) -> Response:
+    """``work``'s response, or the error answer to what the frontend raised (never a 500 for
+    bad input); anything else propagates to the 500 handler, which logs it."""
+    try:
+        return await work
+    except ClientGone:
+        return Response(status_code=499)  # nobody reads it; its request was aborted
+    except Exception as exc:
+        if (err := proto.error_for(exc)) is None:
+            raise
+        return error_response(err)
+
+
+async def _internal_error(request: Request, exc: Exception) -> Response:
+    return error_response(ApiError(500, "internal error", "server_error"))
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    """Starlette's own refusals (no such path, wrong method) as OpenAI error objects."""
+    assert isinstance(exc, HTTPException)
+    return error_response(ApiError(exc.status_code, exc.detail, headers=dict(exc.headers or {})))
+
+
+def build_app(door: Door, api_keys: SecretFile | None = None) -> Starlette:
+    routes = [
+        Route("/v1/completions", door.completions, methods=["POST"]),
+        Route("/v1/chat/completions", door.chat_completions, methods=["POST"]),
+        Route("/v1/models", door.models, methods=["GET"]),
+        Route("/v1/models/{model:path}", door.model_card, methods=["GET"]),
+        Route("/health", door.health, methods=["GET"]),
+    ]
+    handlers: dict[Any, Callable[[Request, Exception], Awaitable[Response]]] = {
+        HTTPException: _http_error, 500: _internal_error}
+    app = Starlette(routes=routes, exception_handlers=handlers)
+    if api_keys is not None:
+        app.add_middleware(BearerAuth, keys=api_keys)
+    return app
+
+
+class _Server(uvicorn.Server):
+    """Signals belong to the scheduler (``rpc.stop_on_signals``), which stops this server on drain."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """The listening socket, bound now: a port in use is one clear error at start."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        return socket.create_server((host, port), family=family, backlog=2048)
+    except OSError as exc:
+        raise OSError(f"--http-port {port}: cannot listen on {host}: {exc}") from exc
+
+
+@dataclass(slots=True)
+class HttpServer:
+    server: uvicorn.Server
+    task: asyncio.Task[None]
+    port: int
+    tls: bool
+
+    async def stop(self) -> None:
+        """Stop taking connections and wait (``SHUTDOWN_GRACE_S`` at most) for open ones: their
+        streams end as the frontend drains."""
+        self.server.should_exit = True
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self.task, SHUTDOWN_GRACE_S + 5)
+
+
+async def serve(frontend: Frontend, host: str, port: int, *, api_keys: SecretFile | None = None,
+                tls: ReloadingSSLContext | None = None, max_request_bytes: int) -> HttpServer:
+    """Serve the door on ``host:port`` as a task of the running loop; returns once it listens."""
+    sock = bind(host, port)
+    app = build_app(Door(frontend, max_request_bytes, int(time.time())), api_keys)
+    config = uvicorn.Config(app, http="h11", ws="none", lifespan="off", log_config=None, access_log=False,
+                            server_header=False, proxy_headers=False, timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
+                            ssl_context_factory=(lambda _config, _default: tls.context) if tls else None)
+    server = _Server(config)
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    while not server.started and not task.done():
+        await asyncio.sleep(0.01)
+    if task.done():
+        task.result()  # its error
+        raise RuntimeError("the HTTP server stopped at start")
+    return HttpServer(server, task, sock.getsockname()[1], tls is not None)

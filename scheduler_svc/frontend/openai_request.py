@@ -1,0 +1,422 @@
+"""OpenAI's request JSON to pagedserve.v1, and the frontend's errors to OpenAI's: pure functions (no I/O).
+
+``parse`` turns the body of ``/v1/completions`` or ``/v1/chat/completions`` into a
+``pb.GenerateRequest`` (what the gRPC API takes, checked afterwards by the same
+``Frontend.prepare``); ``error_for`` maps the frontend's exceptions to an HTTP
+status and OpenAI's error object. The answers are built by ``openai_response``.
+docs/http.md has the tables.
+
+Only the JSON types are checked here, and what pagedserve.v1 cannot represent
+(ranges of its integer types, float32, lone surrogates); the values themselves are
+checked by ``validate.check`` as for gRPC, and its messages are renamed to the
+OpenAI field (``sampling.max_tokens: ...`` becomes ``max_tokens: ...``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from pagedserve.v1 import generation_pb2 as pb
+from scheduler_svc.frontend.service import TooManyPending
+from scheduler_svc.frontend.streams import QueueTimeout, StreamDetached
+from scheduler_svc.frontend.validate import (
+    InvalidArgument,
+    Limits,
+    OverCapacity,
+    Unavailable,
+)
+from scheduler_svc.state.store import UNAVAILABLE, DuplicateRequest
+
+U32, I32, U64 = (1 << 32) - 1, (1 << 31) - 1, (1 << 64) - 1
+FLOAT32_MAX = 3.4028234663852886e38
+# Fields OpenAI or vLLM define that pagedserve does not honour: refused with a 400 naming
+# them, never ignored. Each maps to the value that means "off", which is accepted.
+NOT_YET: dict[str, tuple[Any, ...]] = {
+    "best_of": (1,), "echo": (False,), "suffix": ("",), "tools": ([],), "functions": ([],),
+}
+# vLLM's structured-output keys (``structured_outputs: {...}``, and the older top-level
+# ``guided_*``) -> the StructuredOutput field they set.
+STRUCTURED_KEYS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar",
+                   "json_object": "json_object"}
+GUIDED = {f"guided_{k}": v for k, v in STRUCTURED_KEYS.items() if k != "json_object"}
+STRUCTURED_FIELD = "sampling.structured_output."  # how validate/frontend name its fields
+# validate.check names pagedserve.v1 fields; these are their OpenAI names.
+RENAMES = {"sampling.": "", "prompt_token_ids": "prompt", "request_id": "X-Request-Id"}
+PARAM = re.compile(r"^([A-Za-z_][\w.\[\]-]*): ")
+
+
+class ApiError(Exception):
+    """An HTTP error answer: ``status`` and OpenAI's ``{"error": {...}}`` object."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: dict[str, str] | None = None,
+                 extra: dict[str, Any] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.headers = headers or {}
+        self.extra = extra or {}
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code,
+                          **self.extra}}
+
+
+def bad(name: str, what: str) -> ApiError:
+    return ApiError(400, f"{name}: {what}", param=name)
+
+
+def rename(message: str) -> tuple[str, str | None]:
+    """A frontend message with its leading field in OpenAI's terms, and that field."""
+    m = PARAM.match(message)
+    if m is None:
+        return message, None
+    name = m.group(1)
+    for old, new in RENAMES.items():
+        if name.startswith(old):
+            name = new + name[len(old):]
+            break
+    return name + message[m.end(1):], name
+
+
+def error_for(exc: BaseException) -> ApiError | None:
+    """The HTTP answer to an exception of ``Frontend.prepare``/``generate``; None: not one of theirs."""
+    if isinstance(exc, ApiError):
+        return exc
+    if isinstance(exc, InvalidArgument):
+        message, param = rename(str(exc))
+        code = "context_length_exceeded" if "the model's context is" in message else None
+        return ApiError(400, message, param=param, code=code)
+    if isinstance(exc, OverCapacity):  # could never fit any KV pool: OpenAI answers an overlong context 400
+        return ApiError(400, str(exc).replace("sampling.", ""), code="context_length_exceeded")
+    if isinstance(exc, TooManyPending):
+        return ApiError(429, str(exc), "requests", code="rate_limit_exceeded",
+                        headers={"Retry-After": str(exc.retry_after)})
+    if isinstance(exc, QueueTimeout):
+        # The client's own queue_timeout passed: say so at once rather than let the SDK
+        # resubmit it (it retries 408 and 5xx), which would wait longer than it asked.
+        return ApiError(504, str(exc), "timeout", "queue_timeout", "queue_timeout",
+                        headers={"x-should-retry": "false"})
+    if isinstance(exc, DuplicateRequest):  # the SDK retries 409, which cannot help while it runs
+        return ApiError(409, "X-Request-Id: a live request already has this id", param="X-Request-Id",
+                        code="duplicate_request_id", headers={"x-should-retry": "false"})
+    if isinstance(exc, Unavailable):
+        return ApiError(503, str(exc), "server_error", code="unavailable")
+    if isinstance(exc, StreamDetached):
+        return detached(exc)
+    if isinstance(exc, UNAVAILABLE):
+        return ApiError(503, f"redis unavailable: {exc}", "server_error", code="unavailable")
+    return None
+
+
+def detached(exc: StreamDetached) -> ApiError:
+    """The stream ended, its request goes on: where to resume it (gRPC ``Resume``)."""
+    return ApiError(503, str(exc), "server_error", code="stream_detached",
+                    extra={"request_id": exc.request_id, "offset": exc.offset})
+
+
+# --- reading JSON ----------------------------------------------------------------
+
+
+def _integer(name: str, v: Any, lo: int, hi: int) -> int:
+    if isinstance(v, float) and v.is_integer():
+        v = int(v)
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise bad(name, "must be an integer")
+    if not lo <= v <= hi:
+        raise bad(name, f"must be between {lo} and {hi}")
+    return v
+
+
+def _number(name: str, v: Any) -> float:
+    """A finite float that a float32 holds (pagedserve.v1's sampling floats)."""
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        raise bad(name, "must be a number")
+    if not (math.isfinite(v) and abs(v) <= FLOAT32_MAX):
+        raise bad(name, "must be a finite number")
+    return float(v)
+
+
+def _text(name: str, v: Any) -> str:
+    if not isinstance(v, str):
+        raise bad(name, "must be a string")
+    try:
+        v.encode("utf-8")
+    except UnicodeEncodeError:
+        raise bad(name, "must be valid Unicode (no lone surrogates)") from None
+    return v
+
+
+def _flag(name: str, v: Any) -> bool:
+    if not isinstance(v, bool):
+        raise bad(name, "must be true or false")
+    return v
+
+
+def _ints(name: str, v: Any, hi: int) -> list[int]:
+    if not isinstance(v, list):
+        raise bad(name, "must be a list of integers")
+    return [_integer(f"{name}[{i}]", x, 0, hi) for i, x in enumerate(v)]
+
+
+def _stops(v: Any) -> list[str]:
+    if isinstance(v, str):
+        return [_text("stop", v)]
+    if not isinstance(v, list):
+        raise bad("stop", "must be a string or a list of strings")
+    return [_text(f"stop[{i}]", x) for i, x in enumerate(v)]
+
+
+def _refuse_unsupported(body: dict[str, Any]) -> None:
+    for name, off in NOT_YET.items():
+        if body.get(name) is not None and body[name] not in off:
+            raise bad(name, "not supported yet")
+
+
+def _sampling(body: dict[str, Any], chat: bool) -> pb.SamplingParams:
+    s = pb.SamplingParams()
+    get = body.get
+    name = "max_completion_tokens" if chat and get("max_completion_tokens") is not None else "max_tokens"
+    if get(name) is not None:
+        s.max_tokens = _integer(name, get(name), 1, U32)
+    for name in ("temperature", "top_p"):
+        if get(name) is not None:
+            setattr(s, name, _number(name, get(name)))
+    if (top_k := get("top_k")) is not None and (top_k := _integer("top_k", top_k, -1, I32)) != -1:
+        s.top_k = top_k  # vLLM's -1 (like 0) means off
+    if get("seed") is not None:
+        s.seed = _integer("seed", get("seed"), 0, U64)
+    if get("n") is not None:  # its range is --max-n's (the frontend's check)
+        s.n = _integer("n", get("n"), 0, U32)
+    if get("stop") is not None:
+        s.stop.extend(_stops(get("stop")))
+    if get("stop_token_ids") is not None:
+        s.stop_token_ids.extend(_ints("stop_token_ids", get("stop_token_ids"), U32))
+    if get("ignore_eos") is not None:
+        s.ignore_eos = _flag("ignore_eos", get("ignore_eos"))
+    for name in ("min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+        if get(name) is not None:
+            setattr(s, name, _number(name, get(name)))
+    if get("min_tokens") is not None:
+        s.min_tokens = _integer("min_tokens", get("min_tokens"), 0, U32)
+    if get("logit_bias") is not None:
+        s.logit_bias.update(_logit_bias(get("logit_bias")))
+    _logprobs(s, body, chat)
+    return s
+
+
+def _logit_bias(v: Any) -> dict[int, float]:
+    """OpenAI's map of token ids (JSON object keys, so strings) to biases."""
+    if not isinstance(v, dict):
+        raise bad("logit_bias", "must be an object mapping token ids to numbers")
+    out = {}
+    for k, b in v.items():
+        if not (isinstance(k, str) and k.isdigit() and int(k) <= U32):
+            raise bad("logit_bias", f"key {k!r} is not a token id")
+        out[int(k)] = _number(f"logit_bias[{k}]", b)
+    return out
+
+
+def _logprobs(s: pb.SamplingParams, body: dict[str, Any], chat: bool) -> None:
+    """Completions: ``logprobs`` is how many alternatives; chat: ``logprobs`` a flag and
+    ``top_logprobs`` how many. ``prompt_logprobs`` is vLLM's extension, on both."""
+    get = body.get
+    if chat:
+        wanted = get("logprobs") is not None and _flag("logprobs", get("logprobs"))
+        if get("top_logprobs") is not None:
+            top = _integer("top_logprobs", get("top_logprobs"), 0, U32)
+            if not wanted and top:
+                raise bad("top_logprobs", "needs logprobs: true")
+            if wanted:
+                s.logprobs = top
+        elif wanted:
+            s.logprobs = 0
+    elif get("logprobs") is not None:
+        s.logprobs = _integer("logprobs", get("logprobs"), 0, U32)
+    if get("prompt_logprobs") is not None:
+        s.prompt_logprobs = _integer("prompt_logprobs", get("prompt_logprobs"), 0, U32)
+
+
+def _schema(name: str, v: Any) -> str:
+    """A JSON schema given as an object (or, as vLLM takes it, as JSON text)."""
+    if isinstance(v, str):
+        return _text(name, v)
+    if not isinstance(v, dict):
+        raise bad(name, "must be a JSON schema (an object)")
+    return json.dumps(v, ensure_ascii=False)
+
+
+def _set_structured(so: pb.StructuredOutput, kind: str, name: str, v: Any) -> None:
+    if kind == "json_schema":
+        so.json_schema = _schema(name, v)
+    elif kind == "choice":
+        if not isinstance(v, list) or not v:
+            raise bad(name, "must be a non-empty list of strings")
+        so.choice.choices.extend(_text(f"{name}[{i}]", x) for i, x in enumerate(v))
+    elif kind == "json_object":
+        if not _flag(name, v):
+            raise bad(name, "must be true when given")
+        so.json_object = True
+    else:
+        setattr(so, kind, _text(name, v))
+
+
+def _response_format(v: Any) -> tuple[pb.StructuredOutput, str] | None:
+    """OpenAI's ``response_format``: text (no constraint), json_object, json_schema."""
+    if not isinstance(v, dict):
+        raise bad("response_format", "must be an object with a type")
+    kind = v.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return pb.StructuredOutput(json_object=True), "response_format"
+    if kind != "json_schema":
+        raise bad("response_format.type", "must be one of text, json_object, json_schema")
+    spec = v.get("json_schema")
+    if not isinstance(spec, dict):
+        raise bad("response_format.json_schema", "must be an object with name and schema")
+    _text("response_format.json_schema.name", spec.get("name"))
+    if spec.get("schema") is None:
+        raise bad("response_format.json_schema.schema", "required")
+    return (pb.StructuredOutput(json_schema=_schema("response_format.json_schema.schema", spec["schema"])),
+            "response_format.json_schema.schema")
+
+
+def _structured(body: dict[str, Any]) -> tuple[pb.StructuredOutput, str] | None:
+    """The constraint of ``response_format``, vLLM's ``structured_outputs`` or its ``guided_*``
+    fields (at most one of them), and the HTTP field that holds it."""
+    found: list[tuple[pb.StructuredOutput, str]] = []
+    if body.get("response_format") is not None:
+        if (got := _response_format(body["response_format"])) is not None:
+            found.append(got)
+    if (v := body.get("structured_outputs")) is not None:
+        if not isinstance(v, dict):
+            raise bad("structured_outputs", "must be an object")
+        for key, value in v.items():
+            if value is None or key not in STRUCTURED_KEYS:
+                continue  # vLLM's other options (backend, whitespace...) do not change what is allowed
+            so, name = pb.StructuredOutput(), f"structured_outputs.{key}"
+            _set_structured(so, STRUCTURED_KEYS[key], name, value)
+            found.append((so, name))
+    for key, kind in GUIDED.items():
+        if body.get(key) is not None:
+            so = pb.StructuredOutput()
+            _set_structured(so, kind, key, body[key])
+            found.append((so, key))
+    if len(found) > 1:
+        raise bad(found[1][1], f"only one structured-output constraint per request (also given: {found[0][1]})")
+    return found[0] if found else None
+
+
+def structured_error(exc: InvalidArgument, parsed: Parsed) -> ApiError | None:
+    """A refused spec (it does not compile, or is too large), named as the request named it."""
+    message = str(exc)
+    if not parsed.structured_param or not message.startswith(STRUCTURED_FIELD):
+        return None
+    rest = message.split(": ", 1)[1] if ": " in message else message
+    return bad(parsed.structured_param, rest)
+
+
+def _prompt(req: pb.GenerateRequest, v: Any) -> None:
+    """A string, token ids, or a list of exactly one of either."""
+    if isinstance(v, list) and v and all(isinstance(x, str | list) for x in v):
+        if len(v) != 1:
+            raise bad("prompt", f"{len(v)} prompts in one request: send one per request (batches are not "
+                                f"supported yet)")
+        v = v[0]
+    if isinstance(v, str):
+        if not v:
+            raise bad("prompt", "must not be empty")
+        req.prompt = _text("prompt", v)
+    elif isinstance(v, list) and v:
+        req.prompt_token_ids.extend(_ints("prompt", v, U32))
+    else:
+        raise bad("prompt", "must be a non-empty string or list of token ids")
+
+
+def _content(i: int, v: Any) -> str:
+    """A message's content: a string, or text parts joined with newlines (as vLLM joins them)."""
+    name = f"messages[{i}].content"
+    if v is None:
+        return ""
+    if isinstance(v, str):
+        return _text(name, v)
+    if not isinstance(v, list):
+        raise bad(name, "must be a string or a list of content parts")
+    texts = []
+    for j, part in enumerate(v):
+        if not isinstance(part, dict) or part.get("type") != "text":
+            raise bad(f"{name}[{j}]", "only parts of type \"text\" are supported")
+        texts.append(_text(f"{name}[{j}].text", part.get("text")))
+    return "\n".join(texts)
+
+
+def _messages(req: pb.GenerateRequest, v: Any) -> None:
+    if not isinstance(v, list) or not v:
+        raise bad("messages", "must be a non-empty list of messages")
+    for i, m in enumerate(v):
+        if not isinstance(m, dict):
+            raise bad(f"messages[{i}]", "must be an object with role and content")
+        req.messages.append(pb.ChatMessage(role=_text(f"messages[{i}].role", m.get("role")),
+                                           content=_content(i, m.get("content"))))
+
+
+@dataclass(frozen=True, slots=True)
+class Parsed:
+    """One OpenAI request: the pagedserve.v1 request and how to answer it."""
+
+    request: pb.GenerateRequest
+    model: str
+    chat: bool
+    stream: bool = False
+    include_usage: bool = False
+    return_token_ids: bool = False  # vLLM's extension: token ids in the choices
+    structured_param: str = ""  # the field that set sampling.structured_output (errors name it)
+
+
+def _stream_options(body: dict[str, Any], stream: bool) -> bool:
+    opts = body.get("stream_options")
+    if opts is None:
+        return False
+    if not stream:
+        raise bad("stream_options", "only allowed when stream is true")
+    if not isinstance(opts, dict):
+        raise bad("stream_options", "must be an object")
+    return opts.get("include_usage") is not None and _flag("stream_options.include_usage", opts["include_usage"])
+
+
+def parse(body: dict[str, Any], chat: bool, request_id: str = "") -> Parsed:
+    """The request of a completion (``chat`` False) or chat completion body; raises ApiError."""
+    if body.get("model") is None:
+        raise bad("model", "required")
+    model = _text("model", body["model"])
+    _refuse_unsupported(body)
+    req = pb.GenerateRequest(request_id=_text("X-Request-Id", request_id), sampling=_sampling(body, chat))
+    structured = _structured(body)
+    if structured is not None:
+        req.sampling.structured_output.CopyFrom(structured[0])
+    if chat:
+        _messages(req, body.get("messages"))
+    else:
+        _prompt(req, body.get("prompt"))
+    if body.get("priority") is not None:
+        req.priority = _integer("priority", body["priority"], -I32 - 1, I32)
+    if body.get("queue_timeout") is not None:
+        req.queue_timeout = _number("queue_timeout", body["queue_timeout"])
+    if body.get("cache_salt") is not None:  # vLLM's extra body field: prefix-cache isolation
+        req.cache_salt = _text("cache_salt", body["cache_salt"])
+    stream = body.get("stream") is not None and _flag("stream", body["stream"])
+    ids = body.get("return_token_ids") is not None and _flag("return_token_ids", body["return_token_ids"])
+    return Parsed(req, model, chat, stream, _stream_options(body, stream), ids,
+                  structured[1] if structured is not None else "")
+
+
+def context_room(limits: Limits, num_prompt: int) -> int:
+    """The most tokens a prompt of ``num_prompt`` tokens can be followed by on some executor:
+    to the end of its context, as far as its KV pool holds. OpenAI's (and vLLM's) chat default
+    when neither ``max_tokens`` nor ``max_completion_tokens`` is sent."""
+    rooms = (min(max_len, blocks * limits.block_size) - num_prompt for blocks, max_len in limits.pools)
+    return max(1, *rooms)

@@ -1,0 +1,236 @@
+"""Checking a GenerateRequest: pure functions, errors that name the field."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from pagedserve.grammar import MAX_GRAMMAR_BYTES, choice_ebnf
+from pagedserve.v1 import generation_pb2 as pb
+from scheduler_svc.core.prefix import MAX_SALT
+from scheduler_svc.core.request import Params
+
+MAX_REQUEST_ID = 256
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_LENGTH = 256  # characters; the detokenizer searches each new piece of text for every stop string
+MAX_PROMPT_BYTES = 512 << 10  # UTF-8 bytes of prompt text, or of all messages' roles and contents
+MAX_LOGPROBS = 20  # vLLM's default --max-logprobs
+MAX_LOGIT_BIAS = 100.0  # |bias| allowed, as OpenAI and vLLM
+MAX_CACHE_SALT = MAX_SALT  # characters of cache_salt
+MAX_N = 16  # completions per request (sampling.n): bounded, as vLLM had to after a CVE for an unbounded n
+MAX_REQUEST_BYTES = 1 << 20  # a serialized GenerateRequest (checked in server.py, before parsing)
+
+
+class InvalidArgument(ValueError):
+    """Maps to INVALID_ARGUMENT; the message names the offending field."""
+
+
+class OverCapacity(RuntimeError):
+    """Maps to RESOURCE_EXHAUSTED: the request can never fit in any executor's KV pool."""
+
+
+class Unavailable(RuntimeError):
+    """Maps to UNAVAILABLE: no executor has registered yet, so nothing can be checked or served."""
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    max_model_len: int  # the longest context any executor takes
+    vocab_size: int
+    block_size: int
+    pools: tuple[tuple[int, int], ...]  # per executor: (device blocks, max_model_len)
+
+
+@dataclass(frozen=True, slots=True)
+class Caps:
+    """What one request may ask for, whatever the model could take (the scheduler's
+    ``--max-stop-strings``, ``--max-stop-string-length``, ``--max-prompt-bytes``,
+    ``--max-logprobs``, ``--max-grammar-bytes``, ``--max-n``)."""
+
+    max_stop_strings: int = MAX_STOP_STRINGS
+    max_stop_string_length: int = MAX_STOP_STRING_LENGTH
+    max_prompt_bytes: int = MAX_PROMPT_BYTES
+    max_logprobs: int = MAX_LOGPROBS
+    max_grammar_bytes: int = MAX_GRAMMAR_BYTES  # of a structured-output spec
+    max_n: int = MAX_N  # sampling.n
+
+
+DEFAULT_CAPS = Caps()
+
+
+def _utf8(text: str) -> int:
+    return len(text.encode("utf-8", "surrogatepass"))
+
+
+@dataclass(frozen=True, slots=True)
+class Checked:
+    """A request whose fields are valid; the prompt is not yet tokenized."""
+
+    request_id: str
+    kind: str  # prompt | prompt_token_ids | messages
+    params: Params
+    stop: list[str]
+    priority: int
+    queue_timeout: float | None = None  # seconds; None: no limit
+    grammar_field: str = ""  # the structured-output field that params.grammar came from
+    cache_salt: str | None = None  # isolates its prefix-cache blocks (core/prefix.py)
+
+
+def _check_caps(req: pb.GenerateRequest, caps: Caps) -> None:
+    if req.prompt and (n := _utf8(req.prompt)) > caps.max_prompt_bytes:
+        raise InvalidArgument(f"prompt: {n} bytes, over the limit of {caps.max_prompt_bytes} (--max-prompt-bytes)")
+    if req.messages and (n := sum(_utf8(m.role) + _utf8(m.content) for m in req.messages)) > caps.max_prompt_bytes:
+        raise InvalidArgument(f"messages: {n} bytes of roles and contents, over the limit of "
+                              f"{caps.max_prompt_bytes} (--max-prompt-bytes)")
+    stop = req.sampling.stop
+    if len(stop) > caps.max_stop_strings:
+        raise InvalidArgument(f"sampling.stop: {len(stop)} strings, at most {caps.max_stop_strings} allowed "
+                              f"(--max-stop-strings)")
+    for i, x in enumerate(stop):
+        if len(x) > caps.max_stop_string_length:
+            raise InvalidArgument(f"sampling.stop[{i}]: {len(x)} characters, at most {caps.max_stop_string_length} "
+                                  f"allowed (--max-stop-string-length)")
+    if req.HasField("cache_salt") and len(req.cache_salt) > MAX_CACHE_SALT:
+        raise InvalidArgument(f"cache_salt: {len(req.cache_salt)} characters, at most {MAX_CACHE_SALT} allowed")
+    if req.HasField("queue_timeout") and not (math.isfinite(req.queue_timeout) and req.queue_timeout > 0):
+        raise InvalidArgument(f"queue_timeout: must be a finite number of seconds > 0 (got {req.queue_timeout})")
+
+
+def structured(s: pb.SamplingParams, caps: Caps = DEFAULT_CAPS) -> tuple[tuple[str, str] | None, str]:
+    """The structured-output spec ``(kind, text)`` and the field it came from; (None, "") when unset.
+    Whether it compiles is the frontend's check (it needs the tokenizer)."""
+    if not s.HasField("structured_output"):
+        return None, ""
+    so = s.structured_output
+    kind = so.WhichOneof("kind")
+    name = f"sampling.structured_output.{kind}"
+    if kind is None:
+        raise InvalidArgument("sampling.structured_output: set one of json_schema, regex, choice, grammar, "
+                              "json_object")
+    if s.ignore_eos:
+        raise InvalidArgument("sampling.ignore_eos: cannot be combined with sampling.structured_output (the "
+                              "grammar ends the output with an EOS token)")
+    if kind == "json_object":
+        if not so.json_object:
+            raise InvalidArgument(f"{name}: must be true when set")
+        return ("json_object", ""), name
+    if kind == "choice":
+        choices = list(so.choice.choices)
+        if not choices or not all(choices):
+            raise InvalidArgument(f"{name}: give at least one choice, each non-empty")
+        spec = ("ebnf", choice_ebnf(choices))
+    else:
+        text = getattr(so, kind)
+        if not text:
+            raise InvalidArgument(f"{name}: must not be empty")
+        spec = ({"grammar": "ebnf"}.get(kind, kind), text)
+    if (n := _utf8(spec[1])) > caps.max_grammar_bytes:
+        raise InvalidArgument(f"{name}: {n} bytes, over the limit of {caps.max_grammar_bytes} (--max-grammar-bytes)")
+    return spec, name
+
+
+def check(req: pb.GenerateRequest, limits: Limits, caps: Caps = DEFAULT_CAPS) -> Checked:
+    given = [name for name, present in (
+        ("prompt", bool(req.prompt)),
+        ("prompt_token_ids", len(req.prompt_token_ids) > 0),
+        ("messages", len(req.messages) > 0),
+    ) if present]  # fmt: skip
+    if len(given) != 1:
+        found = ", ".join(given) or "none"
+        raise InvalidArgument(f"exactly one of prompt, prompt_token_ids, messages must be set (got: {found})")
+    if len(req.request_id) > MAX_REQUEST_ID:
+        raise InvalidArgument(f"request_id: longer than {MAX_REQUEST_ID} characters")
+    if not all(" " <= c <= "~" for c in req.request_id):
+        # Ids go into Redis keys, queue entries built by Lua (whose string.format cut them at a
+        # NUL: found by tests/test_fuzz.py) and gRPC metadata (printable ASCII only).
+        raise InvalidArgument("request_id: printable ASCII only (space to '~')")
+    _check_caps(req, caps)
+    s = req.sampling
+    if s.HasField("max_tokens") and s.max_tokens <= 0:
+        raise InvalidArgument("sampling.max_tokens: must be positive")
+    if s.HasField("temperature") and not s.temperature >= 0:
+        raise InvalidArgument("sampling.temperature: must be >= 0")
+    if s.HasField("top_p") and not 0 < s.top_p <= 1:
+        raise InvalidArgument("sampling.top_p: must be in (0, 1]")
+    if s.HasField("top_k") and s.top_k < 0:
+        raise InvalidArgument("sampling.top_k: must be >= 0 (0 disables it)")
+    if any(not x for x in s.stop):
+        raise InvalidArgument("sampling.stop: stop strings must be non-empty")
+    if any(t >= limits.vocab_size for t in s.stop_token_ids):
+        raise InvalidArgument(f"sampling.stop_token_ids: ids must be below the vocabulary size {limits.vocab_size}")
+    if len(req.prompt_token_ids) >= limits.max_model_len:  # before walking them
+        raise InvalidArgument(f"prompt_token_ids: {len(req.prompt_token_ids)} tokens, but the model's context is "
+                              f"{limits.max_model_len} tokens")
+    if any(t >= limits.vocab_size for t in req.prompt_token_ids):
+        raise InvalidArgument(f"prompt_token_ids: ids must be below the vocabulary size {limits.vocab_size}")
+    for i, m in enumerate(req.messages):
+        if not m.role:
+            raise InvalidArgument(f"messages[{i}].role: must be set")
+    _check_sampling(s, limits, caps)
+    grammar, grammar_field = structured(s, caps)
+    params = Params(
+        max_tokens=s.max_tokens if s.HasField("max_tokens") else 16,
+        temperature=s.temperature if s.HasField("temperature") else 1.0,
+        top_p=s.top_p if s.HasField("top_p") else 1.0,
+        top_k=s.top_k if s.HasField("top_k") else 0,
+        seed=s.seed if s.HasField("seed") else None,
+        stop_token_ids=tuple(s.stop_token_ids),
+        ignore_eos=s.ignore_eos,
+        min_p=s.min_p if s.HasField("min_p") else 0.0,
+        presence_penalty=s.presence_penalty if s.HasField("presence_penalty") else 0.0,
+        frequency_penalty=s.frequency_penalty if s.HasField("frequency_penalty") else 0.0,
+        repetition_penalty=s.repetition_penalty if s.HasField("repetition_penalty") else 1.0,
+        min_tokens=s.min_tokens if s.HasField("min_tokens") else 0,
+        logit_bias=tuple(sorted((int(t), float(b)) for t, b in s.logit_bias.items())),
+        logprobs=s.logprobs if s.HasField("logprobs") else None,
+        prompt_logprobs=s.prompt_logprobs if s.HasField("prompt_logprobs") else None,
+        grammar=grammar,
+        n=s.n if s.HasField("n") else 1,
+    )
+    return Checked(req.request_id, given[0], params, list(s.stop), req.priority,
+                   req.queue_timeout if req.HasField("queue_timeout") else None, grammar_field,
+                   cache_salt=req.cache_salt or None)
+
+
+def _check_sampling(s: pb.SamplingParams, limits: Limits, caps: Caps) -> None:
+    """The fields vLLM added to OpenAI's set, with vLLM's domains."""
+    if s.HasField("min_p") and not 0 <= s.min_p <= 1:
+        raise InvalidArgument(f"sampling.min_p: must be in [0, 1] (got {s.min_p})")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if s.HasField(name) and not -2 <= getattr(s, name) <= 2:
+            raise InvalidArgument(f"sampling.{name}: must be in [-2, 2] (got {getattr(s, name)})")
+    if s.HasField("repetition_penalty") and not (math.isfinite(s.repetition_penalty) and s.repetition_penalty > 0):
+        raise InvalidArgument(f"sampling.repetition_penalty: must be a finite number > 0 (got {s.repetition_penalty})")
+    max_tokens = s.max_tokens if s.HasField("max_tokens") else 16
+    if s.HasField("min_tokens") and s.min_tokens > max_tokens:
+        raise InvalidArgument(f"sampling.min_tokens: {s.min_tokens} is more than max_tokens ({max_tokens})")
+    for t, b in s.logit_bias.items():
+        if t >= limits.vocab_size:
+            raise InvalidArgument(f"sampling.logit_bias: token id {t} is not below the vocabulary size "
+                                  f"{limits.vocab_size}")
+        if not (math.isfinite(b) and -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS):
+            raise InvalidArgument(f"sampling.logit_bias: the bias of token {t} must be a number in "
+                                  f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}] (got {b})")
+    if s.HasField("n") and not 1 <= s.n <= caps.max_n:
+        raise InvalidArgument(f"sampling.n: must be in [1, {caps.max_n}] (got {s.n}; --max-n)")
+    for name in ("logprobs", "prompt_logprobs"):
+        if s.HasField(name) and getattr(s, name) > caps.max_logprobs:
+            raise InvalidArgument(f"sampling.{name}: {getattr(s, name)} is more than the {caps.max_logprobs} "
+                                  f"allowed (--max-logprobs)")
+
+
+def check_length(kind: str, num_prompt: int, params: Params, limits: Limits) -> None:
+    """The tokenized prompt must leave room for one token, and the whole request must fit the pool."""
+    if num_prompt == 0:
+        raise InvalidArgument(f"{kind}: tokenizes to no tokens")
+    if num_prompt >= limits.max_model_len:
+        raise InvalidArgument(
+            f"{kind}: {num_prompt} tokens, but the model's context is {limits.max_model_len} tokens"
+        )
+    def need(max_len: int) -> int:
+        return -(-min(num_prompt + params.max_tokens, max_len) // limits.block_size)
+
+    if not any(need(max_len) <= blocks and num_prompt < max_len for blocks, max_len in limits.pools):
+        largest = max(blocks for blocks, _ in limits.pools)
+        raise OverCapacity(f"prompt + sampling.max_tokens need {need(limits.max_model_len)} KV blocks; the largest "
+                           f"executor pool has {largest}")
