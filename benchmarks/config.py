@@ -59,7 +59,7 @@ class Config:
 
 ARMS = ("pagedserve", "hf_static", "hf_continuous", "overhead", "scale_out", "kv_spread", "reattach", "sampling_cost",
         "logprobs_cost", "structured", "shared_prefix", "parallel", "machine")
-# Quick: aims at 10 min on 2 cores with the long workload (not met: 17 min, docs/benchmarks.md), so HF static serves the
+# Quick: aims at 10 min on 2 cores with the long workload (not met: 17 min, benchmarks/results/history.md), so HF static serves the
 # long workload's first batch only (6 requests: ~45 s instead of ~4 min), and the overhead grid tries queued
 # requests only at the target point (256 running / 1024 waiting), where alone it runs the serial loop beside the
 # pipelined one; the scale-out windows and the machine arm's pairs are shorter than they were. The shared-prefix
@@ -83,7 +83,7 @@ class PreviousRun:
         return round(self.output_tokens_per_s["pagedserve"] / self.output_tokens_per_s[other], 3)
 
 
-# docs/benchmarks.md, "Latest quick run (2026-11-30, after the scale-out change)": before stream offsets and
+# benchmarks/results/history.md, "Previous quick run (2026-11-30, after the scale-out change)": before stream offsets and
 # replayable seeds.
 PREVIOUS_QUICK = PreviousRun("quick run of 2026-11-30 (after the scale-out change, before offsets and seeds)",
                              {"pagedserve": 142.3, "hf_continuous": 127.4, "hf_static": 53.0})
