@@ -85,8 +85,11 @@ class Target:
         if self.met:
             return "met"
         if self.higher_is_better:
-            return f"missed: {self.value / self.threshold:.0%} of the goal ({self.threshold - self.value:.3g}{self.unit} short)"
-        return f"missed: {self.value / self.threshold:.1f}x the limit ({self.value - self.threshold:.3g}{self.unit} over)"
+            short = f"{self.threshold - self.value:.3g}{self.unit}"
+            return f"missed: {self.value / self.threshold:.0%} of the goal ({short} short)"
+        return (
+            f"missed: {self.value / self.threshold:.1f}x the limit ({self.value - self.threshold:.3g}{self.unit} over)"
+        )
 
     def as_dict(self) -> dict[str, object]:
         return {"name": self.name, "goal": self.goal, "value": self.value, "met": self.met, "verdict": self.verdict()}

@@ -91,12 +91,19 @@ def _generate(model: torch.nn.Module, batch: Batch, pad_id: int, clock: _StepClo
     ids = torch.full((len(batch.requests), width), pad_id, dtype=torch.long)
     mask = torch.zeros_like(ids)
     for row, r in enumerate(batch.requests):
-        ids[row, width - len(r.prompt_ids):] = torch.tensor(r.prompt_ids)
-        mask[row, width - len(r.prompt_ids):] = 1
+        ids[row, width - len(r.prompt_ids) :] = torch.tensor(r.prompt_ids)
+        mask[row, width - len(r.prompt_ids) :] = 1
     n = batch.steps
     with torch.inference_mode():
-        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                       pad_token_id=pad_id, streamer=clock)
+        model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            pad_token_id=pad_id,
+            streamer=clock,
+        )
 
 
 def run_static(model: torch.nn.Module, workload: Workload, budget_tokens: int) -> HFResult:
@@ -113,7 +120,7 @@ def run_static(model: torch.nn.Module, workload: Workload, budget_tokens: int) -
             now = pending[0].arrival
         arrived = [r for r in pending if r.arrival <= now]
         batch, rest = pack(arrived, budget_tokens)
-        pending = rest + pending[len(arrived):]
+        pending = rest + pending[len(arrived) :]
         clock = _StepClock(t0)
         start = time.perf_counter() - t0
         _generate(model, batch, pad_id, clock)
@@ -147,17 +154,25 @@ def run_continuous(model: torch.nn.Module, workload: Workload, cfg: CBConfig) ->
     from transformers.generation.continuous_batching.utils import WorkloadHints
 
     reqs = sorted(workload.requests, key=lambda r: r.arrival)
-    gen = GenerationConfig(do_sample=False, max_new_tokens=max(r.output_len for r in reqs), eos_token_id=-1,
-                           pad_token_id=model.config.pad_token_id)
-    cb = ContinuousBatchingConfig(page_size=cfg.block_size, num_blocks=max(1, cfg.budget_tokens // cfg.block_size),
-                                  max_batch_tokens=cfg.max_batch_tokens,
-                                  max_requests_per_batch=cfg.max_requests_per_batch,
-                                  allow_block_sharing=cfg.allow_block_sharing)
+    gen = GenerationConfig(
+        do_sample=False,
+        max_new_tokens=max(r.output_len for r in reqs),
+        eos_token_id=-1,
+        pad_token_id=model.config.pad_token_id,
+    )
+    cb = ContinuousBatchingConfig(
+        page_size=cfg.block_size,
+        num_blocks=max(1, cfg.budget_tokens // cfg.block_size),
+        max_batch_tokens=cfg.max_batch_tokens,
+        max_requests_per_batch=cfg.max_requests_per_batch,
+        allow_block_sharing=cfg.allow_block_sharing,
+    )
     hints = WorkloadHints(max(len(r.prompt_ids) for r in reqs), gen.max_new_tokens, len(reqs))
     arrivals: dict[str, float] = {}
     records: list[RequestRecord] = []
-    with model.continuous_batching_context_manager(generation_config=gen, continuous_batching_config=cb,
-                                                   block=True, timeout=30, workload_hints=hints) as manager:
+    with model.continuous_batching_context_manager(
+        generation_config=gen, continuous_batching_config=cb, block=True, timeout=30, workload_hints=hints
+    ) as manager:
         manager.add_request(reqs[0].prompt_ids[:8], request_id="warmup", max_new_tokens=4, eos_token_id=-1)
         while (warm := manager.get_result(timeout=60)) is None or not warm.is_finished():
             pass
@@ -169,8 +184,13 @@ def run_continuous(model: torch.nn.Module, workload: Workload, cfg: CBConfig) ->
                 if delay > 0:
                     time.sleep(delay)
                 arrivals[f"r{r.index}"] = time.perf_counter() - t0
-                manager.add_request(r.prompt_ids, request_id=f"r{r.index}", max_new_tokens=r.output_len,
-                                    record_timestamps=True, eos_token_id=-1)
+                manager.add_request(
+                    r.prompt_ids,
+                    request_id=f"r{r.index}",
+                    max_new_tokens=r.output_len,
+                    record_timestamps=True,
+                    eos_token_id=-1,
+                )
 
         feeder = threading.Thread(target=feed, daemon=True)
         feeder.start()
@@ -188,8 +208,17 @@ def run_continuous(model: torch.nn.Module, workload: Workload, cfg: CBConfig) ->
             r = by_id[out.request_id]
             times = [t - t0 for t in out.timestamps or []]
             end = out.lifespan[1] - t0 if out.lifespan[1] > 0 else time.perf_counter() - t0
-            records.append(RequestRecord(r.index, len(r.prompt_ids), len(out.generated_tokens),
-                                         arrivals[out.request_id], times[0] if times else end, end, times))
+            records.append(
+                RequestRecord(
+                    r.index,
+                    len(r.prompt_ids),
+                    len(out.generated_tokens),
+                    arrivals[out.request_id],
+                    times[0] if times else end,
+                    end,
+                    times,
+                )
+            )
         duration = time.perf_counter() - t0
         feeder.join()
     return HFResult(sorted(records, key=lambda x: x.index), duration)

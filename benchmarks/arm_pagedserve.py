@@ -86,15 +86,28 @@ def executor_args(cfg: ServeConfig) -> list[str]:
 
 def standalone_executor_args(model_dir: Path, cfg: ServeConfig) -> list[str]:
     """The same executor as this arm's, flags in full: for probes that need one of their own."""
-    return ["--model", str(model_dir), "--block-size", str(cfg.block_size), "--kv-cache-memory",
-            str(cfg.kv_budget_bytes), *executor_args(cfg)]
+    return [
+        "--model",
+        str(model_dir),
+        "--block-size",
+        str(cfg.block_size),
+        "--kv-cache-memory",
+        str(cfg.kv_budget_bytes),
+        *executor_args(cfg),
+    ]
 
 
 def stack_config(cfg: ServeConfig, step_log: Path) -> stack.StackConfig:
     """This arm's deployment; an arm with an equal ``ServeConfig`` (step log aside) shares it."""
-    sched = ("--max-num-seqs", str(cfg.max_num_seqs), "--max-num-batched-tokens", str(cfg.max_num_batched_tokens),
-             "--preemption-mode", cfg.preemption_mode,
-             "--enable-prefix-caching" if cfg.prefix_caching else "--no-enable-prefix-caching")
+    sched = (
+        "--max-num-seqs",
+        str(cfg.max_num_seqs),
+        "--max-num-batched-tokens",
+        str(cfg.max_num_batched_tokens),
+        "--preemption-mode",
+        cfg.preemption_mode,
+        "--enable-prefix-caching" if cfg.prefix_caching else "--no-enable-prefix-caching",
+    )
     return stack.StackConfig(cfg.kv_budget_bytes, cfg.block_size, tuple(executor_args(cfg)), sched, step_log=step_log)
 
 

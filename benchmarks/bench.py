@@ -40,14 +40,30 @@ if TYPE_CHECKING:
 
 
 def short_spec(args: argparse.Namespace, cfg: Config) -> WorkloadSpec:
-    return WorkloadSpec(args.distribution, cfg.num_requests, cfg.scale, tuple(args.input_range),
-                        tuple(args.output_range), cfg.max_total_len, args.rate, args.seed)
+    return WorkloadSpec(
+        args.distribution,
+        cfg.num_requests,
+        cfg.scale,
+        tuple(args.input_range),
+        tuple(args.output_range),
+        cfg.max_total_len,
+        args.rate,
+        args.seed,
+    )
 
 
 def long_spec(args: argparse.Namespace, cfg: Config) -> WorkloadSpec:
     """Always ShareGPT-like: the point is long, long-tailed sequences, whatever the short workload draws from."""
-    return WorkloadSpec("sharegpt", cfg.long_num_requests, cfg.long_scale, tuple(args.input_range),
-                        tuple(args.output_range), cfg.long_max_total_len, args.rate, args.seed)
+    return WorkloadSpec(
+        "sharegpt",
+        cfg.long_num_requests,
+        cfg.long_scale,
+        tuple(args.input_range),
+        tuple(args.output_range),
+        cfg.long_max_total_len,
+        args.rate,
+        args.seed,
+    )
 
 
 @dataclass(slots=True)
@@ -78,8 +94,13 @@ class CoreRun:
 def serve_config(args: argparse.Namespace, run: CoreRun, max_model_len: int) -> ServeConfig:
     from benchmarks.arm_pagedserve import ServeConfig
 
-    return ServeConfig(run.budget_bytes, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                       preemption_mode=args.preemption_mode, max_model_len=max_model_len)
+    return ServeConfig(
+        run.budget_bytes,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        preemption_mode=args.preemption_mode,
+        max_model_len=max_model_len,
+    )
 
 
 def serve(run: CoreRun, stacks: Stacks, scfg: ServeConfig, log_dir: Path, errors: list[str], label: str) -> None:
@@ -107,8 +128,13 @@ def hf_static(run: CoreRun, model: torch.nn.Module, limit: int | None) -> None:
 def hf_continuous(run: CoreRun, model: torch.nn.Module, args: argparse.Namespace) -> None:
     from benchmarks import arm_hf
 
-    res = arm_hf.run_continuous(model, run.workload, arm_hf.CBConfig(
-        run.budget_tokens, max_batch_tokens=args.max_num_batched_tokens, max_requests_per_batch=args.max_num_seqs))
+    res = arm_hf.run_continuous(
+        model,
+        run.workload,
+        arm_hf.CBConfig(
+            run.budget_tokens, max_batch_tokens=args.max_num_batched_tokens, max_requests_per_batch=args.max_num_seqs
+        ),
+    )
     run.arms["hf_continuous"] = summarize(res.records, res.duration)
 
 
@@ -130,6 +156,7 @@ def overhead_grid(cfg: Config) -> list[tuple[list[int], list[int], tuple[str, ..
 def overhead_keys(points: list[OverheadPoint]) -> dict[str, object]:
     """``summary.json``'s scheduler-overhead keys: the pipelined loop's at the target point (the most running,
     then the most waiting), the serial loop's beside them, and pipelined / serial ratios."""
+
     def top(loop: str) -> OverheadPoint | None:
         return max((p for p in points if p.loop == loop), key=lambda p: (p.running, p.waiting), default=None)
 
@@ -137,9 +164,19 @@ def overhead_keys(points: list[OverheadPoint]) -> dict[str, object]:
         return round(a / b, 3) if a is not None and b else None
 
     pipe, serial = top("pipelined"), top("serial")
-    duty = {loop: next((p.duty_cycle for p in points if p.loop == loop and p.running == 256
-                        and p.waiting == max(q.waiting for q in points if q.running == 256)), None)
-            for loop in ("pipelined", "serial")}
+    duty = {
+        loop: next(
+            (
+                p.duty_cycle
+                for p in points
+                if p.loop == loop
+                and p.running == 256
+                and p.waiting == max(q.waiting for q in points if q.running == 256)
+            ),
+            None,
+        )
+        for loop in ("pipelined", "serial")
+    }
     get = lambda p, k: getattr(p, k) if p else None  # noqa: E731
     return {
         "scheduler_overhead_ms_p50": get(pipe, "p50_ms"),
@@ -167,9 +204,13 @@ def aux_stack(logs: Path) -> StackConfig:
 
 
 def shared_prefix_config(args: argparse.Namespace, cfg: Config) -> SharedPrefixConfig:
-    return SharedPrefixConfig(cfg.shared_prefix_requests, cfg.shared_prefix_system_len,
-                              budget_tokens=cfg.shared_prefix_budget_tokens, seed=args.seed,
-                              measure_off=cfg.shared_prefix_measure_off)
+    return SharedPrefixConfig(
+        cfg.shared_prefix_requests,
+        cfg.shared_prefix_system_len,
+        budget_tokens=cfg.shared_prefix_budget_tokens,
+        seed=args.seed,
+        measure_off=cfg.shared_prefix_measure_off,
+    )
 
 
 def model_lens(cfg: Config, spc: SharedPrefixConfig | None) -> dict[int, int]:
@@ -193,7 +234,9 @@ def long_summary(run: CoreRun | None, util: float | None) -> dict[str, object]:
         "throughput_ratio_vs_hf_continuous_long": run.ratio("hf_continuous") if run else None,
         "throughput_ratio_vs_hf_static_long": run.ratio("hf_static") if run else None,
         "kv_utilization_steady_state_long": util,
-        "long": None if run is None else {
+        "long": None
+        if run is None
+        else {
             "output_tokens_per_s": run.tokens_per_s(),
             "static_allocation_utilization": run.static_util,
             "hf_static_requests": run.static_requests,
@@ -212,8 +255,11 @@ def run_all(args: argparse.Namespace, cfg: Config, out: Path, started: float) ->
     per_token = kv_bytes_per_token(model_dir)
     vocab = Vocab.from_model_dir(model_dir)
     short = CoreRun(make_workload(short_spec(args, cfg), vocab), cfg.kv_budget_tokens, per_token)
-    long = CoreRun(make_workload(long_spec(args, cfg), vocab), cfg.long_kv_budget_tokens, per_token) \
-        if cfg.long_num_requests > 0 else None
+    long = (
+        CoreRun(make_workload(long_spec(args, cfg), vocab), cfg.long_kv_budget_tokens, per_token)
+        if cfg.long_num_requests > 0
+        else None
+    )
 
     @functools.cache
     def hf_model() -> torch.nn.Module:  # loaded once for the short and the long run
@@ -233,8 +279,12 @@ def run_all(args: argparse.Namespace, cfg: Config, out: Path, started: float) ->
     structured: StructuredResult | None = None
     shared: SharedPrefixResult | None = None
     par: ParallelResult | None = None
-    scale_cfg = ScaleOutConfig(executors=cfg.scale_out_executors, running=cfg.scale_out_running,
-                               window_s=cfg.scale_out_window_s, step_ms=cfg.scale_out_step_ms)
+    scale_cfg = ScaleOutConfig(
+        executors=cfg.scale_out_executors,
+        running=cfg.scale_out_running,
+        window_s=cfg.scale_out_window_s,
+        step_ms=cfg.scale_out_step_ms,
+    )
     logs = out / "logs"
     stacks = Stacks(model_dir)
     spc = shared_prefix_config(args, cfg)
@@ -267,8 +317,15 @@ def run_all(args: argparse.Namespace, cfg: Config, out: Path, started: float) ->
             # The probe's executor (one of its own: the deployment's is fenced by its loop's epoch) starts beside the
             # deployment; both are up and idle before the timed run starts.
             with ThreadPoolExecutor(1) as pool:
-                started = pool.submit(pre.start_executor, arm_pagedserve.standalone_executor_args(model_dir, scfg),
-                                      log_dir / "preemption-executor.log") if cfg.preemption_lengths else None
+                started = (
+                    pool.submit(
+                        pre.start_executor,
+                        arm_pagedserve.standalone_executor_args(model_dir, scfg),
+                        log_dir / "preemption-executor.log",
+                    )
+                    if cfg.preemption_lengths
+                    else None
+                )
                 try:
                     stacks.get(arm_pagedserve.stack_config(scfg, log_dir / "steps.jsonl"), log_dir)
                 finally:
@@ -282,16 +339,28 @@ def run_all(args: argparse.Namespace, cfg: Config, out: Path, started: float) ->
                 probe.stop()
 
     def long_paged(run: CoreRun) -> None:
-        serve(run, stacks, serve_config(args, run, lens[run.budget_tokens]), logs / "pagedserve_long", errors,
-              "pagedserve (long)")
+        serve(
+            run,
+            stacks,
+            serve_config(args, run, lens[run.budget_tokens]),
+            logs / "pagedserve_long",
+            errors,
+            "pagedserve (long)",
+        )
         write_steps(run.steps, out / "pagedserve_long_steps.jsonl")
 
     def sweep() -> None:
         from benchmarks import overhead as ovh
 
         nonlocal overhead
-        overhead = ovh.sweep(model_dir, overhead_grid(cfg), cfg.overhead_window_s, logs / "overhead",
-                             reach_s=cfg.overhead_reach_s, step_ms=cfg.overhead_step_ms)
+        overhead = ovh.sweep(
+            model_dir,
+            overhead_grid(cfg),
+            cfg.overhead_window_s,
+            logs / "overhead",
+            reach_s=cfg.overhead_reach_s,
+            step_ms=cfg.overhead_step_ms,
+        )
 
     def scale_out() -> None:
         from benchmarks import scale_out as so
@@ -300,55 +369,77 @@ def run_all(args: argparse.Namespace, cfg: Config, out: Path, started: float) ->
         scale = so.sweep(model_dir, scale_cfg, logs / "scale_out")
         missing = sorted(set(scale_cfg.executors) - {p.executors for p in scale})
         if missing:
-            errors.append(f"scale_out: no measurement at {missing} executors (never reached the target; the "
-                          f"harness output says which executor was unled or idle; logs in {logs / 'scale_out'})")
+            errors.append(
+                f"scale_out: no measurement at {missing} executors (never reached the target; the "
+                f"harness output says which executor was unled or idle; logs in {logs / 'scale_out'})"
+            )
 
     def kv_spread() -> None:
         from benchmarks import kv_spread as ks
 
         nonlocal spread
-        spread = ks.run(model_dir, ks.SpreadConfig(cfg.kv_spread_budget_tokens, cfg.kv_spread_requests, seed=args.seed),
-                        per_token, logs / "kv_spread")
+        spread = ks.run(
+            model_dir,
+            ks.SpreadConfig(cfg.kv_spread_budget_tokens, cfg.kv_spread_requests, seed=args.seed),
+            per_token,
+            logs / "kv_spread",
+        )
         (out / "kv_spread_series.json").write_text(json.dumps(spread.series))
 
     def reattach() -> None:
         from benchmarks import reattach as ra
 
         nonlocal reattached
-        reattached = ra.run(model_dir, ra.ReattachConfig(
-            requests=cfg.reattach_requests, rounds=cfg.reattach_rounds, failover_rounds=cfg.reattach_failover_rounds,
-            step_ms=cfg.reattach_step_ms), logs / "reattach")
+        reattached = ra.run(
+            model_dir,
+            ra.ReattachConfig(
+                requests=cfg.reattach_requests,
+                rounds=cfg.reattach_rounds,
+                failover_rounds=cfg.reattach_failover_rounds,
+                step_ms=cfg.reattach_step_ms,
+            ),
+            logs / "reattach",
+        )
         errors.extend(f"reattach: {e}" for e in reattached.errors)
 
     def sampling_cost() -> None:
         from benchmarks import sampling_cost as sc
 
         nonlocal sampling
-        sampling = sc.run(model_dir, sc.SamplingConfig(batches=cfg.sampling_batches, reps=cfg.sampling_reps),
-                          short.steps, args.threads, hf_model)
+        sampling = sc.run(
+            model_dir,
+            sc.SamplingConfig(batches=cfg.sampling_batches, reps=cfg.sampling_reps),
+            short.steps,
+            args.threads,
+            hf_model,
+        )
 
     def logprobs_cost() -> None:
         from benchmarks import logprobs_cost as lc
 
         nonlocal logprobs
         deployment = stacks.get(aux_stack(logs), logs / "aux")
-        logprobs = asdict(lc.run(model_dir, deployment, lc.LogprobsConfig(requests=cfg.logprobs_requests,
-                                                                          rounds=cfg.logprobs_rounds)))
+        logprobs = asdict(
+            lc.run(model_dir, deployment, lc.LogprobsConfig(requests=cfg.logprobs_requests, rounds=cfg.logprobs_rounds))
+        )
 
     def structured_cost() -> None:
         from benchmarks import structured as so
 
         nonlocal structured
-        structured = so.run(model_dir, stacks.get(aux_stack(logs), logs / "aux"),
-                            so.StructuredConfig(rounds=cfg.structured_rounds))
+        structured = so.run(
+            model_dir, stacks.get(aux_stack(logs), logs / "aux"), so.StructuredConfig(rounds=cfg.structured_rounds)
+        )
 
     def parallel_sampling() -> None:
         from benchmarks import parallel
 
         nonlocal par
-        par = parallel.run(model_dir, stacks.get(aux_stack(logs), logs / "aux"),
-                           ParallelConfig(prompt_len=cfg.parallel_prompt_len, output_len=cfg.parallel_output_len,
-                                          seed=args.seed))
+        par = parallel.run(
+            model_dir,
+            stacks.get(aux_stack(logs), logs / "aux"),
+            ParallelConfig(prompt_len=cfg.parallel_prompt_len, output_len=cfg.parallel_output_len, seed=args.seed),
+        )
         errors.extend(par.errors)
 
     def shared_prefix() -> None:
@@ -415,21 +506,54 @@ def run_all(args: argparse.Namespace, cfg: Config, out: Path, started: float) ->
         analysis.Target("throughput vs HF static", ">= 2x", ratio("hf_static"), 2.0, True, "x"),
         analysis.Target("throughput vs HF continuous", ">= 1.5x", ratio("hf_continuous"), 1.5, True, "x"),
         analysis.Target("KV utilization (steady state)", ">= 0.95", kv_util, 0.95, True),
-        analysis.Target(f"scheduler overhead p50 (executor's wait between steps, pipelined) @ "
-                        f"{top.running if top else '-'} running / {top.waiting if top else '-'} waiting", "<= 2 ms",
-                        top.p50_ms if top else None, 2.0, False, " ms"),
-        analysis.Target("executor duty cycle @ 256 running (stub, pipelined)", ">= 0.95",
-                        ovh_keys["executor_duty_cycle_256"], 0.95, True),  # type: ignore[arg-type]
+        analysis.Target(
+            f"scheduler overhead p50 (executor's wait between steps, pipelined) @ "
+            f"{top.running if top else '-'} running / {top.waiting if top else '-'} waiting",
+            "<= 2 ms",
+            top.p50_ms if top else None,
+            2.0,
+            False,
+            " ms",
+        ),
+        analysis.Target(
+            "executor duty cycle @ 256 running (stub, pipelined)",
+            ">= 0.95",
+            ovh_keys["executor_duty_cycle_256"],
+            0.95,
+            True,
+        ),  # type: ignore[arg-type]
         analysis.Target("overhead share of step time (real run)", "<= 0.10", share, 0.10, False),
         analysis.Target("scale-out efficiency at 4 executors", ">= 0.85", efficiency(scale, 4), 0.85, True),
-        analysis.Target("throughput vs HF continuous, long workload", ">= 1.5x",
-                        long_keys["throughput_ratio_vs_hf_continuous_long"], 1.5, True, "x"),
-        analysis.Target("KV utilization (steady state), long workload", ">= 0.95",
-                        long_keys["kv_utilization_steady_state_long"], 0.95, True),
-        analysis.Target("throughput vs HF continuous (block sharing), shared prefix", ">= 2x",
-                        shared.ratio() if shared else None, 2.0, True, "x"),
-        analysis.Target("prefill tokens computed, caching on / off, shared prefix", "<= 0.2",
-                        shared.prefill_ratio() if shared else None, 0.2, False),
+        analysis.Target(
+            "throughput vs HF continuous, long workload",
+            ">= 1.5x",
+            long_keys["throughput_ratio_vs_hf_continuous_long"],
+            1.5,
+            True,
+            "x",
+        ),
+        analysis.Target(
+            "KV utilization (steady state), long workload",
+            ">= 0.95",
+            long_keys["kv_utilization_steady_state_long"],
+            0.95,
+            True,
+        ),
+        analysis.Target(
+            "throughput vs HF continuous (block sharing), shared prefix",
+            ">= 2x",
+            shared.ratio() if shared else None,
+            2.0,
+            True,
+            "x",
+        ),
+        analysis.Target(
+            "prefill tokens computed, caching on / off, shared prefix",
+            "<= 0.2",
+            shared.prefill_ratio() if shared else None,
+            0.2,
+            False,
+        ),
         analysis.Target("KV blocks at peak, n=8 / 8 requests", "<= 0.3", par.ratio() if par else None, 0.3, False),
     ]
     plots = {

@@ -57,19 +57,63 @@ class Config:
     shared_prefix_measure_off: bool = True  # run caching off too (quick: its prompt tokens, a lower bound)
 
 
-ARMS = ("pagedserve", "hf_static", "hf_continuous", "overhead", "scale_out", "kv_spread", "reattach", "sampling_cost",
-        "logprobs_cost", "structured", "shared_prefix", "parallel", "machine")
-# Quick: aims at 10 min on 2 cores with the long workload (not met: 17 min, benchmarks/results/history.md), so HF static serves the
-# long workload's first batch only (6 requests: ~45 s instead of ~4 min), and the overhead grid tries queued
-# requests only at the target point (256 running / 1024 waiting), where alone it runs the serial loop beside the
-# pipelined one; the scale-out windows and the machine arm's pairs are shorter than they were. The shared-prefix
-# arm keeps issue 11's workload (64 requests; its transformers run is ~85 s) but skips its caching-off run.
-QUICK = Config("quick", 64, 0.125, 512, 2048, [1, 64, 256], [1024], 1.5, [32, 128, 512],
-               overhead_waiting_top_only=True, overhead_reach_s=60.0, overhead_serial_top_only=True,
-               scale_out_window_s=3.0, machine_reps=5, long_static_requests=6, shared_prefix_measure_off=False)
-FULL = Config("full", 256, 0.25, 1024, 4096, [1, 16, 64, 128, 256], [0, 256, 1024, 4096], 4.0, [16, 64, 256, 1024],
-              scale_out_window_s=10.0, kv_spread_requests=96, reattach_rounds=5, reattach_failover_rounds=3,
-              sampling_reps=15, logprobs_rounds=3, machine_reps=11, structured_rounds=5)
+ARMS = (
+    "pagedserve",
+    "hf_static",
+    "hf_continuous",
+    "overhead",
+    "scale_out",
+    "kv_spread",
+    "reattach",
+    "sampling_cost",
+    "logprobs_cost",
+    "structured",
+    "shared_prefix",
+    "parallel",
+    "machine",
+)
+# Quick: aims at 10 min on 2 cores with the long workload (not met: 17 min, benchmarks/results/history.md), so HF
+# static serves the long workload's first batch only (6 requests: ~45 s instead of ~4 min), and the overhead grid
+# tries queued requests only at the target point (256 running / 1024 waiting), where alone it runs the serial loop
+# beside the pipelined one; the scale-out windows and the machine arm's pairs are shorter than they were. The shared-
+# prefix arm keeps issue 11's workload (64 requests; its transformers run is ~85 s) but skips its caching-off run.
+QUICK = Config(
+    "quick",
+    64,
+    0.125,
+    512,
+    2048,
+    [1, 64, 256],
+    [1024],
+    1.5,
+    [32, 128, 512],
+    overhead_waiting_top_only=True,
+    overhead_reach_s=60.0,
+    overhead_serial_top_only=True,
+    scale_out_window_s=3.0,
+    machine_reps=5,
+    long_static_requests=6,
+    shared_prefix_measure_off=False,
+)
+FULL = Config(
+    "full",
+    256,
+    0.25,
+    1024,
+    4096,
+    [1, 16, 64, 128, 256],
+    [0, 256, 1024, 4096],
+    4.0,
+    [16, 64, 256, 1024],
+    scale_out_window_s=10.0,
+    kv_spread_requests=96,
+    reattach_rounds=5,
+    reattach_failover_rounds=3,
+    sampling_reps=15,
+    logprobs_rounds=3,
+    machine_reps=11,
+    structured_rounds=5,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,10 +127,12 @@ class PreviousRun:
         return round(self.output_tokens_per_s["pagedserve"] / self.output_tokens_per_s[other], 3)
 
 
-# benchmarks/results/history.md, "Previous quick run (2026-11-30, after the scale-out change)": before stream offsets and
-# replayable seeds.
-PREVIOUS_QUICK = PreviousRun("quick run of 2026-11-30 (after the scale-out change, before offsets and seeds)",
-                             {"pagedserve": 142.3, "hf_continuous": 127.4, "hf_static": 53.0})
+# benchmarks/results/history.md, "Previous quick run (2026-11-30, after the scale-out change)": before stream
+# offsets and replayable seeds.
+PREVIOUS_QUICK = PreviousRun(
+    "quick run of 2026-11-30 (after the scale-out change, before offsets and seeds)",
+    {"pagedserve": 142.3, "hf_continuous": 127.4, "hf_static": 53.0},
+)
 
 
 def kv_bytes_per_token(model_dir: Path, dtype_bytes: int = 4) -> int:

@@ -60,7 +60,7 @@ MIN_IDENTICAL = {"bfloat16": 0.5, "float16": 0.5, "float32": 1.0}
 TEXTS = [
     "The capital of France is",
     "Write a short poem about the sea and the wind that blows over it at night.",
-    "def fibonacci(n):\n    \"\"\"Return the nth Fibonacci number.\"\"\"\n",
+    'def fibonacci(n):\n    """Return the nth Fibonacci number."""\n',
     "Explain why the sky is blue to a five year old child, using simple words and a friendly tone.",
     "List three benefits of regular exercise:",
     "Once upon a time, in a land far, far away, there lived a dragon who loved to read books. Every",
@@ -91,22 +91,54 @@ class Config:
 def make_config(dry_run: bool) -> Config:
     if dry_run:
         return Config(
-            dry_run=True, device="cpu", dtype="float32", kernel_dtype="fp32",
+            dry_run=True,
+            device="cpu",
+            dtype="float32",
+            kernel_dtype="fp32",
             budgets_s={"kernels": 60.0, "e2e": 120.0},
-            identity_prompts=4, identity_lengths=(3, 15, 17, 33), identity_max_tokens=6,
-            tput_requests=4, tput_prompt_tokens=16, tput_max_tokens=4,
-            executor_args=("--device", "cpu", "--dtype", "float32", "--attention-backend", "triton",
-                           "--kv-cache-memory", str(4 << 20), "--swap-space", "0"),
+            identity_prompts=4,
+            identity_lengths=(3, 15, 17, 33),
+            identity_max_tokens=6,
+            tput_requests=4,
+            tput_prompt_tokens=16,
+            tput_max_tokens=4,
+            executor_args=(
+                "--device",
+                "cpu",
+                "--dtype",
+                "float32",
+                "--attention-backend",
+                "triton",
+                "--kv-cache-memory",
+                str(4 << 20),
+                "--swap-space",
+                "0",
+            ),
             rpc_timeout_s=60.0,
         )
     return Config(
-        dry_run=False, device="cuda", dtype="bfloat16", kernel_dtype="bf16",
+        dry_run=False,
+        device="cuda",
+        dtype="bfloat16",
+        kernel_dtype="bf16",
         budgets_s={"kernels": 100.0, "e2e": 180.0},
-        identity_prompts=8, identity_lengths=(3, 15, 16, 17, 31, 33, 48, 70), identity_max_tokens=48,
-        tput_requests=32, tput_prompt_tokens=64, tput_max_tokens=128,
+        identity_prompts=8,
+        identity_lengths=(3, 15, 16, 17, 31, 33, 48, 70),
+        identity_max_tokens=48,
+        tput_requests=32,
+        tput_prompt_tokens=64,
+        tput_max_tokens=128,
         # Half the GPU: the pool is still profiled (the real path), and the check's own process keeps room.
-        executor_args=("--device", "cuda", "--dtype", "bfloat16", "--attention-backend", "triton",
-                       "--gpu-memory-utilization", "0.5"),
+        executor_args=(
+            "--device",
+            "cuda",
+            "--dtype",
+            "bfloat16",
+            "--attention-backend",
+            "triton",
+            "--gpu-memory-utilization",
+            "0.5",
+        ),
         rpc_timeout_s=60.0,
     )
 
@@ -132,11 +164,15 @@ def _cpu_kernel_rows(cfg: Config) -> tuple[list[dict[str, Any]], float | None]:
     from kernels import triton_ops
 
     heads, kv_heads, head_dim, block = 4, 2, 32, 16
-    batches = [kb.Batch("decode 3 x ctx 40", 3, 40), kb.Batch("mixed: 1 chunk 16 on 8 + 2 decodes ctx 24", 2, 24, 1, 8, 16)]
+    batches = [
+        kb.Batch("decode 3 x ctx 40", 3, 40),
+        kb.Batch("mixed: 1 chunk 16 on 8 + 2 decodes ctx 24", 2, 24, 1, 8, 16),
+    ]
     rows = []
     for batch in batches:
-        query, kc, vc, meta, groups, moved = kb._build(batch, heads, kv_heads, head_dim, block, kb.DTYPES[cfg.kernel_dtype],
-                                                       cfg.device)
+        query, kc, vc, meta, groups, moved = kb._build(
+            batch, heads, kv_heads, head_dim, block, kb.DTYPES[cfg.kernel_dtype], cfg.device
+        )
         inputs = (query, kc, vc, meta, head_dim**-0.5)
         sdpa = kb._sdpa(groups, head_dim**-0.5)
         sdpa_ms, outs = _wall_ms(sdpa)
@@ -189,8 +225,12 @@ def phase_kernels(cfg: Config, out_dir: Path) -> dict[str, Any]:
     return {
         "passed": bool(rows) and not bad,
         "error": f"kernel error above {tol:g} against SDPA: {'; '.join(bad)}" if bad else None,
-        "dtype": cfg.kernel_dtype, "tolerance": tol, "peak_gbps": peak, "rows": rows,
-        "worst_abs_err": worst, "best_peak_fraction": max(fractions) if fractions else None,
+        "dtype": cfg.kernel_dtype,
+        "tolerance": tol,
+        "peak_gbps": peak,
+        "rows": rows,
+        "worst_abs_err": worst,
+        "best_peak_fraction": max(fractions) if fractions else None,
     }
 
 
@@ -216,9 +256,20 @@ def tiny_model(dst: Path) -> Path:
     if (dst / "config.json").exists():
         return dst
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(
-        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1, eos_token_id=2, pad_token_id=2))
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=49152,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=512,
+            bos_token_id=1,
+            eos_token_id=2,
+            pad_token_id=2,
+        )
+    )
     model.save_pretrained(dst)
     src = resolve_model(None)
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
@@ -249,11 +300,14 @@ def reference(model_dir: Path, prompts: list[list[int]], cfg: Config) -> tuple[l
     with torch.inference_mode():
         for ids in prompts:
             out = model.generate(
-                torch.tensor([ids], device=cfg.device), attention_mask=torch.ones(1, len(ids), dtype=torch.long,
-                                                                                   device=cfg.device),
-                max_new_tokens=cfg.identity_max_tokens, do_sample=False, output_logits=True,
-                return_dict_in_generate=True)
-            tokens.append(out.sequences[0, len(ids):].tolist())
+                torch.tensor([ids], device=cfg.device),
+                attention_mask=torch.ones(1, len(ids), dtype=torch.long, device=cfg.device),
+                max_new_tokens=cfg.identity_max_tokens,
+                do_sample=False,
+                output_logits=True,
+                return_dict_in_generate=True,
+            )
+            tokens.append(out.sequences[0, len(ids) :].tolist())
             logits.append(torch.stack([step[0].float().cpu() for step in out.logits]))
     del model
     gc.collect()
@@ -266,14 +320,28 @@ def compare(expected: list[int], served: list[int], logits: Any, tolerance: floa
     """First divergence of ``served`` from ``expected`` and the reference's logit gap there."""
     n = next((i for i, (a, b) in enumerate(zip(expected, served)) if a != b), min(len(expected), len(served)))
     if n == len(expected) == len(served):
-        return {"identical": True, "first_divergence": None, "logit_gap": None, "near_tie": None, "passed": True,
-                "expected_tokens": len(expected), "served_tokens": len(served)}
+        return {
+            "identical": True,
+            "first_divergence": None,
+            "logit_gap": None,
+            "near_tie": None,
+            "passed": True,
+            "expected_tokens": len(expected),
+            "served_tokens": len(served),
+        }
     gap = None
     if n < min(len(expected), len(served), len(logits)):
         gap = float(logits[n][expected[n]] - logits[n][served[n]])
     near_tie = gap is not None and gap <= tolerance
-    return {"identical": False, "first_divergence": n, "logit_gap": gap, "near_tie": near_tie, "passed": near_tie,
-            "expected_tokens": len(expected), "served_tokens": len(served)}
+    return {
+        "identical": False,
+        "first_divergence": n,
+        "logit_gap": gap,
+        "near_tie": near_tie,
+        "passed": near_tie,
+        "expected_tokens": len(expected),
+        "served_tokens": len(served),
+    }
 
 
 async def _serve(address: str, reqs: list[Any], timeout: float) -> list[Served]:
@@ -299,8 +367,13 @@ def serve(address: str, prompts: list[list[int]], max_tokens: int, timeout: floa
     """Greedy requests, all at once, each bounded by the gRPC deadline ``timeout``."""
     from pagedserve.v1 import generation_pb2 as pb
 
-    reqs = [pb.GenerateRequest(prompt_token_ids=p, sampling=pb.SamplingParams(
-        max_tokens=max_tokens, temperature=0.0, ignore_eos=ignore_eos)) for p in prompts]
+    reqs = [
+        pb.GenerateRequest(
+            prompt_token_ids=p,
+            sampling=pb.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=ignore_eos),
+        )
+        for p in prompts
+    ]
     return asyncio.run(_serve(address, reqs, timeout))
 
 
@@ -308,12 +381,21 @@ def identity(address: str, prompts: list[list[int]], ref: tuple[list[list[int]],
     served = serve(address, prompts, cfg.identity_max_tokens, cfg.rpc_timeout_s, ignore_eos=False)
     tol = NEAR_TIE[cfg.dtype]
     expected, logits = ref
-    per = [{"prompt_tokens": len(p), **compare(e, s.token_ids, lg, tol)}
-           for p, e, lg, s in zip(prompts, expected, logits, served)]
+    per = [
+        {"prompt_tokens": len(p), **compare(e, s.token_ids, lg, tol)}
+        for p, e, lg, s in zip(prompts, expected, logits, served)
+    ]
     identical = sum(p["identical"] for p in per)
     passed = all(p["passed"] for p in per) and identical >= MIN_IDENTICAL[cfg.dtype] * len(per)
-    return {"passed": passed, "near_tie_tolerance": tol, "min_identical_fraction": MIN_IDENTICAL[cfg.dtype],
-            "max_tokens": cfg.identity_max_tokens, "identical": identical, "total": len(per), "prompts": per}
+    return {
+        "passed": passed,
+        "near_tie_tolerance": tol,
+        "min_identical_fraction": MIN_IDENTICAL[cfg.dtype],
+        "max_tokens": cfg.identity_max_tokens,
+        "identical": identical,
+        "total": len(per),
+        "prompts": per,
+    }
 
 
 def throughput(address: str, cfg: Config) -> dict[str, Any]:
@@ -327,9 +409,15 @@ def throughput(address: str, cfg: Config) -> dict[str, Any]:
     wall = time.perf_counter() - t0
     out_tokens = sum(s.completion_tokens for s in served)
     complete = all(s.completion_tokens == cfg.tput_max_tokens == len(s.token_ids) for s in served)
-    return {"passed": complete, "requests": cfg.tput_requests, "prompt_tokens": cfg.tput_prompt_tokens,
-            "max_tokens": cfg.tput_max_tokens, "output_tokens": out_tokens, "wall_s": wall,
-            "output_tokens_per_s": out_tokens / wall if wall > 0 else 0.0}
+    return {
+        "passed": complete,
+        "requests": cfg.tput_requests,
+        "prompt_tokens": cfg.tput_prompt_tokens,
+        "max_tokens": cfg.tput_max_tokens,
+        "output_tokens": out_tokens,
+        "wall_s": wall,
+        "output_tokens_per_s": out_tokens / wall if wall > 0 else 0.0,
+    }
 
 
 def phase_e2e(cfg: Config, out_dir: Path, model: str | None) -> dict[str, Any]:
@@ -341,17 +429,35 @@ def phase_e2e(cfg: Config, out_dir: Path, model: str | None) -> dict[str, Any]:
     t0 = time.perf_counter()
     ref = reference(model_dir, prompts, cfg)
     t1 = time.perf_counter()
-    with Cluster(str(model_dir), executor_args=list(cfg.executor_args), log_dir=out_dir / "logs",
-                 scheduler_args=["--max-num-batched-tokens", "512"]) as cluster:
+    with Cluster(
+        str(model_dir),
+        executor_args=list(cfg.executor_args),
+        log_dir=out_dir / "logs",
+        scheduler_args=["--max-num-batched-tokens", "512"],
+    ) as cluster:
         t2 = time.perf_counter()
         ident = identity(cluster.address, prompts, ref, cfg)
         tput = throughput(cluster.address, cfg)
-    errors = [*([] if ident["passed"] else [
-        "greedy tokens diverged from transformers beyond a near-tie, or too few prompts were identical"]),
-              *([] if tput["passed"] else ["a throughput request ended short of max_tokens"])]
-    return {"passed": not errors, "error": "; ".join(errors) or None, "model": str(model_dir), "dtype": cfg.dtype,
-            "device": cfg.device, "attention_backend": "triton", "reference_s": t1 - t0, "startup_s": t2 - t1,
-            "identity": ident, "throughput": tput}
+    errors = [
+        *(
+            []
+            if ident["passed"]
+            else ["greedy tokens diverged from transformers beyond a near-tie, or too few prompts were identical"]
+        ),
+        *([] if tput["passed"] else ["a throughput request ended short of max_tokens"]),
+    ]
+    return {
+        "passed": not errors,
+        "error": "; ".join(errors) or None,
+        "model": str(model_dir),
+        "dtype": cfg.dtype,
+        "device": cfg.device,
+        "attention_backend": "triton",
+        "reference_s": t1 - t0,
+        "startup_s": t2 - t1,
+        "identity": ident,
+        "throughput": tput,
+    }
 
 
 # ---------------------------------------------------------------- orchestration
@@ -380,8 +486,17 @@ def _kill_group(proc: subprocess.Popen) -> None:
 
 def spawn_phase(name: str, args: argparse.Namespace, out_dir: Path, budget: float) -> PhaseResult:
     log = out_dir / f"{name}.log"
-    argv = [sys.executable, "-m", "benchmarks.gpu_check", "--phase", name, "--out", str(out_dir),
-            *(["--dry-run"] if args.dry_run else []), *(["--model", args.model] if args.model else [])]
+    argv = [
+        sys.executable,
+        "-m",
+        "benchmarks.gpu_check",
+        "--phase",
+        name,
+        "--out",
+        str(out_dir),
+        *(["--dry-run"] if args.dry_run else []),
+        *(["--model", args.model] if args.model else []),
+    ]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     env.pop("TRITON_INTERPRET", None)
     if args.dry_run:
@@ -398,8 +513,9 @@ def spawn_phase(name: str, args: argparse.Namespace, out_dir: Path, budget: floa
     return _phase_result(name, out_dir, log, time.perf_counter() - t0, budget, error, proc.returncode)
 
 
-def _phase_result(name: str, out_dir: Path, log: Path, wall: float, budget: float, error: str | None,
-                  rc: int | None) -> PhaseResult:
+def _phase_result(
+    name: str, out_dir: Path, log: Path, wall: float, budget: float, error: str | None, rc: int | None
+) -> PhaseResult:
     path = out_dir / f"{name}.json"
     details = json.loads(path.read_text()) if path.exists() and error is None else {}
     if error is None and not details:
@@ -416,14 +532,21 @@ def environment(cfg: Config) -> dict[str, Any]:
     import triton
 
     cuda = torch.cuda.is_available() and not cfg.dry_run
-    return {"device_name": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
-            "cuda": torch.version.cuda, "triton": triton.__version__, "transformers": transformers.__version__}
+    return {
+        "device_name": torch.cuda.get_device_name() if cuda else "cpu",
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "triton": triton.__version__,
+        "transformers": transformers.__version__,
+    }
 
 
 def summarize(report: dict[str, Any]) -> str:
-    lines = [f"gpu_check ({report['mode']}, {report['environment']['device_name']}, torch "
-             f"{report['environment']['torch']}, triton {report['environment']['triton']}): "
-             f"{'PASS' if report['passed'] else 'FAIL'} in {report['wall_s']:.0f} s"]
+    lines = [
+        f"gpu_check ({report['mode']}, {report['environment']['device_name']}, torch "
+        f"{report['environment']['torch']}, triton {report['environment']['triton']}): "
+        f"{'PASS' if report['passed'] else 'FAIL'} in {report['wall_s']:.0f} s"
+    ]
     for name, ph in report["phases"].items():
         verdict = "PASS" if ph["passed"] else "FAIL"
         lines.append(f"  {name:<8}{verdict}  {_phase_line(name, ph)}  [{ph['wall_s']:.0f} s of {ph['budget_s']:.0f} s]")
@@ -440,8 +563,10 @@ def _phase_line(name: str, ph: dict[str, Any]) -> str:
     if name == "e2e" and "identity" in d:
         i, t = d["identity"], d["throughput"]
         ties = sum(1 for p in i["prompts"] if p["near_tie"])
-        return (f"{d['dtype']}: {i['identical']}/{i['total']} prompts token-identical ({ties} near-tie divergences); "
-                f"{t['output_tokens']} tokens in {t['wall_s']:.1f} s = {t['output_tokens_per_s']:.0f} tok/s")
+        return (
+            f"{d['dtype']}: {i['identical']}/{i['total']} prompts token-identical ({ties} near-tie divergences); "
+            f"{t['output_tokens']} tokens in {t['wall_s']:.1f} s = {t['output_tokens_per_s']:.0f} tok/s"
+        )
     return ""
 
 
@@ -453,9 +578,14 @@ def orchestrate(args: argparse.Namespace, out_dir: Path, cfg: Config, asked_dry:
         left = TOTAL_BUDGET_S - (time.perf_counter() - t0)
         phases[name] = spawn_phase(name, args, out_dir, max(1.0, min(cfg.budgets_s[name], left)))
     passed = all(p.passed for p in phases.values())
-    report = {"mode": "dry-run" if cfg.dry_run else "gpu", "dry_run_requested": asked_dry, "passed": passed,
-              "environment": environment(cfg), "wall_s": time.perf_counter() - t0,
-              "phases": {n: asdict(p) for n, p in phases.items()}}
+    report = {
+        "mode": "dry-run" if cfg.dry_run else "gpu",
+        "dry_run_requested": asked_dry,
+        "passed": passed,
+        "environment": environment(cfg),
+        "wall_s": time.perf_counter() - t0,
+        "phases": {n: asdict(p) for n, p in phases.items()},
+    }
     (out_dir / "gpu_check.json").write_text(json.dumps(report, indent=2))
     print(summarize(report))
     print(out_dir / "gpu_check.json")

@@ -230,5 +230,6 @@ def main(argv: list[str] | None = None) -> int:
             json.dump(report, f, indent=2)
     return 0
 
+
 if __name__ == "__main__":
     sys.exit(main())

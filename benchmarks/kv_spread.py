@@ -48,8 +48,16 @@ class SpreadConfig:
         """Prompts of 1/64-1/32 of the budget and outputs of 1/32-1/16 (16-32 and 32-64 tokens at 1024):
         a pool holds a dozen or more at once, so one request moves its used fraction by a few percent."""
         b = self.kv_budget_tokens
-        return WorkloadSpec("uniform", self.num_requests, 1.0, (max(2, b // 64), max(3, b // 32)),
-                            (max(2, b // 32), max(3, b // 16)), b, None, self.seed)
+        return WorkloadSpec(
+            "uniform",
+            self.num_requests,
+            1.0,
+            (max(2, b // 64), max(3, b // 32)),
+            (max(2, b // 32), max(3, b // 16)),
+            b,
+            None,
+            self.seed,
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,9 +81,17 @@ class SpreadResult:
     series: dict[str, list[tuple[float, float]]] = field(default_factory=dict)  # executor -> (t, used fraction)
 
     def as_dict(self) -> dict[str, object]:
-        return {"mean": self.mean, "max": self.max, "executors": self.executors, "samples": self.samples,
-                "mean_used": self.mean_used, "loaded_mean": self.loaded_mean, "loaded_max": self.loaded_max,
-                "duration_s": self.duration_s, "failures": self.failures}
+        return {
+            "mean": self.mean,
+            "max": self.max,
+            "executors": self.executors,
+            "samples": self.samples,
+            "mean_used": self.mean_used,
+            "loaded_mean": self.loaded_mean,
+            "loaded_max": self.loaded_max,
+            "duration_s": self.duration_s,
+            "failures": self.failures,
+        }
 
 
 def used_fractions(usage: dict[str, str]) -> dict[str, float]:
@@ -171,18 +187,30 @@ def summarize(samples: list[Sample], executors: int, duration: float, failures: 
     if not mid:
         return SpreadResult(None, None, executors, 0, None, None, None, duration, failures, series)
     spread = _spread(mid)
-    return SpreadResult(float(np.mean(spread)), float(np.max(spread)), executors, len(mid),
-                        float(np.mean([f for s in mid for f in s.used.values()])),
-                        float(np.mean(loaded)) if loaded else None, max(loaded, default=None), duration, failures,
-                        series)
+    return SpreadResult(
+        float(np.mean(spread)),
+        float(np.max(spread)),
+        executors,
+        len(mid),
+        float(np.mean([f for s in mid for f in s.used.values()])),
+        float(np.mean(loaded)) if loaded else None,
+        max(loaded, default=None),
+        duration,
+        failures,
+        series,
+    )
 
 
 def stack_config(cfg: SpreadConfig, per_token_bytes: int) -> StackConfig:
     """``cfg.executors`` executors of one budget, registered in one namespace, and one scheduler."""
     budget = cfg.kv_budget_tokens
-    return StackConfig(budget * per_token_bytes, 16, ("--max-model-len", str(budget), "--swap-space", "0.05",
-                                                      "--drain-timeout", "5"), executors=cfg.executors,
-                       namespace=NAMESPACE)
+    return StackConfig(
+        budget * per_token_bytes,
+        16,
+        ("--max-model-len", str(budget), "--swap-space", "0.05", "--drain-timeout", "5"),
+        executors=cfg.executors,
+        namespace=NAMESPACE,
+    )
 
 
 def run(model_dir: Path, cfg: SpreadConfig, per_token_bytes: int, log_dir: Path) -> SpreadResult:

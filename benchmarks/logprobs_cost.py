@@ -47,10 +47,13 @@ class LogprobsResult:
 
 def _requests(cfg: LogprobsConfig, vocab: Vocab, top: int | None) -> list[pb.GenerateRequest]:
     rng = random.Random(0)
-    return [pb.GenerateRequest(prompt_token_ids=[rng.randrange(vocab.low, vocab.size) for _ in range(cfg.prompt_len)],
-                               sampling=pb.SamplingParams(max_tokens=cfg.output_len, temperature=0.0, ignore_eos=True,
-                                                          logprobs=top))
-            for _ in range(cfg.requests)]
+    return [
+        pb.GenerateRequest(
+            prompt_token_ids=[rng.randrange(vocab.low, vocab.size) for _ in range(cfg.prompt_len)],
+            sampling=pb.SamplingParams(max_tokens=cfg.output_len, temperature=0.0, ignore_eos=True, logprobs=top),
+        )
+        for _ in range(cfg.requests)
+    ]
 
 
 async def _tokens_per_s(address: str, reqs: list[pb.GenerateRequest]) -> float:
@@ -69,8 +72,15 @@ def run(model_dir: Path, deployment: Stack, cfg: LogprobsConfig) -> LogprobsResu
     """On a live deployment whose ``--max-num-seqs`` admits ``cfg.requests`` at once."""
     vocab = Vocab.from_model_dir(model_dir)
     plain, with_lp = _requests(cfg, vocab, None), _requests(cfg, vocab, cfg.top)
-    out = LogprobsResult(config={"requests": cfg.requests, "prompt_len": cfg.prompt_len,
-                                 "output_len": cfg.output_len, "rounds": cfg.rounds, "top": cfg.top})
+    out = LogprobsResult(
+        config={
+            "requests": cfg.requests,
+            "prompt_len": cfg.prompt_len,
+            "output_len": cfg.output_len,
+            "rounds": cfg.rounds,
+            "top": cfg.top,
+        }
+    )
     address = deployment.address
     asyncio.run(_tokens_per_s(address, plain[:2]))  # warm-up: first forwards pay one-off costs
     for r in range(cfg.rounds):

@@ -113,14 +113,14 @@ class EngineRunner:
         self._prefill()
 
     def _prefill(self) -> None:
-        seqs = [SeqInput(f"row-{i}", row.tolist(), 0, self.tables[i], sample=False)
-                for i, row in enumerate(self.prompt)]
+        seqs = [
+            SeqInput(f"row-{i}", row.tolist(), 0, self.tables[i], sample=False) for i, row in enumerate(self.prompt)
+        ]
         self.engine.step(StepInput(seqs=seqs))
 
     def decode_ms(self, batch: int) -> float:
         """One decode step of the first ``batch`` rows, each writing position ``context`` again."""
-        seqs = [SeqInput(f"row-{i}", [int(self.prompt[i, -1])], self.context, self.tables[i])
-                for i in range(batch)]
+        seqs = [SeqInput(f"row-{i}", [int(self.prompt[i, -1])], self.context, self.tables[i]) for i in range(batch)]
         t = time.perf_counter()
         self.engine.step(StepInput(seqs=seqs))
         return (time.perf_counter() - t) * 1e3
@@ -159,8 +159,9 @@ def time_pairs(engine: EngineRunner, hf: HFRunner, batch: int, reps: int, contex
     for _ in range(reps):
         ex.append(engine.decode_ms(batch))
         tr.append(hf.decode_ms(batch))
-    return RunnerPoint(batch, context, statistics.median(ex), statistics.median(tr),
-                       statistics.median(e / t for e, t in zip(ex, tr)))
+    return RunnerPoint(
+        batch, context, statistics.median(ex), statistics.median(tr), statistics.median(e / t for e, t in zip(ex, tr))
+    )
 
 
 # -- 2. roofline ---------------------------------------------------------------------------------------
@@ -253,14 +254,18 @@ def run(model_dir: Path, cfg: MachineConfig, workload: Workload, threads: int) -
     points = []
     for b in cfg.batches:
         p = time_pairs(engine, hf, b, cfg.reps, cfg.context)
-        print(f"[machine] batch {b}: executor {p.executor_ms:.1f} ms, transformers {p.transformers_ms:.1f} ms "
-              f"({p.ratio:.3f}x)", flush=True)
+        print(
+            f"[machine] batch {b}: executor {p.executor_ms:.1f} ms, transformers {p.transformers_ms:.1f} ms "
+            f"({p.ratio:.3f}x)",
+            flush=True,
+        )
         points.append(p)
     return MachineResult(points, gemm, cfg.gemm_size, cfg.gemm_reps, flops, threads)
 
 
-def summary_keys(result: MachineResult | None, tokens_per_s: dict[str, float],
-                 steps: list[dict[str, float]]) -> dict[str, object]:
+def summary_keys(
+    result: MachineResult | None, tokens_per_s: dict[str, float], steps: list[dict[str, float]]
+) -> dict[str, object]:
     """summary.json's "against the machine" keys; what was not measured in this run is null."""
     gemm = result.gemm_flops_per_s if result else None
     flops = result.flops.flops if result else 0.0

@@ -84,10 +84,24 @@ def _point(rows: list[dict[str, float]], running: int, waiting: int, loop: str, 
     gaps = [r["idle_ms"] for r in rows]
     busy = sum(r["step_ms"] for r in rows)
     med = lambda k: float(np.median([r.get(k, 0.0) for r in rows]))  # noqa: E731
-    return OverheadPoint(running, waiting, len(rows), float(np.percentile(gaps, 50)), float(np.percentile(gaps, 99)),
-                         float(np.mean(gaps)), med("schedule_ms"), med("redis_ms"), med("executor_ms"), loop, step_ms,
-                         busy / (busy + sum(gaps)) if busy else 0.0, med("plan_ms"), med("commit_ms"),
-                         med("encode_ms"), med("decode_ms"))
+    return OverheadPoint(
+        running,
+        waiting,
+        len(rows),
+        float(np.percentile(gaps, 50)),
+        float(np.percentile(gaps, 99)),
+        float(np.mean(gaps)),
+        med("schedule_ms"),
+        med("redis_ms"),
+        med("executor_ms"),
+        loop,
+        step_ms,
+        busy / (busy + sum(gaps)) if busy else 0.0,
+        med("plan_ms"),
+        med("commit_ms"),
+        med("encode_ms"),
+        med("decode_ms"),
+    )
 
 
 async def hold(stub: pb_grpc.GenerationStub, prompt: list[int], rid: str) -> None:
@@ -138,8 +152,15 @@ def chains(levels: list[tuple[int, list[int]]]) -> list[list[Point]]:
     return [c for c in (idle, *queued) if c]
 
 
-async def _sweep_chain(dep: ChainDeployment, chain: list[Point], window_s: float, prompt: list[int],
-                       reach_s: float, loop: str, step_ms: float) -> list[OverheadPoint]:
+async def _sweep_chain(
+    dep: ChainDeployment,
+    chain: list[Point],
+    window_s: float,
+    prompt: list[int],
+    reach_s: float,
+    loop: str,
+    step_ms: float,
+) -> list[OverheadPoint]:
     """The chain's points on ``dep``: requests meant to run go to its scheduler, those meant to wait to its intake."""
     points: list[OverheadPoint] = []
     tasks: list[asyncio.Task[None]] = []
@@ -162,7 +183,9 @@ async def _sweep_chain(dep: ChainDeployment, chain: list[Point], window_s: float
             for running, waiting in chain:
                 while len(tasks) < running + waiting:
                     i = len(tasks)
-                    stub = run_stubs[i // STREAMS_PER_CHANNEL] if i < top else wait_stubs[(i - top) // STREAMS_PER_CHANNEL]
+                    stub = (
+                        run_stubs[i // STREAMS_PER_CHANNEL] if i < top else wait_stubs[(i - top) // STREAMS_PER_CHANNEL]
+                    )
                     tasks.append(asyncio.create_task(hold(stub, prompt, f"ovh-{loop}-{chain[-1][0]}-{i}")))
                 if not await _wait_for(tail, running, waiting, timeout=reach_s):
                     log.warning("scheduler never reached %d running / %d waiting; skipping", running, waiting)
@@ -183,26 +206,50 @@ async def _sweep_chain(dep: ChainDeployment, chain: list[Point], window_s: float
 Grid = list[tuple[list[int], list[int], tuple[str, ...]]]  # (running levels, waiting levels, loops)
 
 
-def sweep(model_dir: Path, grid: Grid, window_s: float, log_dir: Path, prompt_len: int = 8, reach_s: float = 90.0,
-          step_ms: float = 20.0) -> list[OverheadPoint]:
+def sweep(
+    model_dir: Path,
+    grid: Grid,
+    window_s: float,
+    log_dir: Path,
+    prompt_len: int = 8,
+    reach_s: float = 90.0,
+    step_ms: float = 20.0,
+) -> list[OverheadPoint]:
     """Overhead points per loop and (running, waiting) point of ``grid``; a point not filled within ``reach_s`` is
     skipped with the rest of its chain. Chains run by running level, both loops side by side (their deployments
     started at once, each idle while the other is measured); points come back sorted by running, waiting and loop."""
     log_dir.mkdir(parents=True, exist_ok=True)
     prompt = list(range(100, 100 + prompt_len))
     order = list(LOOPS)
-    runs = sorted(((chain, loop) for loop in order
-                   for chain in chains([(r, waiting) for running, waiting, loops in grid if loop in loops
-                                        for r in running])),
-                  key=lambda c: (c[0][-1], order.index(c[1])))
+    runs = sorted(
+        (
+            (chain, loop)
+            for loop in order
+            for chain in chains([(r, waiting) for running, waiting, loops in grid if loop in loops for r in running])
+        ),
+        key=lambda c: (c[0][-1], order.index(c[1])),
+    )
     redis = RedisServer()
     points: list[OverheadPoint] = []
     try:
         for _, group in itertools.groupby(runs, key=lambda c: c[0][-1][0]):
             group = list(group)
-            deployments = start_all([functools.partial(_deploy, model_dir, redis.url, chain[-1][0], loop, log_dir,
-                                                         len(prompt), step_ms, any(w for _, w in chain))
-                                     for chain, loop in group])
+            deployments = start_all(
+                [
+                    functools.partial(
+                        _deploy,
+                        model_dir,
+                        redis.url,
+                        chain[-1][0],
+                        loop,
+                        log_dir,
+                        len(prompt),
+                        step_ms,
+                        any(w for _, w in chain),
+                    )
+                    for chain, loop in group
+                ]
+            )
             try:
                 for (chain, loop), dep in zip(group, deployments):
                     points += asyncio.run(_sweep_chain(dep, chain, window_s, prompt, reach_s, loop, step_ms))
@@ -232,8 +279,16 @@ class ChainDeployment:
         stop_all([s for s in (self.intake, self.scheduler, self.stub) if s is not None])
 
 
-def _deploy(model_dir: Path, redis_url: str, running: int, loop: str, log_dir: Path, prompt_len: int,
-            step_ms: float, intake: bool = False) -> ChainDeployment:
+def _deploy(
+    model_dir: Path,
+    redis_url: str,
+    running: int,
+    loop: str,
+    log_dir: Path,
+    prompt_len: int,
+    step_ms: float,
+    intake: bool = False,
+) -> ChainDeployment:
     """A fresh stub (its fencing epoch starts over) and a fresh scheduler and namespace for one chain of one loop,
     ``--max-num-seqs`` its last running level. The scheduler registers the stub itself (``--executor``): the stub
     is static, as in a fixed deployment.
@@ -245,20 +300,40 @@ def _deploy(model_dir: Path, redis_url: str, running: int, loop: str, log_dir: P
     is what a deployment does; the loop measured is the same."""
     step_log = log_dir / f"steps-{loop}-r{running}.jsonl"
     step_log.unlink(missing_ok=True)
-    stub = Service("benchmarks.stub_executor", ["--model", str(model_dir), "--host", "127.0.0.1",
-                                                "--step-ms", str(step_ms)], free_port(),
-                   log_dir / f"stub-{loop}-r{running}.log")
-    common = ["--redis-url", redis_url, "--executor", stub.address, "--namespace", f"ovh-{loop}-{running}",
-              "--max-num-seqs", str(running), "--max-num-batched-tokens", str(max(2048, running * prompt_len)),
-              "--log-level", "WARNING", *LOOPS[loop]]
+    stub = Service(
+        "benchmarks.stub_executor",
+        ["--model", str(model_dir), "--host", "127.0.0.1", "--step-ms", str(step_ms)],
+        free_port(),
+        log_dir / f"stub-{loop}-r{running}.log",
+    )
+    common = [
+        "--redis-url",
+        redis_url,
+        "--executor",
+        stub.address,
+        "--namespace",
+        f"ovh-{loop}-{running}",
+        "--max-num-seqs",
+        str(running),
+        "--max-num-batched-tokens",
+        str(max(2048, running * prompt_len)),
+        "--log-level",
+        "WARNING",
+        *LOOPS[loop],
+    ]
 
     def scheduler() -> Service:
-        return Service("scheduler_svc", [*common, "--step-log", str(step_log)], free_port(),
-                       log_dir / f"scheduler-{loop}-r{running}.log")
+        return Service(
+            "scheduler_svc",
+            [*common, "--step-log", str(step_log)],
+            free_port(),
+            log_dir / f"scheduler-{loop}-r{running}.log",
+        )
 
     def frontend() -> Service:
-        return Service("scheduler_svc", [*common, "--role", "frontend"], free_port(),
-                       log_dir / f"intake-{loop}-r{running}.log")
+        return Service(
+            "scheduler_svc", [*common, "--role", "frontend"], free_port(), log_dir / f"intake-{loop}-r{running}.log"
+        )
 
     try:
         started = start_all([scheduler, *([frontend] if intake else [])])

@@ -55,9 +55,15 @@ class ParallelResult:
 
     def as_dict(self) -> dict[str, object]:
         c = self.config
-        return {"n": c.n, "prompt_len": c.prompt_len, "output_len": c.output_len, "peak_blocks": self.peak_blocks,
-                "output_tokens_per_s": self.output_tokens_per_s, "tokens": self.tokens,
-                "n8_block_ratio": self.ratio()}
+        return {
+            "n": c.n,
+            "prompt_len": c.prompt_len,
+            "output_len": c.output_len,
+            "peak_blocks": self.peak_blocks,
+            "output_tokens_per_s": self.output_tokens_per_s,
+            "tokens": self.tokens,
+            "n8_block_ratio": self.ratio(),
+        }
 
 
 def _sampling(cfg: ParallelConfig, seed: int, n: int) -> pb.SamplingParams:
@@ -76,8 +82,12 @@ async def _rounds(address: str, prompt: list[int], cfg: ParallelConfig) -> dict[
         await _tokens(stub, pb.GenerateRequest(prompt_token_ids=prompt[:8], sampling=_sampling(cfg, 1, 1)))
         rounds = {
             "n": [pb.GenerateRequest(prompt_token_ids=prompt, sampling=_sampling(cfg, cfg.seed, cfg.n))],
-            "independent": [pb.GenerateRequest(prompt_token_ids=prompt, sampling=_sampling(cfg, cfg.seed + i, 1),
-                                               cache_salt=f"independent-{i}") for i in range(cfg.n)],
+            "independent": [
+                pb.GenerateRequest(
+                    prompt_token_ids=prompt, sampling=_sampling(cfg, cfg.seed + i, 1), cache_salt=f"independent-{i}"
+                )
+                for i in range(cfg.n)
+            ],
         }
         for name, reqs in rounds.items():
             await asyncio.sleep(0.5)  # the previous round's last commit lands in the step log before this one

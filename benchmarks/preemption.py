@@ -55,8 +55,15 @@ def measure(address: str, lengths: list[int], vocab: Vocab, reps: int = 3) -> li
             nb = -(-n // bs)
             table = list(range(nb))
             ids = [vocab.low + (i * 7919) % (vocab.size - vocab.low) for i in range(n)]
-            seq = pb.SeqPlan(request_id="preempt-probe", token_ids=ids, start_pos=0, block_table=table,
-                             full_table=True, sample=True, sampling=pb.Sampling(temperature=0.0))
+            seq = pb.SeqPlan(
+                request_id="preempt-probe",
+                token_ids=ids,
+                start_pos=0,
+                block_table=table,
+                full_table=True,
+                sample=True,
+                sampling=pb.Sampling(temperature=0.0),
+            )
             out_moves = [pb.BlockMove(src_tier=pb.TIER_DEVICE, src=b, dst_tier=pb.TIER_CPU, dst=b) for b in table]
             in_moves = [pb.BlockMove(src_tier=pb.TIER_CPU, src=b, dst_tier=pb.TIER_DEVICE, dst=b) for b in table]
             rec, sw_out, sw_in = [], [], []
@@ -65,11 +72,18 @@ def measure(address: str, lengths: list[int], vocab: Vocab, reps: int = 3) -> li
                 sw_out.append(_timed(stub, pb.StepPlan(step_id=3 * i + 1, swap_out=out_moves)))
                 sw_in.append(_timed(stub, pb.StepPlan(step_id=3 * i + 2, swap_in=in_moves)))
             med = lambda xs, k: statistics.median(x[k] for x in xs)  # noqa: E731
-            points.append(PreemptionPoint(
-                tokens=n, blocks=nb, recompute_ms=med(rec, 0),
-                swap_ms=med(sw_out, 0) + med(sw_in, 0), swap_out_ms=med(sw_out, 0), swap_in_ms=med(sw_in, 0),
-                recompute_executor_ms=med(rec, 1), swap_executor_ms=med(sw_out, 1) + med(sw_in, 1),
-            ))
+            points.append(
+                PreemptionPoint(
+                    tokens=n,
+                    blocks=nb,
+                    recompute_ms=med(rec, 0),
+                    swap_ms=med(sw_out, 0) + med(sw_in, 0),
+                    swap_out_ms=med(sw_out, 0),
+                    swap_in_ms=med(sw_in, 0),
+                    recompute_executor_ms=med(rec, 1),
+                    swap_executor_ms=med(sw_out, 1) + med(sw_in, 1),
+                )
+            )
     return points
 
 
@@ -80,6 +94,9 @@ def start_executor(executor_args: list[str], log_path: Path) -> Service:
     lets it exit at once when stopped.
     """
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    return Service("executor_svc", [*executor_args, "--host", "127.0.0.1", "--redis-url", "", "--drain-timeout", "0"],
-                   free_port(), log_path)
-
+    return Service(
+        "executor_svc",
+        [*executor_args, "--host", "127.0.0.1", "--redis-url", "", "--drain-timeout", "0"],
+        free_port(),
+        log_path,
+    )

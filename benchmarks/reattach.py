@@ -130,8 +130,13 @@ class ReattachResult:
 def _stats(xs: list[float]) -> dict[str, float | None]:
     if not xs:
         return {"n": 0, "p50": None, "p99": None, "mean": None, "max": None}
-    return {"n": len(xs), "p50": float(np.percentile(xs, 50)), "p99": float(np.percentile(xs, 99)),
-            "mean": float(np.mean(xs)), "max": float(np.max(xs))}
+    return {
+        "n": len(xs),
+        "p50": float(np.percentile(xs, 50)),
+        "p99": float(np.percentile(xs, 99)),
+        "mean": float(np.mean(xs)),
+        "max": float(np.max(xs)),
+    }
 
 
 @dataclass(slots=True)
@@ -143,10 +148,23 @@ class Deployment:
     log_dir: Path
 
     def start_scheduler(self, replica: str) -> Service:
-        svc = Service("scheduler_svc", [
-            "--redis-url", self.redis.url, "--namespace", NAMESPACE, "--replica-id", replica,
-            "--lease-ms", str(self.cfg.lease_ms), "--log-level", self.cfg.log_level,
-        ], free_port(), self.log_dir / f"scheduler-{replica}.log")
+        svc = Service(
+            "scheduler_svc",
+            [
+                "--redis-url",
+                self.redis.url,
+                "--namespace",
+                NAMESPACE,
+                "--replica-id",
+                replica,
+                "--lease-ms",
+                str(self.cfg.lease_ms),
+                "--log-level",
+                self.cfg.log_level,
+            ],
+            free_port(),
+            self.log_dir / f"scheduler-{replica}.log",
+        )
         self.schedulers[replica] = svc
         return svc
 
@@ -166,18 +184,39 @@ def deploy(model_dir: Path, cfg: ReattachConfig, log_dir: Path) -> Deployment:
     log_dir.mkdir(parents=True, exist_ok=True)
     dep = Deployment(RedisServer(), [], {}, cfg, log_dir)
     try:
+
         def stub(i: int) -> Service:
             port = free_port()
-            return Service("benchmarks.stub_executor", [
-                "--model", str(model_dir), "--host", "127.0.0.1", "--step-ms", str(cfg.step_ms),
-                "--redis-url", dep.redis.url, "--advertise-address", f"127.0.0.1:{port}", "--namespace", NAMESPACE,
-                "--log-level", cfg.log_level,
-            ], port, log_dir / f"stub-{i}.log")
+            return Service(
+                "benchmarks.stub_executor",
+                [
+                    "--model",
+                    str(model_dir),
+                    "--host",
+                    "127.0.0.1",
+                    "--step-ms",
+                    str(cfg.step_ms),
+                    "--redis-url",
+                    dep.redis.url,
+                    "--advertise-address",
+                    f"127.0.0.1:{port}",
+                    "--namespace",
+                    NAMESPACE,
+                    "--log-level",
+                    cfg.log_level,
+                ],
+                port,
+                log_dir / f"stub-{i}.log",
+            )
 
         # All at once: a replica is healthy once some executor has registered.
-        started = start_all([*(lambda i=i: stub(i) for i in range(cfg.executors)),
-                             *(lambda r=r: dep.start_scheduler(r) for r in ("a0", "b"))])
-        dep.stubs = started[:cfg.executors]
+        started = start_all(
+            [
+                *(lambda i=i: stub(i) for i in range(cfg.executors)),
+                *(lambda r=r: dep.start_scheduler(r) for r in ("a0", "b")),
+            ]
+        )
+        dep.stubs = started[: cfg.executors]
     except BaseException:
         dep.stop()
         raise
@@ -212,8 +251,9 @@ async def _next_tokens(call: grpc.aio.UnaryStreamCall) -> pb.GenerateResponse:
             return resp
 
 
-async def _reattach_one(address: str, rid: str, generated: int,
-                        keep: list[tuple[grpc.aio.Channel, grpc.aio.UnaryStreamCall]]) -> Sample:
+async def _reattach_one(
+    address: str, rid: str, generated: int, keep: list[tuple[grpc.aio.Channel, grpc.aio.UnaryStreamCall]]
+) -> Sample:
     offset = generated // 2
     t0 = time.perf_counter()
     channel = grpc.aio.insecure_channel(address, options=FRESH)
@@ -329,8 +369,12 @@ def _failover_round(dep: Deployment, victim: str, rnd: int) -> FailoverRound:
             time.sleep(POLL_S)
         done = [f for f in followers if f.resumed_at is not None]
         ms = {f.req.request_id: (f.resumed_at - t_kill) * 1e3 for f in done}  # type: ignore[operator]
-        return FailoverRound([v for rid, v in ms.items() if rid not in orphans],
-                             [v for rid, v in ms.items() if rid in orphans], len(followers) - len(done), led)
+        return FailoverRound(
+            [v for rid, v in ms.items() if rid not in orphans],
+            [v for rid, v in ms.items() if rid in orphans],
+            len(followers) - len(done),
+            led,
+        )
     finally:
         with grpc.insecure_channel(back, options=CHANNEL_OPTIONS) as ch:
             for rid in rids:
@@ -371,13 +415,21 @@ def run(model_dir: Path, cfg: ReattachConfig, log_dir: Path) -> ReattachResult:
             fo = _failover_round(dep, victim, rnd)
             result.failover.append(fo)
             if fo.lost:
-                result.errors.append(f"failover round {rnd}: {fo.lost} streams did not move on within "
-                                     f"{cfg.resume_timeout_s:.0f} s of the kill")
-            print(f"[reattach] failover round {rnd}: p50 {np.median(fo.resume_ms or [np.nan]):.0f} ms, "
-                  f"{fo.loops_on_killed} loop(s) on the killed replica, {fo.lost} lost", flush=True)
+                result.errors.append(
+                    f"failover round {rnd}: {fo.lost} streams did not move on within "
+                    f"{cfg.resume_timeout_s:.0f} s of the kill"
+                )
+            print(
+                f"[reattach] failover round {rnd}: p50 {np.median(fo.resume_ms or [np.nan]):.0f} ms, "
+                f"{fo.loops_on_killed} loop(s) on the killed replica, {fo.lost} lost",
+                flush=True,
+            )
     finally:
         dep.stop()
     d = result.as_dict()
-    print(f"[reattach] reattach p50 {d['reattach_ms']['p50']} ms, p99 {d['reattach_ms']['p99']} ms over "
-          f"{d['samples']} samples", flush=True)
+    print(
+        f"[reattach] reattach p50 {d['reattach_ms']['p50']} ms, p99 {d['reattach_ms']['p99']} ms over "
+        f"{d['samples']} samples",
+        flush=True,
+    )
     return result

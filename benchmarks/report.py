@@ -47,8 +47,12 @@ def plot_latency(arms: dict[str, dict], out: Path) -> str:
     names = [a for a in ARMS if a in arms]
     for ax, metric in zip(axes, ("ttft_ms", "tpot_ms", "e2e_ms")):
         for i, q in enumerate(("p50", "p90", "p99")):
-            ax.bar([j + 0.27 * (i - 1) for j in range(len(names))], [arms[a][metric][q] or 0 for a in names],
-                   width=0.27, label=q)
+            ax.bar(
+                [j + 0.27 * (i - 1) for j in range(len(names))],
+                [arms[a][metric][q] or 0 for a in names],
+                width=0.27,
+                label=q,
+            )
         ax.set_xticks(range(len(names)), names)
         ax.set_title(metric.replace("_ms", "").upper() + " (ms)")
     axes[0].legend()
@@ -71,10 +75,16 @@ def plot_overhead(points: list[OverheadPoint], out: Path) -> str:
     for loop in sorted({p.loop for p in points}):
         for waiting in sorted({p.waiting for p in points if p.loop == loop}):
             pts = sorted((p for p in points if p.waiting == waiting and p.loop == loop), key=lambda p: p.running)
-            ax.plot([p.running for p in pts], [p.p50_ms for p in pts], marker="o",
-                    label=f"{loop}: p50, {waiting} waiting")
-            ax.plot([p.running for p in pts], [p.p99_ms for p in pts], ls="--", marker="x",
-                    label=f"{loop}: p99, {waiting} waiting")
+            ax.plot(
+                [p.running for p in pts], [p.p50_ms for p in pts], marker="o", label=f"{loop}: p50, {waiting} waiting"
+            )
+            ax.plot(
+                [p.running for p in pts],
+                [p.p99_ms for p in pts],
+                ls="--",
+                marker="x",
+                label=f"{loop}: p99, {waiting} waiting",
+            )
     ax.axhline(2.0, color="red", lw=0.8, label="target p50 2 ms")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
@@ -123,8 +133,9 @@ def plot_scale_out(points: list[ScaleOutPoint], out: Path) -> str:
     ax.plot(n, [p.tokens_per_s for p in pts], marker="o", label="measured")
     if one:
         ax.plot(n, [k * one for k in n], ls="--", color="gray", label="ideal: N x (1 executor)")
-    ax.plot(n, [p.ideal_tokens_per_s for p in pts], ls=":", color="k", lw=0.8,
-            label="N x running / step time (duty 1.0)")
+    ax.plot(
+        n, [p.ideal_tokens_per_s for p in pts], ls=":", color="k", lw=0.8, label="N x running / step time (duty 1.0)"
+    )
     ax.set_xlabel("executors (2 scheduler replicas)")
     ax.set_ylabel("tokens/s, all executors")
     for p in pts:
@@ -206,34 +217,49 @@ def _f(x: object, nd: int = 1) -> str:
 def _scale_out_lines(summary: dict, points: list[ScaleOutPoint], plots: dict[str, str]) -> list[str]:
     c = summary.get("scale_out_config") or {}
     one = next((p.tokens_per_s for p in points if p.executors == 1), None)
-    lines = ["## Scale-out (stub executors, 2 scheduler replicas)", "",
-             f"Stub executors with a {c.get('step_ms')} ms simulated step and {c.get('running')} running each, "
-             f"registered in Redis; {c.get('replicas')} real scheduler_svc replicas spread one loop per executor; "
-             f"{c.get('window_s')} s window once every executor runs {c.get('running')}. Efficiency = tokens/s / "
-             f"(N x tokens/s at 1). Duty = time inside the stub's Step / wall time. Loop time = schedule + Redis + "
-             "gRPC beyond the stub's own time, per step. CPU in cores (of this machine's "
-             f"{os.cpu_count()}) over the window; `other` is whatever else ran on the machine.", "",
-             "| executors | steps/s | tokens/s | efficiency | mean duty (min-max) | loop ms p50 (sched / Redis / "
-             "gRPC) | loops per replica | CPU client / frontends / loops / stubs / Redis / other | busy |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "## Scale-out (stub executors, 2 scheduler replicas)",
+        "",
+        f"Stub executors with a {c.get('step_ms')} ms simulated step and {c.get('running')} running each, "
+        f"registered in Redis; {c.get('replicas')} real scheduler_svc replicas spread one loop per executor; "
+        f"{c.get('window_s')} s window once every executor runs {c.get('running')}. Efficiency = tokens/s / "
+        f"(N x tokens/s at 1). Duty = time inside the stub's Step / wall time. Loop time = schedule + Redis + "
+        "gRPC beyond the stub's own time, per step. CPU in cores (of this machine's "
+        f"{os.cpu_count()}) over the window; `other` is whatever else ran on the machine.",
+        "",
+        "| executors | steps/s | tokens/s | efficiency | mean duty (min-max) | loop ms p50 (sched / Redis / "
+        "gRPC) | loops per replica | CPU client / frontends / loops / stubs / Redis / other | busy |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for p in sorted(points, key=lambda p: p.executors):
         eff = p.tokens_per_s / (p.executors * one) if one else None
         cpu = " / ".join(_f(p.cpu_cores.get(k), 2) for k in ("client", "frontends", "loops", "stubs", "redis", "other"))
-        lines.append(f"| {p.executors} | {_f(p.steps_per_s)} | {_f(p.tokens_per_s, 0)} | {_f(eff, 3)} | "
-                     f"{_f(p.mean_duty, 2)} ({_f(min(p.duty_cycles, default=None), 2)}-"
-                     f"{_f(max(p.duty_cycles, default=None), 2)}) | {_f(p.overhead_ms_p50, 1)} "
-                     f"({_f(p.schedule_ms_p50, 1)} / {_f(p.redis_ms_p50, 1)} / {_f(p.rpc_ms_p50, 1)}) | "
-                     f"{'+'.join(map(str, p.loops_per_replica))} | {cpu} | {_f(p.machine_busy, 2)} |")
+        lines.append(
+            f"| {p.executors} | {_f(p.steps_per_s)} | {_f(p.tokens_per_s, 0)} | {_f(eff, 3)} | "
+            f"{_f(p.mean_duty, 2)} ({_f(min(p.duty_cycles, default=None), 2)}-"
+            f"{_f(max(p.duty_cycles, default=None), 2)}) | {_f(p.overhead_ms_p50, 1)} "
+            f"({_f(p.schedule_ms_p50, 1)} / {_f(p.redis_ms_p50, 1)} / {_f(p.rpc_ms_p50, 1)}) | "
+            f"{'+'.join(map(str, p.loops_per_replica))} | {cpu} | {_f(p.machine_busy, 2)} |"
+        )
     sp = summary.get("kv_usage_spread") or {}
-    lines += ["", f"Efficiency at 4 executors: **{_f(summary.get('scale_out_efficiency_4'), 3)}**, at 8: "
-              f"**{_f(summary.get('scale_out_efficiency_8'), 3)}**.", "", f"![scale-out]({plots.get('scale_out', '')})",
-              "", "## KV usage spread (real executors, uniform load)", "",
-              f"{sp.get('executors', '–')} executors with the same KV budget, one scheduler; device-used fraction per "
-              "executor sampled from the namespace's `usage` hash every 0.2 s; spread = max - min across executors "
-              f"over the middle 80% of the run: mean **{_f(sp.get('mean'), 3)}**, max **{_f(sp.get('max'), 3)}** "
-              f"({sp.get('samples', 0)} samples, mean used {_f(sp.get('mean_used'), 2)}); while requests wait in "
-              f"the queue: mean {_f(sp.get('loaded_mean'), 3)}, max {_f(sp.get('loaded_max'), 3)}.", "",
-              f"![kv spread]({plots.get('kv_spread', '')})", ""]
+    lines += [
+        "",
+        f"Efficiency at 4 executors: **{_f(summary.get('scale_out_efficiency_4'), 3)}**, at 8: "
+        f"**{_f(summary.get('scale_out_efficiency_8'), 3)}**.",
+        "",
+        f"![scale-out]({plots.get('scale_out', '')})",
+        "",
+        "## KV usage spread (real executors, uniform load)",
+        "",
+        f"{sp.get('executors', '–')} executors with the same KV budget, one scheduler; device-used fraction per "
+        "executor sampled from the namespace's `usage` hash every 0.2 s; spread = max - min across executors "
+        f"over the middle 80% of the run: mean **{_f(sp.get('mean'), 3)}**, max **{_f(sp.get('max'), 3)}** "
+        f"({sp.get('samples', 0)} samples, mean used {_f(sp.get('mean_used'), 2)}); while requests wait in "
+        f"the queue: mean {_f(sp.get('loaded_mean'), 3)}, max {_f(sp.get('loaded_max'), 3)}.",
+        "",
+        f"![kv spread]({plots.get('kv_spread', '')})",
+        "",
+    ]
     return lines
 
 
@@ -242,62 +268,88 @@ def _previous_run_line(summary: dict) -> str:
     then = prev.get("output_tokens_per_s") or {}
     now = summary.get("throughput_ratio_vs_hf_continuous")
     caveat = "" if summary.get("config") == "quick" else " (that was the quick configuration, this is not)"
-    return (f"Against the {prev.get('label', 'previous run')}, SmolLM2-135M{caveat}: pagedserve / HF continuous "
-            f"**{_f(now, 3)}x** now vs **{_f(summary.get('throughput_ratio_vs_hf_continuous_previous'), 3)}x** then "
-            f"(pagedserve {then.get('pagedserve')}, HF continuous {then.get('hf_continuous')}, HF static "
-            f"{then.get('hf_static')} tok/s then; vs HF static {_f(summary.get('throughput_ratio_vs_hf_static'), 2)}x "
-            "now). What offsets and replayable seeds cost shows as a change of the ratio; tokens/s move with the "
-            "machine, and run-to-run noise on a shared 2-core box is about 20%.")
+    return (
+        f"Against the {prev.get('label', 'previous run')}, SmolLM2-135M{caveat}: pagedserve / HF continuous "
+        f"**{_f(now, 3)}x** now vs **{_f(summary.get('throughput_ratio_vs_hf_continuous_previous'), 3)}x** then "
+        f"(pagedserve {then.get('pagedserve')}, HF continuous {then.get('hf_continuous')}, HF static "
+        f"{then.get('hf_static')} tok/s then; vs HF static {_f(summary.get('throughput_ratio_vs_hf_static'), 2)}x "
+        "now). What offsets and replayable seeds cost shows as a change of the ratio; tokens/s move with the "
+        "machine, and run-to-run noise on a shared 2-core box is about 20%."
+    )
 
 
 def _streams_lines(summary: dict, sampling: list[SamplingPoint], plots: dict[str, str]) -> list[str]:
     ra = summary.get("reattach") or {}
     c = ra.get("config") or {}
-    lines = ["## Streams: reattach, failover, replayable seeds", "",
-             f"{c.get('executors', '–')} stub executors ({c.get('step_ms', '–')} ms simulated step), 2 real scheduler "
-             f"replicas A and B (`--lease-ms {c.get('lease_ms', '–')}`). **Reattach** ({c.get('rounds', '–')} x {c.get('requests', '–')} "
-             "samples): per round, that many long requests through A; once each has generated "
-             f"{c.get('warm_tokens', '–')} tokens, one at a time, `Resume(request_id, offset = half of what it has "
-             "generated)` on B over a fresh connection; time from the call to the first response carrying tokens "
-             f"(the replay from Redis, {_f(ra.get('replayed_tokens_mean'))} tokens on average), and to the next one "
-             f"(the first live token). **Failover** ({c.get('failover_rounds', '–')} x "
-             f"{c.get('requests', '–')}): per round, that many streams through `pagedserve.client.generate([A, B])`, "
-             "A's API and loop "
-             "processes SIGKILLed; per stream, from the kill to the first token past what Redis held just after it. "
-             "That includes the client noticing UNAVAILABLE, the library's backoff (0.2 s, A once more, 0.4 s, then "
-             "B) and the Resume; for requests on an executor whose loop A led, also the lease handover (B's manager "
-             "takes the loop once A's lease expires) and the loop's restore from Redis.", "",
-             "| figure | samples | p50 ms | p99 ms | mean ms | max ms |", "|---|---|---|---|---|---|"]
-    rows = [("reattach: Resume on B -> first replayed token", "reattach_ms"),
-            ("reattach: -> first live token after the replay", "first_live_ms"),
-            ("failover: kill -> next token, every stream", "failover_resume_ms"),
-            ("failover: its executor's loop on the surviving replica", "failover_survivor_loop_ms"),
-            ("failover: its executor's loop on the killed replica (handover)", "failover_handover_ms")]
+    lines = [
+        "## Streams: reattach, failover, replayable seeds",
+        "",
+        f"{c.get('executors', '–')} stub executors ({c.get('step_ms', '–')} ms simulated step), 2 real scheduler "
+        f"replicas A and B (`--lease-ms {c.get('lease_ms', '–')}`). "
+        f"**Reattach** ({c.get('rounds', '–')} x {c.get('requests', '–')} "
+        "samples): per round, that many long requests through A; once each has generated "
+        f"{c.get('warm_tokens', '–')} tokens, one at a time, `Resume(request_id, offset = half of what it has "
+        "generated)` on B over a fresh connection; time from the call to the first response carrying tokens "
+        f"(the replay from Redis, {_f(ra.get('replayed_tokens_mean'))} tokens on average), and to the next one "
+        f"(the first live token). **Failover** ({c.get('failover_rounds', '–')} x "
+        f"{c.get('requests', '–')}): per round, that many streams through `pagedserve.client.generate([A, B])`, "
+        "A's API and loop "
+        "processes SIGKILLed; per stream, from the kill to the first token past what Redis held just after it. "
+        "That includes the client noticing UNAVAILABLE, the library's backoff (0.2 s, A once more, 0.4 s, then "
+        "B) and the Resume; for requests on an executor whose loop A led, also the lease handover (B's manager "
+        "takes the loop once A's lease expires) and the loop's restore from Redis.",
+        "",
+        "| figure | samples | p50 ms | p99 ms | mean ms | max ms |",
+        "|---|---|---|---|---|---|",
+    ]
+    rows = [
+        ("reattach: Resume on B -> first replayed token", "reattach_ms"),
+        ("reattach: -> first live token after the replay", "first_live_ms"),
+        ("failover: kill -> next token, every stream", "failover_resume_ms"),
+        ("failover: its executor's loop on the surviving replica", "failover_survivor_loop_ms"),
+        ("failover: its executor's loop on the killed replica (handover)", "failover_handover_ms"),
+    ]
     for label, key in rows:
         st = ra.get(key) or {}
-        lines.append(f"| {label} | {st.get('n', '–')} | {_f(st.get('p50'))} | {_f(st.get('p99'))} | "
-                     f"{_f(st.get('mean'))} | {_f(st.get('max'))} |")
+        lines.append(
+            f"| {label} | {st.get('n', '–')} | {_f(st.get('p50'))} | {_f(st.get('p99'))} | "
+            f"{_f(st.get('mean'))} | {_f(st.get('max'))} |"
+        )
     cpu = ra.get("cpu_cores") or {}
-    lines += ["", f"Loops the killed replica led at each kill: {ra.get('failover_loops_on_killed', '–')}; streams that "
-              f"did not move on: {ra.get('failover_lost', '–')}. CPU over the reattach rounds: "
-              f"{_f(cpu.get('deployment'), 2)} cores for the harness and the deployment, {_f(cpu.get('other'), 2)} for "
-              f"anything else on the machine (of {os.cpu_count()}).", "", f"![streams]({plots.get('streams', '')})", "",
-              "Replayable seeds on the executor: `executor_svc.sampler.sample` on fp32 logits of the model's "
-              "vocabulary, temperature 0.8, top-k 50, every row seeded (every sampled request today) vs none (an "
-              "unseeded request before); median ms per call. Unseeded calls are timed twice, interleaved: their ratio "
-              "(A/A) is the noise floor of the comparison. The decode forward at the same batch comes from the "
-              "pagedserve run's step log (a local fit over decode-only steps near that batch; that arm samples "
-              "greedily) or, where it has none, from a decode forward of the model measured here.", "",
-              "| batch | vocab | unseeded ms | seeded ms | seeded / unseeded | A/A | seeds' extra ms | decode forward ms "
-              "| seeds / forward | sampling / forward | forward from |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines += [
+        "",
+        f"Loops the killed replica led at each kill: {ra.get('failover_loops_on_killed', '–')}; streams that "
+        f"did not move on: {ra.get('failover_lost', '–')}. CPU over the reattach rounds: "
+        f"{_f(cpu.get('deployment'), 2)} cores for the harness and the deployment, {_f(cpu.get('other'), 2)} for "
+        f"anything else on the machine (of {os.cpu_count()}).",
+        "",
+        f"![streams]({plots.get('streams', '')})",
+        "",
+        "Replayable seeds on the executor: `executor_svc.sampler.sample` on fp32 logits of the model's "
+        "vocabulary, temperature 0.8, top-k 50, every row seeded (every sampled request today) vs none (an "
+        "unseeded request before); median ms per call. Unseeded calls are timed twice, interleaved: their ratio "
+        "(A/A) is the noise floor of the comparison. The decode forward at the same batch comes from the "
+        "pagedserve run's step log (a local fit over decode-only steps near that batch; that arm samples "
+        "greedily) or, where it has none, from a decode forward of the model measured here.",
+        "",
+        "| batch | vocab | unseeded ms | seeded ms | seeded / unseeded | A/A | seeds' extra ms | decode forward ms "
+        "| seeds / forward | sampling / forward | forward from |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for p in sampling:
-        lines.append(f"| {p.batch} | {p.vocab} | {_f(p.unseeded_ms, 2)} | {_f(p.seeded_ms, 2)} | {_f(p.ratio, 3)} | "
-                     f"{_f(p.noise_ratio, 3)} | "
-                     f"{_f(p.extra_ms, 2)} | {_f(p.forward_ms)} | {_pct(p.seeds_share_of_forward)} | "
-                     f"{_pct(p.sampling_share_of_forward)} | {p.forward_source or '–'} |")
-    lines += ["", f"Seeded / unseeded at batch {RATIO_BATCH}: **{_f(summary.get('seeded_sampling_cost_ratio'), 3)}**; "
-              f"the seeds cost **{_pct(summary.get('seeded_sampling_share_of_forward'))}** of a decode step's forward "
-              "there.", ""]
+        lines.append(
+            f"| {p.batch} | {p.vocab} | {_f(p.unseeded_ms, 2)} | {_f(p.seeded_ms, 2)} | {_f(p.ratio, 3)} | "
+            f"{_f(p.noise_ratio, 3)} | "
+            f"{_f(p.extra_ms, 2)} | {_f(p.forward_ms)} | {_pct(p.seeds_share_of_forward)} | "
+            f"{_pct(p.sampling_share_of_forward)} | {p.forward_source or '–'} |"
+        )
+    lines += [
+        "",
+        f"Seeded / unseeded at batch {RATIO_BATCH}: **{_f(summary.get('seeded_sampling_cost_ratio'), 3)}**; "
+        f"the seeds cost **{_pct(summary.get('seeded_sampling_share_of_forward'))}** of a decode step's forward "
+        "there.",
+        "",
+    ]
     return lines
 
 
@@ -314,20 +366,27 @@ def _pct(x: float | None) -> str:
 
 
 def _workload_line(w: dict) -> str:
-    return (f"Workload: {w['distribution']} (scale {w['scale']}), {w['num_requests']} requests, "
-            f"prompt mean {w['prompt_len_mean']:.1f} / max {w['prompt_len_max']}, output mean "
-            f"{w['output_len_mean']:.1f} / max {w['output_len_max']}, arrivals {_arrivals(w['rate'])}, "
-            f"seed {w['seed']}, ignore_eos.")
+    return (
+        f"Workload: {w['distribution']} (scale {w['scale']}), {w['num_requests']} requests, "
+        f"prompt mean {w['prompt_len_mean']:.1f} / max {w['prompt_len_max']}, output mean "
+        f"{w['output_len_mean']:.1f} / max {w['output_len_max']}, arrivals {_arrivals(w['rate'])}, "
+        f"seed {w['seed']}, ignore_eos."
+    )
 
 
 def _arm_table(arms: dict[str, dict]) -> list[str]:
-    lines = ["| arm | out tok/s | req/s | TTFT p50/p90/p99 ms | TPOT p50/p90/p99 ms | E2E p50/p90/p99 ms | "
-             "peak / mean seqs |", "|---|---|---|---|---|---|---|"]
+    lines = [
+        "| arm | out tok/s | req/s | TTFT p50/p90/p99 ms | TPOT p50/p90/p99 ms | E2E p50/p90/p99 ms | "
+        "peak / mean seqs |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for name in (a for a in ARMS if a in arms):
         a = arms[name]
-        lines.append(f"| {name} | {_f(a['output_tokens_per_s'])} | {_f(a['requests_per_s'], 2)} | "
-                     f"{_trio(a, 'ttft_ms')} | {_trio(a, 'tpot_ms')} | {_trio(a, 'e2e_ms')} | {a['peak_concurrent_seqs']} / "
-                     f"{_f(a['mean_concurrent_seqs'])} |")
+        lines.append(
+            f"| {name} | {_f(a['output_tokens_per_s'])} | {_f(a['requests_per_s'], 2)} | "
+            f"{_trio(a, 'ttft_ms')} | {_trio(a, 'tpot_ms')} | {_trio(a, 'e2e_ms')} | {a['peak_concurrent_seqs']} / "
+            f"{_f(a['mean_concurrent_seqs'])} |"
+        )
     return lines
 
 
@@ -338,70 +397,125 @@ def _long_lines(summary: dict, plots: dict[str, str]) -> list[str]:
         return []
     arms = lg["arms"]
     n_static, n_all = lg.get("hf_static_requests"), lg["workload"]["num_requests"]
-    subset = (f" (HF static served only the first {n_static} of the {n_all} requests, to fit the run's time: its "
-              "tokens/s are those requests')") if n_static is not None and n_static < n_all else ""
-    return ["## Long workload", "",
-            f"The same arms after the short run, on longer sequences: KV budget {lg['kv_budget_bytes']:,} bytes "
-            f"({lg['kv_budget_tokens']} tokens) for every arm.", "", _workload_line(lg["workload"]), "",
-            *_arm_table(arms), "",
-            f"pagedserve / HF continuous **{_f(summary.get('throughput_ratio_vs_hf_continuous_long'), 3)}x**, "
-            f"/ HF static **{_f(summary.get('throughput_ratio_vs_hf_static_long'), 3)}x**{subset}. KV utilization "
-            f"(steady state): **{_f(summary.get('kv_utilization_steady_state_long'), 3)}**; static max-length "
-            f"allocation: **{_f(lg.get('static_allocation_utilization'), 3)}**.", "",
-            f"![kv long]({plots.get('kv_utilization_long', '')})", ""]
+    subset = (
+        (
+            f" (HF static served only the first {n_static} of the {n_all} requests, to fit the run's time: its "
+            "tokens/s are those requests')"
+        )
+        if n_static is not None and n_static < n_all
+        else ""
+    )
+    return [
+        "## Long workload",
+        "",
+        f"The same arms after the short run, on longer sequences: KV budget {lg['kv_budget_bytes']:,} bytes "
+        f"({lg['kv_budget_tokens']} tokens) for every arm.",
+        "",
+        _workload_line(lg["workload"]),
+        "",
+        *_arm_table(arms),
+        "",
+        f"pagedserve / HF continuous **{_f(summary.get('throughput_ratio_vs_hf_continuous_long'), 3)}x**, "
+        f"/ HF static **{_f(summary.get('throughput_ratio_vs_hf_static_long'), 3)}x**{subset}. KV utilization "
+        f"(steady state): **{_f(summary.get('kv_utilization_steady_state_long'), 3)}**; static max-length "
+        f"allocation: **{_f(lg.get('static_allocation_utilization'), 3)}**.",
+        "",
+        f"![kv long]({plots.get('kv_utilization_long', '')})",
+        "",
+    ]
 
 
-def write_markdown(summary: dict, arms: dict[str, dict], targets: list[Target], overhead: list[OverheadPoint],
-                   preemption: list[PreemptionPoint], plots: dict[str, str], out: Path,
-                   scale: list[ScaleOutPoint] | None = None, sampling: list[SamplingPoint] | None = None) -> None:
+def write_markdown(
+    summary: dict,
+    arms: dict[str, dict],
+    targets: list[Target],
+    overhead: list[OverheadPoint],
+    preemption: list[PreemptionPoint],
+    plots: dict[str, str],
+    out: Path,
+    scale: list[ScaleOutPoint] | None = None,
+    sampling: list[SamplingPoint] | None = None,
+) -> None:
     lines = [
-        "# pagedserve benchmark", "",
+        "# pagedserve benchmark",
+        "",
         f"Model `{summary['model']}`; KV budget {summary['kv_budget_bytes']:,} bytes "
         f"({summary['kv_budget_tokens']} tokens at {summary['kv_bytes_per_token']} B/token) for every arm; "
         f"{summary['threads']} torch threads; config `{summary['config']}`; wall time {summary['wall_time_s']:.0f} s.",
-        "", _workload_line(summary["workload"]), "",
-        "## Targets", "", "| target | goal | measured | verdict |", "|---|---|---|---|",
+        "",
+        _workload_line(summary["workload"]),
+        "",
+        "## Targets",
+        "",
+        "| target | goal | measured | verdict |",
+        "|---|---|---|---|",
     ]
     lines += [f"| {t.name} | {t.goal} | {_f(t.value, 3)}{t.unit} | {t.verdict()} |" for t in targets]
     lines += ["", "## Throughput and latency per arm", "", *_arm_table(arms)]
     lines += ["", _previous_run_line(summary)]
     for err in summary.get("errors", []):
         lines.append(f"\n**Arm failed:** {err}")
-    lines += ["", f"![throughput]({plots.get('throughput', '')})", f"![latency]({plots.get('latency', '')})", "",
-              "## KV cache utilization", "",
-              f"pagedserve steady state (mean of live / allocated slots over the middle 80% of the run): "
-              f"**{_f(summary['kv_utilization_steady_state'], 3)}**; static max-length allocation for the same "
-              f"requests (HF static batches, rows of longest prompt + longest output): "
-              f"**{_f(summary['static_allocation_utilization'], 3)}**.", "",
-              f"![kv]({plots.get('kv_utilization', '')})", "",
-              *_long_lines(summary, plots),
-              "## Scheduler overhead (stub executor)", "",
-              f"The stub simulates a {_f(summary.get('overhead_step_ms'), 0)} ms step. Gap = the executor's wait "
-              "between two steps (the scheduler's critical path); duty = time inside steps / (that + the gaps); "
-              "loop = the loop's own schedule + Redis time per step (off the critical path when pipelined); wait = "
-              "serial: the Step round trip, pipelined: the wait for the oldest result.", "",
-              f"Pipelined / serial at the target point: gap p50 x"
-              f"{_f(summary.get('scheduler_overhead_ratio_pipelined_vs_serial'), 3)}, duty cycle x"
-              f"{_f(summary.get('executor_duty_cycle_ratio_pipelined_vs_serial'), 3)}.", "",
-              "| loop | running | waiting | steps | gap p50 ms | gap p99 ms | duty | loop p50 ms | Redis p50 | "
-              "plan p50 | commit p50 | encode p50 | decode p50 | wait p50 |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    lines += [f"| {p.loop} | {p.running} | {p.waiting} | {p.steps} | {_f(p.p50_ms, 2)} | {_f(p.p99_ms, 2)} | "
-              f"{_f(p.duty_cycle, 3)} | {_f(p.schedule_p50_ms + p.redis_p50_ms, 2)} | {_f(p.redis_p50_ms, 2)} | "
-              f"{_f(p.plan_p50_ms, 2)} | {_f(p.commit_p50_ms, 2)} | {_f(p.encode_p50_ms, 2)} | "
-              f"{_f(p.decode_p50_ms, 2)} | {_f(p.rpc_p50_ms, 2)} |" for p in overhead]
-    lines += ["", f"![overhead]({plots.get('scheduler_overhead', '')})", "",
-              f"Real run: **{_f(summary['scheduler_overhead_share_real_run'], 3)}** of step time is outside the "
-              "executor's forward pass.", "", f"![steps]({plots.get('step_breakdown', '')})", "",
-              "## Preemption cost", "",
-              "Hand-made plans through the `Step` RPC of an executor of its own (the arm's flags, not registered, so no "
-              "loop leads it), after the run: recompute = "
-              "prefill of N tokens; swap = moving ceil(N/block) blocks device->CPU and back. Median of 3; "
-              "RPC round trip (executor-side time in brackets).", "",
-              "| tokens | blocks | recompute ms | swap out+in ms | out / in ms |", "|---|---|---|---|---|"]
-    lines += [f"| {p.tokens} | {p.blocks} | {_f(p.recompute_ms)} ({_f(p.recompute_executor_ms)}) | "
-              f"{_f(p.swap_ms)} ({_f(p.swap_executor_ms)}) | {_f(p.swap_out_ms)} / {_f(p.swap_in_ms)} |"
-              for p in preemption]
+    lines += [
+        "",
+        f"![throughput]({plots.get('throughput', '')})",
+        f"![latency]({plots.get('latency', '')})",
+        "",
+        "## KV cache utilization",
+        "",
+        f"pagedserve steady state (mean of live / allocated slots over the middle 80% of the run): "
+        f"**{_f(summary['kv_utilization_steady_state'], 3)}**; static max-length allocation for the same "
+        f"requests (HF static batches, rows of longest prompt + longest output): "
+        f"**{_f(summary['static_allocation_utilization'], 3)}**.",
+        "",
+        f"![kv]({plots.get('kv_utilization', '')})",
+        "",
+        *_long_lines(summary, plots),
+        "## Scheduler overhead (stub executor)",
+        "",
+        f"The stub simulates a {_f(summary.get('overhead_step_ms'), 0)} ms step. Gap = the executor's wait "
+        "between two steps (the scheduler's critical path); duty = time inside steps / (that + the gaps); "
+        "loop = the loop's own schedule + Redis time per step (off the critical path when pipelined); wait = "
+        "serial: the Step round trip, pipelined: the wait for the oldest result.",
+        "",
+        f"Pipelined / serial at the target point: gap p50 x"
+        f"{_f(summary.get('scheduler_overhead_ratio_pipelined_vs_serial'), 3)}, duty cycle x"
+        f"{_f(summary.get('executor_duty_cycle_ratio_pipelined_vs_serial'), 3)}.",
+        "",
+        "| loop | running | waiting | steps | gap p50 ms | gap p99 ms | duty | loop p50 ms | Redis p50 | "
+        "plan p50 | commit p50 | encode p50 | decode p50 | wait p50 |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {p.loop} | {p.running} | {p.waiting} | {p.steps} | {_f(p.p50_ms, 2)} | {_f(p.p99_ms, 2)} | "
+        f"{_f(p.duty_cycle, 3)} | {_f(p.schedule_p50_ms + p.redis_p50_ms, 2)} | {_f(p.redis_p50_ms, 2)} | "
+        f"{_f(p.plan_p50_ms, 2)} | {_f(p.commit_p50_ms, 2)} | {_f(p.encode_p50_ms, 2)} | "
+        f"{_f(p.decode_p50_ms, 2)} | {_f(p.rpc_p50_ms, 2)} |"
+        for p in overhead
+    ]
+    lines += [
+        "",
+        f"![overhead]({plots.get('scheduler_overhead', '')})",
+        "",
+        f"Real run: **{_f(summary['scheduler_overhead_share_real_run'], 3)}** of step time is outside the "
+        "executor's forward pass.",
+        "",
+        f"![steps]({plots.get('step_breakdown', '')})",
+        "",
+        "## Preemption cost",
+        "",
+        "Hand-made plans through the `Step` RPC of an executor of its own (the arm's flags, not registered, so no "
+        "loop leads it), after the run: recompute = "
+        "prefill of N tokens; swap = moving ceil(N/block) blocks device->CPU and back. Median of 3; "
+        "RPC round trip (executor-side time in brackets).",
+        "",
+        "| tokens | blocks | recompute ms | swap out+in ms | out / in ms |",
+        "|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {p.tokens} | {p.blocks} | {_f(p.recompute_ms)} ({_f(p.recompute_executor_ms)}) | "
+        f"{_f(p.swap_ms)} ({_f(p.swap_executor_ms)}) | {_f(p.swap_out_ms)} / {_f(p.swap_in_ms)} |"
+        for p in preemption
+    ]
     lines += ["", f"![preemption]({plots.get('preemption', '')})", ""]
     lines += _scale_out_lines(summary, scale or [], plots)
     lines += _streams_lines(summary, sampling or [], plots)
@@ -413,19 +527,24 @@ def _structured_lines(summary: dict) -> list[str]:
     so = summary.get("structured_output")
     if not so:
         return []
-    return ["## Structured output", "",
-            "One SmolLM2 deployment, batches of chat requests at once, greedy, alternating plain (`ignore_eos`, fixed "
-            "length) and JSON-schema constrained (an array of a fixed number of enum strings, so about as long). "
-            "The ratio compares full-batch decode steps (median interval in the step log, plain over JSON); the "
-            "wall figures are each batch's output tokens over its wall time (benchmarks/structured.py).", "",
-            "| step ms plain / JSON | tokens/s ratio | wall tok/s plain / JSON (ratio) | valid | mask fill per token "
-            "(p50 / p99) | mask apply per step |",
-            "|---|---|---|---|---|---|",
-            f"| {_f(so['plain_step_ms'])} / {_f(so['json_step_ms'])} | **{_f(so['ratio'], 3)}** | "
-            f"{_f(so['plain_tokens_per_s'])} / {_f(so['json_tokens_per_s'])} ({_f(so['wall_ratio'], 3)}) | "
-            f"{so['valid']}/{so['constrained']} | {_f(so['mask_fill_ms_per_token'] * 1e3, 1)} / "
-            f"{_f(so['mask_fill_ms_p99'] * 1e3, 1)} µs (worker thread, overlapped with the forward) | "
-            f"{_f(so['mask_apply_ms_per_step'], 3)} ms |", ""]
+    return [
+        "## Structured output",
+        "",
+        "One SmolLM2 deployment, batches of chat requests at once, greedy, alternating plain (`ignore_eos`, fixed "
+        "length) and JSON-schema constrained (an array of a fixed number of enum strings, so about as long). "
+        "The ratio compares full-batch decode steps (median interval in the step log, plain over JSON); the "
+        "wall figures are each batch's output tokens over its wall time (benchmarks/structured.py).",
+        "",
+        "| step ms plain / JSON | tokens/s ratio | wall tok/s plain / JSON (ratio) | valid | mask fill per token "
+        "(p50 / p99) | mask apply per step |",
+        "|---|---|---|---|---|---|",
+        f"| {_f(so['plain_step_ms'])} / {_f(so['json_step_ms'])} | **{_f(so['ratio'], 3)}** | "
+        f"{_f(so['plain_tokens_per_s'])} / {_f(so['json_tokens_per_s'])} ({_f(so['wall_ratio'], 3)}) | "
+        f"{so['valid']}/{so['constrained']} | {_f(so['mask_fill_ms_per_token'] * 1e3, 1)} / "
+        f"{_f(so['mask_fill_ms_p99'] * 1e3, 1)} µs (worker thread, overlapped with the forward) | "
+        f"{_f(so['mask_apply_ms_per_step'], 3)} ms |",
+        "",
+    ]
 
 
 def overhead_dicts(points: list[OverheadPoint]) -> list[dict]:
@@ -453,27 +572,42 @@ def plot_duty(series: list[dict], out: Path) -> str:
 def _machine_lines(summary: dict) -> list[str]:
     fl = summary.get("model_flops_per_token") or {}
     gemm = summary.get("gemm_flops_per_s")
-    lines = ["", "## Against the machine", "",
-             "Informational, no target. **Model-runner ratio**: the executor's own decode step (`Engine.step` in "
-             "the harness process, a hand-made plan of one token per row behind "
-             f"{(summary.get('model_runner') or [{}])[0].get('context', '–')} prefilled tokens) against "
-             "transformers' eager decode step (the same weights, one token per row on a DynamicCache of as many "
-             "tokens, plus the argmax), alternating; medians, ratio = median of the per-pair ratios.", "",
-             "| batch | executor ms | transformers ms | executor / transformers |", "|---|---|---|---|"]
-    lines += [f"| {p['batch']} | {_f(p['executor_ms'])} | {_f(p['transformers_ms'])} | {_f(p['ratio'], 3)} |"
-              for p in summary.get("model_runner") or []]
+    lines = [
+        "",
+        "## Against the machine",
+        "",
+        "Informational, no target. **Model-runner ratio**: the executor's own decode step (`Engine.step` in "
+        "the harness process, a hand-made plan of one token per row behind "
+        f"{(summary.get('model_runner') or [{}])[0].get('context', '–')} prefilled tokens) against "
+        "transformers' eager decode step (the same weights, one token per row on a DynamicCache of as many "
+        "tokens, plus the argmax), alternating; medians, ratio = median of the per-pair ratios.",
+        "",
+        "| batch | executor ms | transformers ms | executor / transformers |",
+        "|---|---|---|---|",
+    ]
+    lines += [
+        f"| {p['batch']} | {_f(p['executor_ms'])} | {_f(p['transformers_ms'])} | {_f(p['ratio'], 3)} |"
+        for p in summary.get("model_runner") or []
+    ]
     fractions = summary.get("roofline_fraction_by_arm") or {}
     per_arm = ", ".join(f"{a} {_f(v, 3)}" for a, v in fractions.items()) or "–"
-    lines += ["", f"**Roofline**: fp32 GEMM ({summary.get('gemm_size') or '–'}^2 `torch.mm`, best of {summary.get('gemm_reps') or '–'}, "
-              f"{summary.get('threads')} threads): **{_f(gemm / 1e9 if gemm else None)} GFLOP/s**. FLOPs per output "
-              f"token = 2 x {fl.get('matmul_params', '–')} matmul parameters + 2 x 2 x {fl.get('layers', '–')} "
-              f"layers x {_f(fl.get('context'))} context x {fl.get('hidden', '–')} hidden = "
-              f"**{_f(fl['flops'] / 1e6 if fl else None)} MFLOP**. Output tokens/s x FLOPs/token / GEMM FLOP/s: "
-              f"pagedserve **{_f(summary.get('roofline_fraction'), 3)}** (every arm: {per_arm}; prefill FLOPs not "
-              "counted).", "",
-              f"**Executor busy fraction** in the pagedserve run: **{_f(summary.get('executor_busy_fraction'), 3)}** "
-              "(sum of the executor's own `step_ms` / the wall time its step log spans).", "",
-              f"![duty cycle]({(summary.get('plots') or {}).get('duty_cycle', '')})", ""]
+    lines += [
+        "",
+        f"**Roofline**: fp32 GEMM ({summary.get('gemm_size') or '–'}^2 `torch.mm`, "
+        f"best of {summary.get('gemm_reps') or '–'}, "
+        f"{summary.get('threads')} threads): **{_f(gemm / 1e9 if gemm else None)} GFLOP/s**. FLOPs per output "
+        f"token = 2 x {fl.get('matmul_params', '–')} matmul parameters + 2 x 2 x {fl.get('layers', '–')} "
+        f"layers x {_f(fl.get('context'))} context x {fl.get('hidden', '–')} hidden = "
+        f"**{_f(fl['flops'] / 1e6 if fl else None)} MFLOP**. Output tokens/s x FLOPs/token / GEMM FLOP/s: "
+        f"pagedserve **{_f(summary.get('roofline_fraction'), 3)}** (every arm: {per_arm}; prefill FLOPs not "
+        "counted).",
+        "",
+        f"**Executor busy fraction** in the pagedserve run: **{_f(summary.get('executor_busy_fraction'), 3)}** "
+        "(sum of the executor's own `step_ms` / the wall time its step log spans).",
+        "",
+        f"![duty cycle]({(summary.get('plots') or {}).get('duty_cycle', '')})",
+        "",
+    ]
     lines += [f"- error: {e}" for e in summary.get("errors") or [] if e.startswith("machine:")]
     return lines
 

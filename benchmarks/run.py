@@ -52,59 +52,138 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--overhead-running", type=int, nargs="+", default=None)
     p.add_argument("--overhead-waiting", type=int, nargs="+", default=None)
     p.add_argument("--overhead-window", type=float, default=None, help="seconds measured per overhead point")
-    p.add_argument("--overhead-step-ms", type=float, default=None,
-                   help="the overhead arm's stub executor's simulated step (default: 20)")
+    p.add_argument(
+        "--overhead-step-ms",
+        type=float,
+        default=None,
+        help="the overhead arm's stub executor's simulated step (default: 20)",
+    )
     p.add_argument("--preemption-lengths", type=int, nargs="*", default=None)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--scale-out-executors", type=int, nargs="+", default=None,
-                   help="executor counts of the scale-out arm (default: 1 2 4 8)")
+    p.add_argument(
+        "--scale-out-executors",
+        type=int,
+        nargs="+",
+        default=None,
+        help="executor counts of the scale-out arm (default: 1 2 4 8)",
+    )
     p.add_argument("--scale-out-running", type=int, default=None, help="running requests per executor (default: 64)")
     p.add_argument("--scale-out-window", type=float, default=None, help="seconds measured per scale-out point")
     p.add_argument("--scale-out-step-ms", type=float, default=None, help="the stub executors' simulated step time")
-    p.add_argument("--kv-spread-budget-tokens", type=int, default=None,
-                   help="KV budget per executor of the kv_spread arm, in tokens (default: 1024)")
+    p.add_argument(
+        "--kv-spread-budget-tokens",
+        type=int,
+        default=None,
+        help="KV budget per executor of the kv_spread arm, in tokens (default: 1024)",
+    )
     p.add_argument("--kv-spread-requests", type=int, default=None, help="requests of the kv_spread arm")
-    p.add_argument("--reattach-requests", type=int, default=None,
-                   help="requests per round of the reattach arm (default: 32)")
+    p.add_argument(
+        "--reattach-requests", type=int, default=None, help="requests per round of the reattach arm (default: 32)"
+    )
     p.add_argument("--reattach-rounds", type=int, default=None, help="Resume rounds of the reattach arm (default: 3)")
-    p.add_argument("--reattach-failover-rounds", type=int, default=None,
-                   help="rounds in which the reattach arm SIGKILLs the front replica (default: 2; 0: none)")
-    p.add_argument("--reattach-step-ms", type=float, default=None,
-                   help="the reattach arm's stub executors' simulated step (default: 20)")
-    p.add_argument("--sampling-batches", type=int, nargs="+", default=None,
-                   help="batch sizes of the sampling_cost arm (default: 1 8 32 64)")
+    p.add_argument(
+        "--reattach-failover-rounds",
+        type=int,
+        default=None,
+        help="rounds in which the reattach arm SIGKILLs the front replica (default: 2; 0: none)",
+    )
+    p.add_argument(
+        "--reattach-step-ms",
+        type=float,
+        default=None,
+        help="the reattach arm's stub executors' simulated step (default: 20)",
+    )
+    p.add_argument(
+        "--sampling-batches",
+        type=int,
+        nargs="+",
+        default=None,
+        help="batch sizes of the sampling_cost arm (default: 1 8 32 64)",
+    )
     p.add_argument("--sampling-reps", type=int, default=None, help="timed calls per batch and mode (default: 7)")
-    p.add_argument("--logprobs-requests", type=int, default=None,
-                   help="requests of the logprobs_cost arm, sent at once (default: 32)")
-    p.add_argument("--logprobs-rounds", type=int, default=None,
-                   help="plain / logprobs rounds of the logprobs_cost arm (default: quick 2, full 3)")
-    p.add_argument("--parallel-prompt-len", type=int, default=None,
-                   help="prompt tokens of the parallel arm's n=8 request and its 8 independent twins (default: 512)")
-    p.add_argument("--parallel-output-len", type=int, default=None,
-                   help="tokens each of the parallel arm's 8 completions generates (default: 32)")
-    p.add_argument("--structured-rounds", type=int, default=None,
-                   help="plain / JSON-schema batch pairs of the structured arm (default: quick 2, full 5)")
-    p.add_argument("--machine-batches", type=int, nargs="+", default=None,
-                   help="batch sizes of the machine arm's executor vs transformers decode step (default: 1 8 32)")
-    p.add_argument("--machine-reps", type=int, default=None, help="timed step pairs per batch (default: quick 5, full 11)")
+    p.add_argument(
+        "--logprobs-requests",
+        type=int,
+        default=None,
+        help="requests of the logprobs_cost arm, sent at once (default: 32)",
+    )
+    p.add_argument(
+        "--logprobs-rounds",
+        type=int,
+        default=None,
+        help="plain / logprobs rounds of the logprobs_cost arm (default: quick 2, full 3)",
+    )
+    p.add_argument(
+        "--parallel-prompt-len",
+        type=int,
+        default=None,
+        help="prompt tokens of the parallel arm's n=8 request and its 8 independent twins (default: 512)",
+    )
+    p.add_argument(
+        "--parallel-output-len",
+        type=int,
+        default=None,
+        help="tokens each of the parallel arm's 8 completions generates (default: 32)",
+    )
+    p.add_argument(
+        "--structured-rounds",
+        type=int,
+        default=None,
+        help="plain / JSON-schema batch pairs of the structured arm (default: quick 2, full 5)",
+    )
+    p.add_argument(
+        "--machine-batches",
+        type=int,
+        nargs="+",
+        default=None,
+        help="batch sizes of the machine arm's executor vs transformers decode step (default: 1 8 32)",
+    )
+    p.add_argument(
+        "--machine-reps", type=int, default=None, help="timed step pairs per batch (default: quick 5, full 11)"
+    )
     p.add_argument("--gemm-size", type=int, default=None, help="side of the roofline's fp32 GEMM (default: 2048)")
-    p.add_argument("--long-num-requests", type=int, default=None,
-                   help="requests of the long workload, run after the short one (default: 48; 0: none)")
+    p.add_argument(
+        "--long-num-requests",
+        type=int,
+        default=None,
+        help="requests of the long workload, run after the short one (default: 48; 0: none)",
+    )
     p.add_argument("--long-scale", type=float, default=None, help="the long workload's ShareGPT scale (default: 0.5)")
     p.add_argument("--long-max-total-len", type=int, default=None, help="the long workload's total cap (default: 1024)")
-    p.add_argument("--long-kv-budget-tokens", type=int, default=None,
-                   help="KV budget of the long workload's arms, in tokens (default: 4096)")
-    p.add_argument("--long-static-requests", type=int, default=None,
-                   help="HF static serves only the first N long requests (default: quick 6, full all)")
-    p.add_argument("--shared-prefix-requests", type=int, default=None,
-                   help="requests of the shared_prefix arm (default: 64)")
-    p.add_argument("--shared-prefix-system-len", type=int, default=None,
-                   help="tokens of the shared_prefix arm's common system prompt (default: 512)")
-    p.add_argument("--shared-prefix-budget-tokens", type=int, default=None,
-                   help="KV budget of every shared_prefix run, in tokens (default: 2048)")
-    p.add_argument("--preemption-mode", choices=("swap", "recompute"), default="recompute",
-                   help="pagedserve's preemption mode (the scheduler's --preemption-mode)")
+    p.add_argument(
+        "--long-kv-budget-tokens",
+        type=int,
+        default=None,
+        help="KV budget of the long workload's arms, in tokens (default: 4096)",
+    )
+    p.add_argument(
+        "--long-static-requests",
+        type=int,
+        default=None,
+        help="HF static serves only the first N long requests (default: quick 6, full all)",
+    )
+    p.add_argument(
+        "--shared-prefix-requests", type=int, default=None, help="requests of the shared_prefix arm (default: 64)"
+    )
+    p.add_argument(
+        "--shared-prefix-system-len",
+        type=int,
+        default=None,
+        help="tokens of the shared_prefix arm's common system prompt (default: 512)",
+    )
+    p.add_argument(
+        "--shared-prefix-budget-tokens",
+        type=int,
+        default=None,
+        help="KV budget of every shared_prefix run, in tokens (default: 2048)",
+    )
+    p.add_argument(
+        "--preemption-mode",
+        choices=("swap", "recompute"),
+        default="recompute",
+        help="pagedserve's preemption mode (the scheduler's --preemption-mode)",
+    )
     return p.parse_args(argv)
 
 
@@ -112,7 +191,9 @@ def build_config(args: argparse.Namespace) -> Config:
     base = FULL if args.full else QUICK
     pick = lambda given, default: default if given is None else given  # noqa: E731
     return Config(
-        name=base.name, num_requests=pick(args.num_requests, base.num_requests), scale=pick(args.scale, base.scale),
+        name=base.name,
+        num_requests=pick(args.num_requests, base.num_requests),
+        scale=pick(args.scale, base.scale),
         max_total_len=pick(args.max_total_len, base.max_total_len),
         kv_budget_tokens=pick(args.kv_budget_tokens, base.kv_budget_tokens),
         overhead_running=pick(args.overhead_running, base.overhead_running),
@@ -219,4 +300,3 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
-

@@ -90,9 +90,12 @@ def time_sample(logits: torch.Tensor, cfg: SamplingConfig) -> Timing:
             sample(logits, params, generated)
             series.append((time.perf_counter() - t) * 1e3)
     before, with_seeds, after = times
-    return Timing(statistics.median(before), statistics.median(with_seeds),
-                  statistics.median([s / u for s, u in zip(with_seeds, before)]),
-                  statistics.median([a / u for a, u in zip(after, before)]))
+    return Timing(
+        statistics.median(before),
+        statistics.median(with_seeds),
+        statistics.median([s / u for s, u in zip(with_seeds, before)]),
+        statistics.median([a / u for a, u in zip(after, before)]),
+    )
 
 
 def forward_from_steps(steps: list[dict[str, float]], batch: int) -> tuple[float | None, str]:
@@ -128,16 +131,22 @@ def measure_forward(model: torch.nn.Module, batch: int, context: int, reps: int 
     return statistics.median(times[1:])
 
 
-def _forwards(model: Callable[[], torch.nn.Module], cfg: SamplingConfig,
-              steps: list[dict[str, float]]) -> dict[int, tuple[float | None, str]]:
+def _forwards(
+    model: Callable[[], torch.nn.Module], cfg: SamplingConfig, steps: list[dict[str, float]]
+) -> dict[int, tuple[float | None, str]]:
     found = {b: forward_from_steps(steps, b) for b in cfg.batches}
     for b in [b for b, (ms, _) in found.items() if ms is None]:
         found[b] = measure_forward(model(), b, cfg.context), f"measured (transformers, {cfg.context} KV tokens/row)"
     return found
 
 
-def run(model_dir: Path, cfg: SamplingConfig, steps: list[dict[str, float]], threads: int,
-        model: Callable[[], torch.nn.Module] | None = None) -> list[SamplingPoint]:
+def run(
+    model_dir: Path,
+    cfg: SamplingConfig,
+    steps: list[dict[str, float]],
+    threads: int,
+    model: Callable[[], torch.nn.Module] | None = None,
+) -> list[SamplingPoint]:
     """``model``: returns the transformers model for decode forwards the step log lacks (default: loads it)."""
     torch.set_num_threads(threads)
     vocab = int(json.loads((model_dir / "config.json").read_text())["vocab_size"])
@@ -147,10 +156,26 @@ def run(model_dir: Path, cfg: SamplingConfig, steps: list[dict[str, float]], thr
         logits = torch.randn(b, vocab, generator=gen) * 3.0  # a spread like a real model's logits
         t = time_sample(logits, cfg)
         # The extra time from the paired ratio: robust to load that differs between the series' medians.
-        points.append(SamplingPoint(b, vocab, t.unseeded_ms, t.seeded_ms, t.ratio, t.noise_ratio,
-                                    (t.ratio - 1) * t.unseeded_ms, None, "", None, None))
-        print(f"[sampling_cost] batch {b}: unseeded {t.unseeded_ms:.2f} ms, seeded {t.seeded_ms:.2f} ms "
-              f"({t.ratio:.3f}x; A/A {t.noise_ratio:.3f}x)", flush=True)
+        points.append(
+            SamplingPoint(
+                b,
+                vocab,
+                t.unseeded_ms,
+                t.seeded_ms,
+                t.ratio,
+                t.noise_ratio,
+                (t.ratio - 1) * t.unseeded_ms,
+                None,
+                "",
+                None,
+                None,
+            )
+        )
+        print(
+            f"[sampling_cost] batch {b}: unseeded {t.unseeded_ms:.2f} ms, seeded {t.seeded_ms:.2f} ms "
+            f"({t.ratio:.3f}x; A/A {t.noise_ratio:.3f}x)",
+            flush=True,
+        )
     if model is None:
         from benchmarks.arm_hf import load_model
 

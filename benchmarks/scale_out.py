@@ -119,29 +119,64 @@ def deploy(model_dir: Path, n: int, cfg: ScaleOutConfig, log_dir: Path) -> Deplo
     redis_srv = RedisServer()
     ns = f"scaleout{n}"
     try:
+
         def stub(i: int) -> Service:
             port = free_port()
-            return Service("benchmarks.stub_executor", [
-                "--model", str(model_dir), "--host", "127.0.0.1", "--step-ms", str(cfg.step_ms),
-                "--redis-url", redis_srv.url, "--advertise-address", f"127.0.0.1:{port}", "--namespace", ns,
-                "--log-level", cfg.log_level,
-            ], port, log_dir / f"stub-{n}-{i}.log")
+            return Service(
+                "benchmarks.stub_executor",
+                [
+                    "--model",
+                    str(model_dir),
+                    "--host",
+                    "127.0.0.1",
+                    "--step-ms",
+                    str(cfg.step_ms),
+                    "--redis-url",
+                    redis_srv.url,
+                    "--advertise-address",
+                    f"127.0.0.1:{port}",
+                    "--namespace",
+                    ns,
+                    "--log-level",
+                    cfg.log_level,
+                ],
+                port,
+                log_dir / f"stub-{n}-{i}.log",
+            )
 
         logs = [log_dir / f"steps-{n}-r{i}.jsonl" for i in range(cfg.replicas)]
         for path in logs:
             path.unlink(missing_ok=True)
 
         def scheduler(i: int) -> Service:
-            return Service("scheduler_svc", [
-                "--redis-url", redis_srv.url, "--namespace", ns, "--replica-id", f"r{i}",
-                "--max-num-seqs", str(cfg.running),
-                "--max-num-batched-tokens", str(max(2048, cfg.running * cfg.prompt_len)),
-                "--lease-ms", str(cfg.lease_ms), "--step-log", str(logs[i]), "--log-level", cfg.log_level,
-            ], free_port(), log_dir / f"scheduler-{n}-r{i}.log")
+            return Service(
+                "scheduler_svc",
+                [
+                    "--redis-url",
+                    redis_srv.url,
+                    "--namespace",
+                    ns,
+                    "--replica-id",
+                    f"r{i}",
+                    "--max-num-seqs",
+                    str(cfg.running),
+                    "--max-num-batched-tokens",
+                    str(max(2048, cfg.running * cfg.prompt_len)),
+                    "--lease-ms",
+                    str(cfg.lease_ms),
+                    "--step-log",
+                    str(logs[i]),
+                    "--log-level",
+                    cfg.log_level,
+                ],
+                free_port(),
+                log_dir / f"scheduler-{n}-r{i}.log",
+            )
 
         # All at once: a replica is healthy once some executor has registered.
-        started = start_all([lambda i=i: stub(i) for i in range(n)]
-                             + [lambda i=i: scheduler(i) for i in range(cfg.replicas)])
+        started = start_all(
+            [lambda i=i: stub(i) for i in range(n)] + [lambda i=i: scheduler(i) for i in range(cfg.replicas)]
+        )
     except BaseException:
         redis_srv.stop()
         raise
@@ -165,8 +200,7 @@ class Leaders:
 
 def _balanced(leaders: dict[str, str | None], n: int, replicas: int) -> bool:
     counts = Counter(leaders.values())
-    return (len(leaders) == n and None not in counts
-            and max(counts.values(), default=0) <= math.ceil(n / replicas))
+    return len(leaders) == n and None not in counts and max(counts.values(), default=0) <= math.ceil(n / replicas)
 
 
 def _at_target(tails: list[StepTail], n: int, running: int, since: float) -> bool:
@@ -208,22 +242,28 @@ def _cpu(procs: dict[str, list[psutil.Process]]) -> dict[str, float]:
 async def _measure(dep: Deployment, n: int, cfg: ScaleOutConfig) -> ScaleOutPoint | None:
     prompt = list(range(100, 100 + cfg.prompt_len))
     options = [*CHANNEL_OPTIONS, ("grpc.use_local_subchannel_pool", 1)]
-    channels = [grpc.aio.insecure_channel(s.address, options=options)
-                for s in dep.schedulers for _ in range(cfg.channels_per_replica)]
+    channels = [
+        grpc.aio.insecure_channel(s.address, options=options)
+        for s in dep.schedulers
+        for _ in range(cfg.channels_per_replica)
+    ]
     stubs = [pb_grpc.GenerationStub(ch) for ch in channels]
     tails = [StepTail(p) for p in dep.step_logs]
     leaders = Leaders(dep.redis.url, dep.namespace)
     t0 = time.time()
-    tasks = [asyncio.create_task(hold(stubs[i % len(stubs)], prompt, f"so-{n}-{i}"))
-             for i in range(n * cfg.running)]
+    tasks = [asyncio.create_task(hold(stubs[i % len(stubs)], prompt, f"so-{n}-{i}")) for i in range(n * cfg.running)]
     try:
         deadline = time.monotonic() + cfg.reach_timeout_s
-        while not (_at_target(tails, n, cfg.running, t0)
-                   and _balanced(await asyncio.to_thread(leaders.read), n, cfg.replicas)):
+        while not (
+            _at_target(tails, n, cfg.running, t0) and _balanced(await asyncio.to_thread(leaders.read), n, cfg.replicas)
+        ):
             if time.monotonic() > deadline:
-                print(f"[scale_out] {n} executors never reached {cfg.running} running each on balanced loops "
-                      f"within {cfg.reach_timeout_s:.0f} s; skipped. {_diagnose(tails, await asyncio.to_thread(leaders.read))}",
-                      flush=True)
+                print(
+                    f"[scale_out] {n} executors never reached {cfg.running} running each on balanced loops "
+                    f"within {cfg.reach_timeout_s:.0f} s; skipped. "
+                    f"{_diagnose(tails, await asyncio.to_thread(leaders.read))}",
+                    flush=True,
+                )
                 return None
             await asyncio.sleep(POLL_S)
         log.info("%d executors: at target and balanced after %.1f s", n, time.time() - t0)
@@ -247,8 +287,15 @@ async def _measure(dep: Deployment, n: int, cfg: ScaleOutConfig) -> ScaleOutPoin
     return _point(rows, n, cfg, end - start, lead, cpu, busy)
 
 
-def _point(rows: list[dict[str, float]], n: int, cfg: ScaleOutConfig, window: float, leaders: dict[str, str | None],
-           cpu: dict[str, float], busy: float) -> ScaleOutPoint:
+def _point(
+    rows: list[dict[str, float]],
+    n: int,
+    cfg: ScaleOutConfig,
+    window: float,
+    leaders: dict[str, str | None],
+    cpu: dict[str, float],
+    busy: float,
+) -> ScaleOutPoint:
     by_exec: dict[str, list[dict[str, float]]] = defaultdict(list)
     for r in rows:
         by_exec[r["executor"]].append(r)
@@ -257,15 +304,24 @@ def _point(rows: list[dict[str, float]], n: int, cfg: ScaleOutConfig, window: fl
     med = lambda xs: float(np.median(xs)) if xs else math.nan  # noqa: E731
     counts = Counter(leaders.values())
     return ScaleOutPoint(
-        executors=n, running=cfg.running, window_s=window, steps=len(rows), steps_per_s=len(rows) / window,
+        executors=n,
+        running=cfg.running,
+        window_s=window,
+        steps=len(rows),
+        steps_per_s=len(rows) / window,
         tokens_per_s=sum(r["scheduled_tokens"] for r in rows) / window,
         ideal_tokens_per_s=n * cfg.running * 1e3 / cfg.step_ms if cfg.step_ms > 0 else math.nan,
-        duty_cycles=duty, mean_duty=float(np.mean(duty)) if duty else math.nan,
-        stub_step_ms_p50=med([r["step_ms"] for r in rows]), step_gap_ms_p50=med(_step_gaps(by_exec)), overhead_ms_p50=med(gaps),
-        schedule_ms_p50=med([r["schedule_ms"] for r in rows]), redis_ms_p50=med([r["redis_ms"] for r in rows]),
+        duty_cycles=duty,
+        mean_duty=float(np.mean(duty)) if duty else math.nan,
+        stub_step_ms_p50=med([r["step_ms"] for r in rows]),
+        step_gap_ms_p50=med(_step_gaps(by_exec)),
+        overhead_ms_p50=med(gaps),
+        schedule_ms_p50=med([r["schedule_ms"] for r in rows]),
+        redis_ms_p50=med([r["redis_ms"] for r in rows]),
         rpc_ms_p50=med([r["executor_ms"] - r["step_ms"] for r in rows]),
         loops_per_replica=[counts.get(f"r{i}", 0) for i in range(cfg.replicas)],
-        cpu_cores=cpu, machine_busy=busy,
+        cpu_cores=cpu,
+        machine_busy=busy,
     )
 
 
@@ -302,8 +358,11 @@ def sweep(model_dir: Path, cfg: ScaleOutConfig, log_dir: Path) -> list[ScaleOutP
             if point is not None:
                 points.append(point)
                 cpu = ", ".join(f"{k} {v:.2f}" for k, v in point.cpu_cores.items())
-                print(f"[scale_out] {n} executors: {point.tokens_per_s:.0f} tok/s, {point.steps_per_s:.1f} steps/s, "
-                      f"mean duty {point.mean_duty:.2f}, CPU cores: {cpu} ({time.monotonic() - t:.0f} s)", flush=True)
+                print(
+                    f"[scale_out] {n} executors: {point.tokens_per_s:.0f} tok/s, {point.steps_per_s:.1f} steps/s, "
+                    f"mean duty {point.mean_duty:.2f}, CPU cores: {cpu} ({time.monotonic() - t:.0f} s)",
+                    flush=True,
+                )
     finally:
         if stopping is not None:
             stopping.join()

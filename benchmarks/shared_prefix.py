@@ -63,27 +63,48 @@ class SharedPrefixResult:
 
     def ratio(self) -> float | None:
         on, hf = self.arms.get("pagedserve"), self.arms.get("hf_continuous_shared")
-        return on["output_tokens_per_s"] / hf["output_tokens_per_s"] if on and hf and hf["output_tokens_per_s"] \
-            else None
+        return (
+            on["output_tokens_per_s"] / hf["output_tokens_per_s"] if on and hf and hf["output_tokens_per_s"] else None
+        )
 
     def prefill_ratio(self) -> float | None:
         on, off = self.prefill_tokens.get("pagedserve"), self.prefill_tokens.get("pagedserve_no_cache")
         return on / off if on is not None and off else None
 
     def as_dict(self) -> dict[str, object]:
-        return {"workload": self.workload.describe(), "arms": self.arms, "prefill_tokens": self.prefill_tokens,
-                "prefill_tokens_off_source": self.off_source,
-                "throughput_ratio_vs_hf_continuous": self.ratio(), "prefill_tokens_ratio": self.prefill_ratio()}
+        return {
+            "workload": self.workload.describe(),
+            "arms": self.arms,
+            "prefill_tokens": self.prefill_tokens,
+            "prefill_tokens_off_source": self.off_source,
+            "throughput_ratio_vs_hf_continuous": self.ratio(),
+            "prefill_tokens_ratio": self.prefill_ratio(),
+        }
 
 
 def make(cfg: SharedPrefixConfig, vocab: Vocab) -> Workload:
     rng = np.random.default_rng(cfg.seed)
     system = [int(t) for t in rng.integers(vocab.low, vocab.size, cfg.system_len)]
     lo, hi = cfg.question_range
-    reqs = [Request(i, system + [int(t) for t in rng.integers(vocab.low, vocab.size, int(rng.integers(lo, hi + 1)))],
-                    cfg.output_len, 0.0) for i in range(cfg.num_requests)]
-    spec = WorkloadSpec("shared_prefix", cfg.num_requests, 1.0, (lo, hi), (cfg.output_len, cfg.output_len),
-                        cfg.system_len + hi + cfg.output_len, None, cfg.seed)
+    reqs = [
+        Request(
+            i,
+            system + [int(t) for t in rng.integers(vocab.low, vocab.size, int(rng.integers(lo, hi + 1)))],
+            cfg.output_len,
+            0.0,
+        )
+        for i in range(cfg.num_requests)
+    ]
+    spec = WorkloadSpec(
+        "shared_prefix",
+        cfg.num_requests,
+        1.0,
+        (lo, hi),
+        (cfg.output_len, cfg.output_len),
+        cfg.system_len + hi + cfg.output_len,
+        None,
+        cfg.seed,
+    )
     return Workload(spec, reqs)
 
 
@@ -92,7 +113,9 @@ def prefill_tokens(steps: list[dict[str, float]], workload: Workload) -> int:
     return scheduled - sum(r.output_len - 1 for r in workload.requests)
 
 
-def serve(model_dir: Path, cfg: SharedPrefixConfig, per_token: int, log_dir: Path, stacks: Stacks) -> SharedPrefixResult:
+def serve(
+    model_dir: Path, cfg: SharedPrefixConfig, per_token: int, log_dir: Path, stacks: Stacks
+) -> SharedPrefixResult:
     """The pagedserve runs, on ``stacks``: a live deployment with the same flags serves them (the short run's, when
     both have one KV budget). ``hf_continuous`` adds transformers' run."""
     from benchmarks import arm_pagedserve

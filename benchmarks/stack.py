@@ -64,15 +64,34 @@ def start(model_dir: Path, cfg: StackConfig, log_dir: Path) -> Stack:
 
     def executor(i: int) -> Service:
         port = free_port()
-        return Service("executor_svc", [
-            "--block-size", str(cfg.block_size), *cfg.executor_args, "--model", str(model_dir),
-            "--kv-cache-memory", str(cfg.kv_cache_bytes), "--redis-url", redis.url,
-            "--advertise-address", f"127.0.0.1:{port}", "--namespace", cfg.namespace,
-        ], port, log_dir / f"executor-{i}.log")
+        return Service(
+            "executor_svc",
+            [
+                "--block-size",
+                str(cfg.block_size),
+                *cfg.executor_args,
+                "--model",
+                str(model_dir),
+                "--kv-cache-memory",
+                str(cfg.kv_cache_bytes),
+                "--redis-url",
+                redis.url,
+                "--advertise-address",
+                f"127.0.0.1:{port}",
+                "--namespace",
+                cfg.namespace,
+            ],
+            port,
+            log_dir / f"executor-{i}.log",
+        )
 
     def scheduler() -> Service:
-        return Service("scheduler_svc", ["--redis-url", redis.url, "--namespace", cfg.namespace, *cfg.scheduler_argv()],
-                       free_port(), log_dir / "scheduler-0.log")
+        return Service(
+            "scheduler_svc",
+            ["--redis-url", redis.url, "--namespace", cfg.namespace, *cfg.scheduler_argv()],
+            free_port(),
+            log_dir / "scheduler-0.log",
+        )
 
     try:
         started = start_all([*(lambda i=i: executor(i) for i in range(cfg.executors)), scheduler])

@@ -73,9 +73,12 @@ class StructuredResult:
 
 
 def schema(items: int) -> dict[str, object]:
-    return {"type": "object", "properties": {"words": {"type": "array", "items": {"enum": WORDS},
-                                                       "minItems": items, "maxItems": items}},
-            "required": ["words"], "additionalProperties": False}
+    return {
+        "type": "object",
+        "properties": {"words": {"type": "array", "items": {"enum": WORDS}, "minItems": items, "maxItems": items}},
+        "required": ["words"],
+        "additionalProperties": False,
+    }
 
 
 def _requests(cfg: StructuredConfig, constrained: bool) -> list[pb.GenerateRequest]:
@@ -110,8 +113,9 @@ async def _batch(address: str, reqs: list[pb.GenerateRequest]) -> tuple[float, l
         return time.perf_counter() - t, list(out)
 
 
-def _timed(address: str, reqs: list[pb.GenerateRequest]) -> tuple[float, list[tuple[list[int], str, str]],
-                                                                    tuple[float, float]]:
+def _timed(
+    address: str, reqs: list[pb.GenerateRequest]
+) -> tuple[float, list[tuple[list[int], str, str]], tuple[float, float]]:
     t0 = time.time()
     wall, out = asyncio.run(_batch(address, reqs))
     return wall, out, (t0, time.time())
@@ -120,8 +124,11 @@ def _timed(address: str, reqs: list[pb.GenerateRequest]) -> tuple[float, list[tu
 def step_interval_ms(steps: list[dict[str, float]], window: tuple[float, float], batch: int) -> float:
     """Median ms between consecutive decode steps of the whole batch within ``window`` (wall clock)."""
     rows = [r for r in steps if window[0] <= r["t"] <= window[1]]
-    gaps = [(b["t"] - a["t"]) * 1e3 for a, b in zip(rows, rows[1:])
-            if a["running"] == b["running"] == b["scheduled_tokens"] == batch]
+    gaps = [
+        (b["t"] - a["t"]) * 1e3
+        for a, b in zip(rows, rows[1:])
+        if a["running"] == b["running"] == b["scheduled_tokens"] == batch
+    ]
     return statistics.median(gaps) if gaps else float("nan")
 
 
@@ -158,8 +165,7 @@ def mask_times(model_dir: Path, spec: str, outputs: list[list[int]], batch: int)
         xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab, indices=list(range(batch)))
         applies.append((time.perf_counter() - t) * 1e3)
     fills.sort()
-    return (statistics.median(fills), fills[int(0.99 * (len(fills) - 1))], statistics.median(applies[1:]),
-            compile_ms)
+    return (statistics.median(fills), fills[int(0.99 * (len(fills) - 1))], statistics.median(applies[1:]), compile_ms)
 
 
 def run(model_dir: Path, deployment: Stack, cfg: StructuredConfig) -> StructuredResult:
@@ -180,8 +186,15 @@ def run(model_dir: Path, deployment: Stack, cfg: StructuredConfig) -> Structured
         jw, jout, jwin = _timed(address, constrained)
         windows.append((pwin, jwin))
         ptoks, jtoks = sum(len(o[0]) for o in pout), sum(len(o[0]) for o in jout)
-        rounds.append({"plain_tokens": ptoks, "plain_s": pw, "json_tokens": jtoks, "json_s": jw,
-                       "ratio": (jtoks / jw) / (ptoks / pw)})
+        rounds.append(
+            {
+                "plain_tokens": ptoks,
+                "plain_s": pw,
+                "json_tokens": jtoks,
+                "json_s": jw,
+                "ratio": (jtoks / jw) / (ptoks / pw),
+            }
+        )
         for ids, text, reason in jout:
             count += 1
             outputs.append(ids)
@@ -190,17 +203,33 @@ def run(model_dir: Path, deployment: Stack, cfg: StructuredConfig) -> Structured
                 valid += reason == "stop"
             except (ValueError, jsonschema.ValidationError):
                 pass
-    fill, fill99, apply, compile_ms = mask_times(model_dir, spec, outputs[:cfg.requests], cfg.requests)
+    fill, fill99, apply, compile_ms = mask_times(model_dir, spec, outputs[: cfg.requests], cfg.requests)
     ptps = sum(r["plain_tokens"] for r in rounds) / sum(r["plain_s"] for r in rounds)
     jtps = sum(r["json_tokens"] for r in rounds) / sum(r["json_s"] for r in rounds)
     steps = [json.loads(line) for line in step_log.read_text().splitlines() if line.strip()]
     pstep = statistics.median(step_interval_ms(steps, p, cfg.requests) for p, _ in windows)
     jstep = statistics.median(step_interval_ms(steps, j, cfg.requests) for _, j in windows)
-    result = StructuredResult(ptps, jtps, pstep / jstep, statistics.median(r["ratio"] for r in rounds), pstep, jstep,
-                              rounds, valid, count, statistics.mean(len(o) for o in outputs), fill, fill99, apply,
-                              compile_ms)
-    print(f"[structured] full-batch step {pstep:.1f} ms plain, {jstep:.1f} ms json schema (tokens/s ratio "
-          f"{result.ratio:.3f}); wall: plain {ptps:.1f} tok/s, json {jtps:.1f} (ratio {result.wall_ratio:.3f}); "
-          f"{valid}/{count} valid; mask fill {fill * 1e3:.1f} us/token (p99 {fill99 * 1e3:.1f} us), apply "
-          f"{apply:.3f} ms per step of {cfg.requests}", flush=True)
+    result = StructuredResult(
+        ptps,
+        jtps,
+        pstep / jstep,
+        statistics.median(r["ratio"] for r in rounds),
+        pstep,
+        jstep,
+        rounds,
+        valid,
+        count,
+        statistics.mean(len(o) for o in outputs),
+        fill,
+        fill99,
+        apply,
+        compile_ms,
+    )
+    print(
+        f"[structured] full-batch step {pstep:.1f} ms plain, {jstep:.1f} ms json schema (tokens/s ratio "
+        f"{result.ratio:.3f}); wall: plain {ptps:.1f} tok/s, json {jtps:.1f} (ratio {result.wall_ratio:.3f}); "
+        f"{valid}/{count} valid; mask fill {fill * 1e3:.1f} us/token (p99 {fill99 * 1e3:.1f} us), apply "
+        f"{apply:.3f} ms per step of {cfg.requests}",
+        flush=True,
+    )
     return result

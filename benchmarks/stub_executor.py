@@ -42,9 +42,19 @@ from pagedserve.members import Member, Registry
 
 log = logging.getLogger("stub_executor")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Executor"].full_name
+
+
 class StubExecutor(pb_grpc.ExecutorServicer):
-    def __init__(self, model_dir: Path, num_gpu_blocks: int, block_size: int, max_model_len: int,
-                 step_ms: float = 0.0, dtype: str = "float32", lifecycle: Lifecycle | None = None) -> None:
+    def __init__(
+        self,
+        model_dir: Path,
+        num_gpu_blocks: int,
+        block_size: int,
+        max_model_len: int,
+        step_ms: float = 0.0,
+        dtype: str = "float32",
+        lifecycle: Lifecycle | None = None,
+    ) -> None:
         config = json.loads((model_dir / "config.json").read_text())
         self.vocab_size = int(config["vocab_size"])
         self.token = min(100, self.vocab_size - 1)  # any ordinary token; never eos for SmolLM2-like vocabularies
@@ -95,34 +105,46 @@ class StubExecutor(pb_grpc.ExecutorServicer):
     async def Step(self, request: pb.StepPlan, context: grpc.aio.ServicerContext) -> pb.StepResult:
         return await self.runner.one(request, context)
 
-    async def Steps(self, requests: AsyncIterator[pb.StepPlan],
-                    context: grpc.aio.ServicerContext) -> AsyncIterator[pb.StepResult]:
+    async def Steps(
+        self, requests: AsyncIterator[pb.StepPlan], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.StepResult]:
         async for result in self.runner.stream(requests, context):
             yield result
 
     async def _run(self, request: pb.StepPlan, context: grpc.aio.ServicerContext) -> pb.StepResult:
         t = time.perf_counter()
         if request.instance_id and request.instance_id != self.instance_id:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                f"instance_id: this executor is {self.instance_id}, not {request.instance_id}")
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"instance_id: this executor is {self.instance_id}, not {request.instance_id}",
+            )
         if request.epoch < self._epoch:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                f"epoch: {request.epoch} is stale; a loop with epoch {self._epoch} leads")
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"epoch: {request.epoch} is stale; a loop with epoch {self._epoch} leads",
+            )
         self._epoch = request.epoch
         if self.step_s > 0:
             await asyncio.sleep(self.step_s)
         forward_ms = (time.perf_counter() - t) * 1e3
         outputs = [pb.SeqOutput(request_id=s.request_id, token_id=self.token) for s in request.seqs if s.sample]
-        return pb.StepResult(step_id=request.step_id, outputs=outputs, swapped_out=len(request.swap_out),
-                             swapped_in=len(request.swap_in), forward_ms=forward_ms,
-                             step_ms=(time.perf_counter() - t) * 1e3)
+        return pb.StepResult(
+            step_id=request.step_id,
+            outputs=outputs,
+            swapped_out=len(request.swap_out),
+            swapped_in=len(request.swap_in),
+            forward_ms=forward_ms,
+            step_ms=(time.perf_counter() - t) * 1e3,
+        )
 
 
 async def serve(args: argparse.Namespace) -> None:
-    stub = StubExecutor(Path(args.model), args.num_gpu_blocks, args.block_size, args.max_model_len, args.step_ms,
-                        args.dtype)
-    server, health, port = rpc.make_server(f"{args.host}:{args.port}",
-                                           [(pb_grpc.add_ExecutorServicer_to_server, stub, SERVICE_NAME)])
+    stub = StubExecutor(
+        Path(args.model), args.num_gpu_blocks, args.block_size, args.max_model_len, args.step_ms, args.dtype
+    )
+    server, health, port = rpc.make_server(
+        f"{args.host}:{args.port}", [(pb_grpc.add_ExecutorServicer_to_server, stub, SERVICE_NAME)]
+    )
     await server.start()
     heap.settle()  # as the executor it stands in for
     await rpc.set_serving(health, [SERVICE_NAME], True)
@@ -131,8 +153,13 @@ async def serve(args: argparse.Namespace) -> None:
     if args.redis_url:
         address = args.advertise_address or f"{args.host}:{port}"
         client = aioredis.from_url(args.redis_url, decode_responses=True)
-        registration = Registration(Registry(client, Keys(args.namespace)), stub.lifecycle,
-                                    lambda: stub.member(address), stub.renew_instance, args.lease_ms)
+        registration = Registration(
+            Registry(client, Keys(args.namespace)),
+            stub.lifecycle,
+            lambda: stub.member(address),
+            stub.renew_instance,
+            args.lease_ms,
+        )
         beat = asyncio.create_task(registration.run(stop))
         log.info("stub %s registering as %s in namespace %s", stub.instance_id, address, args.namespace)
     await stop.wait()
@@ -152,11 +179,16 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-model-len", type=int, default=1 << 16)
     p.add_argument("--dtype", default="float32", help="reported in Info (part of the namespace identity)")
-    p.add_argument("--step-ms", type=float, default=0.0,
-                   help="simulated time per Step (asyncio.sleep); 0 answers at once")
+    p.add_argument(
+        "--step-ms", type=float, default=0.0, help="simulated time per Step (asyncio.sleep); 0 answers at once"
+    )
     p.add_argument("--redis-url", default=None, help="register in this Redis (default: don't; use --executor)")
-    p.add_argument("--advertise-address", default=None, metavar="HOST:PORT",
-                   help="where schedulers reach this stub (default: --host and --port)")
+    p.add_argument(
+        "--advertise-address",
+        default=None,
+        metavar="HOST:PORT",
+        help="where schedulers reach this stub (default: --host and --port)",
+    )
     p.add_argument("--namespace", default="pagedserve")
     p.add_argument("--lease-ms", type=int, default=10_000, help="time-to-live of the membership record")
     p.add_argument("--log-level", default="WARNING")

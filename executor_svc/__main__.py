@@ -54,11 +54,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def _engine_arguments(p: argparse.ArgumentParser) -> None:
     """The model, its device and dtype, and the paged KV pool with its swap tiers."""
     p.add_argument("--model", default=DEFAULT_MODEL, help="local Hugging Face model directory (default: %(default)s)")
-    p.add_argument("--kv-cache-memory", type=int, default=None,
-                   help="bytes of device KV pool (default: 512 MiB on CPU, profiled on CUDA)")
+    p.add_argument(
+        "--kv-cache-memory",
+        type=int,
+        default=None,
+        help="bytes of device KV pool (default: 512 MiB on CPU, profiled on CUDA)",
+    )
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="fraction of GPU memory to use on CUDA")
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048,
-                   help="largest step; profiled on CUDA to size the pool")
+    p.add_argument(
+        "--max-num-batched-tokens", type=int, default=2048, help="largest step; profiled on CUDA to size the pool"
+    )
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument("--max-model-len", type=int, default=None, help="context length limit (default: the model's)")
     p.add_argument("--swap-space", type=float, default=4.0, help="GiB of CPU memory for swapped-out blocks")
@@ -67,38 +72,68 @@ def _engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention-backend", choices=BACKENDS, default="auto", help="auto: Triton on CUDA, torch on CPU")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
     p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
-    p.add_argument("--cache-dir", default=None,
-                   help="where the default model is converted (default: $PAGEDSERVE_CACHE or ~/.cache/pagedserve)")
+    p.add_argument(
+        "--cache-dir",
+        default=None,
+        help="where the default model is converted (default: $PAGEDSERVE_CACHE or ~/.cache/pagedserve)",
+    )
 
 
 def _membership_arguments(p: argparse.ArgumentParser) -> None:
     """How schedulers find this executor (docs/architecture.md, "Membership"), and how it leaves."""
-    p.add_argument("--redis-url", default=os.environ.get("REDIS_URL"),
-                   help="register in this Redis so that schedulers find this executor (default: $REDIS_URL; "
-                        "unset: only schedulers started with --executor reach it)")
-    p.add_argument("--advertise-address", default=None, metavar="HOST:PORT",
-                   help="where schedulers reach this executor (default: this host's name and --port; in "
-                        "Kubernetes pass the pod IP)")
+    p.add_argument(
+        "--redis-url",
+        default=os.environ.get("REDIS_URL"),
+        help="register in this Redis so that schedulers find this executor (default: $REDIS_URL; "
+        "unset: only schedulers started with --executor reach it)",
+    )
+    p.add_argument(
+        "--advertise-address",
+        default=None,
+        metavar="HOST:PORT",
+        help="where schedulers reach this executor (default: this host's name and --port; in "
+        "Kubernetes pass the pod IP)",
+    )
     p.add_argument("--namespace", default="pagedserve", help="the schedulers' namespace to join")
-    p.add_argument("--lease-ms", type=int, default=10_000,
-                   help="time-to-live of the membership record; a heartbeat renews it every third of it")
-    p.add_argument("--drain-timeout", type=float, default=45.0,
-                   help="seconds after SIGTERM to let running requests finish before they move elsewhere "
-                        "(fits Kubernetes' 75 s grace period after a 15 s preStop)")
+    p.add_argument(
+        "--lease-ms",
+        type=int,
+        default=10_000,
+        help="time-to-live of the membership record; a heartbeat renews it every third of it",
+    )
+    p.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=45.0,
+        help="seconds after SIGTERM to let running requests finish before they move elsewhere "
+        "(fits Kubernetes' 75 s grace period after a 15 s preStop)",
+    )
 
 
 def _security_arguments(p: argparse.ArgumentParser) -> None:
     """TLS and the internal token (docs/security.md)."""
-    p.add_argument("--tls-cert", default=None, metavar="PATH",
-                   help="serve TLS with this certificate (PEM; with --tls-key); reloaded on change or SIGHUP")
+    p.add_argument(
+        "--tls-cert",
+        default=None,
+        metavar="PATH",
+        help="serve TLS with this certificate (PEM; with --tls-key); reloaded on change or SIGHUP",
+    )
     p.add_argument("--tls-key", default=None, metavar="PATH", help="the private key of --tls-cert (PEM)")
-    p.add_argument("--tls-ca", default=None, metavar="PATH",
-                   help="with --tls-cert: require a client certificate signed by this CA bundle (mutual TLS): "
-                        "only schedulers holding one can connect, health checks included")
-    p.add_argument("--internal-token-file", default=None, metavar="PATH",
-                   help="require this shared token (first line of the file) in metadata "
-                        "x-pagedserve-internal-token on every call but health; the protection when TLS is off, "
-                        "and checked too when it is on; reloaded on change or SIGHUP")
+    p.add_argument(
+        "--tls-ca",
+        default=None,
+        metavar="PATH",
+        help="with --tls-cert: require a client certificate signed by this CA bundle (mutual TLS): "
+        "only schedulers holding one can connect, health checks included",
+    )
+    p.add_argument(
+        "--internal-token-file",
+        default=None,
+        metavar="PATH",
+        help="require this shared token (first line of the file) in metadata "
+        "x-pagedserve-internal-token on every call but health; the protection when TLS is off, "
+        "and checked too when it is on; reloaded on change or SIGHUP",
+    )
 
 
 def _check_security(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -168,7 +203,8 @@ async def serve(args: argparse.Namespace) -> None:
     servicer = ExecutorServicer(engine, Lifecycle(), executor_metrics)
     certificate = server_tls(args.tls, verify_clients=True)
     server, health, port = rpc.make_server(
-        f"{args.host}:{args.port}", [(add_to_server, servicer, SERVICE_NAME)],
+        f"{args.host}:{args.port}",
+        [(add_to_server, servicer, SERVICE_NAME)],
         credentials=certificate.credentials() if certificate else None,
         interceptors=[internal_token_interceptor(args.internal_token)] if args.internal_token else (),
     )
@@ -177,12 +213,25 @@ async def serve(args: argparse.Namespace) -> None:
     heap.settle()  # the model and every module are in: keep the collector off the steps
     await rpc.set_serving(health, [SERVICE_NAME], True)
     pool = engine.pool
-    log.info("port %d: %s, %s", port, "mutual TLS" if args.tls.ca else "TLS" if certificate else "plaintext",
-             "internal token required" if args.internal_token else "no internal token")
+    log.info(
+        "port %d: %s, %s",
+        port,
+        "mutual TLS" if args.tls.ca else "TLS" if certificate else "plaintext",
+        "internal token required" if args.internal_token else "no internal token",
+    )
     log.info(
         "executor %s serving %s on port %d: %s, %s attention, blocks device=%d cpu=%d disk=%d (block %d tokens, "
-        "%d bytes)", engine.instance_id, args.model, port, engine.device, engine.backend.name, pool.count(0),
-        pool.count(1), pool.count(2), engine.geometry.block_size, engine.geometry.block_bytes,
+        "%d bytes)",
+        engine.instance_id,
+        args.model,
+        port,
+        engine.device,
+        engine.backend.name,
+        pool.count(0),
+        pool.count(1),
+        pool.count(2),
+        engine.geometry.block_size,
+        engine.geometry.block_bytes,
     )
     stop = await rpc.stop_on_signals()
     done = asyncio.Event()
@@ -190,9 +239,13 @@ async def serve(args: argparse.Namespace) -> None:
     client, registration = None, None
     if args.redis_url:
         client = aioredis.from_url(args.redis_url, decode_responses=True)
-        registration = Registration(Registry(client, Keys(args.namespace)), servicer.lifecycle,
-                                    lambda: servicer.member(args.advertise_address), servicer.renew_instance,
-                                    args.lease_ms)
+        registration = Registration(
+            Registry(client, Keys(args.namespace)),
+            servicer.lifecycle,
+            lambda: servicer.member(args.advertise_address),
+            servicer.renew_instance,
+            args.lease_ms,
+        )
         tasks.append(asyncio.create_task(registration.run(done)))
         log.info("registering as %s in namespace %s", args.advertise_address, args.namespace)
     await stop.wait()

@@ -45,7 +45,10 @@ def paged_attention_forward(
     k_cache, v_cache = paged.cache.k[layer], paged.cache.v[layer]
     q = query[0].transpose(0, 1)  # [T, H, D]
     paged.backend.reshape_and_cache(
-        key[0].transpose(0, 1).contiguous(), value[0].transpose(0, 1).contiguous(), k_cache, v_cache,
+        key[0].transpose(0, 1).contiguous(),
+        value[0].transpose(0, 1).contiguous(),
+        k_cache,
+        v_cache,
         paged.meta.slot_mapping,
     )
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5

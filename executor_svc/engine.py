@@ -191,8 +191,9 @@ class Engine:
             raise PlanError(f"{seq.request_id}: block table covers {covered} blocks, needs {end} tokens")
         if seq.sampling.needs_history:
             if seq.full_table and seq.start_pos > 0 and len(seq.history or ()) != seq.start_pos:
-                raise PlanError(f"{seq.request_id}: history has {len(seq.history or ())} tokens, start_pos is "
-                                f"{seq.start_pos}")
+                raise PlanError(
+                    f"{seq.request_id}: history has {len(seq.history or ())} tokens, start_pos is {seq.start_pos}"
+                )
             if not seq.full_table and seq.request_id not in self.histories:
                 raise PlanError(f"{seq.request_id}: no token history held; send the table in full with it")
 
@@ -267,8 +268,14 @@ class Engine:
             else:
                 self.histories.extend(seq.request_id, seq.token_ids)
 
-    def _sample(self, seqs: list[SeqInput], logits: torch.Tensor, rows: _Rows, masks: Future[torch.Tensor] | None,
-                grammar_rows: list[Row]) -> tuple[list[tuple[str, int]], dict[str, logprobs.Entry]]:
+    def _sample(
+        self,
+        seqs: list[SeqInput],
+        logits: torch.Tensor,
+        rows: _Rows,
+        masks: Future[torch.Tensor] | None,
+        grammar_rows: list[Row],
+    ) -> tuple[list[tuple[str, int]], dict[str, logprobs.Entry]]:
         """Structured rows get their token masks first (in place: their logprobs, as vLLM's, are
         those of the masked logits), then every sampled row is drawn."""
         if not rows.sampled:
@@ -287,12 +294,14 @@ class Engine:
         want = [j for j, s in enumerate(picked) if s.sampling.logprobs is not None]
         if not want:
             return tokens, {}
-        entries = logprobs.gather(last[want], [chosen[j] for j in want],
-                                  [picked[j].sampling.logprobs or 0 for j in want])
+        entries = logprobs.gather(
+            last[want], [chosen[j] for j in want], [picked[j].sampling.logprobs or 0 for j in want]
+        )
         return tokens, {picked[j].request_id: e for j, e in zip(want, entries)}
 
-    def _prompt_logprobs(self, seqs: list[SeqInput], logits: torch.Tensor,
-                         rows: _Rows) -> dict[str, tuple[int, list[logprobs.Entry]]]:
+    def _prompt_logprobs(
+        self, seqs: list[SeqInput], logits: torch.Tensor, rows: _Rows
+    ) -> dict[str, tuple[int, list[logprobs.Entry]]]:
         """Row r of a chunk predicts the token at start_pos + r + 1: the chunk's next token,
         or the prompt's next one (``prompt_next``) for its last row."""
         out: dict[str, tuple[int, list[logprobs.Entry]]] = {}
@@ -302,21 +311,26 @@ class Engine:
             if not targets:
                 continue
             k = seq.prompt_logprobs or 0
-            out[seq.request_id] = (seq.start_pos + 1,
-                                   logprobs.gather(logits[first : first + len(targets)], targets, [k] * len(targets)))
+            out[seq.request_id] = (
+                seq.start_pos + 1,
+                logprobs.gather(logits[first : first + len(targets)], targets, [k] * len(targets)),
+            )
         return out
+
     def _start_masks(self, seqs: list[SeqInput]) -> tuple[Future[torch.Tensor] | None, list[Row]]:
         """Record structured sequences' tokens, then fill their masks in a worker while the forward runs."""
         rows: list[Row] = []
         j = 0
         for seq in seqs:
             if seq.grammar is not None or seq.request_id in self.grammars:
-                self.grammars.observe(seq.request_id, seq.grammar, seq.token_ids, seq.start_pos, seq.full_table,
-                                      seq.history or [])
+                self.grammars.observe(
+                    seq.request_id, seq.grammar, seq.token_ids, seq.start_pos, seq.full_table, seq.history or []
+                )
             if seq.sample:
                 if seq.grammar is not None:
-                    rows.append(Row(j, seq.request_id, seq.grammar, seq.start_pos + len(seq.token_ids),
-                                    seq.num_generated))
+                    rows.append(
+                        Row(j, seq.request_id, seq.grammar, seq.start_pos + len(seq.token_ids), seq.num_generated)
+                    )
                 j += 1
         return (self.grammars.start(rows, j) if rows else None), rows
 

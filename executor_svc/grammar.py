@@ -99,8 +99,15 @@ class Grammars:
 
     # -- tokens ---------------------------------------------------------------
 
-    def observe(self, request_id: str, spec: Spec | None, token_ids: Sequence[int], start_pos: int,
-                full_table: bool, history: Sequence[int] = ()) -> None:
+    def observe(
+        self,
+        request_id: str,
+        spec: Spec | None,
+        token_ids: Sequence[int],
+        start_pos: int,
+        full_table: bool,
+        history: Sequence[int] = (),
+    ) -> None:
         """Record a planned sequence's tokens (before its step runs)."""
         if spec is None:
             self._entries.pop(request_id, None)
@@ -149,8 +156,12 @@ class Grammars:
         if not e.broken:
             e.broken = True
             self.stats.broken += 1
-            log.error("%s: structured output: %s; ending the output with EOS", request_id, why,
-                      extra={"request_id": request_id})
+            log.error(
+                "%s: structured output: %s; ending the output with EOS",
+                request_id,
+                why,
+                extra={"request_id": request_id},
+            )
 
     def _sync(self, row: Row) -> _Entry:
         """The row's entry with its matcher standing for exactly ``num_generated`` output tokens."""
@@ -188,7 +199,7 @@ class Grammars:
         except (GrammarError, OSError) as exc:
             self._break(e, row.request_id, f"the spec does not compile here: {exc}")
             return
-        for t in e.tokens[row.end - row.num_generated:]:
+        for t in e.tokens[row.end - row.num_generated :]:
             if not self._consume(e, t):
                 self._break(e, row.request_id, f"rebuilding, the grammar rejects its token {t}")
                 return

@@ -57,8 +57,14 @@ class Lifecycle:
 class Registration:
     """Keeps this executor's membership record alive while it serves or drains."""
 
-    def __init__(self, registry: Registry, lifecycle: Lifecycle, member: Callable[[], Member],
-                 renew_instance: Callable[[], str], lease_ms: int) -> None:
+    def __init__(
+        self,
+        registry: Registry,
+        lifecycle: Lifecycle,
+        member: Callable[[], Member],
+        renew_instance: Callable[[], str],
+        lease_ms: int,
+    ) -> None:
         self.registry = registry
         self.lifecycle = lifecycle
         self.member = member  # the record as of now (state and instance id change)
@@ -74,8 +80,9 @@ class Registration:
         identity = await self.registry.register(m, self.lease_ms)
         if identity is None:
             new = self.renew_instance()
-            log.warning("schedulers evicted instance %s (a step failed while unreachable); rejoining as %s",
-                        m.instance_id, new)
+            log.warning(
+                "schedulers evicted instance %s (a step failed while unreachable); rejoining as %s", m.instance_id, new
+            )
             identity = await self.registry.register(self.member(), self.lease_ms)
         refused = bool(identity) and not m.matches(identity or {})
         if refused and not self._refused:

@@ -34,7 +34,9 @@ def gather(logits: torch.Tensor, targets: list[int], ks: list[int]) -> list[Entr
     ranks = ((lp > chosen).sum(dim=-1) + 1).tolist()
     chosen = chosen[:, 0].tolist()
     k = max(ks)
-    top_lp, top_ids = (lp.topk(k, dim=-1) if k > 0 else (lp[:, :0], lp[:, :0].long()))
+    top_lp, top_ids = lp.topk(k, dim=-1) if k > 0 else (lp[:, :0], lp[:, :0].long())
     top_lp, top_ids = top_lp.tolist(), top_ids.tolist()
-    return [Entry(t, chosen[i], ranks[i], tuple(top_ids[i][: ks[i]]), tuple(top_lp[i][: ks[i]]))
-            for i, t in enumerate(targets)]
+    return [
+        Entry(t, chosen[i], ranks[i], tuple(top_ids[i][: ks[i]]), tuple(top_lp[i][: ks[i]]))
+        for i, t in enumerate(targets)
+    ]

@@ -13,15 +13,31 @@ class ExecutorMetrics:
     def __init__(self, registry: CollectorRegistry, model: str) -> None:
         self.model = model
         m = ["model_name"]
-        self.forward = Histogram(name("executor_forward_seconds"), "Packed forward pass and sampling of a step", m,
-                                 buckets=LATENCY_BUCKETS, registry=registry)
-        self.step = Histogram(name("executor_step_seconds"), "A whole step: checks, swaps, forward, sampling", m,
-                              buckets=LATENCY_BUCKETS, registry=registry)
-        self.swap = Histogram(name("executor_swap_seconds"), "Block copies of a step, by direction (host time)",
-                              [*m, "direction"], buckets=LATENCY_BUCKETS, registry=registry)
+        self.forward = Histogram(
+            name("executor_forward_seconds"),
+            "Packed forward pass and sampling of a step",
+            m,
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.step = Histogram(
+            name("executor_step_seconds"),
+            "A whole step: checks, swaps, forward, sampling",
+            m,
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.swap = Histogram(
+            name("executor_swap_seconds"),
+            "Block copies of a step, by direction (host time)",
+            [*m, "direction"],
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
         self.steps = Counter(name("executor_steps"), "Steps executed", m, registry=registry)
-        self.blocks = Gauge(name("executor_kv_blocks"), "KV blocks of this executor's pools, by tier", [*m, "tier"],
-                            registry=registry)
+        self.blocks = Gauge(
+            name("executor_kv_blocks"), "KV blocks of this executor's pools, by tier", [*m, "tier"], registry=registry
+        )
 
     def pools(self, counts: dict[Tier, int]) -> None:
         for tier, n in counts.items():

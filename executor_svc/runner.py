@@ -113,8 +113,9 @@ class PlanRunner:
     async def one(self, plan: pb.StepPlan, context: grpc.aio.ServicerContext) -> pb.StepResult:
         return await self._locked(plan, context, object(), False)
 
-    async def stream(self, plans: AsyncIterator[pb.StepPlan],
-                     context: grpc.aio.ServicerContext) -> AsyncIterator[pb.StepResult]:
+    async def stream(
+        self, plans: AsyncIterator[pb.StepPlan], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.StepResult]:
         """One result per plan, in order. Plans are read (and queued) while earlier ones run, and run
         in a task of their own: the next step starts as soon as the last one ends, while its result
         is still being written to the stream (the device never waits for gRPC)."""
@@ -151,12 +152,12 @@ class PlanRunner:
             reader.cancel()
             runner.cancel()
 
-    async def _locked(self, plan: pb.StepPlan, context: Any, me: object,
-                      started: bool) -> pb.StepResult:
+    async def _locked(self, plan: pb.StepPlan, context: Any, me: object, started: bool) -> pb.StepResult:
         async with self.lock:
             if started and self._owner is not me:
-                await context.abort(grpc.StatusCode.ABORTED,
-                                    "superseded: another caller's plan ran since this stream's last one")
+                await context.abort(
+                    grpc.StatusCode.ABORTED, "superseded: another caller's plan ran since this stream's last one"
+                )
             t0 = time.perf_counter()
             result = await self._run(plan, context)
             self._owner = me

@@ -103,8 +103,9 @@ class SamplingParams:
         return [t for t, _ in self.logit_bias] + list(self.min_tokens_ids)
 
 
-def _candidates(logits: torch.Tensor, top_k: torch.Tensor,
-                top_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _candidates(
+    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Each row's top-k and top-p candidates: ``(logits [R, W], ids [R, W])``, most likely
     first, -inf past a row's own cut; ``ids`` None when no row filters (the whole vocabulary,
     in order).
@@ -171,8 +172,11 @@ def _bias(logits: torch.Tensor, params: Sequence[SamplingParams], num_generated:
             rows.append(i), cols.append(t), vals.append(b)
     if rows:
         dev = logits.device
-        logits.index_put_((torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)),
-                          torch.tensor(vals, device=dev, dtype=logits.dtype), accumulate=True)
+        logits.index_put_(
+            (torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)),
+            torch.tensor(vals, device=dev, dtype=logits.dtype),
+            accumulate=True,
+        )
     rows, cols = [], []
     for i, p in enumerate(params):
         if num_generated[i] < p.min_tokens:
@@ -184,8 +188,12 @@ def _bias(logits: torch.Tensor, params: Sequence[SamplingParams], num_generated:
         logits[torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)] = float("-inf")
 
 
-def _penalize(logits: torch.Tensor, params: Sequence[SamplingParams], num_generated: Sequence[int],
-              histories: Sequence[Sequence[int] | None]) -> None:
+def _penalize(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    num_generated: Sequence[int],
+    histories: Sequence[Sequence[int] | None],
+) -> None:
     """vLLM's penalties, in place, on the rows that set one.
 
     Token counts come from one scatter of the rows' histories (prompt + outputs so far)
@@ -207,8 +215,11 @@ def _penalize(logits: torch.Tensor, params: Sequence[SamplingParams], num_genera
     seen = torch.zeros(len(rows), vocab, dtype=torch.bool, device=dev)
     seen[row_of, flat] = True
     counts = torch.zeros(len(rows), vocab, dtype=logits.dtype, device=dev)
-    counts.index_put_((row_of[is_out], flat[is_out]), torch.ones(1, dtype=logits.dtype, device=dev).expand(
-        int(is_out.sum())), accumulate=True)
+    counts.index_put_(
+        (row_of[is_out], flat[is_out]),
+        torch.ones(1, dtype=logits.dtype, device=dev).expand(int(is_out.sum())),
+        accumulate=True,
+    )
     sel = torch.tensor(rows, device=dev)
     sub = logits[sel]
     rep = torch.tensor([params[i].repetition_penalty for i in rows], device=dev, dtype=logits.dtype)[:, None]
@@ -220,8 +231,12 @@ def _penalize(logits: torch.Tensor, params: Sequence[SamplingParams], num_genera
     logits[sel] = sub
 
 
-def process(logits: torch.Tensor, params: Sequence[SamplingParams], num_generated: Sequence[int],
-            histories: Sequence[Sequence[int] | None] | None = None) -> torch.Tensor:
+def process(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    num_generated: Sequence[int],
+    histories: Sequence[Sequence[int] | None] | None = None,
+) -> torch.Tensor:
     """The raw-logit processors (logit_bias, min_tokens, penalties); returns ``logits``
     itself when no row asks for one, else a processed fp32 copy."""
     if not any(p.logit_bias or p.min_tokens > n or p.penalized for p, n in zip(params, num_generated)):
@@ -233,8 +248,12 @@ def process(logits: torch.Tensor, params: Sequence[SamplingParams], num_generate
     return out
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], num_generated: list[int],
-           histories: Sequence[Sequence[int] | None] | None = None) -> list[int]:
+def sample(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    num_generated: list[int],
+    histories: Sequence[Sequence[int] | None] | None = None,
+) -> list[int]:
     """One token per row of ``logits`` ``[S, vocab]``. ``histories``: each row's tokens so
     far (prompt + outputs), needed by rows with penalties."""
     raw = logits.float()
@@ -266,14 +285,21 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], num_generated: li
         else:
             whole = sorted(set(range(len(rows))) - set(filtered))
             f, w = torch.tensor(filtered, device=dev), torch.tensor(whole, device=dev)
-            tokens[sel[f]] = _draw_candidates(scaled[f], top_k[f], top_p[f], [rows[j] for j in filtered], params,
-                                              num_generated)
+            tokens[sel[f]] = _draw_candidates(
+                scaled[f], top_k[f], top_p[f], [rows[j] for j in filtered], params, num_generated
+            )
             tokens[sel[w]] = _draw_whole(scaled[w], [rows[j] for j in whole], params, num_generated)
     return tokens.tolist()
 
 
-def _draw_candidates(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, rows: list[int],
-                     params: Sequence[SamplingParams], num_generated: Sequence[int]) -> torch.Tensor:
+def _draw_candidates(
+    scaled: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    rows: list[int],
+    params: Sequence[SamplingParams],
+    num_generated: Sequence[int],
+) -> torch.Tensor:
     """Rows that top-k or top-p filter: noise for the surviving candidates only (a most-likely-first
     prefix of each row's candidates), hashed from (key, token id), all rows at once."""
     kept, ids = _candidates(scaled, top_k, top_p)
@@ -282,14 +308,21 @@ def _draw_candidates(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Ten
     kept, ids = kept[:, :width], ids[:, :width]
     # Unseeded rows take their key from torch's global generator.
     fresh = torch.randint(-(1 << 63), (1 << 63) - 1, (len(rows),), dtype=torch.int64).tolist()
-    keys = torch.tensor([row_key(params[i].seed, num_generated[i]) if params[i].seed is not None else fresh[j]
-                         for j, i in enumerate(rows)], dtype=torch.int64, device=scaled.device)
+    keys = torch.tensor(
+        [
+            row_key(params[i].seed, num_generated[i]) if params[i].seed is not None else fresh[j]
+            for j, i in enumerate(rows)
+        ],
+        dtype=torch.int64,
+        device=scaled.device,
+    )
     pick = (kept.softmax(dim=-1) / noise(keys, ids)).argmax(dim=-1)
     return ids.gather(1, pick[:, None])[:, 0]
 
 
-def _draw_whole(scaled: torch.Tensor, rows: list[int], params: Sequence[SamplingParams],
-                num_generated: Sequence[int]) -> torch.Tensor:
+def _draw_whole(
+    scaled: torch.Tensor, rows: list[int], params: Sequence[SamplingParams], num_generated: Sequence[int]
+) -> torch.Tensor:
     """Rows that keep the whole vocabulary: a generator per seeded row (one Exp(1) draw per token)."""
     probs = scaled.softmax(dim=-1)
     draws = torch.empty_like(probs)

@@ -87,8 +87,9 @@ def plan_from_pb(plan: pb.StepPlan, eos: list[int] | None = None) -> StepInput:
 
 
 def _logprobs_pb(e: Entry) -> pb.Logprobs:
-    return pb.Logprobs(token_id=e.token_id, logprob=e.logprob, rank=e.rank, top_ids=e.top_ids,
-                       top_logprobs=e.top_logprobs)
+    return pb.Logprobs(
+        token_id=e.token_id, logprob=e.logprob, rank=e.rank, top_ids=e.top_ids, top_logprobs=e.top_logprobs
+    )
 
 
 def _outputs(out: StepOutput) -> list[pb.SeqOutput]:
@@ -103,8 +104,11 @@ def _outputs(out: StepOutput) -> list[pb.SeqOutput]:
             o.prompt_logprobs.extend(_logprobs_pb(e) for e in entries)
         outputs.append(o)
     for rid, (start, entries) in prompt.items():  # prompt chunks that sampled nothing
-        outputs.append(pb.SeqOutput(request_id=rid, no_token=True, prompt_start=start,
-                                    prompt_logprobs=[_logprobs_pb(e) for e in entries]))
+        outputs.append(
+            pb.SeqOutput(
+                request_id=rid, no_token=True, prompt_start=start, prompt_logprobs=[_logprobs_pb(e) for e in entries]
+            )
+        )
     return outputs
 
 
@@ -120,8 +124,9 @@ def result_to_pb(out: StepOutput) -> pb.StepResult:
 
 
 class ExecutorServicer(pb_grpc.ExecutorServicer):
-    def __init__(self, engine: Engine, lifecycle: Lifecycle | None = None,
-                 metrics: ExecutorMetrics | None = None) -> None:
+    def __init__(
+        self, engine: Engine, lifecycle: Lifecycle | None = None, metrics: ExecutorMetrics | None = None
+    ) -> None:
         self.engine = engine
         self.lifecycle = lifecycle or Lifecycle()
         self.metrics = metrics
@@ -169,8 +174,9 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
     async def Step(self, request: pb.StepPlan, context: grpc.aio.ServicerContext) -> pb.StepResult:
         return await self.runner.one(request, context)
 
-    async def Steps(self, requests: AsyncIterator[pb.StepPlan],
-                    context: grpc.aio.ServicerContext) -> AsyncIterator[pb.StepResult]:
+    async def Steps(
+        self, requests: AsyncIterator[pb.StepPlan], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.StepResult]:
         async for result in self.runner.stream(requests, context):
             yield result
 
@@ -179,16 +185,21 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
         plan = plan_from_pb(request, self.engine.eos_token_ids)
         self.last_step = asyncio.get_running_loop().time()
         if request.instance_id and request.instance_id != self.engine.instance_id:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                f"instance_id: this executor is {self.engine.instance_id}, not "
-                                f"{request.instance_id}")
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"instance_id: this executor is {self.engine.instance_id}, not {request.instance_id}",
+            )
         if request.epoch < self._epoch:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                f"epoch: {request.epoch} is stale; a loop with epoch {self._epoch} leads")
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"epoch: {request.epoch} is stale; a loop with epoch {self._epoch} leads",
+            )
         if request.seq < self._applied_seq:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                f"seq: {request.seq} is behind plans already executed (up to "
-                                f"{self._applied_seq}): Redis lost writes; recompute")
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"seq: {request.seq} is behind plans already executed (up to "
+                f"{self._applied_seq}): Redis lost writes; recompute",
+            )
         self._applied_seq = request.seq
         if self.lifecycle.state == "failed":
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the engine failed; this executor is leaving")
@@ -199,8 +210,9 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
         except UnknownTable as exc:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"no block table for {exc}; send it in full")
         except UnknownSample as exc:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                f"no sampled token for {exc} to continue from; send its tokens")
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION, f"no sampled token for {exc} to continue from; send its tokens"
+            )
         except PlanError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except ValueError as exc:
@@ -218,8 +230,12 @@ def add_to_server(servicer: ExecutorServicer, server: grpc.aio.Server) -> None:
     """Register the Executor service, parsing requests in the handlers (in place of
     ``executor_pb2_grpc.add_ExecutorServicer_to_server``; same names, same messages).
     The server's receive limit bounds their size."""
-    handlers.register(server, pb.DESCRIPTOR.services_by_name["Executor"], {
-        "Info": handlers.unary(servicer.Info, pb.InfoRequest),
-        "Step": handlers.unary(servicer.Step, pb.StepPlan),
-        "Steps": handlers.bidi(servicer.Steps, pb.StepPlan),
-    })
+    handlers.register(
+        server,
+        pb.DESCRIPTOR.services_by_name["Executor"],
+        {
+            "Info": handlers.unary(servicer.Info, pb.InfoRequest),
+            "Step": handlers.unary(servicer.Step, pb.StepPlan),
+            "Steps": handlers.bidi(servicer.Steps, pb.StepPlan),
+        },
+    )

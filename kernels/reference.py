@@ -113,8 +113,7 @@ def _groups(meta: PagedMetadata) -> list[_Group]:
         num_blocks = (meta.seq_lens.long() + meta.block_size - 1) // meta.block_size
         level = torch.ceil(torch.log2(num_blocks.clamp(min=1).double())).long()
         bucket = torch.where(q_lens == 1, level, level + 64)  # 64 levels cover any context
-        meta.groups = [_build_group(meta, torch.nonzero(bucket == b).flatten())
-                       for b in torch.unique(bucket).tolist()]
+        meta.groups = [_build_group(meta, torch.nonzero(bucket == b).flatten()) for b in torch.unique(bucket).tolist()]
     return meta.groups
 
 

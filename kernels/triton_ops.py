@@ -361,12 +361,12 @@ def _split_kv_reduce_kernel(
     row = (seq * NUM_HEADS + head).to(tl.int64) * NUM_SPLITS + offs_s
 
     m = tl.load(part_max + row, mask=split_ok, other=float("-inf"))
-    l = tl.load(part_sum + row, mask=split_ok, other=0.0)
+    lsum = tl.load(part_sum + row, mask=split_ok, other=0.0)
     acc_mask = split_ok[:, None] & dim_ok[None, :]
     acc = tl.load(part_acc + row[:, None] * HEAD_DIM + offs_d[None, :], mask=acc_mask, other=0.0)
     m_max = tl.max(m, axis=0)
     w = tl.where(m == float("-inf"), 0.0, tl.exp2(m - m_max))
-    total = tl.sum(w * l, axis=0)
+    total = tl.sum(w * lsum, axis=0)
     merged = tl.sum(w[:, None] * acc, axis=0) / total
 
     token = tl.load(query_start_loc + seq).to(tl.int64)

@@ -144,17 +144,20 @@ def _refusal(handler: grpc.RpcMethodHandler | None, message: str) -> grpc.RpcMet
         (True, False): grpc.stream_unary_rpc_method_handler,
         (True, True): grpc.stream_stream_rpc_method_handler,
     }[streaming]
-    return make(refuse, request_deserializer=None,
-                response_serializer=handler.response_serializer if handler else None)
+    return make(refuse, request_deserializer=None, response_serializer=handler.response_serializer if handler else None)
 
 
 class TokenInterceptor(grpc.aio.ServerInterceptor):
     """Every method except those under ``open_prefixes`` requires one of ``secrets`` in the
     metadata, as ``candidates`` extracts them."""
 
-    def __init__(self, secrets: SecretFile, candidates: Callable[[Sequence[tuple[str, str | bytes]] | None],
-                                                                 list[bytes]],
-                 message: str, open_prefixes: tuple[str, ...]) -> None:
+    def __init__(
+        self,
+        secrets: SecretFile,
+        candidates: Callable[[Sequence[tuple[str, str | bytes]] | None], list[bytes]],
+        message: str,
+        open_prefixes: tuple[str, ...],
+    ) -> None:
         self.secrets = secrets
         self.candidates = candidates
         self.message = message
@@ -169,7 +172,8 @@ class TokenInterceptor(grpc.aio.ServerInterceptor):
         return ok
 
     async def intercept_service(
-        self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
         details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
         handler = await continuation(details)
@@ -180,14 +184,19 @@ class TokenInterceptor(grpc.aio.ServerInterceptor):
 
 def api_key_interceptor(keys: SecretFile) -> TokenInterceptor:
     """The public port: ``authorization: Bearer <key>``; health and reflection open."""
-    return TokenInterceptor(keys, bearer, "missing or invalid API key (metadata authorization: Bearer <key>)",
-                            (HEALTH_PREFIX, *REFLECTION_PREFIXES))
+    return TokenInterceptor(
+        keys,
+        bearer,
+        "missing or invalid API key (metadata authorization: Bearer <key>)",
+        (HEALTH_PREFIX, *REFLECTION_PREFIXES),
+    )
 
 
 def internal_token_interceptor(token: SecretFile) -> TokenInterceptor:
     """An executor's port: ``x-pagedserve-internal-token``; health open."""
-    return TokenInterceptor(token, plain(INTERNAL_TOKEN),
-                            f"missing or invalid internal token (metadata {INTERNAL_TOKEN})", (HEALTH_PREFIX,))
+    return TokenInterceptor(
+        token, plain(INTERNAL_TOKEN), f"missing or invalid internal token (metadata {INTERNAL_TOKEN})", (HEALTH_PREFIX,)
+    )
 
 
 def _with_header(client_call_details, header: str, secret: SecretFile):  # type: ignore[no-untyped-def]

@@ -60,9 +60,15 @@ def auth_metadata(api_key: str | None) -> list[tuple[str, str]]:
     return [(AUTHORIZATION, f"Bearer {api_key}")] if api_key else []
 
 
-def generate(addresses: str | Sequence[str], request: pb.GenerateRequest, timeout: float | None = None,
-             retries: int = RETRIES, *, api_key: str | None = None,
-             tls_ca: str | Path | None = None) -> Iterator[pb.GenerateResponse]:
+def generate(
+    addresses: str | Sequence[str],
+    request: pb.GenerateRequest,
+    timeout: float | None = None,
+    retries: int = RETRIES,
+    *,
+    api_key: str | None = None,
+    tls_ca: str | Path | None = None,
+) -> Iterator[pb.GenerateResponse]:
     """Stream one request, each token exactly once, across replica failures and drains.
 
     On UNAVAILABLE it reconnects (the same address first, then the next one) and
@@ -79,9 +85,13 @@ def generate(addresses: str | Sequence[str], request: pb.GenerateRequest, timeou
         try:
             with open_channel(addrs[i % len(addrs)], tls_ca) as channel:
                 stub = pb_grpc.GenerationStub(channel)
-                call = (stub.Resume(pb.ResumeRequest(request_id=req.request_id, offset=have), timeout=timeout,
-                                    metadata=metadata)
-                        if resume else stub.Generate(req, timeout=timeout, metadata=metadata))
+                call = (
+                    stub.Resume(
+                        pb.ResumeRequest(request_id=req.request_id, offset=have), timeout=timeout, metadata=metadata
+                    )
+                    if resume
+                    else stub.Generate(req, timeout=timeout, metadata=metadata)
+                )
                 for resp in call:
                     failures = 0
                     fresh = _fresh(resp, have)
@@ -108,8 +118,15 @@ def generate(addresses: str | Sequence[str], request: pb.GenerateRequest, timeou
             time.sleep(min(2.0, BACKOFF_S * 2 ** (failures - 1)))
 
 
-def stream_chat(address: str | Sequence[str], prompt: str, out: TextIO, max_tokens: int = 128, *,
-                api_key: str | None = None, tls_ca: str | Path | None = None) -> pb.GenerateResponse:
+def stream_chat(
+    address: str | Sequence[str],
+    prompt: str,
+    out: TextIO,
+    max_tokens: int = 128,
+    *,
+    api_key: str | None = None,
+    tls_ca: str | Path | None = None,
+) -> pb.GenerateResponse:
     req = pb.GenerateRequest(
         messages=[pb.ChatMessage(role="user", content=prompt)],
         sampling=pb.SamplingParams(max_tokens=max_tokens, temperature=0.0),

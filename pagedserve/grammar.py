@@ -50,17 +50,25 @@ class Compiler:
     (the executor's EOS ids, which end a request with finish_reason "stop").
     """
 
-    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int] | None = None,
-                 cache_bytes: int = CACHE_BYTES, max_threads: int = 1) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        vocab_size: int,
+        stop_token_ids: Sequence[int] | None = None,
+        cache_bytes: int = CACHE_BYTES,
+        max_threads: int = 1,
+    ) -> None:
         import xgrammar as xgr
 
         self._xgr = xgr
         self.vocab_size = vocab_size
         self.info = xgr.TokenizerInfo.from_huggingface(
-            tokenizer, vocab_size=vocab_size, stop_token_ids=list(stop_token_ids) if stop_token_ids else None)
+            tokenizer, vocab_size=vocab_size, stop_token_ids=list(stop_token_ids) if stop_token_ids else None
+        )
         self.stop_token_ids = list(self.info.stop_token_ids)
-        self._compiler = xgr.GrammarCompiler(self.info, max_threads=max_threads, cache_enabled=True,
-                                             cache_limit_bytes=cache_bytes)
+        self._compiler = xgr.GrammarCompiler(
+            self.info, max_threads=max_threads, cache_enabled=True, cache_limit_bytes=cache_bytes
+        )
 
     def compile(self, spec: Spec) -> Any:
         """The compiled grammar of ``spec``; raises GrammarError."""

@@ -28,13 +28,16 @@ def _serialize(m: Message) -> bytes:
 async def parse(raw: bytes, message: type[Message], max_bytes: int, context: grpc.aio.ServicerContext) -> Any:
     """The request, or INVALID_ARGUMENT: over ``max_bytes`` (0: no limit of ours), or not a ``message``."""
     if max_bytes and len(raw) > max_bytes:
-        await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                            f"request: {len(raw)} bytes, over the limit of {max_bytes} (--max-request-bytes)")
+        await context.abort(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"request: {len(raw)} bytes, over the limit of {max_bytes} (--max-request-bytes)",
+        )
     try:
         return message.FromString(raw)
     except DecodeError as exc:
-        await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                            f"request: not a valid {message.DESCRIPTOR.full_name} ({exc})")
+        await context.abort(
+            grpc.StatusCode.INVALID_ARGUMENT, f"request: not a valid {message.DESCRIPTOR.full_name} ({exc})"
+        )
 
 
 def unary(method: Unary, message: type[Message], max_bytes: int = 0) -> grpc.RpcMethodHandler:
@@ -53,9 +56,13 @@ def stream(method: Streaming, message: type[Message], max_bytes: int = 0) -> grp
     return grpc.unary_stream_rpc_method_handler(handle, request_deserializer=None, response_serializer=_serialize)
 
 
-def bidi(method: Callable[[AsyncIterator[Any], grpc.aio.ServicerContext], AsyncIterator[Message]],
-         message: type[Message], max_bytes: int = 0) -> grpc.RpcMethodHandler:
+def bidi(
+    method: Callable[[AsyncIterator[Any], grpc.aio.ServicerContext], AsyncIterator[Message]],
+    message: type[Message],
+    max_bytes: int = 0,
+) -> grpc.RpcMethodHandler:
     """A stream of requests, each parsed as it arrives (a bad one ends the call with INVALID_ARGUMENT)."""
+
     async def handle(raws: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> AsyncIterator[Message]:
         async def requests() -> AsyncIterator[Any]:
             async for raw in raws:
@@ -67,7 +74,9 @@ def bidi(method: Callable[[AsyncIterator[Any], grpc.aio.ServicerContext], AsyncI
     return grpc.stream_stream_rpc_method_handler(handle, request_deserializer=None, response_serializer=_serialize)
 
 
-def register(server: grpc.aio.Server, service: ServiceDescriptor, handlers: Mapping[str, grpc.RpcMethodHandler]) -> None:
+def register(
+    server: grpc.aio.Server, service: ServiceDescriptor, handlers: Mapping[str, grpc.RpcMethodHandler]
+) -> None:
     """Serve ``service`` with ``handlers``, one per method of its descriptor."""
     missing = set(service.methods_by_name) ^ set(handlers)
     if missing:

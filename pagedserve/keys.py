@@ -80,8 +80,19 @@ class ExecutorKeys:
 
     def all(self) -> list[str]:
         """Every key of this executor's state."""
-        return [self.live, self.computed, self.pool, self.counters, self.leader, self.epoch, self.seq,
-                self.cache, self.lru, self.hashes, *(self.free(t) for t in Tier)]
+        return [
+            self.live,
+            self.computed,
+            self.pool,
+            self.counters,
+            self.leader,
+            self.epoch,
+            self.seq,
+            self.cache,
+            self.lru,
+            self.hashes,
+            *(self.free(t) for t in Tier),
+        ]
 
 
 class Keys:

@@ -64,8 +64,12 @@ class Member:
 
     @property
     def identity(self) -> dict[str, str]:
-        return {"model_digest": self.model_digest, "block_size": str(self.block_size), "dtype": self.dtype,
-                "model": self.model}
+        return {
+            "model_digest": self.model_digest,
+            "block_size": str(self.block_size),
+            "dtype": self.dtype,
+            "model": self.model,
+        }
 
     def matches(self, identity: dict[str, str]) -> bool:
         mine = self.identity
@@ -77,31 +81,59 @@ class Member:
 
     def to_fields(self) -> dict[str, str]:
         return {
-            "address": self.address, "model": self.model, "model_digest": self.model_digest, "dtype": self.dtype,
-            "block_size": str(self.block_size), "blocks": ",".join(map(str, self.blocks)),
-            "max_model_len": str(self.max_model_len), "state": self.state,
-            "evacuate_at_ms": str(self.evacuate_at_ms), "static": "1" if self.static else "0",
+            "address": self.address,
+            "model": self.model,
+            "model_digest": self.model_digest,
+            "dtype": self.dtype,
+            "block_size": str(self.block_size),
+            "blocks": ",".join(map(str, self.blocks)),
+            "max_model_len": str(self.max_model_len),
+            "state": self.state,
+            "evacuate_at_ms": str(self.evacuate_at_ms),
+            "static": "1" if self.static else "0",
         }
 
     @classmethod
     def from_fields(cls, instance_id: str, f: dict[str, str]) -> Member:
         d, c, k = (int(x) for x in f["blocks"].split(","))
-        return cls(instance_id, f["address"], f["model"], f["model_digest"], f["dtype"], int(f["block_size"]),
-                   (d, c, k), int(f["max_model_len"]), f["state"], int(f.get("evacuate_at_ms", 0)),
-                   f.get("static") == "1")
+        return cls(
+            instance_id,
+            f["address"],
+            f["model"],
+            f["model_digest"],
+            f["dtype"],
+            int(f["block_size"]),
+            (d, c, k),
+            int(f["max_model_len"]),
+            f["state"],
+            int(f.get("evacuate_at_ms", 0)),
+            f.get("static") == "1",
+        )
 
     @classmethod
     def from_info(cls, info: epb.InfoResponse, address: str, static: bool = False) -> Member:
-        return cls(info.instance_id, address, info.model, info.model_digest, info.dtype, info.block_size,
-                   (info.num_gpu_blocks, info.num_cpu_blocks, info.num_disk_blocks), info.max_model_len,
-                   info.state or SERVING, info.evacuate_at_ms, static)
+        return cls(
+            info.instance_id,
+            address,
+            info.model,
+            info.model_digest,
+            info.dtype,
+            info.block_size,
+            (info.num_gpu_blocks, info.num_cpu_blocks, info.num_disk_blocks),
+            info.max_model_len,
+            info.state or SERVING,
+            info.evacuate_at_ms,
+            static,
+        )
 
 
 def describe_mismatch(member: Member, identity: dict[str, str]) -> str:
-    return (f"executor {member.instance_id} at {member.address} serves {member.model} "
-            f"(digest {member.model_digest}, block size {member.block_size}, {member.dtype}) but namespace serves "
-            f"{identity.get('model')} (digest {identity.get('model_digest')}, block size "
-            f"{identity.get('block_size')}, {identity.get('dtype')}): refused")
+    return (
+        f"executor {member.instance_id} at {member.address} serves {member.model} "
+        f"(digest {member.model_digest}, block size {member.block_size}, {member.dtype}) but namespace serves "
+        f"{identity.get('model')} (digest {identity.get('model_digest')}, block size "
+        f"{identity.get('block_size')}, {identity.get('dtype')}): refused"
+    )
 
 
 @dataclass(slots=True)
@@ -132,8 +164,10 @@ class Registry:
         """Write or renew ``member``'s record; None once it has been evicted, else the namespace identity."""
         k = self.keys
         fields = [x for kv in member.to_fields().items() for x in kv]
-        got = await self._register(keys=[k.member(member.instance_id), k.members, k.evicted, k.identity],
-                                   args=[member.instance_id, ttl_ms, now_ms(), *fields])
+        got = await self._register(
+            keys=[k.member(member.instance_id), k.members, k.evicted, k.identity],
+            args=[member.instance_id, ttl_ms, now_ms(), *fields],
+        )
         if got == "evicted":
             return None
         return dict(zip(got[::2], got[1::2]))
@@ -145,8 +179,7 @@ class Registry:
 
     async def fix_identity(self, member: Member) -> dict[str, str]:
         """The namespace identity, set from ``member`` if there is none yet."""
-        got = await self._identity(keys=[self.keys.identity],
-                                   args=[x for kv in member.identity.items() for x in kv])
+        got = await self._identity(keys=[self.keys.identity], args=[x for kv in member.identity.items() for x in kv])
         return dict(zip(got[::2], got[1::2]))
 
     async def placed(self, instance_id: str) -> int:

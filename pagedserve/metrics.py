@@ -25,8 +25,29 @@ from prometheus_client.registry import Collector
 log = logging.getLogger(__name__)
 PREFIX = "pagedserve:"
 # Seconds: from a millisecond to minutes (CPU prefills of long prompts take seconds).
-LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
-                   10.0, 20.0, 40.0, 80.0, 160.0)
+LATENCY_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+)
 
 
 def name(metric: str) -> str:
@@ -53,8 +74,7 @@ def serve(port: int, registry: CollectorRegistry, host: str = "0.0.0.0") -> None
     """``/metrics`` on ``port`` in a daemon thread (0: off)."""
     if not port:
         return
-    server = make_server(host, port, _text_format(make_wsgi_app(registry)), ThreadingWSGIServer,
-                         handler_class=_Quiet)
+    server = make_server(host, port, _text_format(make_wsgi_app(registry)), ThreadingWSGIServer, handler_class=_Quiet)
     threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
     log.info("metrics on http://%s:%d/metrics", host, port)
 

@@ -43,15 +43,19 @@ def where(url: str) -> str:
 def explain(url: str, error: Exception) -> Refusal | None:
     """The refusal ``error`` means for ``url``, or None when it is not about credentials (pure)."""
     scheme = urlsplit(url).scheme or "redis"
-    hint = (f"put them in --redis-url as {scheme}://:PASSWORD@host:port/0, "
-            f"or {scheme}://USER:PASSWORD@host:port/0 for an ACL user")
+    hint = (
+        f"put them in --redis-url as {scheme}://:PASSWORD@host:port/0, "
+        f"or {scheme}://USER:PASSWORD@host:port/0 for an ACL user"
+    )
     text = str(error)
     if isinstance(error, exceptions.AuthenticationError):
         code = "NOAUTH" if "authenticated" in text or "NOAUTH" in text or "required" in text.lower() else "WRONGPASS"
         return Refusal(f"redis at {where(url)} refused our credentials ({code}: {text}): {hint}")
     if isinstance(error, exceptions.AuthenticationWrongNumberOfArgsError | exceptions.NoPermissionError):
-        return Refusal(f"redis at {where(url)} refused our credentials ({text}): {hint}; an ACL user needs "
-                       "all keys, channels and commands (~* &* +@all)")
+        return Refusal(
+            f"redis at {where(url)} refused our credentials ({text}): {hint}; an ACL user needs "
+            "all keys, channels and commands (~* &* +@all)"
+        )
     if isinstance(error, exceptions.ResponseError) and "without any password configured" in text:
         return Refusal(f"redis at {where(url)} has no password but --redis-url carries one: drop it from the URL")
     return None

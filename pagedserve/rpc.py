@@ -49,8 +49,9 @@ KEEPALIVE_OPTIONS = [
 ]
 
 
-def server_options(max_receive_bytes: int = MAX_MESSAGE_BYTES,
-                   max_concurrent_streams: int = INTERNAL_MAX_CONCURRENT_STREAMS) -> list[tuple[str, int]]:
+def server_options(
+    max_receive_bytes: int = MAX_MESSAGE_BYTES, max_concurrent_streams: int = INTERNAL_MAX_CONCURRENT_STREAMS
+) -> list[tuple[str, int]]:
     """The server's limits, all of them set here (docs/security.md, "Server limits")."""
     return [
         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -77,8 +78,9 @@ def make_server(
     Returns the server, its health servicer (``set_serving`` sets it) and the
     bound port (useful with port 0).
     """
-    server = grpc.aio.server(options=server_options(max_receive_bytes, max_concurrent_streams),
-                             interceptors=list(interceptors) or None)
+    server = grpc.aio.server(
+        options=server_options(max_receive_bytes, max_concurrent_streams), interceptors=list(interceptors) or None
+    )
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = [health.SERVICE_NAME]
@@ -111,8 +113,9 @@ async def stop_on_signals() -> asyncio.Event:
     return stop
 
 
-def run_service(serve: Callable[[object], Awaitable[None]], args: object, log_level: str,
-                log_format: str = "text") -> None:
+def run_service(
+    serve: Callable[[object], Awaitable[None]], args: object, log_level: str, log_format: str = "text"
+) -> None:
     logs.setup(log_level, log_format)
     asyncio.run(serve(args))
 

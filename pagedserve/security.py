@@ -151,8 +151,9 @@ class ReloadingCertificate:
         return config
 
     def credentials(self) -> grpc.ServerCredentials:
-        return grpc.dynamic_ssl_server_credentials(self._initial, self.fetch,
-                                                   require_client_authentication=self.client_ca is not None)
+        return grpc.dynamic_ssl_server_credentials(
+            self._initial, self.fetch, require_client_authentication=self.client_ca is not None
+        )
 
 
 class ReloadingSSLContext:
@@ -215,8 +216,9 @@ def server_tls(files: TLSFiles, verify_clients: bool) -> ReloadingCertificate | 
     return ReloadingCertificate(files.cert, files.key, files.ca if verify_clients else None)
 
 
-def channel_credentials(ca: Path | None = None, cert: Path | None = None,
-                        key: Path | None = None) -> grpc.ChannelCredentials:
+def channel_credentials(
+    ca: Path | None = None, cert: Path | None = None, key: Path | None = None
+) -> grpc.ChannelCredentials:
     """Trust ``ca`` (None: the system's roots) and, given a pair, present it as the client certificate."""
     return grpc.ssl_channel_credentials(
         root_certificates=read_pem(ca, "--tls-ca") if ca else None,
@@ -235,8 +237,9 @@ class Dialer:
     The files are reread for a new channel when they changed; while they cannot be read
     (mid-rotation), the last good credentials are used."""
 
-    def __init__(self, tls: TLSFiles = TLSFiles(), token: SecretFile | None = None,
-                 server_name: str | None = None) -> None:
+    def __init__(
+        self, tls: TLSFiles = TLSFiles(), token: SecretFile | None = None, server_name: str | None = None
+    ) -> None:
         self.tls, self.token, self.server_name = tls, token, server_name
         self._stamp: tuple[tuple[int, int, int], ...] | None = None
         self._creds: grpc.ChannelCredentials | None = None
@@ -262,8 +265,10 @@ class Dialer:
         options = list(rpc.CHANNEL_OPTIONS)
         interceptors = None
         if self.token:  # the unary calls and the Steps stream (grpc.aio files an interceptor under one kind)
-            interceptors = [TokenClientInterceptor(INTERNAL_TOKEN, self.token),
-                            TokenStreamInterceptor(INTERNAL_TOKEN, self.token)]
+            interceptors = [
+                TokenClientInterceptor(INTERNAL_TOKEN, self.token),
+                TokenStreamInterceptor(INTERNAL_TOKEN, self.token),
+            ]
         if self.tls.ca is None:
             return grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)
         if self.server_name:

@@ -27,31 +27,61 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--redis-url", default=os.environ.get("REDIS_URL"), help="default: $REDIS_URL (required)")
     p.add_argument("--namespace", default="pagedserve", help="prefix of every Redis key")
     p.add_argument("--replica-id", default=None, help="name in the loop leases (default: host-pid)")
-    p.add_argument("--lease-ms", type=int, default=10_000,
-                   help="time-to-live of this replica's leases: its loops move to another replica this long "
-                        "after it dies")
-    p.add_argument("--result-ttl", type=int, default=codec.RESULT_TTL_S,
-                   help="seconds a finished request stays readable, and resumable")
-    p.add_argument("--detach-timeout", type=float, default=DETACH_TIMEOUT_S,
-                   help="seconds a request may go without any stream attached before it is aborted")
-    p.add_argument("--metrics-port", type=int, default=0,
-                   help="serve Prometheus /metrics on this HTTP port (0: off); with role all it includes the "
-                        "loop process's metrics")
+    p.add_argument(
+        "--lease-ms",
+        type=int,
+        default=10_000,
+        help="time-to-live of this replica's leases: its loops move to another replica this long after it dies",
+    )
+    p.add_argument(
+        "--result-ttl",
+        type=int,
+        default=codec.RESULT_TTL_S,
+        help="seconds a finished request stays readable, and resumable",
+    )
+    p.add_argument(
+        "--detach-timeout",
+        type=float,
+        default=DETACH_TIMEOUT_S,
+        help="seconds a request may go without any stream attached before it is aborted",
+    )
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=0,
+        help="serve Prometheus /metrics on this HTTP port (0: off); with role all it includes the "
+        "loop process's metrics",
+    )
     p.add_argument("--metrics-host", default="0.0.0.0", help="address the metrics port binds")
-    p.add_argument("--http-port", type=int, default=0,
-                   help="serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models, "
-                        "/health) on this port (0: off; vLLM's is 8000); HTTPS with --tls-cert, API keys with "
-                        "--api-key-file, as the gRPC port (docs/http.md)")
+    p.add_argument(
+        "--http-port",
+        type=int,
+        default=0,
+        help="serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models, "
+        "/health) on this port (0: off; vLLM's is 8000); HTTPS with --tls-cert, API keys with "
+        "--api-key-file, as the gRPC port (docs/http.md)",
+    )
     p.add_argument("--http-host", default="0.0.0.0", help="address the HTTP port binds")
-    p.add_argument("--otlp-traces-endpoint", default=None,
-                   help="send OpenTelemetry traces (one per request) to this OTLP/HTTP endpoint, "
-                        "e.g. http://collector:4318/v1/traces (default: tracing off)")
+    p.add_argument(
+        "--otlp-traces-endpoint",
+        default=None,
+        help="send OpenTelemetry traces (one per request) to this OTLP/HTTP endpoint, "
+        "e.g. http://collector:4318/v1/traces (default: tracing off)",
+    )
     p.add_argument("--step-log", default=None, help="append one JSON line of statistics per step to this file")
-    p.add_argument("--role", choices=("all", "frontend", "loop"), default="all",
-                   help="all: the API here and the scheduling loops in a child process; or either one alone")
+    p.add_argument(
+        "--role",
+        choices=("all", "frontend", "loop"),
+        default="all",
+        help="all: the API here and the scheduling loops in a child process; or either one alone",
+    )
     p.add_argument("--log-level", default="INFO")
-    p.add_argument("--log-format", choices=logs.FORMATS, default="text",
-                   help="json: one object per line, with request_id and executor fields")
+    p.add_argument(
+        "--log-format",
+        choices=logs.FORMATS,
+        default="text",
+        help="json: one object per line, with request_id and executor fields",
+    )
     _scheduling_arguments(p)
     _security_arguments(p)
     _admission_arguments(p)
@@ -64,19 +94,36 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def _scheduling_arguments(p: argparse.ArgumentParser) -> None:
     """Which executors this replica steps, and how its loops schedule them."""
-    p.add_argument("--executor", action="append", default=[], metavar="HOST:PORT",
-                   help="a statically configured executor (repeatable); without it, every executor registered "
-                        "in the namespace is served")
-    p.add_argument("--executor-timeout", type=float, default=60.0,
-                   help="seconds a Step may take before its executor counts as lost")
-    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
-                   help="plan each step while the executor runs the previous one (a Steps stream); "
-                        "--no-async-scheduling: the serial loop, one unary Step at a time")
+    p.add_argument(
+        "--executor",
+        action="append",
+        default=[],
+        metavar="HOST:PORT",
+        help="a statically configured executor (repeatable); without it, every executor registered "
+        "in the namespace is served",
+    )
+    p.add_argument(
+        "--executor-timeout",
+        type=float,
+        default=60.0,
+        help="seconds a Step may take before its executor counts as lost",
+    )
+    p.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="plan each step while the executor runs the previous one (a Steps stream); "
+        "--no-async-scheduling: the serial loop, one unary Step at a time",
+    )
     p.add_argument("--policy", choices=POLICIES, default="fcfs", help="the same on every replica of a namespace")
     p.add_argument("--preemption-mode", choices=PREEMPTION_MODES, default="recompute")
-    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
-                   help="reuse the KV of cached prompt prefixes across requests (hash-chained, reference-counted "
-                        "blocks; evicted LRU when their memory is needed); --no-enable-prefix-caching turns it off")
+    p.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="reuse the KV of cached prompt prefixes across requests (hash-chained, reference-counted "
+        "blocks; evicted LRU when their memory is needed); --no-enable-prefix-caching turns it off",
+    )
     p.add_argument("--max-num-seqs", type=int, default=256, help="running sequences per executor at most")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens per executor step at most")
     p.add_argument("--max-model-len", type=int, default=0, help="context limit (default: each executor's)")
@@ -97,31 +144,62 @@ def _check_limits(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error("--max-pending-requests must be >= 0 (0: no limit)")
     if args.max_logprobs < 0:
         p.error("--max-logprobs must be >= 0")
-    if min(args.max_stop_strings, args.max_stop_string_length, args.max_prompt_bytes, args.max_request_bytes,
-           args.max_grammar_bytes, args.max_n) < 1:
-        p.error("--max-stop-strings, --max-stop-string-length, --max-prompt-bytes, --max-request-bytes, "
-                "--max-grammar-bytes and --max-n must be positive")
+    if (
+        min(
+            args.max_stop_strings,
+            args.max_stop_string_length,
+            args.max_prompt_bytes,
+            args.max_request_bytes,
+            args.max_grammar_bytes,
+            args.max_n,
+        )
+        < 1
+    ):
+        p.error(
+            "--max-stop-strings, --max-stop-string-length, --max-prompt-bytes, --max-request-bytes, "
+            "--max-grammar-bytes and --max-n must be positive"
+        )
 
 
 def _security_arguments(p: argparse.ArgumentParser) -> None:
     """TLS and authentication (docs/security.md)."""
-    p.add_argument("--tls-cert", default=None, metavar="PATH",
-                   help="serve TLS on the public port with this certificate (PEM; with --tls-key), reloaded on "
-                        "change or SIGHUP; with --tls-ca the same pair is the client certificate shown to executors")
+    p.add_argument(
+        "--tls-cert",
+        default=None,
+        metavar="PATH",
+        help="serve TLS on the public port with this certificate (PEM; with --tls-key), reloaded on "
+        "change or SIGHUP; with --tls-ca the same pair is the client certificate shown to executors",
+    )
     p.add_argument("--tls-key", default=None, metavar="PATH", help="the private key of --tls-cert (PEM)")
-    p.add_argument("--tls-ca", default=None, metavar="PATH",
-                   help="dial executors over TLS and verify their certificates against this CA bundle (mutual "
-                        "TLS with --tls-cert/--tls-key); without it executors are dialled in plaintext")
-    p.add_argument("--executor-tls-server-name", default=None, metavar="NAME",
-                   help="with --tls-ca: the name executors' certificates must carry, when it is not the host of "
-                        "the address they register (e.g. pod IPs, certificates for `executor`)")
-    p.add_argument("--api-key-file", default=None, metavar="PATH",
-                   help="require an API key (metadata authorization: Bearer KEY) on the public API: one key per "
-                        "line, several for rotation, blank lines and # comments ignored; reloaded on change or "
-                        "SIGHUP; health and reflection stay open")
-    p.add_argument("--internal-token-file", default=None, metavar="PATH",
-                   help="send the token in this file (its first line) to executors in metadata "
-                        "x-pagedserve-internal-token, for executors started with the same file")
+    p.add_argument(
+        "--tls-ca",
+        default=None,
+        metavar="PATH",
+        help="dial executors over TLS and verify their certificates against this CA bundle (mutual "
+        "TLS with --tls-cert/--tls-key); without it executors are dialled in plaintext",
+    )
+    p.add_argument(
+        "--executor-tls-server-name",
+        default=None,
+        metavar="NAME",
+        help="with --tls-ca: the name executors' certificates must carry, when it is not the host of "
+        "the address they register (e.g. pod IPs, certificates for `executor`)",
+    )
+    p.add_argument(
+        "--api-key-file",
+        default=None,
+        metavar="PATH",
+        help="require an API key (metadata authorization: Bearer KEY) on the public API: one key per "
+        "line, several for rotation, blank lines and # comments ignored; reloaded on change or "
+        "SIGHUP; health and reflection stay open",
+    )
+    p.add_argument(
+        "--internal-token-file",
+        default=None,
+        metavar="PATH",
+        help="send the token in this file (its first line) to executors in metadata "
+        "x-pagedserve-internal-token, for executors started with the same file",
+    )
 
 
 def _check_security(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -144,27 +222,65 @@ def _check_security(p: argparse.ArgumentParser, args: argparse.Namespace) -> Non
 
 def _admission_arguments(p: argparse.ArgumentParser) -> None:
     """Admission control and caps on what one request may ask (docs/architecture.md, "Admission")."""
-    p.add_argument("--max-pending-requests", type=int, default=0, metavar="N",
-                   help="refuse new requests with RESOURCE_EXHAUSTED (and trailing metadata retry-after, seconds) "
-                        "while N requests wait in this namespace's queue, whichever replicas queued them "
-                        "(0: no limit; the same on every replica)")
-    p.add_argument("--max-stop-strings", type=int, default=validate.MAX_STOP_STRINGS, metavar="N",
-                   help="stop strings one request may give (sampling.stop)")
-    p.add_argument("--max-stop-string-length", type=int, default=validate.MAX_STOP_STRING_LENGTH, metavar="N",
-                   help="characters in one stop string")
-    p.add_argument("--max-logprobs", type=int, default=validate.MAX_LOGPROBS, metavar="N",
-                   help="the most alternatives sampling.logprobs and sampling.prompt_logprobs may ask for (vLLM's "
-                        "--max-logprobs)")
-    p.add_argument("--max-n", type=int, default=validate.MAX_N, metavar="N",
-                   help="the most completions one request may ask for (sampling.n, OpenAI's n)")
-    p.add_argument("--max-prompt-bytes", type=int, default=validate.MAX_PROMPT_BYTES, metavar="N",
-                   help="UTF-8 bytes of prompt text, or of all messages' roles and contents")
-    p.add_argument("--max-grammar-bytes", type=int, default=validate.MAX_GRAMMAR_BYTES, metavar="N",
-                   help="UTF-8 bytes of one structured-output spec (a JSON schema, regex, grammar, or the "
-                        "choices as a grammar)")
-    p.add_argument("--max-request-bytes", type=int, default=validate.MAX_REQUEST_BYTES, metavar="N",
-                   help="bytes of one serialized request on the public port (INVALID_ARGUMENT over it; the "
-                        "transport refuses messages over the larger of this and 4 MiB with RESOURCE_EXHAUSTED)")
+    p.add_argument(
+        "--max-pending-requests",
+        type=int,
+        default=0,
+        metavar="N",
+        help="refuse new requests with RESOURCE_EXHAUSTED (and trailing metadata retry-after, seconds) "
+        "while N requests wait in this namespace's queue, whichever replicas queued them "
+        "(0: no limit; the same on every replica)",
+    )
+    p.add_argument(
+        "--max-stop-strings",
+        type=int,
+        default=validate.MAX_STOP_STRINGS,
+        metavar="N",
+        help="stop strings one request may give (sampling.stop)",
+    )
+    p.add_argument(
+        "--max-stop-string-length",
+        type=int,
+        default=validate.MAX_STOP_STRING_LENGTH,
+        metavar="N",
+        help="characters in one stop string",
+    )
+    p.add_argument(
+        "--max-logprobs",
+        type=int,
+        default=validate.MAX_LOGPROBS,
+        metavar="N",
+        help="the most alternatives sampling.logprobs and sampling.prompt_logprobs may ask for (vLLM's --max-logprobs)",
+    )
+    p.add_argument(
+        "--max-n",
+        type=int,
+        default=validate.MAX_N,
+        metavar="N",
+        help="the most completions one request may ask for (sampling.n, OpenAI's n)",
+    )
+    p.add_argument(
+        "--max-prompt-bytes",
+        type=int,
+        default=validate.MAX_PROMPT_BYTES,
+        metavar="N",
+        help="UTF-8 bytes of prompt text, or of all messages' roles and contents",
+    )
+    p.add_argument(
+        "--max-grammar-bytes",
+        type=int,
+        default=validate.MAX_GRAMMAR_BYTES,
+        metavar="N",
+        help="UTF-8 bytes of one structured-output spec (a JSON schema, regex, grammar, or the choices as a grammar)",
+    )
+    p.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=validate.MAX_REQUEST_BYTES,
+        metavar="N",
+        help="bytes of one serialized request on the public port (INVALID_ARGUMENT over it; the "
+        "transport refuses messages over the larger of this and 4 MiB with RESOURCE_EXHAUSTED)",
+    )
 
 
 def main(argv: list[str] | None = None) -> None:

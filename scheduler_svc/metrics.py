@@ -33,45 +33,78 @@ def _usage(view: PoolView, tier: Tier) -> float:
 class LoopMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         ex = ["model_name", "executor"]
-        self.running = Gauge(name("num_requests_running"), "Requests running on the executor", ex,
-                             registry=registry)
-        self.swapped = Gauge(name("num_requests_swapped"), "Requests swapped out to the executor's CPU or disk tier",
-                             ex, registry=registry)
-        self.kv = Gauge(name("kv_cache_usage_perc"), "Fraction of the executor's device KV blocks in use (0-1)", ex,
-                        registry=registry)
-        self.cpu_swap = Gauge(name("cpu_swap_usage_perc"), "Fraction of the executor's CPU swap blocks in use (0-1)",
-                              ex, registry=registry)
-        self.disk_swap = Gauge(name("disk_swap_usage_perc"),
-                               "Fraction of the executor's disk swap blocks in use (0-1)", ex, registry=registry)
-        self.preemptions = Counter(name("num_preemptions"), "Requests preempted, by mode", [*ex, "mode"],
-                                   registry=registry)
-        self.prompt_tokens = Counter(name("prompt_tokens"), "Prompt tokens of finished requests", ex,
-                                     registry=registry)
-        self.generation_tokens = Counter(name("generation_tokens"), "Tokens generated (committed steps)", ex,
-                                         registry=registry)
-        self.success = Counter(name("request_success"), "Finished requests, by finish reason",
-                               [*ex, "finished_reason"], registry=registry)
-        self.swapped_blocks = Counter(name("swapped_blocks"), "KV blocks moved between tiers",
-                                      [*ex, "direction", "tier"], registry=registry)
-        self.prefix_queries = Counter(name("prefix_cache_queries"), "Prompt tokens looked up in the prefix cache",
-                                      ex, registry=registry)
-        self.prefix_hits = Counter(name("prefix_cache_hits"), "Prompt tokens found in the prefix cache", ex,
-                                   registry=registry)
-        self.forked_tokens = Counter(name("parallel_sampling_shared_tokens"),
-                                     "Prompt tokens a completion of a sampling.n request shared instead of computing",
-                                     ex, registry=registry)
-        self.iteration_tokens = Histogram(name("iteration_tokens_total"), "Tokens scheduled per step", ex,
-                                          buckets=TOKEN_BUCKETS, registry=registry)
-        self.queue_time = Histogram(name("request_queue_time_seconds"),
-                                    "From submission to first admission on an executor", ex,
-                                    buckets=LATENCY_BUCKETS, registry=registry)
+        self.running = Gauge(name("num_requests_running"), "Requests running on the executor", ex, registry=registry)
+        self.swapped = Gauge(
+            name("num_requests_swapped"),
+            "Requests swapped out to the executor's CPU or disk tier",
+            ex,
+            registry=registry,
+        )
+        self.kv = Gauge(
+            name("kv_cache_usage_perc"),
+            "Fraction of the executor's device KV blocks in use (0-1)",
+            ex,
+            registry=registry,
+        )
+        self.cpu_swap = Gauge(
+            name("cpu_swap_usage_perc"),
+            "Fraction of the executor's CPU swap blocks in use (0-1)",
+            ex,
+            registry=registry,
+        )
+        self.disk_swap = Gauge(
+            name("disk_swap_usage_perc"),
+            "Fraction of the executor's disk swap blocks in use (0-1)",
+            ex,
+            registry=registry,
+        )
+        self.preemptions = Counter(
+            name("num_preemptions"), "Requests preempted, by mode", [*ex, "mode"], registry=registry
+        )
+        self.prompt_tokens = Counter(name("prompt_tokens"), "Prompt tokens of finished requests", ex, registry=registry)
+        self.generation_tokens = Counter(
+            name("generation_tokens"), "Tokens generated (committed steps)", ex, registry=registry
+        )
+        self.success = Counter(
+            name("request_success"), "Finished requests, by finish reason", [*ex, "finished_reason"], registry=registry
+        )
+        self.swapped_blocks = Counter(
+            name("swapped_blocks"), "KV blocks moved between tiers", [*ex, "direction", "tier"], registry=registry
+        )
+        self.prefix_queries = Counter(
+            name("prefix_cache_queries"), "Prompt tokens looked up in the prefix cache", ex, registry=registry
+        )
+        self.prefix_hits = Counter(
+            name("prefix_cache_hits"), "Prompt tokens found in the prefix cache", ex, registry=registry
+        )
+        self.forked_tokens = Counter(
+            name("parallel_sampling_shared_tokens"),
+            "Prompt tokens a completion of a sampling.n request shared instead of computing",
+            ex,
+            registry=registry,
+        )
+        self.iteration_tokens = Histogram(
+            name("iteration_tokens_total"), "Tokens scheduled per step", ex, buckets=TOKEN_BUCKETS, registry=registry
+        )
+        self.queue_time = Histogram(
+            name("request_queue_time_seconds"),
+            "From submission to first admission on an executor",
+            ex,
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
         self._gauges = (self.running, self.swapped, self.kv, self.cpu_swap, self.disk_swap)
 
     def lead(self, model: str, executor: str) -> None:
         """A loop starts: its counters exist (at 0) from now on, as vLLM's do."""
         labels = (model, executor)
-        for c in (self.prompt_tokens, self.generation_tokens, self.prefix_queries, self.prefix_hits,
-                  self.forked_tokens):
+        for c in (
+            self.prompt_tokens,
+            self.generation_tokens,
+            self.prefix_queries,
+            self.prefix_hits,
+            self.forked_tokens,
+        ):
             c.labels(*labels)
         for mode in ("swap", "recompute"):
             self.preemptions.labels(*labels, mode)
@@ -99,8 +132,11 @@ class LoopMetrics:
         for mode, n in (("swap", c.preemptions_swap), ("recompute", c.preemptions_recompute)):
             if n:
                 self.preemptions.labels(*labels, mode).inc(n)
-        for direction, tier, n in (("out", "cpu", c.swapped_out_blocks - c.disk_spilled_blocks),
-                                   ("out", "disk", c.disk_spilled_blocks), ("in", "any", c.swapped_in_blocks)):
+        for direction, tier, n in (
+            ("out", "cpu", c.swapped_out_blocks - c.disk_spilled_blocks),
+            ("out", "disk", c.disk_spilled_blocks),
+            ("in", "any", c.swapped_in_blocks),
+        ):
             if n:
                 self.swapped_blocks.labels(*labels, direction, tier).inc(n)
         if c.prefix_cache_queries:
@@ -125,12 +161,18 @@ class NamespaceMetrics:
     """Exported by the one replica that holds the namespace's metrics lease."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
-        self.waiting = Gauge(name("num_requests_waiting"), "Requests in the shared queue", ["model_name"],
-                             registry=registry)
-        self.executors = Gauge(name("num_executors"), "Registered executors, by state", ["model_name", "state"],
-                               registry=registry)
-        self.replicas = Gauge(name("num_scheduler_replicas"), "Scheduler replicas with a live heartbeat",
-                              ["model_name"], registry=registry)
+        self.waiting = Gauge(
+            name("num_requests_waiting"), "Requests in the shared queue", ["model_name"], registry=registry
+        )
+        self.executors = Gauge(
+            name("num_executors"), "Registered executors, by state", ["model_name", "state"], registry=registry
+        )
+        self.replicas = Gauge(
+            name("num_scheduler_replicas"),
+            "Scheduler replicas with a live heartbeat",
+            ["model_name"],
+            registry=registry,
+        )
         self._model: str | None = None
 
     def set(self, model: str, waiting: int, executors: dict[str, int], replicas: int) -> None:
@@ -151,10 +193,25 @@ class NamespaceMetrics:
 class FrontendMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         m = ["model_name"]
-        self.ttft = Histogram(name("time_to_first_token_seconds"), "From submission to the first token streamed", m,
-                              buckets=LATENCY_BUCKETS, registry=registry)
-        self.itl = Histogram(name("inter_token_latency_seconds"), "Between two streamed messages of a request", m,
-                             buckets=LATENCY_BUCKETS, registry=registry)
-        self.e2e = Histogram(name("e2e_request_latency_seconds"), "From submission to the last message", m,
-                             buckets=LATENCY_BUCKETS, registry=registry)
+        self.ttft = Histogram(
+            name("time_to_first_token_seconds"),
+            "From submission to the first token streamed",
+            m,
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.itl = Histogram(
+            name("inter_token_latency_seconds"),
+            "Between two streamed messages of a request",
+            m,
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.e2e = Histogram(
+            name("e2e_request_latency_seconds"),
+            "From submission to the last message",
+            m,
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
         self.streams = Gauge(name("num_streams"), "Streams open on this replica", m, registry=registry)

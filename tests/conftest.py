@@ -30,18 +30,33 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jin
 # whole modules (``--dist loadscope``) in collection order, so starting with the longest and ending with the short
 # ones (unit tests last) keeps both workers busy to the end instead of one finishing a long module alone.
 LONGEST_FIRST = (
-    "tests/test_scale_out.py", "tests/test_streams.py", "tests/test_bench_smoke.py", "tests/test_structured_output.py",
-    "tests/test_preemption.py", "tests/test_prefix_cache.py", "tests/test_e2e_oracle.py",
-    "tests/test_parallel_sampling.py", "tests/test_failover.py", "tests/test_pipeline.py", "tests/test_redis_auth.py",
-    "tests/test_gpu_check.py", "tests/test_sampling.py", "tests/test_security.py", "tests/test_state_property.py",
-    "tests/test_prometheus.py", "tests/test_http.py", "tests/test_status.py", "tests/test_health.py",
+    "tests/test_scale_out.py",
+    "tests/test_streams.py",
+    "tests/test_bench_smoke.py",
+    "tests/test_structured_output.py",
+    "tests/test_preemption.py",
+    "tests/test_prefix_cache.py",
+    "tests/test_e2e_oracle.py",
+    "tests/test_parallel_sampling.py",
+    "tests/test_failover.py",
+    "tests/test_pipeline.py",
+    "tests/test_redis_auth.py",
+    "tests/test_gpu_check.py",
+    "tests/test_sampling.py",
+    "tests/test_security.py",
+    "tests/test_state_property.py",
+    "tests/test_prometheus.py",
+    "tests/test_http.py",
+    "tests/test_status.py",
+    "tests/test_health.py",
 )
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: (rank.get(item.nodeid.split("::")[0], len(rank)),
-                                 item.nodeid.startswith("tests/unit/")))  # stable: a module keeps its order
+    items.sort(
+        key=lambda item: (rank.get(item.nodeid.split("::")[0], len(rank)), item.nodeid.startswith("tests/unit/"))
+    )  # stable: a module keeps its order
 
 
 @pytest.fixture(scope="session")
@@ -70,8 +85,14 @@ def build_tiny(kind: str, dst: Path, tokenizer_src: Path) -> Path:
     )
 
     common = dict(
-        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        max_position_embeddings=512, bos_token_id=1, eos_token_id=2, pad_token_id=2,
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        max_position_embeddings=512,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
     )
     torch.manual_seed(0)
     if kind == "llama":
@@ -106,6 +127,7 @@ def make_cluster(model: Path, redis_url: str, namespace: str, tmp: Path, **kw: o
 def tiny_cluster(tiny_llama: Path, redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     """Tiny Llama (512-token context) with a small pool: 24 blocks of 16 tokens."""
     geo_bytes = 2 * 2 * 16 * 2 * 16 * 4  # K+V, layers, block, kv heads, head dim, fp32
-    with make_cluster(tiny_llama, redis_url, "tiny", tmp_path_factory.mktemp("logs"),
-                      kv_cache_memory=24 * geo_bytes) as cluster:
+    with make_cluster(
+        tiny_llama, redis_url, "tiny", tmp_path_factory.mktemp("logs"), kv_cache_memory=24 * geo_bytes
+    ) as cluster:
         yield cluster

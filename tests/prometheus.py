@@ -28,8 +28,9 @@ def http_get(url: str, timeout: float = 5) -> bytes:
 
 def promtool_check(text: str) -> tuple[int, str]:
     """``promtool check metrics`` on exposition text (stdin): its exit code and what it said."""
-    out = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True, check=False,
-                         timeout=30)
+    out = subprocess.run(
+        ["promtool", "check", "metrics"], input=text, capture_output=True, text=True, check=False, timeout=30
+    )
     return out.returncode, (out.stdout + out.stderr).strip()
 
 
@@ -37,25 +38,32 @@ class PrometheusServer:
     """``prometheus`` on a free loopback port scraping ``jobs`` (job name -> ``host:port`` list)
     every ``interval``, with its TSDB and log under ``workdir``."""
 
-    def __init__(self, jobs: dict[str, list[str]], workdir: Path, interval: str = "1s",
-                 timeout: float = 60) -> None:
+    def __init__(self, jobs: dict[str, list[str]], workdir: Path, interval: str = "1s", timeout: float = 60) -> None:
         workdir.mkdir(parents=True, exist_ok=True)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.targets = [t for ts in jobs.values() for t in ts]
         config = {
             "global": {"scrape_interval": interval, "scrape_timeout": interval, "evaluation_interval": interval},
-            "scrape_configs": [{"job_name": job, "static_configs": [{"targets": targets}]}
-                               for job, targets in jobs.items()],
+            "scrape_configs": [
+                {"job_name": job, "static_configs": [{"targets": targets}]} for job, targets in jobs.items()
+            ],
         }
         self.config_path = workdir / "prometheus.yml"
         self.config_path.write_text(json.dumps(config, indent=2))  # JSON is YAML
         self.log_path = workdir / "prometheus.log"
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
-                ["prometheus", f"--config.file={self.config_path}", f"--storage.tsdb.path={workdir / 'tsdb'}",
-                 f"--web.listen-address=127.0.0.1:{self.port}", "--log.level=warn"],
-                stdout=log, stderr=subprocess.STDOUT, cwd=workdir,
+                [
+                    "prometheus",
+                    f"--config.file={self.config_path}",
+                    f"--storage.tsdb.path={workdir / 'tsdb'}",
+                    f"--web.listen-address=127.0.0.1:{self.port}",
+                    "--log.level=warn",
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=workdir,
             )
         try:
             wait_until(self.ready, timeout, "prometheus", self.proc)
@@ -98,8 +106,9 @@ class PrometheusServer:
         assert len(result) <= 1, f"{promql} yields {len(result)} series: {result}"
         return result[0][1] if result else None
 
-    def settle(self, expected: dict[str, object], timeout: float = 30,
-               read: Callable[[str], object] | None = None) -> dict[str, object]:
+    def settle(
+        self, expected: dict[str, object], timeout: float = 30, read: Callable[[str], object] | None = None
+    ) -> dict[str, object]:
         """Poll each query until it reads as expected or ``timeout`` passes; what each read last.
         Scrapes of the targets land at different times, so each query gets until the deadline."""
         read = read or self.value

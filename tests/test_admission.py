@@ -43,10 +43,28 @@ Code = grpc.StatusCode
 @pytest.fixture(scope="module")
 def cluster(tiny_llama: Path, redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     block_bytes = 2 * 2 * 16 * 2 * 16 * 4  # K+V, layers, block, kv heads, head dim, fp32
-    args = ["--max-num-seqs", "1", "--max-pending-requests", str(MAX_PENDING), "--max-stop-strings", "2",
-            "--max-stop-string-length", "8", "--max-prompt-bytes", "256", "--max-request-bytes", "8192"]
-    with make_cluster(tiny_llama, redis_url, NS, tmp_path_factory.mktemp("logs"), kv_cache_memory=40 * block_bytes,
-                      scheduler_args=args) as c:
+    args = [
+        "--max-num-seqs",
+        "1",
+        "--max-pending-requests",
+        str(MAX_PENDING),
+        "--max-stop-strings",
+        "2",
+        "--max-stop-string-length",
+        "8",
+        "--max-prompt-bytes",
+        "256",
+        "--max-request-bytes",
+        "8192",
+    ]
+    with make_cluster(
+        tiny_llama,
+        redis_url,
+        NS,
+        tmp_path_factory.mktemp("logs"),
+        kv_cache_memory=40 * block_bytes,
+        scheduler_args=args,
+    ) as c:
         yield c
 
 
@@ -57,8 +75,12 @@ def rclient(redis_url: str) -> Iterator[redis.Redis]:
     client.close()
 
 
-async def collect(stub: pb_grpc.GenerationStub, req: pb.GenerateRequest, timeout: float = HANG_GUARD_S,
-                  started: asyncio.Event | None = None) -> Result:
+async def collect(
+    stub: pb_grpc.GenerationStub,
+    req: pb.GenerateRequest,
+    timeout: float = HANG_GUARD_S,
+    started: asyncio.Event | None = None,
+) -> Result:
     res = Result()
     async for resp in stub.Generate(req, timeout=timeout):
         res.request_id = resp.request_id
@@ -94,8 +116,9 @@ def run(cluster: Cluster, body) -> object:  # type: ignore[no-untyped-def]
     return asyncio.run(go())
 
 
-def test_over_max_pending_requests_is_refused_with_a_retry_hint(cluster: Cluster, rclient: redis.Redis,
-                                                                tiny_llama: Path) -> None:
+def test_over_max_pending_requests_is_refused_with_a_retry_hint(
+    cluster: Cluster, rclient: redis.Redis, tiny_llama: Path
+) -> None:
     keys = Keys(NS)
 
     async def body(stub: pb_grpc.GenerationStub) -> tuple[list[Result], grpc.aio.AioRpcError, Result]:
@@ -133,8 +156,9 @@ def _finished_record(rclient: redis.Redis, rid: str) -> dict[str, str]:
     return fields
 
 
-def test_expired_queue_deadline_ends_deadline_exceeded_and_frees_everything(cluster: Cluster,
-                                                                            rclient: redis.Redis) -> None:
+def test_expired_queue_deadline_ends_deadline_exceeded_and_frees_everything(
+    cluster: Cluster, rclient: redis.Redis
+) -> None:
     async def body(stub: pb_grpc.GenerationStub) -> tuple[grpc.aio.AioRpcError, ...]:
         blocker = await start_blocker(stub, "blocker-deadline")
         late = named(greedy(PROMPTS[0], 8), "late-queue", queue_timeout=0.3)
@@ -170,9 +194,13 @@ CAPS = [
     ("three stop strings", pb.GenerateRequest(prompt="hi", sampling=S(stop=["a", "b", "c"])), "sampling.stop"),
     ("long stop string", pb.GenerateRequest(prompt="hi", sampling=S(stop=["ok", "x" * 9])), "sampling.stop[1]"),
     ("prompt over the byte cap", pb.GenerateRequest(prompt="é" * 129), "prompt"),
-    ("messages over the byte cap", pb.GenerateRequest(messages=[pb.ChatMessage(role="user", content="m" * 200),
-                                                                pb.ChatMessage(role="user", content="m" * 60)]),
-     "messages"),
+    (
+        "messages over the byte cap",
+        pb.GenerateRequest(
+            messages=[pb.ChatMessage(role="user", content="m" * 200), pb.ChatMessage(role="user", content="m" * 60)]
+        ),
+        "messages",
+    ),
     ("request over the byte cap", pb.GenerateRequest(prompt_token_ids=[30000] * 3000), "request"),
     ("queue_timeout 0", pb.GenerateRequest(prompt="hi", queue_timeout=0.0), "queue_timeout"),
     ("negative queue_timeout", pb.GenerateRequest(prompt="hi", queue_timeout=-1.0), "queue_timeout"),
@@ -190,8 +218,9 @@ def test_caps_are_invalid_argument_naming_the_field(cluster: Cluster, req: pb.Ge
     assert info.value.details().startswith(field + ":"), info.value.details()
 
 
-def test_random_bytes_are_invalid_argument_and_the_server_still_serves(cluster: Cluster, tiny_llama: Path,
-                                                                       rclient: redis.Redis) -> None:
+def test_random_bytes_are_invalid_argument_and_the_server_still_serves(
+    cluster: Cluster, tiny_llama: Path, rclient: redis.Redis
+) -> None:
     rng = random.Random(13)
     payloads = [bytes(rng.randrange(256) for _ in range(rng.randrange(1, 96))) for _ in range(200)]
     methods = {"Generate": "unary_stream", "Resume": "unary_stream", "Abort": "unary_unary"}
@@ -202,8 +231,9 @@ def test_random_bytes_are_invalid_argument_and_the_server_still_serves(cluster: 
             for i, payload in enumerate(payloads):
                 method = list(methods)[i % 3] if i >= 100 else "Generate"
                 call_type = getattr(ch, methods[method])
-                rpc = call_type(f"/pagedserve.v1.Generation/{method}", request_serializer=None,
-                                response_deserializer=None)
+                rpc = call_type(
+                    f"/pagedserve.v1.Generation/{method}", request_serializer=None, response_deserializer=None
+                )
                 try:
                     got = rpc(payload, timeout=HANG_GUARD_S)
                     if methods[method] == "unary_stream":
@@ -229,6 +259,7 @@ def test_random_bytes_are_invalid_argument_and_the_server_still_serves(cluster: 
 def test_executor_service_parses_in_the_handler() -> None:
     """``executor_svc.server.add_to_server``: bytes that are no plan get INVALID_ARGUMENT, a
     well-formed request reaches the servicer (a stand-in here: no model needed)."""
+
     class Servicer:
         async def Info(self, request: xpb.InfoRequest, context: grpc.aio.ServicerContext) -> xpb.InfoResponse:
             return xpb.InfoResponse(instance_id="seen", applied_seq=int(request.renew_instance))
@@ -241,7 +272,13 @@ def test_executor_service_parses_in_the_handler() -> None:
                 yield xpb.StepResult(step_id=plan.step_id)
 
     rng = random.Random(7)
-    junk = [b"\xff", b"\x0a\xff\xff\xff\xff", b"\x08\x80", b"\x12\x05ab", *(b"\x0b" + rng.randbytes(20) for _ in range(8))]
+    junk = [
+        b"\xff",
+        b"\x0a\xff\xff\xff\xff",
+        b"\x08\x80",
+        b"\x12\x05ab",
+        *(b"\x0b" + rng.randbytes(20) for _ in range(8)),
+    ]
 
     async def go() -> tuple[list[Code], xpb.InfoResponse, xpb.StepResult]:
         server = grpc.aio.server()
@@ -252,15 +289,21 @@ def test_executor_service_parses_in_the_handler() -> None:
         try:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
                 for i, payload in enumerate(junk):
-                    rpc = ch.unary_unary(f"/pagedserve.executor.v1.Executor/{('Info', 'Step')[i % 2]}",
-                                         request_serializer=None, response_deserializer=None)
+                    rpc = ch.unary_unary(
+                        f"/pagedserve.executor.v1.Executor/{('Info', 'Step')[i % 2]}",
+                        request_serializer=None,
+                        response_deserializer=None,
+                    )
                     try:
                         await rpc(payload, timeout=HANG_GUARD_S)
                         codes.append(Code.OK)
                     except grpc.aio.AioRpcError as exc:
                         codes.append(exc.code())
-                steps = ch.stream_stream("/pagedserve.executor.v1.Executor/Steps", request_serializer=None,
-                                         response_deserializer=xpb.StepResult.FromString)
+                steps = ch.stream_stream(
+                    "/pagedserve.executor.v1.Executor/Steps",
+                    request_serializer=None,
+                    response_deserializer=xpb.StepResult.FromString,
+                )
                 call = steps(iter([xpb.StepPlan(step_id=40).SerializeToString(), junk[0]]), timeout=HANG_GUARD_S)
                 try:  # the stream's plans are parsed one by one: a good one answers, a bad one ends it
                     async for res in call:
@@ -282,11 +325,13 @@ def test_executor_service_parses_in_the_handler() -> None:
 
 def test_store_admission_and_expiry_scripts(redis_url: str) -> None:
     """The submit script's limit and the expire script, on a namespace of their own."""
+
     async def go() -> None:
         client = aioredis.from_url(redis_url, decode_responses=True)
         store = RedisStore(client, "admission-scripts")
         k = store.keys
         try:
+
             def req(rid: str, deadline: int) -> Request:
                 return Request(rid, [5, 6, 7], Params(max_tokens=4), deadline_ms=deadline)
 

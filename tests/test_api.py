@@ -48,8 +48,11 @@ S = pb.SamplingParams
 INVALID = [
     ("no prompt", pb.GenerateRequest(sampling=S(max_tokens=4)), "prompt"),
     ("two prompt fields", pb.GenerateRequest(prompt="hi", prompt_token_ids=[5, 6]), "prompt_token_ids"),
-    ("prompt and messages", pb.GenerateRequest(prompt="hi", messages=[pb.ChatMessage(role="user", content="x")]),
-     "messages"),
+    (
+        "prompt and messages",
+        pb.GenerateRequest(prompt="hi", messages=[pb.ChatMessage(role="user", content="x")]),
+        "messages",
+    ),
     ("max_tokens 0", pb.GenerateRequest(prompt="hi", sampling=S(max_tokens=0)), "max_tokens"),
     ("negative temperature", pb.GenerateRequest(prompt="hi", sampling=S(temperature=-0.5)), "temperature"),
     ("top_p 0", pb.GenerateRequest(prompt="hi", sampling=S(top_p=0.0)), "top_p"),
@@ -124,9 +127,10 @@ def test_client_cancellation_frees_blocks(tiny_cluster: Cluster, rclient) -> Non
 
 def test_seeded_sampling_is_reproducible(tiny_cluster: Cluster) -> None:
     def sampled(seed: int) -> pb.GenerateRequest:
-        return pb.GenerateRequest(prompt_token_ids=PROMPT,
-                                  sampling=S(max_tokens=24, temperature=0.9, top_p=0.95, top_k=50, seed=seed,
-                                             ignore_eos=True))
+        return pb.GenerateRequest(
+            prompt_token_ids=PROMPT,
+            sampling=S(max_tokens=24, temperature=0.9, top_p=0.95, top_k=50, seed=seed, ignore_eos=True),
+        )
 
     a, b, c = run_all(tiny_cluster.address, [sampled(7), sampled(7), sampled(8)])
     assert a.token_ids == b.token_ids
@@ -140,8 +144,10 @@ def test_streamed_text_joins_to_decoded_completion(tiny_cluster: Cluster, tiny_l
     tok = AutoTokenizer.from_pretrained(tiny_llama)
     reqs = [
         pb.GenerateRequest(prompt="Hello there, how are", sampling=S(max_tokens=40, temperature=0, ignore_eos=True)),
-        pb.GenerateRequest(messages=[pb.ChatMessage(role="user", content="Say something")],
-                           sampling=S(max_tokens=30, temperature=1.0, seed=3, ignore_eos=True)),
+        pb.GenerateRequest(
+            messages=[pb.ChatMessage(role="user", content="Say something")],
+            sampling=S(max_tokens=30, temperature=1.0, seed=3, ignore_eos=True),
+        ),
     ]
     for res in run_all(tiny_cluster.address, reqs):
         assert res.chunks > 1
@@ -156,10 +162,13 @@ def test_stop_strings_and_stop_token_ids(tiny_cluster: Cluster, tiny_llama) -> N
     # A stop string taken from the middle of the unconstrained output.
     stop = full[len(full) // 2 : len(full) // 2 + 3]
     assert stop.strip()
-    by_text, by_token = run_all(tiny_cluster.address, [
-        greedy(PROMPT, 30, ignore_eos=True, stop=[stop]),
-        greedy(PROMPT, 30, ignore_eos=True, stop_token_ids=[free_run.token_ids[5]]),
-    ])
+    by_text, by_token = run_all(
+        tiny_cluster.address,
+        [
+            greedy(PROMPT, 30, ignore_eos=True, stop=[stop]),
+            greedy(PROMPT, 30, ignore_eos=True, stop_token_ids=[free_run.token_ids[5]]),
+        ],
+    )
     assert by_text.finish_reason == "stop"
     assert by_text.text == full[: full.index(stop)]
     assert by_text.token_ids == free_run.token_ids[: len(by_text.token_ids)]
@@ -182,8 +191,9 @@ def test_duplicate_live_request_id_is_refused(tiny_cluster: Cluster, stub, rclie
 
 def test_resume_replays_a_finished_request_from_any_offset(tiny_cluster: Cluster, stub, tiny_llama) -> None:
     tok = AutoTokenizer.from_pretrained(tiny_llama)
-    req = pb.GenerateRequest(request_id="done-once", prompt="Hello there, how are",
-                             sampling=S(max_tokens=30, temperature=0, ignore_eos=True))
+    req = pb.GenerateRequest(
+        request_id="done-once", prompt="Hello there, how are", sampling=S(max_tokens=30, temperature=0, ignore_eos=True)
+    )
     original = list(stub.Generate(req, timeout=60))
     tokens = [t for r in original for t in r.token_ids]
     offsets = [r.offset for r in original]
@@ -197,20 +207,24 @@ def test_resume_replays_a_finished_request_from_any_offset(tiny_cluster: Cluster
     assert tok.decode(tokens[:12]) + "".join(r.text for r in tail) == tok.decode(tokens)
     end = list(stub.Resume(pb.ResumeRequest(request_id="done-once", offset=30), timeout=60))
     assert [(list(r.token_ids), r.offset, r.finish_reason) for r in end] == [([], 30, "length")]
-    for bad, code in ((pb.ResumeRequest(request_id="never-existed"), grpc.StatusCode.NOT_FOUND),
-                      (pb.ResumeRequest(request_id="done-once", offset=31), grpc.StatusCode.OUT_OF_RANGE),
-                      (pb.ResumeRequest(), grpc.StatusCode.INVALID_ARGUMENT)):
+    for bad, code in (
+        (pb.ResumeRequest(request_id="never-existed"), grpc.StatusCode.NOT_FOUND),
+        (pb.ResumeRequest(request_id="done-once", offset=31), grpc.StatusCode.OUT_OF_RANGE),
+        (pb.ResumeRequest(), grpc.StatusCode.INVALID_ARGUMENT),
+    ):
         with pytest.raises(grpc.RpcError) as info:
             list(stub.Resume(bad, timeout=60))
         assert info.value.code() == code
 
 
 def test_a_sampled_request_without_a_seed_gets_one_stored(tiny_cluster: Cluster, stub, rclient) -> None:
-    req = pb.GenerateRequest(request_id="unseeded", prompt_token_ids=PROMPT,
-                             sampling=S(max_tokens=16, temperature=0.9, ignore_eos=True))
+    req = pb.GenerateRequest(
+        request_id="unseeded", prompt_token_ids=PROMPT, sampling=S(max_tokens=16, temperature=0.9, ignore_eos=True)
+    )
     first = [t for r in stub.Generate(req, timeout=60) for t in r.token_ids]
     seed = json.loads(rclient.hget(Keys(NS).req("unseeded"), "spec"))["params"]["seed"]
     assert isinstance(seed, int)
-    again = pb.GenerateRequest(prompt_token_ids=PROMPT,
-                               sampling=S(max_tokens=16, temperature=0.9, ignore_eos=True, seed=seed))
+    again = pb.GenerateRequest(
+        prompt_token_ids=PROMPT, sampling=S(max_tokens=16, temperature=0.9, ignore_eos=True, seed=seed)
+    )
     assert [t for r in stub.Generate(again, timeout=60) for t in r.token_ids] == first

@@ -14,16 +14,36 @@ from benchmarks.overhead import chains
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
-NUMERIC_KEYS = ("throughput_ratio_vs_hf_static", "throughput_ratio_vs_hf_continuous", "kv_utilization_steady_state",
-                "static_allocation_utilization", "scheduler_overhead_ms_p50", "scheduler_overhead_share_real_run",
-                "kv_budget_bytes", "reattach_ms_p50", "reattach_ms_p99", "failover_resume_ms_p50",
-                "failover_resume_ms_p99", "seeded_sampling_cost_ratio", "seeded_sampling_share_of_forward",
-                "throughput_ratio_vs_hf_continuous_previous", "model_runner_ratio_32", "gemm_flops_per_s",
-                "roofline_fraction", "executor_busy_fraction", "throughput_ratio_vs_hf_continuous_long",
-                "throughput_ratio_vs_hf_static_long", "kv_utilization_steady_state_long",
-                "logprobs_top5_tokens_per_s_ratio", "json_schema_tokens_per_s_ratio", "json_schema_mask_fill_us_per_token",
-                "json_schema_mask_apply_ms_per_step", "throughput_ratio_vs_hf_continuous_shared_prefix",
-                "prefill_tokens_ratio_shared_prefix", "n8_block_ratio")
+NUMERIC_KEYS = (
+    "throughput_ratio_vs_hf_static",
+    "throughput_ratio_vs_hf_continuous",
+    "kv_utilization_steady_state",
+    "static_allocation_utilization",
+    "scheduler_overhead_ms_p50",
+    "scheduler_overhead_share_real_run",
+    "kv_budget_bytes",
+    "reattach_ms_p50",
+    "reattach_ms_p99",
+    "failover_resume_ms_p50",
+    "failover_resume_ms_p99",
+    "seeded_sampling_cost_ratio",
+    "seeded_sampling_share_of_forward",
+    "throughput_ratio_vs_hf_continuous_previous",
+    "model_runner_ratio_32",
+    "gemm_flops_per_s",
+    "roofline_fraction",
+    "executor_busy_fraction",
+    "throughput_ratio_vs_hf_continuous_long",
+    "throughput_ratio_vs_hf_static_long",
+    "kv_utilization_steady_state_long",
+    "logprobs_top5_tokens_per_s_ratio",
+    "json_schema_tokens_per_s_ratio",
+    "json_schema_mask_fill_us_per_token",
+    "json_schema_mask_apply_ms_per_step",
+    "throughput_ratio_vs_hf_continuous_shared_prefix",
+    "prefill_tokens_ratio_shared_prefix",
+    "n8_block_ratio",
+)
 
 
 @pytest.fixture(scope="module")
@@ -37,9 +57,19 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     src = resolve_model(None)
     dst = tmp_path_factory.mktemp("tiny-llama")
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                         tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    config = LlamaConfig(
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+    )
     LlamaForCausalLM(config).save_pretrained(dst)
     for name in TOKENIZER_FILES:
         if (src / name).exists():
@@ -49,23 +79,89 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_harness_writes_report(tiny_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "results"
-    rc = run.main([
-        "--model", str(tiny_model), "--out", str(out), "--threads", "1",
-        "--num-requests", "4", "--scale", "0.05", "--max-total-len", "48", "--kv-budget-tokens", "256",
-        "--overhead-running", "2", "--overhead-waiting", "4", "--overhead-window", "0.5",
-        "--preemption-lengths", "16", "32",
-        "--scale-out-executors", "2", "--scale-out-running", "4", "--scale-out-window", "1",
-        "--kv-spread-budget-tokens", "256", "--kv-spread-requests", "12",
-        "--reattach-requests", "4", "--reattach-rounds", "1", "--reattach-failover-rounds", "1",
-        "--sampling-batches", "1", "32", "--sampling-reps", "2", "--logprobs-requests", "4", "--logprobs-rounds", "1",
-        "--structured-rounds", "1", "--parallel-prompt-len", "40", "--parallel-output-len", "8",
-        "--machine-batches", "1", "32", "--machine-reps", "2", "--gemm-size", "256",
-        # The long run's budget is the short run's: the harness then serves both (and the shared-prefix arm's
-        # pagedserve run) on one deployment, as the quick configuration does the short and shared-prefix runs.
-        "--long-num-requests", "3", "--long-scale", "0.1", "--long-max-total-len", "64",
-        "--long-kv-budget-tokens", "256", "--long-static-requests", "2",
-        "--shared-prefix-requests", "4", "--shared-prefix-system-len", "64", "--shared-prefix-budget-tokens", "256",
-    ])
+    rc = run.main(
+        [
+            "--model",
+            str(tiny_model),
+            "--out",
+            str(out),
+            "--threads",
+            "1",
+            "--num-requests",
+            "4",
+            "--scale",
+            "0.05",
+            "--max-total-len",
+            "48",
+            "--kv-budget-tokens",
+            "256",
+            "--overhead-running",
+            "2",
+            "--overhead-waiting",
+            "4",
+            "--overhead-window",
+            "0.5",
+            "--preemption-lengths",
+            "16",
+            "32",
+            "--scale-out-executors",
+            "2",
+            "--scale-out-running",
+            "4",
+            "--scale-out-window",
+            "1",
+            "--kv-spread-budget-tokens",
+            "256",
+            "--kv-spread-requests",
+            "12",
+            "--reattach-requests",
+            "4",
+            "--reattach-rounds",
+            "1",
+            "--reattach-failover-rounds",
+            "1",
+            "--sampling-batches",
+            "1",
+            "32",
+            "--sampling-reps",
+            "2",
+            "--logprobs-requests",
+            "4",
+            "--logprobs-rounds",
+            "1",
+            "--structured-rounds",
+            "1",
+            "--parallel-prompt-len",
+            "40",
+            "--parallel-output-len",
+            "8",
+            "--machine-batches",
+            "1",
+            "32",
+            "--machine-reps",
+            "2",
+            "--gemm-size",
+            "256",
+            # The long run's budget is the short run's: the harness then serves both (and the shared-prefix arm's
+            # pagedserve run) on one deployment, as the quick configuration does the short and shared-prefix runs.
+            "--long-num-requests",
+            "3",
+            "--long-scale",
+            "0.1",
+            "--long-max-total-len",
+            "64",
+            "--long-kv-budget-tokens",
+            "256",
+            "--long-static-requests",
+            "2",
+            "--shared-prefix-requests",
+            "4",
+            "--shared-prefix-system-len",
+            "64",
+            "--shared-prefix-budget-tokens",
+            "256",
+        ]
+    )
     assert rc == 0
     assert capsys.readouterr().out.strip().splitlines()[-1] == str(out.resolve())
 
@@ -73,8 +169,9 @@ def test_harness_writes_report(tiny_model: Path, tmp_path: Path, capsys: pytest.
     assert summary["errors"] == []
     walls = summary["arm_wall_time_s"]
     assert len(walls) == 17 and all(isinstance(v, int | float) and v >= 0 for v in walls.values())
-    assert summary["deployments_started"] == 2, ("short, shared-prefix and long runs on one; logprobs, structured and "
-                                                 "parallel on the other")
+    assert summary["deployments_started"] == 2, (
+        "short, shared-prefix and long runs on one; logprobs, structured and parallel on the other"
+    )
     assert set(summary["output_tokens_per_s"]) == {"pagedserve", "hf_static", "hf_continuous"}
     values = [*summary["output_tokens_per_s"].values(), *(summary[k] for k in NUMERIC_KEYS)]
     assert all(isinstance(v, int | float) and math.isfinite(v) for v in values)

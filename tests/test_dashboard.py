@@ -46,13 +46,63 @@ SCRAPE_LABELS = {"namespace", "pod", "instance", "job"}
 MONOTONIC_SUFFIXES = ("_total", "_bucket", "_sum", "_count")
 RATE_FUNCTIONS = {"rate", "irate", "increase"}
 PROMQL_FUNCTIONS = {
-    "abs", "absent", "absent_over_time", "avg", "avg_over_time", "bottomk", "ceil", "changes", "clamp", "clamp_max",
-    "clamp_min", "count", "count_over_time", "count_values", "day_of_month", "day_of_week", "delta", "deriv", "exp",
-    "floor", "group", "histogram_quantile", "holt_winters", "idelta", "increase", "irate", "label_join",
-    "label_replace", "last_over_time", "ln", "log10", "log2", "max", "max_over_time", "min", "min_over_time",
-    "predict_linear", "present_over_time", "quantile", "quantile_over_time", "rate", "resets", "round", "scalar",
-    "sgn", "sort", "sort_desc", "sqrt", "stddev", "stddev_over_time", "stdvar", "sum", "sum_over_time", "time",
-    "timestamp", "topk", "vector",
+    "abs",
+    "absent",
+    "absent_over_time",
+    "avg",
+    "avg_over_time",
+    "bottomk",
+    "ceil",
+    "changes",
+    "clamp",
+    "clamp_max",
+    "clamp_min",
+    "count",
+    "count_over_time",
+    "count_values",
+    "day_of_month",
+    "day_of_week",
+    "delta",
+    "deriv",
+    "exp",
+    "floor",
+    "group",
+    "histogram_quantile",
+    "holt_winters",
+    "idelta",
+    "increase",
+    "irate",
+    "label_join",
+    "label_replace",
+    "last_over_time",
+    "ln",
+    "log10",
+    "log2",
+    "max",
+    "max_over_time",
+    "min",
+    "min_over_time",
+    "predict_linear",
+    "present_over_time",
+    "quantile",
+    "quantile_over_time",
+    "rate",
+    "resets",
+    "round",
+    "scalar",
+    "sgn",
+    "sort",
+    "sort_desc",
+    "sqrt",
+    "stddev",
+    "stddev_over_time",
+    "stdvar",
+    "sum",
+    "sum_over_time",
+    "time",
+    "timestamp",
+    "topk",
+    "vector",
     "label_values",  # Grafana's template-variable query
 }
 KEYWORDS = {"and", "or", "unless", "bool", "offset", "inf", "nan"}
@@ -72,8 +122,12 @@ def populated_registry() -> CollectorRegistry:
     from scheduler_svc.metrics import FrontendMetrics, LoopMetrics, NamespaceMetrics
 
     registry = CollectorRegistry()
-    sets = [LoopMetrics(registry), NamespaceMetrics(registry), FrontendMetrics(registry),
-            ExecutorMetrics(registry, "tiny")]
+    sets = [
+        LoopMetrics(registry),
+        NamespaceMetrics(registry),
+        FrontendMetrics(registry),
+        ExecutorMetrics(registry, "tiny"),
+    ]
     for metric_set in sets:
         for metric in vars(metric_set).values():
             # A labelled metric shows no sample until one child exists.
@@ -229,22 +283,34 @@ def check_expr(where: str, expr: str) -> list[str]:
 
 
 # What Prometheus sends (content negotiation): 3.x by default, 2.x (2.33 and later).
-PROMETHEUS_3_ACCEPT = ("application/openmetrics-text;version=1.0.0;escaping=allow-utf-8;q=0.5,"
-                       "application/openmetrics-text;version=0.0.1;q=0.4,"
-                       "text/plain;version=1.0.0;escaping=allow-utf-8;q=0.3,text/plain;version=0.0.4;q=0.2,*/*;q=0.1")
-PROMETHEUS_2_ACCEPT = ("application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;q=0.75,"
-                       "text/plain;version=0.0.4;q=0.5,*/*;q=0.1")
+PROMETHEUS_3_ACCEPT = (
+    "application/openmetrics-text;version=1.0.0;escaping=allow-utf-8;q=0.5,"
+    "application/openmetrics-text;version=0.0.1;q=0.4,"
+    "text/plain;version=1.0.0;escaping=allow-utf-8;q=0.3,text/plain;version=0.0.4;q=0.2,*/*;q=0.1"
+)
+PROMETHEUS_2_ACCEPT = (
+    "application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;q=0.75,"
+    "text/plain;version=0.0.4;q=0.5,*/*;q=0.1"
+)
 
 
 # ---------------------------------------------------------------- tests
 def test_the_exported_set_comes_from_the_code():
     fams = families()
     assert len(fams) >= 20, sorted(fams)
-    assert {"pagedserve:kv_cache_usage_perc", "pagedserve:num_requests_waiting", "pagedserve:num_preemptions_total",
-            "pagedserve:time_to_first_token_seconds", "pagedserve:executor_forward_seconds"} <= set(fams)
-    assert {"pagedserve:num_preemptions_total", "pagedserve:time_to_first_token_seconds_bucket",
-            "pagedserve:time_to_first_token_seconds_sum",
-            "pagedserve:time_to_first_token_seconds_count"} <= set(EXPORTED)
+    assert {
+        "pagedserve:kv_cache_usage_perc",
+        "pagedserve:num_requests_waiting",
+        "pagedserve:num_preemptions_total",
+        "pagedserve:time_to_first_token_seconds",
+        "pagedserve:executor_forward_seconds",
+    } <= set(fams)
+    assert {
+        "pagedserve:num_preemptions_total",
+        "pagedserve:time_to_first_token_seconds_bucket",
+        "pagedserve:time_to_first_token_seconds_sum",
+        "pagedserve:time_to_first_token_seconds_count",
+    } <= set(EXPORTED)
     assert "pagedserve:num_preemptions" not in EXPORTED
     assert EXPORTED["pagedserve:kv_cache_usage_perc"].labels == {"model_name", "executor"}
     assert "le" in EXPORTED["pagedserve:time_to_first_token_seconds_bucket"].labels
@@ -282,7 +348,7 @@ def test_dashboard_is_a_grafana_dashboard():
             assert t["datasource"]["uid"] == "${datasource}", p["title"]
             # Every panel follows the dashboard's filters.
             for var in ("namespace", "model_name"):
-                assert f"=~\"${var}\"" in t["expr"], f"panel {p['title']!r} ignores ${var}"
+                assert f'=~"${var}"' in t["expr"], f"panel {p['title']!r} ignores ${var}"
 
 
 def test_dashboard_queries_name_only_exported_metrics():
@@ -298,8 +364,9 @@ def test_autoscaling_queries_name_only_exported_metrics():
 
 
 def test_dashboard_covers_every_exported_metric():
-    used = {EXPORTED[m].family for _, expr in dashboard_exprs(dashboard())
-            for m in parse(expr).metrics if m in EXPORTED}
+    used = {
+        EXPORTED[m].family for _, expr in dashboard_exprs(dashboard()) for m in parse(expr).metrics if m in EXPORTED
+    }
     missing = sorted(set(families()) - used)
     assert not missing, f"no panel shows {missing}"
     # Latency histograms appear as quantiles over their buckets, by le.
@@ -310,9 +377,12 @@ def test_dashboard_covers_every_exported_metric():
         pattern = rf"histogram_quantile\(\s*0?\.\d+\s*,\s*sum by \(le[^)]*\)\s*\(rate\({re.escape(fam)}_bucket\b"
         assert any(re.search(pattern, e) for e in exprs), f"no quantile panel for {fam}"
     # Per-executor views of the KV cache, and the breakdowns the labels exist for.
-    for metric, label in (("pagedserve:kv_cache_usage_perc", "executor"), ("pagedserve:num_preemptions_total", "mode"),
-                          ("pagedserve:num_executors", "state"),
-                          ("pagedserve:request_success_total", "finished_reason")):
+    for metric, label in (
+        ("pagedserve:kv_cache_usage_perc", "executor"),
+        ("pagedserve:num_preemptions_total", "mode"),
+        ("pagedserve:num_executors", "state"),
+        ("pagedserve:request_success_total", "finished_reason"),
+    ):
         assert any(metric in e and re.search(rf"by \([^)]*\b{label}\b", e) for e in exprs), (metric, label)
 
 
@@ -352,23 +422,28 @@ def test_every_expression_parses(tmp_path):
     rules = []
     for i, (where, expr) in enumerate(all_exprs()):
         if expr.startswith("label_values("):
-            expr = expr[len("label_values("):].rsplit(",", 1)[0]
+            expr = expr[len("label_values(") :].rsplit(",", 1)[0]
         expr = expr.replace("<<.LabelMatchers>>", 'namespace="x"')
         expr = re.sub(r"\$__\w+", "5m", expr)
         expr = re.sub(r"\$\{?\w+\}?", "x", expr)
         rules.append({"record": f"check:expr_{i}", "expr": expr, "labels": {"where": where[:100]}})
     path = tmp_path / "rules.yaml"
     path.write_text(yaml.safe_dump({"groups": [{"name": "pagedserve", "rules": rules}]}))
-    res = subprocess.run([promtool, "check", "rules", str(path)], check=False, capture_output=True, text=True,
-                         timeout=60)
+    res = subprocess.run(
+        [promtool, "check", "rules", str(path)], check=False, capture_output=True, text=True, timeout=60
+    )
     assert res.returncode == 0, res.stdout + res.stderr
 
 
-@pytest.mark.parametrize("accept", [
-    "",
-    PROMETHEUS_3_ACCEPT,
-    PROMETHEUS_2_ACCEPT,
-], ids=["curl", "prometheus-3", "prometheus-2"])
+@pytest.mark.parametrize(
+    "accept",
+    [
+        "",
+        PROMETHEUS_3_ACCEPT,
+        PROMETHEUS_2_ACCEPT,
+    ],
+    ids=["curl", "prometheus-3", "prometheus-2"],
+)
 def test_the_endpoint_serves_the_documented_names(accept):
     """What a scraper negotiating like Prometheus gets from the services' endpoint."""
     import urllib.request

@@ -81,25 +81,68 @@ HTTP_PORTS = {"scheduler_svc": 8000}
 # typo here even before the CLIs exist.
 CONTRACT_FLAGS = {
     "scheduler_svc": {
-        "--port", "--redis-url", "--executor", "--executor-timeout", "--policy",
-        "--preemption-mode", "--max-num-seqs", "--max-num-batched-tokens",
-        "--namespace", "--lease-ms", "--metrics-port", "--metrics-host",
-        "--tls-cert", "--tls-key", "--tls-ca", "--executor-tls-server-name", "--api-key-file",
-        "--internal-token-file", "--http-port", "--http-host",
+        "--port",
+        "--redis-url",
+        "--executor",
+        "--executor-timeout",
+        "--policy",
+        "--preemption-mode",
+        "--max-num-seqs",
+        "--max-num-batched-tokens",
+        "--namespace",
+        "--lease-ms",
+        "--metrics-port",
+        "--metrics-host",
+        "--tls-cert",
+        "--tls-key",
+        "--tls-ca",
+        "--executor-tls-server-name",
+        "--api-key-file",
+        "--internal-token-file",
+        "--http-port",
+        "--http-host",
     },
     "executor_svc": {
-        "--port", "--model", "--kv-cache-memory", "--gpu-memory-utilization",
-        "--block-size", "--max-model-len", "--swap-space", "--swap-dir",
-        "--disk-swap-space", "--attention-backend",
-        "--redis-url", "--advertise-address", "--namespace", "--lease-ms", "--drain-timeout",
-        "--metrics-port", "--metrics-host",
-        "--tls-cert", "--tls-key", "--tls-ca", "--internal-token-file",
+        "--port",
+        "--model",
+        "--kv-cache-memory",
+        "--gpu-memory-utilization",
+        "--block-size",
+        "--max-model-len",
+        "--swap-space",
+        "--swap-dir",
+        "--disk-swap-space",
+        "--attention-backend",
+        "--redis-url",
+        "--advertise-address",
+        "--namespace",
+        "--lease-ms",
+        "--drain-timeout",
+        "--metrics-port",
+        "--metrics-host",
+        "--tls-cert",
+        "--tls-key",
+        "--tls-ca",
+        "--internal-token-file",
     },
 }
 # Flags whose value is not a number (nor one of CHOICES).
-TEXT_FLAGS = {"--redis-url", "--executor", "--model", "--swap-dir", "--advertise-address", "--namespace",
-              "--metrics-host", "--tls-cert", "--tls-key", "--tls-ca", "--executor-tls-server-name",
-              "--api-key-file", "--internal-token-file", "--http-host"}
+TEXT_FLAGS = {
+    "--redis-url",
+    "--executor",
+    "--model",
+    "--swap-dir",
+    "--advertise-address",
+    "--namespace",
+    "--metrics-host",
+    "--tls-cert",
+    "--tls-key",
+    "--tls-ca",
+    "--executor-tls-server-name",
+    "--api-key-file",
+    "--internal-token-file",
+    "--http-host",
+}
 # Flags naming a file (in k8s: in a mounted Secret).
 FILE_FLAGS = ("--tls-cert", "--tls-key", "--tls-ca", "--api-key-file", "--internal-token-file")
 # Both services' --namespace default: executors join the schedulers' namespace.
@@ -136,9 +179,7 @@ def offline_env() -> dict[str, str]:
 
 
 def run_tool(args: list[str], timeout: int = 120) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        args, cwd=ROOT, env=offline_env(), capture_output=True, text=True, timeout=timeout
-    )
+    return subprocess.run(args, cwd=ROOT, env=offline_env(), capture_output=True, text=True, timeout=timeout)
 
 
 def load_compose() -> dict:
@@ -336,7 +377,12 @@ def seconds(duration) -> float:
 def same_redis(url_a: str, url_b: str) -> bool:
     """Two redis URLs name the same server and database."""
     a, b = urlparse(url_a), urlparse(url_b)
-    return (a.scheme, a.hostname, a.port or 6379, a.path or "/0") == (b.scheme, b.hostname, b.port or 6379, b.path or "/0")
+    return (a.scheme, a.hostname, a.port or 6379, a.path or "/0") == (
+        b.scheme,
+        b.hostname,
+        b.port or 6379,
+        b.path or "/0",
+    )
 
 
 # ---------------------------------------------------------------- schema validation
@@ -416,7 +462,11 @@ def test_flags_used_are_accepted_by_the_cli(module):
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     res = subprocess.run(
         [sys.executable, "-m", module, "--help"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert res.returncode == 0, f"`python -m {module} --help` failed:\n{res.stdout}{res.stderr}"
     help_text = res.stdout
@@ -520,22 +570,30 @@ def test_wrapper_adds_flags_the_services_accept():
     text = WITH_CERTS.read_text()
     code = "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("#"))
     added = set(re.findall(r"(--[a-z][a-z-]+)", code))
-    assert {"--tls-cert", "--tls-key", "--tls-ca", "--internal-token-file", "--api-key-file",
-            "--executor-tls-server-name"} <= added, added
+    assert {
+        "--tls-cert",
+        "--tls-key",
+        "--tls-ca",
+        "--internal-token-file",
+        "--api-key-file",
+        "--executor-tls-server-name",
+    } <= added, added
     assert added <= CONTRACT_FLAGS["scheduler_svc"] | CONTRACT_FLAGS["executor_svc"], added
 
 
 def dev_certs(directory: Path) -> Path:
     """scripts/dev-certs.sh DIR, as an operator runs it."""
-    res = subprocess.run(["sh", str(SCRIPTS / "dev-certs.sh"), str(directory)], cwd=ROOT, capture_output=True,
-                         text=True, timeout=120)
+    res = subprocess.run(
+        ["sh", str(SCRIPTS / "dev-certs.sh"), str(directory)], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
     assert res.returncode == 0, res.stdout + res.stderr
     return directory
 
 
 def run_healthcheck(*args: str) -> int:
-    return subprocess.run([sys.executable, str(HEALTHCHECK), *args], capture_output=True, text=True,
-                          timeout=60).returncode
+    return subprocess.run(
+        [sys.executable, str(HEALTHCHECK), *args], capture_output=True, text=True, timeout=60
+    ).returncode
 
 
 def test_compose_healthcheck_script_works(tmp_path):
@@ -549,8 +607,11 @@ def test_compose_healthcheck_script_works(tmp_path):
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
         servicer = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
-        port = (server.add_secure_port("127.0.0.1:0", credentials) if credentials
-                else server.add_insecure_port("127.0.0.1:0"))
+        port = (
+            server.add_secure_port("127.0.0.1:0", credentials)
+            if credentials
+            else server.add_insecure_port("127.0.0.1:0")
+        )
         server.start()
         return server, servicer, port
 
@@ -569,9 +630,11 @@ def test_compose_healthcheck_script_works(tmp_path):
     assert run_healthcheck(str(port)) != 0  # nothing listening
 
     certs = dev_certs(tmp_path / "certs")
-    creds = grpc.ssl_server_credentials([((certs / "executor.key").read_bytes(), (certs / "executor.crt").read_bytes())],
-                                        root_certificates=(certs / "ca.crt").read_bytes(),
-                                        require_client_auth=True)
+    creds = grpc.ssl_server_credentials(
+        [((certs / "executor.key").read_bytes(), (certs / "executor.crt").read_bytes())],
+        root_certificates=(certs / "ca.crt").read_bytes(),
+        require_client_auth=True,
+    )
     server, servicer, port = serve(creds)
     try:
         servicer.set("", health_pb2.HealthCheckResponse.SERVING)
@@ -602,15 +665,34 @@ def test_compose_wrapper_starts_a_tls_stack(tmp_path, tiny_llama, redis_url):
 
     def start(role: str, args: list[str]) -> None:
         logs[role] = open(tmp_path / f"{role}.log", "wb")  # noqa: SIM115 - closed below
-        procs.append(subprocess.Popen(["sh", str(WITH_CERTS), sys.executable, "-m", f"{role}_svc", *args],
-                                      cwd=ROOT, env=env, stdout=logs[role], stderr=subprocess.STDOUT))
+        procs.append(
+            subprocess.Popen(
+                ["sh", str(WITH_CERTS), sys.executable, "-m", f"{role}_svc", *args],
+                cwd=ROOT,
+                env=env,
+                stdout=logs[role],
+                stderr=subprocess.STDOUT,
+            )
+        )
 
     def healthy(role: str, port: int) -> bool:
         return run_healthcheck("--certs", str(certs), "--role", role, str(port)) == 0
 
     try:
-        start("executor", ["--port", str(e_port), "--model", str(tiny_llama), "--kv-cache-memory", str(1 << 20),
-                           "--advertise-address", f"127.0.0.1:{e_port}", *common])
+        start(
+            "executor",
+            [
+                "--port",
+                str(e_port),
+                "--model",
+                str(tiny_llama),
+                "--kv-cache-memory",
+                str(1 << 20),
+                "--advertise-address",
+                f"127.0.0.1:{e_port}",
+                *common,
+            ],
+        )
         start("scheduler", ["--port", str(s_port), *common])
         for role, port, proc in (("executor", e_port, procs[0]), ("scheduler", s_port, procs[1])):
             wait_until(lambda role=role, port=port: healthy(role, port), 180, role, proc)
@@ -639,9 +721,13 @@ def test_compose_wrapper_starts_a_tls_stack(tmp_path, tiny_llama, redis_url):
         for f in logs.values():
             f.close()
     # Without a complete set the wrapper changes nothing.
-    res = subprocess.run(["sh", str(WITH_CERTS), sys.executable, "-c", "import sys; print(sys.argv[1:])", "-m",
-                          "scheduler_svc"], env={**env, "PAGEDSERVE_CERTS": str(tmp_path / "none")},
-                         capture_output=True, text=True, timeout=30)
+    res = subprocess.run(
+        ["sh", str(WITH_CERTS), sys.executable, "-c", "import sys; print(sys.argv[1:])", "-m", "scheduler_svc"],
+        env={**env, "PAGEDSERVE_CERTS": str(tmp_path / "none")},
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert res.returncode == 0 and "plaintext" in res.stderr and "--tls" not in res.stdout, res
 
 
@@ -686,7 +772,10 @@ def test_probe_ports_match_container_ports():
                 # The gRPC port, the Prometheus port and (scheduler) the HTTP port, nothing else.
                 assert http == ({HTTP_PORTS[module]} if module in HTTP_PORTS else set()), (module, http)
                 assert declared == {cli_port, metrics_port, *http} == {PORTS[module], METRICS_PORTS[module], *http}, (
-                    declared, cli_port, metrics_port)
+                    declared,
+                    cli_port,
+                    metrics_port,
+                )
                 for probe_name in PROBES:
                     kind, port = probe_port(c[probe_name])
                     assert kind == "healthcheck" and ports[port] == cli_port, (probe_name, kind, port)
@@ -706,7 +795,10 @@ def test_probes_speak_the_tls_the_port_serves():
             args = healthcheck_args([str(a) for a in c[probe_name]["exec"]["command"]])
             assert args is not None, (comp, probe_name)
             assert (str(args.tls_ca), str(args.tls_cert), str(args.tls_key)) == (
-                flags["--tls-ca"], flags["--tls-cert"], flags["--tls-key"]), (comp, probe_name)
+                flags["--tls-ca"],
+                flags["--tls-cert"],
+                flags["--tls-key"],
+            ), (comp, probe_name)
             assert args.server_name == comp, (comp, probe_name, args.server_name)
             assert c[probe_name]["timeoutSeconds"] >= 3, "a Python probe needs a few seconds to start"
     sched = flag_values(resolved_argv(containers(workload_for("scheduler"))[0]))
@@ -835,6 +927,7 @@ def test_graceful_shutdown_timings():
 def test_scheduler_startup_outlasts_executor_startup():
     """Schedulers report NOT_SERVING until an executor serves; on a fresh deploy
     their startupProbe must not kill them while the executors load the model."""
+
     def window(comp: str) -> int:
         probe = containers(workload_for(comp))[0]["startupProbe"]
         return probe.get("periodSeconds", 10) * probe.get("failureThreshold", 3)
@@ -887,7 +980,9 @@ def test_redis_urls_resolve_and_no_scheduler_names_an_executor():
         assert "--redis-url" not in flags[comp], f"{comp}: the password would be in the pod's argv"
         assert url.password == redis_password_ref(), (comp, u)
     assert same_redis(urls["scheduler"], urls["executor"])
-    assert flags["scheduler"].get("--namespace", DEFAULT_NAMESPACE) == flags["executor"].get("--namespace", DEFAULT_NAMESPACE)
+    assert flags["scheduler"].get("--namespace", DEFAULT_NAMESPACE) == flags["executor"].get(
+        "--namespace", DEFAULT_NAMESPACE
+    )
 
 
 def test_executor_registers_with_its_pod_ip():
@@ -976,7 +1071,7 @@ def test_dockerfile_build_steps_in_order():
 def test_dockerfile_protoc_matches_makefile():
     def protoc_flags(text: str) -> list[str]:
         text = text.replace("\\\n", " ")
-        line = next(l for l in text.splitlines() if "grpc_tools.protoc" in l)
+        line = next(ln for ln in text.splitlines() if "grpc_tools.protoc" in ln)
         after = line.split("grpc_tools.protoc", 1)[1].split()
         return [t for t in after if re.match(r"^(-I\S+|--\w+_out=\S*)$", t)]
 
@@ -1005,7 +1100,9 @@ def ignored(path: str) -> bool:
             variants |= {pat[3:]}
         for v in variants:
             for prefix in prefixes:
-                if fnmatch.fnmatchcase(prefix, v) or (pat.startswith("**/") and fnmatch.fnmatchcase(prefix, "*/" + pat[3:])):
+                if fnmatch.fnmatchcase(prefix, v) or (
+                    pat.startswith("**/") and fnmatch.fnmatchcase(prefix, "*/" + pat[3:])
+                ):
                     return True
     return False
 
@@ -1023,8 +1120,13 @@ def test_dockerignore_keeps_sources_and_drops_local_state():
     needed += ["scripts/healthcheck.py", "scripts/with-certs.sh"]  # the probes and compose's entrypoint
     kept_out = [p for p in needed if ignored(p)]
     assert not kept_out, f".dockerignore drops files the build needs: {kept_out}"
-    for p in (".venv/bin/python", ".git/HEAD", "pagedserve/v1/generation_pb2.py",
-              "pagedserve/executor/v1/executor_pb2.py", "kernels/__pycache__/x.pyc"):
+    for p in (
+        ".venv/bin/python",
+        ".git/HEAD",
+        "pagedserve/v1/generation_pb2.py",
+        "pagedserve/executor/v1/executor_pb2.py",
+        "kernels/__pycache__/x.pyc",
+    ):
         assert ignored(p), f".dockerignore lets {p} into the build context"
 
 
@@ -1090,8 +1192,10 @@ def quantity(value) -> float:
 
 def normalized_promql(expr: str) -> str:
     """Whitespace and the order of label matchers do not matter."""
+
     def matchers(m: re.Match) -> str:
         return "{" + ",".join(sorted(x.strip() for x in m.group(1).split(",") if x.strip())) + "}"
+
     return re.sub(r"\{([^}]*)\}", matchers, re.sub(r"\s+", "", expr))
 
 
@@ -1122,8 +1226,11 @@ def test_hpa_scales_the_executor_deployment_and_drains_one_pod_at_a_time():
     assert (hpa["apiVersion"], hpa["kind"]) == ("autoscaling/v2", "HorizontalPodAutoscaler")
     spec = hpa["spec"]
     executor = workload_for("executor")
-    assert spec["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": executor["kind"],
-                                      "name": executor["metadata"]["name"]}
+    assert spec["scaleTargetRef"] == {
+        "apiVersion": "apps/v1",
+        "kind": executor["kind"],
+        "name": executor["metadata"]["name"],
+    }
     assert spec["minReplicas"] == 2 <= executor["spec"]["replicas"] <= spec["maxReplicas"] == 8
     # Waiting requests per serving executor and KV usage, each one value from the
     # Prometheus adapter's external metrics.
@@ -1136,8 +1243,11 @@ def test_hpa_scales_the_executor_deployment_and_drains_one_pod_at_a_time():
         names.append(m["external"]["metric"]["name"])
     assert sorted(names) == sorted(served), (names, served)
     assert any("waiting" in n for n in names) and any("kv_cache" in n for n in names), names
-    kv_target = next(quantity(m["external"]["target"]["value"]) for m in spec["metrics"]
-                     if "kv_cache" in m["external"]["metric"]["name"])
+    kv_target = next(
+        quantity(m["external"]["target"]["value"])
+        for m in spec["metrics"]
+        if "kv_cache" in m["external"]["metric"]["name"]
+    )
     assert 0 < kv_target < 1, kv_target
 
     pod = pod_spec(executor)
@@ -1183,8 +1293,17 @@ def test_keda_scaledobject_matches_the_hpa():
     assert "namespace" not in so["metadata"]
     hpa = one_doc(HPA_FILE)["spec"]
     spec = so["spec"]
-    assert set(spec) <= {"scaleTargetRef", "minReplicaCount", "maxReplicaCount", "pollingInterval",
-                         "cooldownPeriod", "idleReplicaCount", "fallback", "advanced", "triggers"}, set(spec)
+    assert set(spec) <= {
+        "scaleTargetRef",
+        "minReplicaCount",
+        "maxReplicaCount",
+        "pollingInterval",
+        "cooldownPeriod",
+        "idleReplicaCount",
+        "fallback",
+        "advanced",
+        "triggers",
+    }, set(spec)
     assert spec["scaleTargetRef"] == hpa["scaleTargetRef"]
     assert (spec["minReplicaCount"], spec["maxReplicaCount"]) == (hpa["minReplicas"], hpa["maxReplicas"])
     hpa_config = spec["advanced"]["horizontalPodAutoscalerConfig"]
@@ -1202,9 +1321,14 @@ def test_keda_scaledobject_matches_the_hpa():
         namespaces = set(re.findall(r'namespace="([^"]*)"', md["query"]))
         assert len(namespaces) == 1, md["query"]
         query = normalized_promql(md["query"])
-        same = [n for n, r in by_name.items()
-                if normalized_promql(r["metricsQuery"].replace("<<.LabelMatchers>>",
-                                                               f'namespace="{next(iter(namespaces))}"')) == query]
+        same = [
+            n
+            for n, r in by_name.items()
+            if normalized_promql(
+                r["metricsQuery"].replace("<<.LabelMatchers>>", f'namespace="{next(iter(namespaces))}"')
+            )
+            == query
+        ]
         assert len(same) == 1, f"KEDA query matches no adapter rule: {md['query']}"
         assert float(md["threshold"]) == targets[same[0]], (md["threshold"], targets[same[0]])
         matched.append(same[0])
@@ -1224,10 +1348,16 @@ def test_keda_behaviour_validates_as_an_hpa(tmp_path):
             "scaleTargetRef": spec["scaleTargetRef"],
             "minReplicas": spec["minReplicaCount"],
             "maxReplicas": spec["maxReplicaCount"],
-            "metrics": [{"type": "External",
-                         "external": {"metric": {"name": f"s{i}-prometheus"},
-                                      "target": {"type": "Value", "value": t["metadata"]["threshold"]}}}
-                        for i, t in enumerate(spec["triggers"])],
+            "metrics": [
+                {
+                    "type": "External",
+                    "external": {
+                        "metric": {"name": f"s{i}-prometheus"},
+                        "target": {"type": "Value", "value": t["metadata"]["threshold"]},
+                    },
+                }
+                for i, t in enumerate(spec["triggers"])
+            ],
             "behavior": spec["advanced"]["horizontalPodAutoscalerConfig"]["behavior"],
         },
     }
@@ -1280,8 +1410,7 @@ def rule_allows(rule: dict, peers_key: str, other: Pod, port: int, protocol: str
     if peers is not None and not any(peer_matches(p, other) for p in peers):
         return False
     ports = rule.get("ports")
-    return ports is None or any(p.get("protocol", "TCP") == protocol and p.get("port") in (None, port)
-                                for p in ports)
+    return ports is None or any(p.get("protocol", "TCP") == protocol and p.get("port") in (None, port) for p in ports)
 
 
 def policy_allows(direction: str, pod: Pod, other: Pod, port: int, protocol: str) -> bool:
@@ -1289,8 +1418,11 @@ def policy_allows(direction: str, pod: Pod, other: Pod, port: int, protocol: str
     if not pod.ours:
         return True  # no policy of ours applies elsewhere
     key, peers_key = ("ingress", "from") if direction == "Ingress" else ("egress", "to")
-    applying = [p["spec"] for p in by_kind("NetworkPolicy") if selects(p["spec"]["podSelector"], pod.labels)
-                and direction in p["spec"].get("policyTypes", ["Ingress"])]
+    applying = [
+        p["spec"]
+        for p in by_kind("NetworkPolicy")
+        if selects(p["spec"]["podSelector"], pod.labels) and direction in p["spec"].get("policyTypes", ["Ingress"])
+    ]
     if not applying:
         return True
     return any(rule_allows(r, peers_key, other, port, protocol) for spec in applying for r in spec.get(key, []))
@@ -1313,19 +1445,35 @@ def test_network_policies_only_schedulers_reach_executors_and_redis():
     m_sched, m_ex = METRICS_PORTS["scheduler_svc"], METRICS_PORTS["executor_svc"]
     expected = [
         # Clients reach the API port and nothing else.
-        (client, sched, api, True), (neighbour, sched, api, True), (client, sched, m_sched, False),
-        (client, ex, grpc_x, False), (client, redis_pod, redis_port, False), (client, ex, m_ex, False),
-        (neighbour, ex, grpc_x, False), (neighbour, redis_pod, redis_port, False),
+        (client, sched, api, True),
+        (neighbour, sched, api, True),
+        (client, sched, m_sched, False),
+        (client, ex, grpc_x, False),
+        (client, redis_pod, redis_port, False),
+        (client, ex, m_ex, False),
+        (neighbour, ex, grpc_x, False),
+        (neighbour, redis_pod, redis_port, False),
         # Step plans only from schedulers; Redis only from schedulers and executors (registration).
-        (sched, ex, grpc_x, True), (sched, redis_pod, redis_port, True), (ex, redis_pod, redis_port, True),
-        (ex, ex, grpc_x, False), (redis_pod, ex, grpc_x, False), (ex, sched, api, False),
-        (sched, ex, m_ex, False), (sched, redis_pod, grpc_x, False), (redis_pod, sched, api, False),
+        (sched, ex, grpc_x, True),
+        (sched, redis_pod, redis_port, True),
+        (ex, redis_pod, redis_port, True),
+        (ex, ex, grpc_x, False),
+        (redis_pod, ex, grpc_x, False),
+        (ex, sched, api, False),
+        (sched, ex, m_ex, False),
+        (sched, redis_pod, grpc_x, False),
+        (redis_pod, sched, api, False),
         # Metrics: Prometheus in the monitoring namespace only, metrics ports only.
-        (prometheus, sched, m_sched, True), (prometheus, ex, m_ex, True), (prometheus, ex, grpc_x, False),
-        (prometheus, redis_pod, redis_port, False), (grafana, sched, m_sched, False),
+        (prometheus, sched, m_sched, True),
+        (prometheus, ex, m_ex, True),
+        (prometheus, ex, grpc_x, False),
+        (prometheus, redis_pod, redis_port, False),
+        (grafana, sched, m_sched, False),
         (stray_prometheus, ex, m_ex, False),
         # Nothing leaves but DNS and the paths above.
-        (sched, outside, 443, False), (ex, outside, 443, False), (redis_pod, outside, 443, False),
+        (sched, outside, 443, False),
+        (ex, outside, 443, False),
+        (redis_pod, outside, 443, False),
         (sched, dns, 80, False),
     ]
     wrong = [(s.name, d.name, port, want) for s, d, port, want in expected if connects(s, d, port) != want]
@@ -1336,9 +1484,14 @@ def test_network_policies_only_schedulers_reach_executors_and_redis():
 
 def test_network_policies_deny_by_default_and_match_real_ports():
     policies = by_kind("NetworkPolicy")
-    deny = [p for p in policies if p["spec"]["podSelector"] == {"matchLabels": {"app.kubernetes.io/name": "pagedserve"}}
-            and set(p["spec"]["policyTypes"]) == {"Ingress", "Egress"} and not p["spec"].get("ingress")
-            and not p["spec"].get("egress")]
+    deny = [
+        p
+        for p in policies
+        if p["spec"]["podSelector"] == {"matchLabels": {"app.kubernetes.io/name": "pagedserve"}}
+        and set(p["spec"]["policyTypes"]) == {"Ingress", "Egress"}
+        and not p["spec"].get("ingress")
+        and not p["spec"].get("egress")
+    ]
     assert len(deny) == 1, "no default-deny policy for every pagedserve pod"
     declared = {}
     for comp in ("scheduler", "executor", "redis"):
@@ -1379,8 +1532,13 @@ def test_secrets_example_holds_placeholders_for_every_secret_used():
     docs = secrets_example()
     by_name = {d["metadata"]["name"]: d for d in docs}
     refs = referenced_secrets()
-    assert {"pagedserve-redis", "pagedserve-api-keys", "pagedserve-internal-token", "pagedserve-scheduler-tls",
-            "pagedserve-executor-tls"} <= set(refs), refs
+    assert {
+        "pagedserve-redis",
+        "pagedserve-api-keys",
+        "pagedserve-internal-token",
+        "pagedserve-scheduler-tls",
+        "pagedserve-executor-tls",
+    } <= set(refs), refs
     assert set(by_name) == set(refs), (set(by_name), set(refs))
     for name, keys in refs.items():
         doc = by_name[name]
@@ -1390,8 +1548,9 @@ def test_secrets_example_holds_placeholders_for_every_secret_used():
         assert "namespace" not in doc["metadata"]
     assert "EXAMPLE ONLY" in SECRETS_EXAMPLE.read_text()
     # The example is the script's --placeholders output, so the two never drift apart.
-    res = subprocess.run([sys.executable, str(K8S_SECRETS), "--placeholders"], capture_output=True, text=True,
-                         timeout=60)
+    res = subprocess.run(
+        [sys.executable, str(K8S_SECRETS), "--placeholders"], capture_output=True, text=True, timeout=60
+    )
     assert res.returncode == 0 and res.stdout == SECRETS_EXAMPLE.read_text(), res.stderr
     # The Secrets are created apart from the kustomization, which would overwrite real ones.
     kust = yaml.safe_load(KUSTOMIZATION.read_text())
@@ -1415,8 +1574,12 @@ def test_secrets_validate_strict_offline(version, tmp_path):
     assert docs["pagedserve-api-keys"]["stringData"]["api-keys"] == (certs / "api-keys").read_text()
     password = docs["pagedserve-redis"]["stringData"]["password"]
     assert re.fullmatch(r"[0-9a-f]{64}", password), "the generated Redis password must be URL-safe"
-    bad = subprocess.run([sys.executable, str(K8S_SECRETS), str(certs), "--redis-password", "a@b/c"],
-                         capture_output=True, text=True, timeout=60)
+    bad = subprocess.run(
+        [sys.executable, str(K8S_SECRETS), str(certs), "--redis-password", "a@b/c"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert bad.returncode != 0 and "URL-safe" in bad.stderr
 
 

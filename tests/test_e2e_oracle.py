@@ -23,7 +23,7 @@ MAX_TOKENS = [20, 9, 17, 16, 24, 12, 30, 18]
 TEXTS = [
     "The capital of France is",
     "Write a short poem about the sea and the wind that blows over it at night.",
-    "def fibonacci(n):\n    \"\"\"Return the nth Fibonacci number.\"\"\"\n",
+    'def fibonacci(n):\n    """Return the nth Fibonacci number."""\n',
     "Explain why the sky is blue to a five year old child, using simple words and a friendly tone.",
     "List three benefits of regular exercise:",
     "Once upon a time, in a land far, far away, there lived a dragon who loved to read books. Every",
@@ -51,9 +51,13 @@ def hf_greedy(model_dir: Path, prompts: list[list[int]], max_tokens: list[int]) 
             key = (Path(model_dir), tuple(ids))
             tokens, asked = _GREEDY.get(key, ([], 0))
             if asked < n and len(tokens) == asked:  # not generated this far, and not stopped at EOS
-                gen = _hf_model(Path(model_dir)).generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False,
-                                                          attention_mask=torch.ones(1, len(ids), dtype=torch.long))
-                tokens, asked = gen[0, len(ids):].tolist(), n
+                gen = _hf_model(Path(model_dir)).generate(
+                    torch.tensor([ids]),
+                    max_new_tokens=n,
+                    do_sample=False,
+                    attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                )
+                tokens, asked = gen[0, len(ids) :].tolist(), n
                 _GREEDY[key] = tokens, asked
             outs.append(tokens[:n])
     return outs
@@ -73,16 +77,22 @@ def text_prompts(model_dir: Path) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("arch", ["smollm2", "tiny-llama", "tiny-qwen2"])
-def test_greedy_matches_transformers(arch: str, request: pytest.FixtureRequest, redis_url: str,
-                                     tmp_path: Path) -> None:
-    model_dir = request.getfixturevalue({"smollm2": "smol_dir", "tiny-llama": "tiny_llama",
-                                         "tiny-qwen2": "tiny_qwen2"}[arch])
+def test_greedy_matches_transformers(arch: str, request: pytest.FixtureRequest, redis_url: str, tmp_path: Path) -> None:
+    model_dir = request.getfixturevalue(
+        {"smollm2": "smol_dir", "tiny-llama": "tiny_llama", "tiny-qwen2": "tiny_qwen2"}[arch]
+    )
     prompts = text_prompts(model_dir) if arch == "smollm2" else random_prompts(len(arch))
     assert sorted(len(p) for p in prompts) == sorted(LENGTHS)
     expected = hf_greedy(model_dir, prompts, MAX_TOKENS)
     ns = f"oracle-{arch}"
-    with make_cluster(model_dir, redis_url, ns, tmp_path, kv_cache_memory=64 << 20 if arch == "smollm2" else 1 << 20,
-                      scheduler_args=["--max-num-batched-tokens", "64"]) as cluster:
+    with make_cluster(
+        model_dir,
+        redis_url,
+        ns,
+        tmp_path,
+        kv_cache_memory=64 << 20 if arch == "smollm2" else 1 << 20,
+        scheduler_args=["--max-num-batched-tokens", "64"],
+    ) as cluster:
         results = run_all(cluster.address, [greedy(p, n) for p, n in zip(prompts, MAX_TOKENS)])
         client = redis.Redis.from_url(redis_url, decode_responses=True)
         free, totals = wait_all_free(client, ns)

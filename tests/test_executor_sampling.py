@@ -26,14 +26,18 @@ def engine(tiny_llama: Path) -> Engine:
 PEN = SamplingParams(repetition_penalty=1.5, presence_penalty=0.5)
 
 
-@pytest.mark.parametrize("seq", [
-    SeqInput("a", [5, 6], 0, [0], SamplingParams(logit_bias=((49152, 1.0),))),
-    SeqInput("a", [5, 6], 0, [0], SamplingParams(min_tokens=3, min_tokens_ids=(1 << 31,))),
-    SeqInput("a", [5, 6], 0, [0], prompt_logprobs=2, prompt_next=49152),
-    SeqInput("a", [5, 6], 16, [0, 1], PEN, history=[7] * 15 + [49152]),
-    SeqInput("a", [5, 6], 16, [0, 1], PEN, history=[7] * 3),  # short
-    SeqInput("a", [5], 16, [1], PEN, full_table=False),  # no history held, no full table
-], ids=["logit_bias", "min_tokens", "prompt_next", "history-id", "history-short", "history-missing"])
+@pytest.mark.parametrize(
+    "seq",
+    [
+        SeqInput("a", [5, 6], 0, [0], SamplingParams(logit_bias=((49152, 1.0),))),
+        SeqInput("a", [5, 6], 0, [0], SamplingParams(min_tokens=3, min_tokens_ids=(1 << 31,))),
+        SeqInput("a", [5, 6], 0, [0], prompt_logprobs=2, prompt_next=49152),
+        SeqInput("a", [5, 6], 16, [0, 1], PEN, history=[7] * 15 + [49152]),
+        SeqInput("a", [5, 6], 16, [0, 1], PEN, history=[7] * 3),  # short
+        SeqInput("a", [5], 16, [1], PEN, full_table=False),  # no history held, no full table
+    ],
+    ids=["logit_bias", "min_tokens", "prompt_next", "history-id", "history-short", "history-missing"],
+)
 def test_plans_naming_bad_ids_or_lacking_history_are_refused(engine: Engine, seq: SeqInput) -> None:
     engine.step(StepInput(reset_tables=True))
     if not seq.full_table:
@@ -58,13 +62,15 @@ def test_history_is_kept_extended_and_resent(engine: Engine) -> None:
 def test_logprobs_of_sampled_tokens_and_prompt_chunks(engine: Engine) -> None:
     engine.step(StepInput(reset_tables=True))
     prompt = [3, 14, 15, 92, 65, 35]
-    first = engine.step(StepInput(seqs=[SeqInput("c", prompt[:4], 0, [0], sample=False, prompt_logprobs=2,
-                                                 prompt_next=prompt[4])]))
+    first = engine.step(
+        StepInput(seqs=[SeqInput("c", prompt[:4], 0, [0], sample=False, prompt_logprobs=2, prompt_next=prompt[4])])
+    )
     assert first.tokens == [] and list(first.prompt_logprobs) == ["c"]
     start, entries = first.prompt_logprobs["c"]
     assert start == 1 and [e.token_id for e in entries] == prompt[1:5] and all(len(e.top_ids) == 2 for e in entries)
-    last = engine.step(StepInput(seqs=[SeqInput("c", prompt[4:], 4, [0], SamplingParams(logprobs=3),
-                                                prompt_logprobs=2)]))
+    last = engine.step(
+        StepInput(seqs=[SeqInput("c", prompt[4:], 4, [0], SamplingParams(logprobs=3), prompt_logprobs=2)])
+    )
     start, entries = last.prompt_logprobs["c"]
     assert start == 5 and [e.token_id for e in entries] == prompt[5:]
     ((_, token),) = last.tokens

@@ -46,8 +46,9 @@ def test_killed_loop_is_replaced_and_requests_complete(tiny_llama: Path, redis_u
     expected = hf_greedy(tiny_llama, prompts, MAX_TOKENS)
     ns = "failover-loop"
     client = redis.Redis.from_url(redis_url, decode_responses=True)
-    with make_cluster(tiny_llama, redis_url, ns, tmp_path, kv_cache_memory=64 * BLOCK_BYTES,
-                      scheduler_args=["--lease-ms", "1500"]) as cluster:
+    with make_cluster(
+        tiny_llama, redis_url, ns, tmp_path, kv_cache_memory=64 * BLOCK_BYTES, scheduler_args=["--lease-ms", "1500"]
+    ) as cluster:
         worker, results = run_in_background(cluster.address, [greedy(p, n) for p, n in zip(prompts, MAX_TOKENS)])
         wait_progress(client, ns, 20)
         epoch_key, epoch = kill_loop(client, ns, cluster.scheduler.proc.pid)
@@ -83,8 +84,9 @@ def test_executor_restart_recomputes_live_requests(tiny_llama: Path, redis_url: 
     assert free == totals
 
 
-def test_a_hung_executor_times_out_and_comes_back_as_a_new_instance(tiny_llama: Path, redis_url: str,
-                                                                     tmp_path: Path) -> None:
+def test_a_hung_executor_times_out_and_comes_back_as_a_new_instance(
+    tiny_llama: Path, redis_url: str, tmp_path: Path
+) -> None:
     """SIGSTOP: its Step exceeds --executor-timeout, its requests finish elsewhere; SIGCONT: it
     finds itself evicted and rejoins with a new instance id and empty tables."""
     prompts, max_tokens = PROMPTS[:8], [40] * 8
@@ -93,8 +95,16 @@ def test_a_hung_executor_times_out_and_comes_back_as_a_new_instance(tiny_llama: 
     keys = Keys(ns)
     client = redis.Redis.from_url(redis_url, decode_responses=True)
     fast = ["--lease-ms", "3000"]
-    with make_cluster(tiny_llama, redis_url, ns, tmp_path, kv_cache_memory=16 * BLOCK_BYTES, executors=2,
-                      executor_args=fast, scheduler_args=[*fast, "--executor-timeout", "2"]) as cluster:
+    with make_cluster(
+        tiny_llama,
+        redis_url,
+        ns,
+        tmp_path,
+        kv_cache_memory=16 * BLOCK_BYTES,
+        executors=2,
+        executor_args=fast,
+        scheduler_args=[*fast, "--executor-timeout", "2"],
+    ) as cluster:
         wait_progress(client, ns, 0)
         worker, results = run_in_background(cluster.address, [greedy(p, n) for p, n in zip(prompts, max_tokens)])
         wait_progress(client, ns, 10)

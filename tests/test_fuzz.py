@@ -52,7 +52,11 @@ NS = "fuzz"
 BOUNDED_EXAMPLES = 150  # batches of one to four calls: about 300 calls
 EXAMPLES = int(os.environ.get("PAGEDSERVE_FUZZ_EXAMPLES") or BOUNDED_EXAMPLES)
 settings.register_profile(
-    "pagedserve-fuzz", max_examples=EXAMPLES, deadline=None, derandomize=False, print_blob=True,
+    "pagedserve-fuzz",
+    max_examples=EXAMPLES,
+    deadline=None,
+    derandomize=False,
+    print_blob=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.large_base_example],
 )
 FORBIDDEN = {grpc.StatusCode.INTERNAL.name, grpc.StatusCode.UNKNOWN.name}
@@ -69,7 +73,8 @@ STRICT_TEMPLATE = """\
 {%- if message['role'] not in ['system', 'user', 'assistant'] -%}
 {{ raise_exception('unknown role ' + message['role']) }}
 {%- endif -%}
-{%- if message['role'] != 'system' and (message['role'] == 'user') != (loop.index0 % 2 == (1 if messages[0]['role'] == 'system' else 0)) -%}
+{%- set user_turn = loop.index0 % 2 == (1 if messages[0]['role'] == 'system' else 0) -%}
+{%- if message['role'] != 'system' and (message['role'] == 'user') != user_turn -%}
 {{ raise_exception('roles must alternate user/assistant') }}
 {%- endif -%}
 {{ '<|im_start|>' + message['role'] + '\n' + message['content'] | trim + '<|im_end|>\n' }}
@@ -92,8 +97,9 @@ def fuzz_model(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Pa
 @pytest.fixture(scope="module")
 def cluster(fuzz_model: Path, redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     geo_bytes = 2 * 2 * 16 * 2 * 16 * 4  # K+V, layers, block, kv heads, head dim, fp32
-    with make_cluster(fuzz_model, redis_url, NS, tmp_path_factory.mktemp("fuzz-logs"),
-                      kv_cache_memory=64 * geo_bytes) as c:
+    with make_cluster(
+        fuzz_model, redis_url, NS, tmp_path_factory.mktemp("fuzz-logs"), kv_cache_memory=64 * geo_bytes
+    ) as c:
         yield c
 
 
@@ -109,15 +115,29 @@ f32 = st.one_of(
     st.sampled_from([0.0, -0.0, 1.0, 0.5, 1e-45, 1e-38, 3.4e38, -1.0, math.inf, -math.inf, math.nan, 1.0000001]),
     st.floats(width=32),
 )
-f64 = st.one_of(st.sampled_from([0.0, -0.0, 1e-300, 0.001, 1.0, 1e300, 1.8e308, -1.0, math.inf, -math.inf,
-                                 math.nan]), st.floats())
+f64 = st.one_of(
+    st.sampled_from([0.0, -0.0, 1e-300, 0.001, 1.0, 1e300, 1.8e308, -1.0, math.inf, -math.inf, math.nan]), st.floats()
+)
 # Valid text only (protobuf refuses lone surrogates on serialisation; those go as raw bytes).
 # "fixed-id\0..." once truncated to "fixed-id" inside Redis' Lua (fixed in validate.py).
 IDS = ["x" * 256, "x" * 257, "a" * 100_000, "fixed-id", "fixed-id\x00tail", "\x00", "é", "id\nwith-newline"]
 text = st.one_of(
     st.text(max_size=40),
-    st.sampled_from(["", " ", "\x00", "{{ 1/0 }}", "{% for %}", "<|im_start|>", "<|im_end|>", "\u202e",
-                     "\U0010ffff", "é" * 100, "hello world"]),
+    st.sampled_from(
+        [
+            "",
+            " ",
+            "\x00",
+            "{{ 1/0 }}",
+            "{% for %}",
+            "<|im_start|>",
+            "<|im_end|>",
+            "\u202e",
+            "\U0010ffff",
+            "é" * 100,
+            "hello world",
+        ]
+    ),
 )
 token_ids = st.lists(u32, max_size=40) | st.lists(st.integers(0, 49151), min_size=1, max_size=500)
 
@@ -129,36 +149,54 @@ def huge(elements: st.SearchStrategy, sizes: tuple[int, ...]) -> st.SearchStrate
 
 roles = st.one_of(st.sampled_from(["system", "user", "assistant", "tool", "", "USER", "{{role}}"]), text)
 messages = st.lists(st.builds(pb.ChatMessage, role=roles, content=text), max_size=6) | huge(
-    st.builds(pb.ChatMessage, role=st.just("user"), content=st.just("x")), (2_000, 300_000))
+    st.builds(pb.ChatMessage, role=st.just("user"), content=st.just("x")), (2_000, 300_000)
+)
 
 
 # Specs that compile: servable requests carry one of them now and then.
-SPECS = [pb.StructuredOutput(json_schema='{"type": "object", "properties": {"a": {"enum": ["x", "y"]}}}'),
-         pb.StructuredOutput(regex="[a-z]{1,3}"), pb.StructuredOutput(choice=pb.Choices(choices=["yes", "no"])),
-         pb.StructuredOutput(grammar='root ::= "a" root | "b"'), pb.StructuredOutput(json_object=True)]
+SPECS = [
+    pb.StructuredOutput(json_schema='{"type": "object", "properties": {"a": {"enum": ["x", "y"]}}}'),
+    pb.StructuredOutput(regex="[a-z]{1,3}"),
+    pb.StructuredOutput(choice=pb.Choices(choices=["yes", "no"])),
+    pb.StructuredOutput(grammar='root ::= "a" root | "b"'),
+    pb.StructuredOutput(json_object=True),
+]
 structured = st.one_of(
     st.builds(pb.StructuredOutput, json_schema=text | st.sampled_from(['{"type": "objectx"}', '{"$ref": "#"}', "[]"])),
     st.builds(pb.StructuredOutput, regex=text | st.sampled_from(["a(b", "(?=a)", "\\", "a{99999}"])),
     st.builds(pb.StructuredOutput, grammar=text | st.sampled_from(["root ::= x", "root ::= root"])),
     st.builds(pb.StructuredOutput, choice=st.builds(pb.Choices, choices=st.lists(text, max_size=5))),
     st.builds(pb.StructuredOutput, json_object=st.booleans()),
-    st.just(pb.StructuredOutput()), st.sampled_from(SPECS),
+    st.just(pb.StructuredOutput()),
+    st.sampled_from(SPECS),
 )
 
 
 @st.composite
 def sampling(draw: st.DrawFn) -> pb.SamplingParams:
     kw: dict = {}
-    for name, strat in (("max_tokens", u32), ("temperature", f32), ("top_p", f32), ("top_k", i32),
-                        ("seed", u64), ("min_p", f32), ("presence_penalty", f32), ("frequency_penalty", f32),
-                        ("repetition_penalty", f32), ("min_tokens", u32), ("logprobs", u32),
-                        ("prompt_logprobs", u32), ("n", u32)):
+    for name, strat in (
+        ("max_tokens", u32),
+        ("temperature", f32),
+        ("top_p", f32),
+        ("top_k", i32),
+        ("seed", u64),
+        ("min_p", f32),
+        ("presence_penalty", f32),
+        ("frequency_penalty", f32),
+        ("repetition_penalty", f32),
+        ("min_tokens", u32),
+        ("logprobs", u32),
+        ("prompt_logprobs", u32),
+        ("n", u32),
+    ):
         if draw(st.booleans()):
             kw[name] = draw(strat)
     if draw(st.booleans()):
         kw["logit_bias"] = draw(st.dictionaries(u32, f32, max_size=5))
-    kw["stop"] = draw(st.lists(text, max_size=20) | huge(st.just("stop"), (17, 10_000)) | huge(
-        st.just("s" * 1000), (1, 16)))
+    kw["stop"] = draw(
+        st.lists(text, max_size=20) | huge(st.just("stop"), (17, 10_000)) | huge(st.just("s" * 1000), (1, 16))
+    )
     kw["stop_token_ids"] = draw(st.lists(u32, max_size=10) | huge(u32, (1_000, 200_000)))
     kw["ignore_eos"] = draw(st.booleans())
     if draw(st.booleans()):
@@ -215,11 +253,11 @@ def servable(draw: st.DrawFn) -> pb.GenerateRequest:
         s.min_p = draw(st.floats(0, 1, width=32) | st.sampled_from([0.0, 1e-45, 1.0]))
         s.presence_penalty = draw(st.floats(-2, 2, width=32))
         s.frequency_penalty = draw(st.floats(-2, 2, width=32))
-        s.repetition_penalty = draw(st.floats(0, F32_MAX, width=32, exclude_min=True) | st.sampled_from(
-            [1e-45, 1.0, 3.4e38]))
+        s.repetition_penalty = draw(
+            st.floats(0, F32_MAX, width=32, exclude_min=True) | st.sampled_from([1e-45, 1.0, 3.4e38])
+        )
         s.min_tokens = draw(st.integers(0, min(s.max_tokens, 64)))
-        s.logit_bias.update(draw(st.dictionaries(st.integers(0, 49151), st.floats(-100, 100, width=32),
-                                                 max_size=4)))
+        s.logit_bias.update(draw(st.dictionaries(st.integers(0, 49151), st.floats(-100, 100, width=32), max_size=4)))
         s.logprobs = draw(st.integers(0, 20))
         s.prompt_logprobs = draw(st.integers(0, 20))
     if not s.ignore_eos and draw(st.booleans()):
@@ -259,8 +297,11 @@ def malformed(draw: st.DrawFn) -> bytes:
     """A valid request's bytes with something wrong (or merely unknown) added."""
     base = draw(requests()).SerializeToString()
     bad = draw(st.sampled_from(BAD_UTF8))
-    how = draw(st.sampled_from(["bad-prompt", "bad-id", "bad-role", "bad-stop", "unknown", "truncate", "flip",
-                                "wrong-wire", "huge-length"]))
+    how = draw(
+        st.sampled_from(
+            ["bad-prompt", "bad-id", "bad-role", "bad-stop", "unknown", "truncate", "flip", "wrong-wire", "huge-length"]
+        )
+    )
     if how == "bad-prompt":
         return base + field(2, 2, b"hi " + bad)
     if how == "bad-id":
@@ -272,8 +313,12 @@ def malformed(draw: st.DrawFn) -> bytes:
     if how == "unknown":
         number = draw(st.integers(8, 2**29 - 1).filter(lambda n: not 19000 <= n <= 19999))
         wire = draw(st.sampled_from([0, 1, 2, 5]))
-        payload = {0: varint(draw(u64)), 1: struct.pack("<Q", draw(u64)), 5: struct.pack("<I", draw(u32)),
-                   2: draw(st.binary(max_size=64))}[wire]
+        payload = {
+            0: varint(draw(u64)),
+            1: struct.pack("<Q", draw(u64)),
+            5: struct.pack("<I", draw(u32)),
+            2: draw(st.binary(max_size=64)),
+        }[wire]
         nested = draw(st.booleans())  # also inside SamplingParams
         extra = field(number, wire, payload)
         return base + (field(5, 2, extra) if nested else extra)
@@ -284,7 +329,7 @@ def malformed(draw: st.DrawFn) -> bytes:
         if not base:
             return b"\xff"
         i = draw(st.integers(0, len(base) - 1))
-        return base[:i] + bytes([base[i] ^ (1 << draw(st.integers(0, 7)))]) + base[i + 1:]
+        return base[:i] + bytes([base[i] ^ (1 << draw(st.integers(0, 7)))]) + base[i + 1 :]
     if how == "wrong-wire":
         number = draw(st.integers(1, 7))
         wire = draw(st.sampled_from([0, 1, 5] if number in (1, 2, 4, 5) else [1, 2, 5]))
@@ -298,11 +343,14 @@ case = st.one_of(
     malformed().map(lambda b: ("generate", "malformed", b)),
     st.binary(max_size=256).map(lambda b: ("generate", "random-bytes", b)),
     st.builds(pb.ResumeRequest, request_id=text | st.just("fixed-id"), offset=u32).map(
-        lambda r: ("resume", "request", r.SerializeToString())),
+        lambda r: ("resume", "request", r.SerializeToString())
+    ),
     st.builds(pb.ResumeRequest, request_id=st.just("fixed-id"), offset=st.integers(0, 8), index=u32).map(
-        lambda r: ("resume", "index", r.SerializeToString())),
+        lambda r: ("resume", "index", r.SerializeToString())
+    ),
     st.builds(pb.AbortRequest, request_id=text | st.just("fixed-id")).map(
-        lambda r: ("abort", "request", r.SerializeToString())),
+        lambda r: ("abort", "request", r.SerializeToString())
+    ),
     st.binary(max_size=64).map(lambda b: ("resume", "random-bytes", b)),
     st.binary(max_size=64).map(lambda b: ("abort", "random-bytes", b)),
 )
@@ -351,6 +399,7 @@ async def open_channel(address: str) -> grpc.aio.Channel:
 async def call_batch(channel: grpc.aio.Channel, batch: list[tuple[str, str, bytes]]) -> list[str]:
     """The batch's calls at once. A guard past the calls' own deadline catches a client that
     never noticed it (a hang either way)."""
+
     async def one(method: str, payload: bytes) -> str:
         try:
             return await asyncio.wait_for(call(channel, method, payload), CALL_TIMEOUT_S + 30)
@@ -387,8 +436,9 @@ def describe(payload: bytes) -> str:
 
 
 # ---------------------------------------------------------------- the campaign
-def test_fuzz_public_api(cluster: Cluster, fuzz_model: Path, redis_url: str,
-                         tmp_path_factory: pytest.TempPathFactory) -> None:
+def test_fuzz_public_api(
+    cluster: Cluster, fuzz_model: Path, redis_url: str, tmp_path_factory: pytest.TempPathFactory
+) -> None:
     counts: Counter[str] = Counter()
     codes: Counter[str] = Counter()
     procs = [*cluster.schedulers, *cluster.executors]
@@ -428,7 +478,9 @@ def test_fuzz_public_api(cluster: Cluster, fuzz_model: Path, redis_url: str,
     for path in reports:
         path.write_text(json.dumps(summary, indent=2) + "\n")
     assert total >= min(EXAMPLES, 50), summary
-    assert codes["CANCELLED"] > 0 and codes["INVALID_ARGUMENT"] > 0, "the campaign never got a request served"  # the campaign ran, not just its first example
+    assert codes["CANCELLED"] > 0 and codes["INVALID_ARGUMENT"] > 0, (
+        "the campaign never got a request served"
+    )  # the campaign ran, not just its first example
 
     # Nothing died, nothing leaked, and the model still answers exactly.
     assert all(p.proc.poll() is None for p in procs)
@@ -457,8 +509,7 @@ def test_request_ids_outside_printable_ascii_are_refused(cluster: Cluster, reque
     assert "request_id" in info.value.details()
 
 
-def test_a_refused_duplicate_or_a_second_stream_leaves_the_first_stream_alone(cluster: Cluster,
-                                                                              redis_url: str) -> None:
+def test_a_refused_duplicate_or_a_second_stream_leaves_the_first_stream_alone(cluster: Cluster, redis_url: str) -> None:
     """Found by this campaign: the replica's event routing kept one queue per request id, so a
     second Generate with a running id (refused: ALREADY_EXISTS) or a Resume of it on the same
     replica took the first stream's events away, and that stream hung until its deadline."""
@@ -467,10 +518,16 @@ def test_a_refused_duplicate_or_a_second_stream_leaves_the_first_stream_alone(cl
 
     async def go() -> tuple[list[str], list[int], list[int]]:
         async with grpc.aio.insecure_channel(cluster.address, options=CHANNEL_OPTIONS) as ch:
-            gen = ch.unary_stream(SERVICE + "Generate", request_serializer=pb.GenerateRequest.SerializeToString,
-                                  response_deserializer=pb.GenerateResponse.FromString)
-            resume = ch.unary_stream(SERVICE + "Resume", request_serializer=pb.ResumeRequest.SerializeToString,
-                                     response_deserializer=pb.GenerateResponse.FromString)
+            gen = ch.unary_stream(
+                SERVICE + "Generate",
+                request_serializer=pb.GenerateRequest.SerializeToString,
+                response_deserializer=pb.GenerateResponse.FromString,
+            )
+            resume = ch.unary_stream(
+                SERVICE + "Resume",
+                request_serializer=pb.ResumeRequest.SerializeToString,
+                response_deserializer=pb.GenerateResponse.FromString,
+            )
 
             async def tokens(call) -> list[int] | str:
                 try:
@@ -486,14 +543,15 @@ def test_a_refused_duplicate_or_a_second_stream_leaves_the_first_stream_alone(cl
             first = gen(req, timeout=60)
             async for _ in first:
                 break  # it runs: now resume it from the start alongside
-            both = await asyncio.gather(tokens(first), tokens(resume(pb.ResumeRequest(request_id="shared-id-2"),
-                                                                     timeout=60)))
+            both = await asyncio.gather(
+                tokens(first), tokens(resume(pb.ResumeRequest(request_id="shared-id-2"), timeout=60))
+            )
             return codes, served, both
 
     codes, served, (rest, resumed) = asyncio.run(go())
     assert codes == ["ALREADY_EXISTS", "ALREADY_EXISTS", "OK"], codes
     assert len(served) == 24
-    assert isinstance(resumed, list) and len(resumed) == 24 and resumed[-len(rest):] == rest, (rest, resumed)
+    assert isinstance(resumed, list) and len(resumed) == 24 and resumed[-len(rest) :] == rest, (rest, resumed)
     client = redis.Redis.from_url(redis_url, decode_responses=True)
     try:
         free, totals = wait_all_free(client, NS)

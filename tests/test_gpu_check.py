@@ -18,8 +18,13 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_dry_run_end_to_end(tmp_path: Path, smol_dir: Path) -> None:  # smol_dir: the tokenizer's source, converted
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu_check", "--dry-run", "--out", str(tmp_path)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=240)
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.gpu_check", "--dry-run", "--out", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.strip().splitlines()[-1] == str(tmp_path / "gpu_check.json")
     report = json.loads((tmp_path / "gpu_check.json").read_text())
@@ -39,15 +44,24 @@ def test_dry_run_end_to_end(tmp_path: Path, smol_dir: Path) -> None:  # smol_dir
     names = {p for _, p in paths}
     assert {"unified", "split-kv x2"} <= names and any(n.startswith("auto (") for n in names)
     for row in kernels["rows"]:
-        assert set(row) == {"batch", "path", "triton_us", "gbps", "peak_fraction", "sdpa_us", "time_ratio_vs_sdpa",
-                            "max_abs_err"}
+        assert set(row) == {
+            "batch",
+            "path",
+            "triton_us",
+            "gbps",
+            "peak_fraction",
+            "sdpa_us",
+            "time_ratio_vs_sdpa",
+            "max_abs_err",
+        }
 
     e2e = phases["e2e"]["details"]
     assert e2e["dtype"] == "float32" and e2e["attention_backend"] == "triton" and e2e["device"] == "cpu"
     ident = e2e["identity"]
     assert ident["passed"] and ident["identical"] == ident["total"] == len(ident["prompts"]) > 0
-    assert all(p["first_divergence"] is None and p["served_tokens"] == p["expected_tokens"] > 0
-               for p in ident["prompts"])
+    assert all(
+        p["first_divergence"] is None and p["served_tokens"] == p["expected_tokens"] > 0 for p in ident["prompts"]
+    )
     tput = e2e["throughput"]
     assert tput["passed"] and tput["output_tokens"] == tput["requests"] * tput["max_tokens"]
     assert tput["output_tokens_per_s"] > 0

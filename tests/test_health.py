@@ -25,9 +25,15 @@ from tests.helpers import executors, greedy, run_all
 def test_scheduler_health_follows_its_executors(tiny_llama: Path, redis_url: str, tmp_path: Path) -> None:
     ns = "health"
     client = redis.Redis.from_url(redis_url, decode_responses=True)
-    with Cluster(str(tiny_llama), redis_url=redis_url, namespace=ns, log_dir=tmp_path, executors=0,
-                 executor_args=["--lease-ms", "3000", "--drain-timeout", "5"],
-                 scheduler_args=["--lease-ms", "3000"]) as cluster:
+    with Cluster(
+        str(tiny_llama),
+        redis_url=redis_url,
+        namespace=ns,
+        log_dir=tmp_path,
+        executors=0,
+        executor_args=["--lease-ms", "3000", "--drain-timeout", "5"],
+        scheduler_args=["--lease-ms", "3000"],
+    ) as cluster:
         sched = cluster.scheduler.address
         assert not grpc_healthy(sched) and grpc_healthy(sched, LIVENESS), "up, but nothing to serve with"
         with pytest.raises(grpc.RpcError) as info:
@@ -44,8 +50,9 @@ def test_scheduler_health_follows_its_executors(tiny_llama: Path, redis_url: str
         wait_until(lambda: "refused" in log.read_text(), 30, "the scheduler to log the refusal")
         (res,) = run_all(sched, [greedy([5, 6, 7], 4)])
         assert res.completion_tokens == 4
-        stranger_id = next(e for e in client.zrange(Keys(ns).members, 0, -1)
-                           if client.hget(Keys(ns).member(e), "block_size") == "32")
+        stranger_id = next(
+            e for e in client.zrange(Keys(ns).members, 0, -1) if client.hget(Keys(ns).member(e), "block_size") == "32"
+        )
         assert stranger_id not in executors(client, ns), "no loop ever stepped the refused executor"
 
         good.proc.send_signal(signal.SIGTERM)
@@ -56,8 +63,7 @@ def test_scheduler_health_follows_its_executors(tiny_llama: Path, redis_url: str
 
 def test_scheduler_without_redis_is_not_serving_but_alive(tmp_path: Path) -> None:
     dead_redis = f"redis://127.0.0.1:{free_port()}/0"
-    svc = Service("scheduler_svc", ["--redis-url", dead_redis], free_port(), tmp_path / "scheduler.log",
-                  ready=LIVENESS)
+    svc = Service("scheduler_svc", ["--redis-url", dead_redis], free_port(), tmp_path / "scheduler.log", ready=LIVENESS)
     try:
         time.sleep(2)  # a few membership reads have failed by now
         assert not grpc_healthy(svc.address)

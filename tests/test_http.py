@@ -55,16 +55,22 @@ def cluster(tiny_llama: Path, redis_url: str, tmp_path_factory: pytest.TempPathF
     others queued for the admission tests; every other test sends one request at a time."""
     block_bytes = 2 * 2 * 16 * 2 * 16 * 4  # K+V, layers, block, kv heads, head dim, fp32
     args = ["--max-num-seqs", "1", "--max-pending-requests", str(MAX_PENDING)]
-    with make_cluster(tiny_llama, redis_url, NS, tmp_path_factory.mktemp("logs"), kv_cache_memory=40 * block_bytes,
-                      scheduler_args=args, http_port=free_port()) as c:
+    with make_cluster(
+        tiny_llama,
+        redis_url,
+        NS,
+        tmp_path_factory.mktemp("logs"),
+        kv_cache_memory=40 * block_bytes,
+        scheduler_args=args,
+        http_port=free_port(),
+    ) as c:
         yield c
 
 
 @pytest.fixture(scope="module")
 def client(cluster: Cluster) -> Iterator[openai.OpenAI]:
     assert cluster.http_url is not None
-    with openai.OpenAI(base_url=cluster.http_url + "/v1", api_key="EMPTY", max_retries=0,
-                       timeout=HANG_GUARD_S) as c:
+    with openai.OpenAI(base_url=cluster.http_url + "/v1", api_key="EMPTY", max_retries=0, timeout=HANG_GUARD_S) as c:
         yield c
 
 
@@ -88,30 +94,41 @@ def sse_events(lines: Iterator[str]) -> Iterator[Any]:
     """The parsed ``data:`` payloads of an event stream (``[DONE]`` as the string)."""
     for line in lines:
         if line.startswith("data: "):
-            data = line[len("data: "):]
+            data = line[len("data: ") :]
             yield data if data == "[DONE]" else json.loads(data)
 
 
 # --- answers ----------------------------------------------------------------------
 
 
-def test_completions_match_the_grpc_api_token_for_token(cluster: Cluster, client: openai.OpenAI,
-                                                        model: str) -> None:
+def test_completions_match_the_grpc_api_token_for_token(cluster: Cluster, client: openai.OpenAI, model: str) -> None:
     want = grpc_greedy(cluster, greedy(PROMPT, 24, ignore_eos=True))
-    got = client.completions.create(model=model, prompt=PROMPT, max_tokens=24, temperature=0,
-                                    extra_body={"ignore_eos": True, "return_token_ids": True})
+    got = client.completions.create(
+        model=model,
+        prompt=PROMPT,
+        max_tokens=24,
+        temperature=0,
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )
     choice = got.choices[0]
     assert choice.model_extra["token_ids"] == want.token_ids and choice.text == want.text
     assert choice.finish_reason == "length" and got.object == "text_completion" and got.model == model
     assert got.usage is not None and (got.usage.prompt_tokens, got.usage.completion_tokens) == (40, 24)
     assert got.usage.total_tokens == 64 and got.id.startswith("cmpl-")
 
-    text = pb.GenerateRequest(prompt="Hello there, how are", sampling=pb.SamplingParams(max_tokens=16,
-                                                                                         temperature=0))
+    text = pb.GenerateRequest(prompt="Hello there, how are", sampling=pb.SamplingParams(max_tokens=16, temperature=0))
     want = grpc_greedy(cluster, text)
-    chunks = list(client.completions.create(model=model, prompt="Hello there, how are", max_tokens=16,
-                                            temperature=0, stream=True, stream_options={"include_usage": True},
-                                            extra_body={"return_token_ids": True}))
+    chunks = list(
+        client.completions.create(
+            model=model,
+            prompt="Hello there, how are",
+            max_tokens=16,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"return_token_ids": True},
+        )
+    )
     assert [t for c in chunks if c.choices for t in c.choices[0].model_extra["token_ids"]] == want.token_ids
     assert "".join(c.choices[0].text for c in chunks if c.choices) == want.text
     assert len(chunks) > 2 and chunks[-2].choices[0].finish_reason == want.finish_reason
@@ -132,12 +149,21 @@ def test_cache_salt_and_cached_tokens(client: openai.OpenAI, model: str) -> None
 
 def test_chat_completions_match_the_grpc_api(cluster: Cluster, client: openai.OpenAI, model: str) -> None:
     messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a colour."}]
-    want = grpc_greedy(cluster, pb.GenerateRequest(
-        messages=[pb.ChatMessage(**m) for m in messages],
-        sampling=pb.SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)))
-    got = client.chat.completions.create(model=model, messages=messages, max_completion_tokens=20, temperature=0,
-                                         extra_body={"ignore_eos": True, "return_token_ids": True},
-                                         extra_headers={"X-Request-Id": "chat-by-id"})
+    want = grpc_greedy(
+        cluster,
+        pb.GenerateRequest(
+            messages=[pb.ChatMessage(**m) for m in messages],
+            sampling=pb.SamplingParams(max_tokens=20, temperature=0, ignore_eos=True),
+        ),
+    )
+    got = client.chat.completions.create(
+        model=model,
+        messages=messages,
+        max_completion_tokens=20,
+        temperature=0,
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+        extra_headers={"X-Request-Id": "chat-by-id"},
+    )
     assert got.id == "chatcmpl-chat-by-id" and got.object == "chat.completion"
     assert got.choices[0].message.role == "assistant" and got.choices[0].message.content == want.text
     assert got.choices[0].model_extra["token_ids"] == want.token_ids
@@ -145,8 +171,14 @@ def test_chat_completions_match_the_grpc_api(cluster: Cluster, client: openai.Op
 
     async def stream() -> list[Any]:
         async with openai.AsyncOpenAI(base_url=f"{cluster.http_url}/v1", api_key="EMPTY", max_retries=0) as c:
-            out = await c.chat.completions.create(model=model, messages=messages, max_tokens=20, temperature=0,
-                                                  stream=True, extra_body={"ignore_eos": True})
+            out = await c.chat.completions.create(
+                model=model,
+                messages=messages,
+                max_tokens=20,
+                temperature=0,
+                stream=True,
+                extra_body={"ignore_eos": True},
+            )
             return [chunk async for chunk in out]
 
     chunks = asyncio.run(stream())
@@ -157,17 +189,37 @@ def test_chat_completions_match_the_grpc_api(cluster: Cluster, client: openai.Op
 
 
 def test_stop_strings_and_seeds_behave_as_on_grpc(cluster: Cluster, client: openai.OpenAI, model: str) -> None:
-    free = client.completions.create(model=model, prompt=PROMPT, max_tokens=30, temperature=0,
-                                     extra_body={"ignore_eos": True}).choices[0].text
-    stop = free[len(free) // 2: len(free) // 2 + 3]
-    cut = client.completions.create(model=model, prompt=PROMPT, max_tokens=30, temperature=0, stop=[stop],
-                                    extra_body={"ignore_eos": True}).choices[0]
+    free = (
+        client.completions.create(
+            model=model, prompt=PROMPT, max_tokens=30, temperature=0, extra_body={"ignore_eos": True}
+        )
+        .choices[0]
+        .text
+    )
+    stop = free[len(free) // 2 : len(free) // 2 + 3]
+    cut = client.completions.create(
+        model=model, prompt=PROMPT, max_tokens=30, temperature=0, stop=[stop], extra_body={"ignore_eos": True}
+    ).choices[0]
     assert cut.finish_reason == "stop" and cut.text == free[: free.index(stop)]
-    sampled = [client.completions.create(model=model, prompt=PROMPT, max_tokens=12, temperature=0.9, seed=seed,
-                                         extra_body={"ignore_eos": True, "return_token_ids": True})
-               .choices[0].model_extra["token_ids"] for seed in (7, 7)]
-    want = grpc_greedy(cluster, pb.GenerateRequest(prompt_token_ids=PROMPT, sampling=pb.SamplingParams(
-        max_tokens=12, temperature=0.9, seed=7, ignore_eos=True)))
+    sampled = [
+        client.completions.create(
+            model=model,
+            prompt=PROMPT,
+            max_tokens=12,
+            temperature=0.9,
+            seed=seed,
+            extra_body={"ignore_eos": True, "return_token_ids": True},
+        )
+        .choices[0]
+        .model_extra["token_ids"]
+        for seed in (7, 7)
+    ]
+    want = grpc_greedy(
+        cluster,
+        pb.GenerateRequest(
+            prompt_token_ids=PROMPT, sampling=pb.SamplingParams(max_tokens=12, temperature=0.9, seed=7, ignore_eos=True)
+        ),
+    )
     assert sampled == [want.token_ids, want.token_ids]
 
 
@@ -175,24 +227,32 @@ def test_n_choices_through_the_openai_client(cluster: Cluster, client: openai.Op
     """Choice i samples with seed + i: the same tokens as a request of its own with that seed (one
     sequence at a time here, so the completions even run alone); streamed or not, the same."""
     body = {"ignore_eos": True, "return_token_ids": True}
-    whole = client.completions.create(model=model, prompt=PROMPT, max_tokens=10, temperature=0.9, seed=7, n=3,
-                                      extra_body=body)
+    whole = client.completions.create(
+        model=model, prompt=PROMPT, max_tokens=10, temperature=0.9, seed=7, n=3, extra_body=body
+    )
     assert [c.index for c in whole.choices] == [0, 1, 2]
     assert whole.usage.prompt_tokens == len(PROMPT) and whole.usage.completion_tokens == 30
     for i, c in enumerate(whole.choices):
-        want = grpc_greedy(cluster, pb.GenerateRequest(prompt_token_ids=PROMPT, sampling=pb.SamplingParams(
-            max_tokens=10, temperature=0.9, seed=7 + i, ignore_eos=True)))
+        want = grpc_greedy(
+            cluster,
+            pb.GenerateRequest(
+                prompt_token_ids=PROMPT,
+                sampling=pb.SamplingParams(max_tokens=10, temperature=0.9, seed=7 + i, ignore_eos=True),
+            ),
+        )
         assert c.model_extra["token_ids"] == want.token_ids and c.finish_reason == "length"
     texts: dict[int, str] = {}
     finished: set[int] = set()
-    for chunk in client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}],
-                                                max_tokens=6, temperature=0, n=2, stream=True):
+    for chunk in client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=6, temperature=0, n=2, stream=True
+    ):
         for c in chunk.choices:
             texts[c.index] = texts.get(c.index, "") + (c.delta.content or "")
             if c.finish_reason:
                 finished.add(c.index)
-    alone = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=6,
-                                           temperature=0)
+    alone = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=6, temperature=0
+    )
     assert finished == {0, 1} and texts == {0: alone.choices[0].message.content, 1: alone.choices[0].message.content}
 
 
@@ -205,52 +265,91 @@ def _grpc_logprobs(cluster: Cluster, req: pb.GenerateRequest) -> tuple[list[int]
     return [t for r in out for t in r.token_ids], [e for r in out for e in r.logprobs]
 
 
-def test_logprobs_over_http_equal_the_grpc_ones(cluster: Cluster, client: openai.OpenAI, model: str,
-                                                tiny_llama: Path) -> None:
+def test_logprobs_over_http_equal_the_grpc_ones(
+    cluster: Cluster, client: openai.OpenAI, model: str, tiny_llama: Path
+) -> None:
     from transformers import AutoTokenizer
 
-    ids, lps = _grpc_logprobs(cluster, greedy(PROMPT, 12, ignore_eos=True, logprobs=3,
-                                              presence_penalty=0.5, logit_bias={7: 2.0}))
+    ids, lps = _grpc_logprobs(
+        cluster, greedy(PROMPT, 12, ignore_eos=True, logprobs=3, presence_penalty=0.5, logit_bias={7: 2.0})
+    )
     assert len(lps) == 12
     tok = AutoTokenizer.from_pretrained(tiny_llama)
-    got = client.completions.create(model=model, prompt=PROMPT, max_tokens=12, temperature=0, logprobs=3,
-                                    presence_penalty=0.5, logit_bias={"7": 2.0}, extra_body={"ignore_eos": True})
+    got = client.completions.create(
+        model=model,
+        prompt=PROMPT,
+        max_tokens=12,
+        temperature=0,
+        logprobs=3,
+        presence_penalty=0.5,
+        logit_bias={"7": 2.0},
+        extra_body={"ignore_eos": True},
+    )
     lp = got.choices[0].logprobs
     assert lp.tokens == [tok.decode([t]) for t in ids]
     assert lp.token_logprobs == pytest.approx([e.logprob for e in lps], abs=1e-6)
-    assert [set(d) for d in lp.top_logprobs] == [{tok.decode([i]) for i in [*e.top_token_ids, e.token_id]}
-                                                 for e in lps]
+    assert [set(d) for d in lp.top_logprobs] == [{tok.decode([i]) for i in [*e.top_token_ids, e.token_id]} for e in lps]
     assert lp.text_offset == [len("".join(lp.tokens[:i])) for i in range(12)]
 
-    streamed = list(client.completions.create(model=model, prompt=PROMPT, max_tokens=12, temperature=0, logprobs=3,
-                                              presence_penalty=0.5, logit_bias={"7": 2.0}, stream=True,
-                                              extra_body={"ignore_eos": True}))
+    streamed = list(
+        client.completions.create(
+            model=model,
+            prompt=PROMPT,
+            max_tokens=12,
+            temperature=0,
+            logprobs=3,
+            presence_penalty=0.5,
+            logit_bias={"7": 2.0},
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+    )
     s_lps = [x for c in streamed if c.choices and c.choices[0].logprobs for x in c.choices[0].logprobs.token_logprobs]
     assert s_lps == pytest.approx([e.logprob for e in lps], abs=1e-6)
 
     chat_msgs = [{"role": "user", "content": "Name a colour."}]
-    c_ids, c_lps = _grpc_logprobs(cluster, pb.GenerateRequest(
-        messages=[pb.ChatMessage(**m) for m in chat_msgs],
-        sampling=pb.SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=2)))
-    chat = client.chat.completions.create(model=model, messages=chat_msgs, max_tokens=10, temperature=0,
-                                          logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True})
+    c_ids, c_lps = _grpc_logprobs(
+        cluster,
+        pb.GenerateRequest(
+            messages=[pb.ChatMessage(**m) for m in chat_msgs],
+            sampling=pb.SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=2),
+        ),
+    )
+    chat = client.chat.completions.create(
+        model=model,
+        messages=chat_msgs,
+        max_tokens=10,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+        extra_body={"ignore_eos": True},
+    )
     content = chat.choices[0].logprobs.content
     assert [c.logprob for c in content] == pytest.approx([e.logprob for e in c_lps], abs=1e-6)
     assert [c.token for c in content] == [tok.decode([t]) for t in c_ids]
     assert [t.logprob for c in content for t in c.top_logprobs] == pytest.approx(
-        [x for e in c_lps for x in e.top_logprobs], abs=1e-6)
+        [x for e in c_lps for x in e.top_logprobs], abs=1e-6
+    )
     assert all(len(c.top_logprobs) == 2 for c in content)
 
     async def chat_stream() -> list[Any]:
         async with openai.AsyncOpenAI(base_url=f"{cluster.http_url}/v1", api_key="EMPTY", max_retries=0) as c:
-            out = await c.chat.completions.create(model=model, messages=chat_msgs, max_tokens=10, temperature=0,
-                                                  logprobs=True, top_logprobs=2, stream=True,
-                                                  extra_body={"ignore_eos": True})
+            out = await c.chat.completions.create(
+                model=model,
+                messages=chat_msgs,
+                max_tokens=10,
+                temperature=0,
+                logprobs=True,
+                top_logprobs=2,
+                stream=True,
+                extra_body={"ignore_eos": True},
+            )
             return [x async for x in out]
 
     chunks = asyncio.run(chat_stream())
-    streamed_lps = [c.logprob for x in chunks if x.choices and x.choices[0].logprobs
-                    for c in x.choices[0].logprobs.content]
+    streamed_lps = [
+        c.logprob for x in chunks if x.choices and x.choices[0].logprobs for c in x.choices[0].logprobs.content
+    ]
     assert streamed_lps == pytest.approx([e.logprob for e in c_lps], abs=1e-6)
 
 
@@ -275,7 +374,7 @@ BAD_JSON: list[tuple[str, bytes, str | None]] = [
     ("top_p 0", b'{"prompt": "hi", "top_p": 0}', "top_p"),
     ("empty stop string", b'{"prompt": "hi", "stop": [""]}', "stop"),
     ("token id out of vocabulary", b'{"prompt": [5, 1000000]}', "prompt"),
-    ("prompt over the context", b'{"prompt": [' + b"7," * 599 + b'7]}', "prompt"),
+    ("prompt over the context", b'{"prompt": [' + b"7," * 599 + b"7]}", "prompt"),
     ("lone surrogate", b'{"prompt": "a\\ud800"}', "prompt"),
     ("presence_penalty 3", b'{"prompt": "hi", "presence_penalty": 3}', "presence_penalty"),
     ("logit_bias out of vocabulary", b'{"prompt": "hi", "logit_bias": {"49152": 1}}', "logit_bias"),
@@ -290,15 +389,15 @@ BAD_JSON: list[tuple[str, bytes, str | None]] = [
 
 
 def _with_model(raw: bytes, model: str) -> bytes:
-    return raw.replace(b"{", b'{"model": "' + model.encode() + b'", ', 1) if raw.startswith(b"{\"prompt") else raw
+    return raw.replace(b"{", b'{"model": "' + model.encode() + b'", ', 1) if raw.startswith(b'{"prompt') else raw
 
 
-def test_bad_input_is_400_naming_the_field_and_others_go_on(cluster: Cluster, client: openai.OpenAI,
-                                                            model: str) -> None:
+def test_bad_input_is_400_naming_the_field_and_others_go_on(
+    cluster: Cluster, client: openai.OpenAI, model: str
+) -> None:
     with httpx.Client(base_url=f"{cluster.http_url}/v1", timeout=HANG_GUARD_S) as h:
         for name, raw, param in BAD_JSON:
-            resp = h.post("/completions", content=_with_model(raw, model),
-                          headers={"Content-Type": "application/json"})
+            resp = h.post("/completions", content=_with_model(raw, model), headers={"Content-Type": "application/json"})
             assert resp.status_code == 400, (name, resp.text)
             error = resp.json()["error"]
             assert error["type"] == "invalid_request_error" and error["param"] == param, (name, error)
@@ -315,21 +414,31 @@ def test_bad_input_is_400_naming_the_field_and_others_go_on(cluster: Cluster, cl
     with pytest.raises(openai.NotFoundError) as info:
         client.completions.create(model="gpt-4o", prompt="hi")
     assert info.value.code == "model_not_found" and info.value.status_code == 404
-    after = client.completions.create(model=model, prompt=PROMPT, max_tokens=6, temperature=0,
-                                      extra_body={"ignore_eos": True, "return_token_ids": True})
+    after = client.completions.create(
+        model=model,
+        prompt=PROMPT,
+        max_tokens=6,
+        temperature=0,
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )
     assert after.choices[0].model_extra["token_ids"] == grpc_greedy(cluster, greedy(PROMPT, 6)).token_ids
 
 
-def test_over_max_pending_requests_is_429_with_retry_after(cluster: Cluster, model: str, rclient: redis.Redis,
-                                                           ) -> None:
+def test_over_max_pending_requests_is_429_with_retry_after(
+    cluster: Cluster,
+    model: str,
+    rclient: redis.Redis,
+) -> None:
     """A blocker holds the only seat; two requests wait; a third is refused 429 with
     Retry-After; one waiting client hangs up (its request leaves the queue), which makes room
     for another; the accepted ones complete token-identical."""
     keys, prompts = Keys(NS), [PROMPT[i:] + [7] * i for i in (1, 2, 3)]
 
     async def go() -> tuple[list[Any], openai.RateLimitError]:
-        async with grpc.aio.insecure_channel(cluster.address, options=CHANNEL_OPTIONS) as ch, \
-                openai.AsyncOpenAI(base_url=f"{cluster.http_url}/v1", api_key="EMPTY", max_retries=0) as c:
+        async with (
+            grpc.aio.insecure_channel(cluster.address, options=CHANNEL_OPTIONS) as ch,
+            openai.AsyncOpenAI(base_url=f"{cluster.http_url}/v1", api_key="EMPTY", max_retries=0) as c,
+        ):
             stub = pb_grpc.GenerationStub(ch)
             blocker = greedy(PROMPT, 400, ignore_eos=True)
             blocker.request_id = "http-blocker"
@@ -337,9 +446,16 @@ def test_over_max_pending_requests_is_429_with_retry_after(cluster: Cluster, mod
             await call.read()  # it runs
 
             def ask(prompt: list[int], rid: str) -> asyncio.Task[Any]:
-                return asyncio.create_task(c.completions.create(
-                    model=model, prompt=prompt, max_tokens=8, temperature=0, extra_headers={"X-Request-Id": rid},
-                    extra_body={"ignore_eos": True, "return_token_ids": True}))
+                return asyncio.create_task(
+                    c.completions.create(
+                        model=model,
+                        prompt=prompt,
+                        max_tokens=8,
+                        temperature=0,
+                        extra_headers={"X-Request-Id": rid},
+                        extra_body={"ignore_eos": True, "return_token_ids": True},
+                    )
+                )
 
             first, leaving = ask(prompts[0], "waits-1"), ask(prompts[1], "leaves")
             await until(lambda: rclient.zcard(keys.queue) == MAX_PENDING, "two requests queued")
@@ -349,8 +465,9 @@ def test_over_max_pending_requests_is_429_with_retry_after(cluster: Cluster, mod
             await until(lambda: rclient.hget(keys.req("leaves"), "finish_reason") == "abort", "it was aborted")
             assert rclient.zcard(keys.queue) == 1
             with pytest.raises(openai.APIStatusError) as late:  # its queue_timeout passes before it starts
-                await c.completions.create(model=model, prompt=prompts[2], max_tokens=8,
-                                           extra_body={"queue_timeout": 0.3})
+                await c.completions.create(
+                    model=model, prompt=prompts[2], max_tokens=8, extra_body={"queue_timeout": 0.3}
+                )
             assert late.value.status_code == 504 and late.value.code == "queue_timeout"
             assert late.value.response.headers["x-should-retry"] == "false"
             second = ask(prompts[2], "waits-2")
@@ -368,13 +485,14 @@ def test_over_max_pending_requests_is_429_with_retry_after(cluster: Cluster, mod
     assert free == totals
 
 
-def test_a_client_that_hangs_up_mid_stream_aborts_its_request(cluster: Cluster, model: str,
-                                                              rclient: redis.Redis) -> None:
-    body = {"model": model, "prompt": PROMPT, "max_tokens": 400, "temperature": 0, "ignore_eos": True,
-            "stream": True}
-    with httpx.Client(timeout=HANG_GUARD_S) as h, \
-            h.stream("POST", f"{cluster.http_url}/v1/completions", json=body,
-                     headers={"X-Request-Id": "hangs-up"}) as resp:
+def test_a_client_that_hangs_up_mid_stream_aborts_its_request(
+    cluster: Cluster, model: str, rclient: redis.Redis
+) -> None:
+    body = {"model": model, "prompt": PROMPT, "max_tokens": 400, "temperature": 0, "ignore_eos": True, "stream": True}
+    with (
+        httpx.Client(timeout=HANG_GUARD_S) as h,
+        h.stream("POST", f"{cluster.http_url}/v1/completions", json=body, headers={"X-Request-Id": "hangs-up"}) as resp,
+    ):
         assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/event-stream")
         assert resp.headers["x-request-id"] == "hangs-up"
         events = sse_events(resp.iter_lines())  # held: closing it would hang up at once
@@ -396,13 +514,23 @@ def test_a_draining_replica_ends_its_streams_with_where_to_resume(cluster: Clust
     no ``[DONE]``; gRPC Resume on the first replica delivers the rest, every token once."""
     port = free_port()
     replica = cluster.start_scheduler(["--http-port", str(port), "--max-num-seqs", "1"])
-    body = {"model": model, "prompt": PROMPT, "max_tokens": 120, "temperature": 0, "ignore_eos": True,
-            "stream": True, "return_token_ids": True}
+    body = {
+        "model": model,
+        "prompt": PROMPT,
+        "max_tokens": 120,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "return_token_ids": True,
+    }
     tokens: list[int] = []
     try:
-        with httpx.Client(timeout=HANG_GUARD_S) as h, \
-                h.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body,
-                         headers={"X-Request-Id": "drained"}) as resp:
+        with (
+            httpx.Client(timeout=HANG_GUARD_S) as h,
+            h.stream(
+                "POST", f"http://127.0.0.1:{port}/v1/completions", json=body, headers={"X-Request-Id": "drained"}
+            ) as resp,
+        ):
             events = list(_read_until_signalled(sse_events(resp.iter_lines()), replica.proc.pid, tokens))
         assert replica.proc.wait(30) == 0
     finally:
@@ -412,8 +540,11 @@ def test_a_draining_replica_ends_its_streams_with_where_to_resume(cluster: Clust
     assert (error["code"], error["request_id"], error["offset"]) == ("stream_detached", "drained", len(tokens))
     assert "[DONE]" not in events
     with grpc.insecure_channel(cluster.address, options=CHANNEL_OPTIONS) as ch:
-        rest = list(pb_grpc.GenerationStub(ch).Resume(pb.ResumeRequest(request_id="drained", offset=error["offset"]),
-                                                      timeout=HANG_GUARD_S))
+        rest = list(
+            pb_grpc.GenerationStub(ch).Resume(
+                pb.ResumeRequest(request_id="drained", offset=error["offset"]), timeout=HANG_GUARD_S
+            )
+        )
     assert rest[-1].finish_reason == "length"
     assert tokens + [t for r in rest for t in r.token_ids] == grpc_greedy(cluster, greedy(PROMPT, 120)).token_ids
 
@@ -439,10 +570,18 @@ def certs(tmp_path_factory: pytest.TempPathFactory) -> devcerts.DevCerts:
 
 
 @pytest.fixture(scope="module")
-def secure(tiny_llama: Path, redis_url: str, certs: devcerts.DevCerts,
-           tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    with make_cluster(tiny_llama, redis_url, SECURE_NS, tmp_path_factory.mktemp("logs"), tls=certs,
-                      api_key_file=certs.api_keys, http_port=free_port()) as c:
+def secure(
+    tiny_llama: Path, redis_url: str, certs: devcerts.DevCerts, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Cluster]:
+    with make_cluster(
+        tiny_llama,
+        redis_url,
+        SECURE_NS,
+        tmp_path_factory.mktemp("logs"),
+        tls=certs,
+        api_key_file=certs.api_keys,
+        http_port=free_port(),
+    ) as c:
         yield c
 
 
@@ -453,8 +592,9 @@ def _trusting(certs: devcerts.DevCerts) -> ssl.SSLContext:
 def test_api_keys_guard_everything_but_health(secure: Cluster, certs: devcerts.DevCerts, model: str) -> None:
     assert secure.http_url is not None and secure.http_url.startswith("https://")
     base = f"{secure.http_url}/v1"
-    with openai.OpenAI(base_url=base, api_key="wrong-key", max_retries=0,
-                       http_client=httpx.Client(verify=_trusting(certs))) as c:
+    with openai.OpenAI(
+        base_url=base, api_key="wrong-key", max_retries=0, http_client=httpx.Client(verify=_trusting(certs))
+    ) as c:
         with pytest.raises(openai.AuthenticationError) as info:
             c.completions.create(model=model, prompt="hi", max_tokens=2)
         assert info.value.code == "invalid_api_key"
@@ -462,10 +602,12 @@ def test_api_keys_guard_everything_but_health(secure: Cluster, certs: devcerts.D
         with pytest.raises(openai.AuthenticationError):
             c.models.list()
     for key in KEYS:
-        with openai.OpenAI(base_url=base, api_key=key, max_retries=0,
-                           http_client=httpx.Client(verify=_trusting(certs))) as c:
-            got = c.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
-                                            temperature=0)
+        with openai.OpenAI(
+            base_url=base, api_key=key, max_retries=0, http_client=httpx.Client(verify=_trusting(certs))
+        ) as c:
+            got = c.chat.completions.create(
+                model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=4, temperature=0
+            )
             assert got.choices[0].finish_reason in ("stop", "length")
     with httpx.Client(verify=_trusting(certs)) as h:  # no key at all, or not as a bearer token
         assert h.get(f"{secure.http_url}/health").status_code == 200
@@ -487,8 +629,10 @@ def test_the_http_port_speaks_https_only(secure: Cluster, certs: devcerts.DevCer
 
 def _served_serial(url: str, ca: Path) -> int:
     host, port = url.removeprefix("https://").rsplit(":", 1)
-    with socket.create_connection((host, int(port)), timeout=10) as raw, \
-            ssl.create_default_context(cafile=str(ca)).wrap_socket(raw, server_hostname=host) as conn:
+    with (
+        socket.create_connection((host, int(port)), timeout=10) as raw,
+        ssl.create_default_context(cafile=str(ca)).wrap_socket(raw, server_hostname=host) as conn,
+    ):
         der = conn.getpeercert(binary_form=True)
     assert der is not None
     return x509.load_der_x509_certificate(der).serial_number

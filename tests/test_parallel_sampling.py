@@ -64,13 +64,20 @@ def _run(address: str, reqs: list[pb.GenerateRequest]) -> list[dict[int, list[pb
 
 @pytest.fixture(scope="module")
 def cluster(tiny_llama: Path, redis_url: str, tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
-    with make_cluster(tiny_llama, redis_url, "parallel", tmp_path_factory.mktemp("parallel"),
-                      kv_cache_memory=64 * BLOCK_BYTES, scheduler_args=["--max-n", "8"]) as c:
+    with make_cluster(
+        tiny_llama,
+        redis_url,
+        "parallel",
+        tmp_path_factory.mktemp("parallel"),
+        kv_cache_memory=64 * BLOCK_BYTES,
+        scheduler_args=["--max-n", "8"],
+    ) as c:
         yield c
 
 
 def test_n_greedy_completions_are_transformers_greedy_and_end_each_with_its_own_message(
-        cluster, expected: list[list[int]]) -> None:  # noqa: ANN001
+    cluster, expected: list[list[int]]
+) -> None:  # noqa: ANN001
     req = greedy(PROMPT, 48, n=4)
     req.request_id = "greedy4"
     (got,) = _run(cluster.address, [req])
@@ -84,8 +91,10 @@ def test_n_greedy_completions_are_transformers_greedy_and_end_each_with_its_own_
 
 def test_seeded_completions_are_reproducible_and_differ(cluster) -> None:  # noqa: ANN001
     def sampled() -> pb.GenerateRequest:
-        return pb.GenerateRequest(prompt_token_ids=PROMPT, sampling=pb.SamplingParams(
-            max_tokens=24, temperature=1.0, seed=1234, n=4, ignore_eos=True))
+        return pb.GenerateRequest(
+            prompt_token_ids=PROMPT,
+            sampling=pb.SamplingParams(max_tokens=24, temperature=1.0, seed=1234, n=4, ignore_eos=True),
+        )
 
     first, second = _run(cluster.address, [sampled(), sampled()])
     runs = [{i: _tokens(m) for i, m in r.items()} for r in (first, second)]
@@ -132,15 +141,21 @@ def test_resume_takes_the_request_id_and_an_index(cluster) -> None:  # noqa: ANN
     async def go() -> tuple[dict[int, list[int]], dict[int, list[int]], list[int], grpc.StatusCode]:
         async with grpc.aio.insecure_channel(cluster.address, options=CHANNEL_OPTIONS) as ch:
             stub = pb_grpc.GenerationStub(ch)
-            req = pb.GenerateRequest(request_id="resumed", prompt_token_ids=OTHER, sampling=pb.SamplingParams(
-                max_tokens=12, temperature=1.0, seed=7, n=3))
+            req = pb.GenerateRequest(
+                request_id="resumed",
+                prompt_token_ids=OTHER,
+                sampling=pb.SamplingParams(max_tokens=12, temperature=1.0, seed=7, n=3),
+            )
             whole = {i: _tokens(m) for i, m in (await _group(stub, req)).items()}
             resumed: dict[int, list[int]] = defaultdict(list)
             async for m in stub.Resume(pb.ResumeRequest(request_id="resumed", offset=5)):
                 assert m.offset >= min(5, len(whole[m.index])) or not m.token_ids
                 resumed[m.index] += m.token_ids
-            one = [t async for m in stub.Resume(pb.ResumeRequest(request_id="resumed", offset=0, index=2))
-                   for t in m.token_ids]
+            one = [
+                t
+                async for m in stub.Resume(pb.ResumeRequest(request_id="resumed", offset=0, index=2))
+                for t in m.token_ids
+            ]
             try:
                 async for _ in stub.Resume(pb.ResumeRequest(request_id="resumed", index=3)):
                     pass
@@ -164,8 +179,9 @@ def test_n_outside_one_to_max_n_is_invalid_argument(cluster, n: int) -> None:  #
 
 
 def test_a_group_id_and_a_request_id_never_name_two_live_things(cluster) -> None:  # noqa: ANN001
-    async def refused(stub: pb_grpc.GenerationStub, live: pb.GenerateRequest, clash: pb.GenerateRequest
-                      ) -> grpc.StatusCode:
+    async def refused(
+        stub: pb_grpc.GenerationStub, live: pb.GenerateRequest, clash: pb.GenerateRequest
+    ) -> grpc.StatusCode:
         call = stub.Generate(live, timeout=300)
         await call.read()  # it runs
         try:
@@ -185,21 +201,30 @@ def test_a_group_id_and_a_request_id_never_name_two_live_things(cluster) -> None
     async def go() -> list[grpc.StatusCode]:
         async with grpc.aio.insecure_channel(cluster.address, options=CHANNEL_OPTIONS) as ch:
             stub = pb_grpc.GenerationStub(ch)
-            return [await refused(stub, named("one"), named("one", 2)),
-                    await refused(stub, named("two", 2), named("two"))]
+            return [
+                await refused(stub, named("one"), named("one", 2)),
+                await refused(stub, named("two", 2), named("two")),
+            ]
 
     assert asyncio.run(go()) == [grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.ALREADY_EXISTS]
 
 
 @pytest.mark.parametrize("mode", ["swap", "recompute"])
-def test_groups_under_preemption_stay_transformers_greedy(mode: str, tiny_llama: Path, redis_url: str,
-                                                          expected: list[list[int]], tmp_path: Path) -> None:
+def test_groups_under_preemption_stay_transformers_greedy(
+    mode: str, tiny_llama: Path, redis_url: str, expected: list[list[int]], tmp_path: Path
+) -> None:
     ns = f"parallel-{mode}"
     eargs = ["--swap-space", str(64 * BLOCK_BYTES / GIB)] if mode == "swap" else []
     # 12 blocks: a group of 3 (3 + 2 x 1 blocks to start, 4 each at the end) and two others cannot all fit.
-    with make_cluster(tiny_llama, redis_url, ns, tmp_path, kv_cache_memory=12 * BLOCK_BYTES,
-                      scheduler_args=["--preemption-mode", mode, "--max-num-batched-tokens", "48"],
-                      executor_args=eargs) as c:
+    with make_cluster(
+        tiny_llama,
+        redis_url,
+        ns,
+        tmp_path,
+        kv_cache_memory=12 * BLOCK_BYTES,
+        scheduler_args=["--preemption-mode", mode, "--max-num-batched-tokens", "48"],
+        executor_args=eargs,
+    ) as c:
         got = _run(c.address, [greedy(PROMPT, 48, n=3), greedy(OTHER, 40), greedy(PROMPT, 48, n=2)])
         client = redis.Redis.from_url(redis_url, decode_responses=True)
         free, totals = wait_all_free(client, ns)
@@ -212,23 +237,27 @@ def test_groups_under_preemption_stay_transformers_greedy(mode: str, tiny_llama:
     assert seen.get("forked_tokens", 0) > 0, seen
 
 
-def test_a_loop_killed_while_a_group_runs_loses_and_duplicates_nothing(tiny_llama: Path, redis_url: str,
-                                                                       expected: list[list[int]],
-                                                                       tmp_path: Path) -> None:
+def test_a_loop_killed_while_a_group_runs_loses_and_duplicates_nothing(
+    tiny_llama: Path, redis_url: str, expected: list[list[int]], tmp_path: Path
+) -> None:
     """SIGKILL the loop (pipelined, plans in flight) while a group decodes with its prompt shared: a
     new loop reloads the shared tables (relinking any mate still waiting to fork) and goes on."""
     ns = "parallel-kill"
     keys = Keys(ns)
     client = redis.Redis.from_url(redis_url, decode_responses=True)
-    with make_cluster(tiny_llama, redis_url, ns, tmp_path, kv_cache_memory=64 * BLOCK_BYTES,
-                      scheduler_args=["--lease-ms", "1500"]) as c:
+    with make_cluster(
+        tiny_llama, redis_url, ns, tmp_path, kv_cache_memory=64 * BLOCK_BYTES, scheduler_args=["--lease-ms", "1500"]
+    ) as c:
+
         async def go() -> dict[int, list[pb.GenerateResponse]]:
             async with grpc.aio.insecure_channel(c.address, options=CHANNEL_OPTIONS) as ch:
                 req = greedy(PROMPT, 120, n=3)
                 req.request_id = "killed"
                 call = asyncio.ensure_future(_group(pb_grpc.GenerationStub(ch), req))
-                await until(lambda: all(client.llen(keys.out(f"killed#{i}")) >= 20 for i in range(3)),
-                            "every completion is well under way")
+                await until(
+                    lambda: all(client.llen(keys.out(f"killed#{i}")) >= 20 for i in range(3)),
+                    "every completion is well under way",
+                )
                 kill_loop(client, ns, c.scheduler.proc.pid)
                 return await call
 

@@ -31,8 +31,7 @@ def stored(client: redis.Redis, ns: str, request_id: str) -> list[int]:
     return [int(t) for t in client.lrange(Keys(ns).out(request_id), 0, -1)]
 
 
-def test_late_finishes_never_stream_or_store_the_extra_token(tiny_llama: Path, redis_url: str,
-                                                             tmp_path: Path) -> None:
+def test_late_finishes_never_stream_or_store_the_extra_token(tiny_llama: Path, redis_url: str, tmp_path: Path) -> None:
     """Length and stop-token finishes are found a step late, while the next plan (which ran the
     finished sequence once more) is already at the executor: its extra token is dropped."""
     prompts, max_tokens = PROMPTS[:6], [5, 9, 16, 1, 12, 7]
@@ -40,20 +39,22 @@ def test_late_finishes_never_stream_or_store_the_extra_token(tiny_llama: Path, r
     ns = "pipe-late"
     log = tmp_path / "steps.jsonl"
     client = redis.Redis.from_url(redis_url, decode_responses=True)
-    with make_cluster(tiny_llama, redis_url, ns, tmp_path, kv_cache_memory=64 * BLOCK_BYTES,
-                      scheduler_args=["--step-log", str(log)]) as cluster:
+    with make_cluster(
+        tiny_llama, redis_url, ns, tmp_path, kv_cache_memory=64 * BLOCK_BYTES, scheduler_args=["--step-log", str(log)]
+    ) as cluster:
         by_length = run_all(cluster.address, [greedy(p, n) for p, n in zip(prompts, max_tokens)])
         # A stop token that greedy decoding reaches mid-way: the request ends on it, nothing after.
         stops = [exp[len(exp) // 2] for exp in expected]
-        by_stop = run_all(cluster.address, [greedy(p, n, stop_token_ids=[s])
-                                            for p, n, s in zip(prompts, max_tokens, stops)])
+        by_stop = run_all(
+            cluster.address, [greedy(p, n, stop_token_ids=[s]) for p, n, s in zip(prompts, max_tokens, stops)]
+        )
         free, totals = wait_all_free(client, ns)
         for res, exp, n in zip(by_length, expected, max_tokens):
             assert res.token_ids == exp and len(res.token_ids) == n == res.completion_tokens
             assert res.finish_reason == "length"
             assert stored(client, ns, res.request_id) == res.token_ids
         for res, exp, s in zip(by_stop, expected, stops):
-            assert res.token_ids == exp[:exp.index(s) + 1]
+            assert res.token_ids == exp[: exp.index(s) + 1]
             assert res.finish_reason == "stop"
             assert stored(client, ns, res.request_id) == res.token_ids
     assert free == totals
@@ -69,6 +70,7 @@ def test_abort_with_two_plans_in_flight_frees_every_block(tiny_llama: Path, redi
     client = redis.Redis.from_url(redis_url, decode_responses=True)
     keys = Keys(ns)
     with make_cluster(tiny_llama, redis_url, ns, tmp_path, kv_cache_memory=64 * BLOCK_BYTES) as cluster:
+
         async def go() -> None:
             async with grpc.aio.insecure_channel(cluster.address, options=CHANNEL_OPTIONS) as ch:
                 stub = gen_grpc.GenerationStub(ch)
@@ -89,8 +91,9 @@ def test_abort_with_two_plans_in_flight_frees_every_block(tiny_llama: Path, redi
         assert again.token_ids == hf_greedy(tiny_llama, [PROMPTS[0]], [10])[0]
 
 
-def test_loop_killed_with_two_plans_in_flight_loses_and_duplicates_nothing(tiny_llama: Path, redis_url: str,
-                                                                          tmp_path: Path) -> None:
+def test_loop_killed_with_two_plans_in_flight_loses_and_duplicates_nothing(
+    tiny_llama: Path, redis_url: str, tmp_path: Path
+) -> None:
     """SIGKILL the scheduler's loop while it has two plans at the executor (the stream dies with
     it: the executor drops the queued plan); a new loop reloads the last commit and continues.
     Streams resume from the stored tokens: every completion equals greedy, token for token."""
@@ -99,8 +102,14 @@ def test_loop_killed_with_two_plans_in_flight_loses_and_duplicates_nothing(tiny_
     ns = "pipe-kill"
     log = tmp_path / "steps.jsonl"
     client = redis.Redis.from_url(redis_url, decode_responses=True)
-    with make_cluster(tiny_llama, redis_url, ns, tmp_path, kv_cache_memory=64 * BLOCK_BYTES,
-                      scheduler_args=["--lease-ms", "1500", "--step-log", str(log)]) as cluster:
+    with make_cluster(
+        tiny_llama,
+        redis_url,
+        ns,
+        tmp_path,
+        kv_cache_memory=64 * BLOCK_BYTES,
+        scheduler_args=["--lease-ms", "1500", "--step-log", str(log)],
+    ) as cluster:
         worker, results = run_in_background(cluster.address, [greedy(p, n) for p, n in zip(prompts, max_tokens)])
         wait_progress(client, ns, 40)
         kill_loop(client, ns, cluster.scheduler.proc.pid)

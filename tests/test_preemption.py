@@ -49,14 +49,22 @@ MODES = {
 
 
 @pytest.mark.parametrize("mode", list(MODES))
-def test_outputs_identical_under_preemption(mode: str, tiny_llama: Path, expected: list[list[int]], redis_url: str,
-                                            tmp_path: Path) -> None:
+def test_outputs_identical_under_preemption(
+    mode: str, tiny_llama: Path, expected: list[list[int]], redis_url: str, tmp_path: Path
+) -> None:
     sargs, eargs = MODES[mode]
     if mode == "disk":
         eargs = [*eargs, "--swap-dir", str(tmp_path / "swap"), "--disk-swap-space", str(64 * BLOCK_BYTES / GIB)]
     ns = f"preempt-{mode}"
-    with make_cluster(tiny_llama, redis_url, ns, tmp_path, kv_cache_memory=12 * BLOCK_BYTES,
-                      scheduler_args=[*sargs, "--max-num-batched-tokens", "48"], executor_args=eargs) as cluster:
+    with make_cluster(
+        tiny_llama,
+        redis_url,
+        ns,
+        tmp_path,
+        kv_cache_memory=12 * BLOCK_BYTES,
+        scheduler_args=[*sargs, "--max-num-batched-tokens", "48"],
+        executor_args=eargs,
+    ) as cluster:
         results = run_all(cluster.address, [greedy(p, n) for p, n in zip(PROMPTS, MAX_TOKENS)])
         client = redis.Redis.from_url(redis_url, decode_responses=True)
         free, totals = wait_all_free(client, ns)
@@ -81,11 +89,19 @@ def test_outputs_identical_under_preemption(mode: str, tiny_llama: Path, expecte
 
 def test_priority_request_jumps_a_full_pool(tiny_llama: Path, redis_url: str, tmp_path: Path) -> None:
     ns = "priority"
-    low = [pb.GenerateRequest(prompt_token_ids=PROMPTS[i][:30] + [5] * (30 - len(PROMPTS[i][:30])), priority=10,
-                              sampling=pb.SamplingParams(max_tokens=60, temperature=0, ignore_eos=True))
-           for i in range(4)]
-    urgent = pb.GenerateRequest(prompt_token_ids=PROMPTS[5][:10], priority=0,
-                                sampling=pb.SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
+    low = [
+        pb.GenerateRequest(
+            prompt_token_ids=PROMPTS[i][:30] + [5] * (30 - len(PROMPTS[i][:30])),
+            priority=10,
+            sampling=pb.SamplingParams(max_tokens=60, temperature=0, ignore_eos=True),
+        )
+        for i in range(4)
+    ]
+    urgent = pb.GenerateRequest(
+        prompt_token_ids=PROMPTS[5][:10],
+        priority=0,
+        sampling=pb.SamplingParams(max_tokens=5, temperature=0, ignore_eos=True),
+    )
 
     async def go(address: str) -> tuple[list[float], float, int]:
         async with grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) as ch:
@@ -108,8 +124,14 @@ def test_priority_request_jumps_a_full_pool(tiny_llama: Path, redis_url: str, tm
             return [done[f"low{i}"] for i in range(4)], done["urgent"], before
 
     # 4 x (30 + 60) tokens = 24 blocks > 16: the pool is full of priority-10 work.
-    with make_cluster(tiny_llama, redis_url, ns, tmp_path, kv_cache_memory=16 * BLOCK_BYTES,
-                      scheduler_args=["--policy", "priority", "--preemption-mode", "recompute"]) as cluster:
+    with make_cluster(
+        tiny_llama,
+        redis_url,
+        ns,
+        tmp_path,
+        kv_cache_memory=16 * BLOCK_BYTES,
+        scheduler_args=["--policy", "priority", "--preemption-mode", "recompute"],
+    ) as cluster:
         lows, urgent_done, before = asyncio.run(go(cluster.address))
         after = counters(redis_url, ns)["preemptions_recompute"]
     assert urgent_done < min(lows), "the priority-0 request must not wait for priority-10 work to finish"
@@ -146,8 +168,14 @@ def test_long_prompt_is_chunked_between_decode_steps(tiny_llama: Path, redis_url
             await asyncio.gather(*tasks)
             return counts, first_chunk_tokens
 
-    with make_cluster(tiny_llama, redis_url, "chunked", tmp_path, kv_cache_memory=128 * BLOCK_BYTES,
-                      scheduler_args=["--max-num-batched-tokens", str(budget)]) as cluster:
+    with make_cluster(
+        tiny_llama,
+        redis_url,
+        "chunked",
+        tmp_path,
+        kv_cache_memory=128 * BLOCK_BYTES,
+        scheduler_args=["--max-num-batched-tokens", str(budget)],
+    ) as cluster:
         counts, first = asyncio.run(go(cluster.address))
     # 320 prompt tokens at most 24 per step (32 minus 8 decodes) take at least 14 steps,
     # and every decoding stream got a token in (nearly) each of them. The pool holds all nine

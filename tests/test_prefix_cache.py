@@ -38,8 +38,16 @@ def _tail(n: int) -> list[int]:
 
 # Prefixes shared with SHARED (sent first): 0 blocks, 1 block, several blocks, a partial block,
 # all of it (a whole-prompt hit still computes its last token), and more than all of it.
-PROMPTS = [SHARED, _tail(30), SHARED[:16] + _tail(20), SHARED[:32] + _tail(9), SHARED[:20] + _tail(15),
-           list(SHARED), SHARED + _tail(25), SHARED[:33] + _tail(3)]
+PROMPTS = [
+    SHARED,
+    _tail(30),
+    SHARED[:16] + _tail(20),
+    SHARED[:32] + _tail(9),
+    SHARED[:20] + _tail(15),
+    list(SHARED),
+    SHARED + _tail(25),
+    SHARED[:33] + _tail(3),
+]
 MAX_TOKENS = [24, 30, 40, 28, 36, 24, 32, 40]
 SYSTEM = [rng.randrange(3, 49152) for _ in range(128)]  # 8 blocks
 QUESTIONS = [SYSTEM + _tail(rng.randrange(4, 12)) for _ in range(8)]
@@ -74,12 +82,20 @@ MODES = {
 
 @pytest.mark.parametrize("mode", list(MODES))
 def test_outputs_identical_with_shared_prefixes_under_eviction_and_preemption(
-        mode: str, tiny_llama: Path, expected: list[list[int]], redis_url: str, tmp_path: Path) -> None:
+    mode: str, tiny_llama: Path, expected: list[list[int]], redis_url: str, tmp_path: Path
+) -> None:
     sargs, eargs = MODES[mode]
     ns = f"prefix-{mode}"
     # 10 blocks: the burst cannot all fit, so cached blocks are evicted and requests preempted.
-    with make_cluster(tiny_llama, redis_url, ns, tmp_path, kv_cache_memory=10 * BLOCK_BYTES,
-                      scheduler_args=[*sargs, "--max-num-batched-tokens", "48"], executor_args=eargs) as cluster:
+    with make_cluster(
+        tiny_llama,
+        redis_url,
+        ns,
+        tmp_path,
+        kv_cache_memory=10 * BLOCK_BYTES,
+        scheduler_args=[*sargs, "--max-num-batched-tokens", "48"],
+        executor_args=eargs,
+    ) as cluster:
         first = final(cluster.address, greedy(PROMPTS[0], MAX_TOKENS[0]))  # SHARED is cached from here on
         results = run_all(cluster.address, [greedy(p, n) for p, n in zip(PROMPTS[1:], MAX_TOKENS[1:])])
         client = redis.Redis.from_url(redis_url, decode_responses=True)
@@ -96,8 +112,9 @@ def test_outputs_identical_with_shared_prefixes_under_eviction_and_preemption(
         assert seen.get(f"preemptions_{mode}", 0) > 0, f"the pool was meant to be too small: {seen}"
 
 
-def _tables_while_running(address: str, client: redis.Redis, ns: str,
-                          reqs: list[pb.GenerateRequest]) -> list[list[int]]:
+def _tables_while_running(
+    address: str, client: redis.Redis, ns: str, reqs: list[pb.GenerateRequest]
+) -> list[list[int]]:
     """The device block tables of ``reqs`` once they all run at once (they are long; aborted after),
     read in one transaction: one step's commit, consistent across requests."""
     keys = Keys(ns)
@@ -132,12 +149,14 @@ async def _drain(call) -> None:  # noqa: ANN001
 
 
 @pytest.mark.parametrize("caching", [True, False])
-def test_a_shared_system_prompt_is_computed_once_and_held_once(caching: bool, tiny_llama: Path, redis_url: str,
-                                                               tmp_path: Path) -> None:
+def test_a_shared_system_prompt_is_computed_once_and_held_once(
+    caching: bool, tiny_llama: Path, redis_url: str, tmp_path: Path
+) -> None:
     ns = f"prefix-system-{caching}"
     flag = [] if caching else ["--no-enable-prefix-caching"]
-    with make_cluster(tiny_llama, redis_url, ns, tmp_path, kv_cache_memory=256 * BLOCK_BYTES,
-                      scheduler_args=flag) as cluster:
+    with make_cluster(
+        tiny_llama, redis_url, ns, tmp_path, kv_cache_memory=256 * BLOCK_BYTES, scheduler_args=flag
+    ) as cluster:
         client = redis.Redis.from_url(redis_url, decode_responses=True)
         warm = final(cluster.address, greedy(SYSTEM + [5, 6, 7], 4))
         before = helpers.counters(client, ns)
@@ -149,9 +168,17 @@ def test_a_shared_system_prompt_is_computed_once_and_held_once(caching: bool, ti
         short = run_all(cluster.address, [greedy(q, 4) for q in QUESTIONS])
         after = helpers.counters(client, ns)
         # Salts: the same prompt under another salt shares nothing; under the same salt it hits.
-        salted = [final(cluster.address, pb.GenerateRequest(prompt_token_ids=SYSTEM + [9, 9], cache_salt=s,
-                                                            sampling=pb.SamplingParams(max_tokens=2, temperature=0)))
-                  for s in ("tenant-a", "tenant-b", "tenant-a", "")]
+        salted = [
+            final(
+                cluster.address,
+                pb.GenerateRequest(
+                    prompt_token_ids=SYSTEM + [9, 9],
+                    cache_salt=s,
+                    sampling=pb.SamplingParams(max_tokens=2, temperature=0),
+                ),
+            )
+            for s in ("tenant-a", "tenant-b", "tenant-a", "")
+        ]
     assert warm.cached_tokens == 0
     hits = after.get("prefix_cache_hits", 0) - before.get("prefix_cache_hits", 0)
     held = len({b for t in tables for b in t})
@@ -167,8 +194,9 @@ def test_a_shared_system_prompt_is_computed_once_and_held_once(caching: bool, ti
     assert all(r.finish_reason == "length" for r in short)
 
 
-def test_a_request_follows_its_cached_prefix_to_the_executor_holding_it(tiny_llama: Path, redis_url: str,
-                                                                        tmp_path: Path) -> None:
+def test_a_request_follows_its_cached_prefix_to_the_executor_holding_it(
+    tiny_llama: Path, redis_url: str, tmp_path: Path
+) -> None:
     ns = "prefix-placement"
     keys = Keys(ns)
     # 256 blocks each: the busy request (at most 34 blocks) keeps its executor within the load bound.
@@ -189,8 +217,9 @@ def test_a_request_follows_its_cached_prefix_to_the_executor_holding_it(tiny_lla
                 stub = pb_grpc.GenerationStub(ch)
                 # A long request keeps the holder busy; the other executor idles: without the prefix rule
                 # the next request would go there.
-                busy = asyncio.ensure_future(_drain(stub.Generate(place("busy", SYSTEM + [12], 400,
-                                                                        ignore_eos=True), timeout=300)))
+                busy = asyncio.ensure_future(
+                    _drain(stub.Generate(place("busy", SYSTEM + [12], 400, ignore_eos=True), timeout=300))
+                )
                 await until(lambda: client.hget(keys.req("busy"), "status") == "running", "busy runs")
                 last = [m async for m in stub.Generate(place("b", SYSTEM + [13]), timeout=300)][-1]
                 await stub.Abort(pb.AbortRequest(request_id="busy"))

@@ -31,9 +31,10 @@ from tests.prometheus import PrometheusServer, http_get, promtool_check
 from tests.test_preemption import BLOCK_BYTES
 from tests.test_scale_out import wait_for
 
-pytestmark = pytest.mark.skipif(not prometheus.available(),
-                                reason="needs Debian's prometheus and promtool on PATH (`make test` installs them "
-                                       "as root)")
+pytestmark = pytest.mark.skipif(
+    not prometheus.available(),
+    reason="needs Debian's prometheus and promtool on PATH (`make test` installs them as root)",
+)
 
 rng = random.Random(11)
 N = 16
@@ -50,6 +51,7 @@ SETTLE_S = 10  # a generous poll deadline once every target was scraped after th
 @dataclass
 class Run:
     """The stack after the run, the server scraping it, and what the clients and Redis saw."""
+
     prom: PrometheusServer
     client: redis.Redis
     namespace: str
@@ -63,7 +65,8 @@ class Run:
     def settled(self, expected: dict[str, object]) -> None:
         got = self.prom.settle(expected, timeout=SETTLE_S)
         assert got == expected, "PromQL disagrees: " + "; ".join(
-            f"{q} = {got[q]} (expected {want})" for q, want in expected.items() if got[q] != want)
+            f"{q} = {got[q]} (expected {want})" for q, want in expected.items() if got[q] != want
+        )
 
     def by_label(self, label: str, promql: str) -> dict[str, float]:
         return {m.get(label, ""): v for m, v in self.prom.query(promql)}
@@ -77,8 +80,10 @@ def through_both(addresses: list[str], reqs: list) -> list[Result]:
     """Half of the requests through each replica, all at once; results in request order."""
     half = len(reqs) // 2
     parts: list[list[Result]] = [[], []]
-    workers = [threading.Thread(target=lambda i=i, r=r: parts[i].extend(run_all(addresses[i], r)))
-               for i, r in enumerate((reqs[:half], reqs[half:]))]
+    workers = [
+        threading.Thread(target=lambda i=i, r=r: parts[i].extend(run_all(addresses[i], r)))
+        for i, r in enumerate((reqs[:half], reqs[half:]))
+    ]
     for w in workers:
         w.start()
     for w in workers:
@@ -94,17 +99,29 @@ def run(tiny_llama: Path, redis_url: str, tmp_path_factory: pytest.TempPathFacto
     client = redis.Redis.from_url(redis_url, decode_responses=True)
     keys = Keys(ns)
     sched_ports, exec_ports = [free_port(), free_port()], [free_port(), free_port()]
-    with make_cluster(tiny_llama, redis_url, ns, tmp / "logs", kv_cache_memory=POOL, executors=0,
-                      executor_args=FAST, scheduler_args=[*FAST, *metrics_args(sched_ports[0])]) as cluster:
+    with make_cluster(
+        tiny_llama,
+        redis_url,
+        ns,
+        tmp / "logs",
+        kv_cache_memory=POOL,
+        executors=0,
+        executor_args=FAST,
+        scheduler_args=[*FAST, *metrics_args(sched_ports[0])],
+    ) as cluster:
         for port in exec_ports:
             cluster.add_executor(metrics_args(port))
         cluster.start_scheduler([*FAST, *metrics_args(sched_ports[1])])
-        leaders = lambda: {client.get(keys.executor(e).leader) for e in executors(client, ns)}
-        wait_for(lambda: len(executors(client, ns)) == 2 and len(leaders() - {None}) == 2,
-                 what="one loop per replica")
+
+        def leaders() -> set[str | None]:
+            return {client.get(keys.executor(e).leader) for e in executors(client, ns)}
+
+        wait_for(lambda: len(executors(client, ns)) == 2 and len(leaders() - {None}) == 2, what="one loop per replica")
         eids = executors(client, ns)
-        endpoints = {"scheduler": [f"127.0.0.1:{p}" for p in sched_ports],
-                     "executor": [f"127.0.0.1:{p}" for p in exec_ports]}
+        endpoints = {
+            "scheduler": [f"127.0.0.1:{p}" for p in sched_ports],
+            "executor": [f"127.0.0.1:{p}" for p in exec_ports],
+        }
         prom = PrometheusServer(endpoints, tmp / "prometheus")
         try:
             wait_for(prom.all_up, timeout=30, what="prometheus to scrape every target")
@@ -118,8 +135,11 @@ def run(tiny_llama: Path, redis_url: str, tmp_path_factory: pytest.TempPathFacto
             assert free == totals
             # Every target scraped after the stack went idle (and a manager tick later).
             idle = time.time() + 1.5
-            wait_for(lambda: (prom.value("min(timestamp(up))") or 0) > idle, timeout=30,
-                     what="a scrape of every target after the run")
+            wait_for(
+                lambda: (prom.value("min(timestamp(up))") or 0) > idle,
+                timeout=30,
+                what="a scrape of every target after the run",
+            )
 
             # Who served what, as Redis says (a request's last executor).
             served = {e: {"requests": 0, "tokens": 0, "prompt": 0} for e in eids}
@@ -128,8 +148,9 @@ def run(tiny_llama: Path, redis_url: str, tmp_path_factory: pytest.TempPathFacto
                 s["requests"] += 1
                 s["tokens"] += len(r.token_ids)
                 s["prompt"] += len(p)
-            preempted = sum(int(client.hget(keys.counters, f) or 0)
-                            for f in ("preemptions_swap", "preemptions_recompute"))
+            preempted = sum(
+                int(client.hget(keys.counters, f) or 0) for f in ("preemptions_swap", "preemptions_recompute")
+            )
             yield Run(prom, client, ns, endpoints, eids, results, streamed, preempted, served)
         finally:
             prom.stop()
@@ -148,40 +169,48 @@ def test_counters_sum_to_what_was_streamed(run: Run) -> None:
     finish: dict[str, int] = {}
     for r in run.results:
         finish[r.finish_reason] = finish.get(r.finish_reason, 0) + 1
-    run.settled({
-        f"sum({M}generation_tokens_total)": float(run.streamed),
-        f"sum({M}prompt_tokens_total)": float(sum(len(p) for p in PROMPTS)),
-        f"sum({M}request_success_total)": float(N),
-        f"sum({M}num_preemptions_total)": float(run.preempted),
-        **{f'sum({M}request_success_total{{finished_reason="{k}"}})': float(v) for k, v in finish.items()},
-        # Both sides count the same steps.
-        f"sum({M}executor_steps_total) - sum({M}iteration_tokens_total_count)": 0.0,
-        # One model name on every series of every endpoint.
-        f'count(count by (model_name) ({{__name__=~"{M}.+"}}))': 1.0,
-    })
+    run.settled(
+        {
+            f"sum({M}generation_tokens_total)": float(run.streamed),
+            f"sum({M}prompt_tokens_total)": float(sum(len(p) for p in PROMPTS)),
+            f"sum({M}request_success_total)": float(N),
+            f"sum({M}num_preemptions_total)": float(run.preempted),
+            **{f'sum({M}request_success_total{{finished_reason="{k}"}})': float(v) for k, v in finish.items()},
+            # Both sides count the same steps.
+            f"sum({M}executor_steps_total) - sum({M}iteration_tokens_total_count)": 0.0,
+            # One model name on every series of every endpoint.
+            f'count(count by (model_name) ({{__name__=~"{M}.+"}}))': 1.0,
+        }
+    )
 
 
 def test_per_executor_series_are_distinct_and_correct(run: Run) -> None:
-    run.settled({
-        f"count({M}kv_cache_usage_perc)": 2.0,
-        f"max({M}kv_cache_usage_perc)": 0.0,  # idle again
-        f"count({M}num_requests_running)": 2.0,
-        f"sum({M}num_requests_running)": 0.0,
-        f"sum({M}num_requests_swapped)": 0.0,
-        f"count({M}executor_kv_blocks{{tier=\"device\"}})": 2.0,
-    })
+    run.settled(
+        {
+            f"count({M}kv_cache_usage_perc)": 2.0,
+            f"max({M}kv_cache_usage_perc)": 0.0,  # idle again
+            f"count({M}num_requests_running)": 2.0,
+            f"sum({M}num_requests_running)": 0.0,
+            f"sum({M}num_requests_swapped)": 0.0,
+            f'count({M}executor_kv_blocks{{tier="device"}})': 2.0,
+        }
+    )
     kv = run.by_label("executor", f"{M}kv_cache_usage_perc")
     assert sorted(kv) == run.eids, f"executor labels {sorted(kv)}, executors {run.eids}"
     device = {m["instance"]: v for m, v in run.prom.query(f'{M}executor_kv_blocks{{tier="device"}}')}
     assert sorted(device) == sorted(run.endpoints["executor"])
-    assert sorted(device.values()) == sorted(float(pool_state(run.client, run.namespace, e)[1][Tier.DEVICE])
-                                             for e in run.eids)
+    assert sorted(device.values()) == sorted(
+        float(pool_state(run.client, run.namespace, e)[1][Tier.DEVICE]) for e in run.eids
+    )
     tokens = run.by_label("executor", f"sum by (executor) ({M}generation_tokens_total)")
     assert sorted(tokens) == run.eids and all(tokens[e] > 0 for e in run.eids), f"both executors served: {tokens}"
     if run.preempted:
         return  # a preempted request may have run on both: Redis names only its last executor
-    for metric, key in (("generation_tokens_total", "tokens"), ("prompt_tokens_total", "prompt"),
-                        ("request_success_total", "requests")):
+    for metric, key in (
+        ("generation_tokens_total", "tokens"),
+        ("prompt_tokens_total", "prompt"),
+        ("request_success_total", "requests"),
+    ):
         per = run.by_label("executor", f"sum by (executor) ({M}{metric})")
         assert per == {e: float(s[key]) for e, s in run.served.items()}, f"{metric}: {per}, Redis: {run.served}"
     # Tokens through the model: each prompt, and each generated token but the last.
@@ -192,27 +221,31 @@ def test_per_executor_series_are_distinct_and_correct(run: Run) -> None:
 
 def test_namespace_gauges_are_exported_once(run: Run) -> None:
     """By the replica holding the metrics lease only, not once per replica."""
-    run.settled({
-        f"count({M}num_requests_waiting)": 1.0,
-        f"sum({M}num_requests_waiting)": 0.0,
-        f'count({M}num_executors{{state="serving"}})': 1.0,
-        f'sum({M}num_executors{{state="serving"}})': 2.0,
-        f'sum({M}num_executors{{state="draining"}})': 0.0,
-        f"count({M}num_scheduler_replicas)": 1.0,
-        f"sum({M}num_scheduler_replicas)": 2.0,
-    })
+    run.settled(
+        {
+            f"count({M}num_requests_waiting)": 1.0,
+            f"sum({M}num_requests_waiting)": 0.0,
+            f'count({M}num_executors{{state="serving"}})': 1.0,
+            f'sum({M}num_executors{{state="serving"}})': 2.0,
+            f'sum({M}num_executors{{state="draining"}})': 0.0,
+            f"count({M}num_scheduler_replicas)": 1.0,
+            f"sum({M}num_scheduler_replicas)": 2.0,
+        }
+    )
 
 
 def test_histograms_have_observations(run: Run) -> None:
-    run.settled({
-        f"sum({M}time_to_first_token_seconds_count)": float(N),
-        f"sum({M}e2e_request_latency_seconds_count)": float(N),
-        f"sum({M}request_queue_time_seconds_count)": float(N),  # one first admission each
-        f"count({M}executor_forward_seconds_count > 0)": 2.0,  # on both executors
-        f"count({M}executor_step_seconds_count > 0)": 2.0,
-        f"count({M}num_streams)": 2.0,  # one per replica, all closed
-        f"sum({M}num_streams)": 0.0,
-    })
+    run.settled(
+        {
+            f"sum({M}time_to_first_token_seconds_count)": float(N),
+            f"sum({M}e2e_request_latency_seconds_count)": float(N),
+            f"sum({M}request_queue_time_seconds_count)": float(N),  # one first admission each
+            f"count({M}executor_forward_seconds_count > 0)": 2.0,  # on both executors
+            f"count({M}executor_step_seconds_count > 0)": 2.0,
+            f"count({M}num_streams)": 2.0,  # one per replica, all closed
+            f"sum({M}num_streams)": 0.0,
+        }
+    )
     # Inter-token latency: at most one observation per token after each request's first.
     itl = run.prom.value(f"sum({M}inter_token_latency_seconds_count)")
     assert itl is not None and 0 < itl <= run.streamed - N, (itl, run.streamed - N)
@@ -221,8 +254,7 @@ def test_histograms_have_observations(run: Run) -> None:
 # Lint findings that come from following vLLM's names on purpose ("names they recognise"):
 # the ``vllm:``-style colon prefix, and ``iteration_tokens_total``, a histogram in vLLM too.
 # promtool has no switch for its lint (2.42); any other finding, or a parse error, fails.
-VLLM_NAMING = ("metric names should not contain ':'",
-               'non-counter metrics should not have "_total" suffix')
+VLLM_NAMING = ("metric names should not contain ':'", 'non-counter metrics should not have "_total" suffix')
 
 
 def test_promtool_accepts_every_endpoint(run: Run) -> None:

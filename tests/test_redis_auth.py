@@ -39,8 +39,7 @@ def secured(request: pytest.FixtureRequest) -> Iterator[RedisServer]:
     server.stop()
 
 
-def test_credentials_in_the_url_serve_requests(secured: RedisServer, tiny_llama: Path,
-                                               tmp_path: Path) -> None:
+def test_credentials_in_the_url_serve_requests(secured: RedisServer, tiny_llama: Path, tmp_path: Path) -> None:
     assert PASSWORD not in secured.url and "@127.0.0.1" in secured.url
     with pytest.raises(redis.AuthenticationError):
         redis.Redis.from_url(secured.bare_url).ping()
@@ -96,7 +95,9 @@ def test_rediss_url_carries_tls_settings_to_redis_py() -> None:
     has no TLS) reaches redis-py as a TLS connection with the CA, the user and the password."""
     import redis.asyncio as aioredis
 
-    url = "rediss://alice:s%40cret@redis.example:6380/0?ssl_ca_certs=/etc/pagedserve/redis-ca.crt&ssl_cert_reqs=required"
+    url = (
+        "rediss://alice:s%40cret@redis.example:6380/0?ssl_ca_certs=/etc/pagedserve/redis-ca.crt&ssl_cert_reqs=required"
+    )
     for client in (redis.Redis.from_url(url), aioredis.from_url(url)):
         pool = client.connection_pool
         assert "SSL" in pool.connection_class.__name__, pool.connection_class

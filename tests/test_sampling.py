@@ -34,8 +34,14 @@ ATOL = 1e-4
 def cluster(tiny_llama: Path, redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     """A 16-token step budget: the longer prompts are prefilled in chunks, so prompt logprobs
     cross chunk boundaries."""
-    with make_cluster(tiny_llama, redis_url, "sampling", tmp_path_factory.mktemp("logs"),
-                      kv_cache_memory=64 * BLOCK_BYTES, scheduler_args=["--max-num-batched-tokens", "16"]) as c:
+    with make_cluster(
+        tiny_llama,
+        redis_url,
+        "sampling",
+        tmp_path_factory.mktemp("logs"),
+        kv_cache_memory=64 * BLOCK_BYTES,
+        scheduler_args=["--max-num-batched-tokens", "16"],
+    ) as c:
         yield c
 
 
@@ -51,8 +57,12 @@ async def _stream(address: str, req: pb.GenerateRequest) -> list[pb.GenerateResp
 
 async def _resume(address: str, rid: str, offset: int) -> list[pb.GenerateResponse]:
     async with grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) as ch:
-        return [r async for r in pb_grpc.GenerationStub(ch).Resume(pb.ResumeRequest(request_id=rid, offset=offset),
-                                                                     timeout=300)]
+        return [
+            r
+            async for r in pb_grpc.GenerationStub(ch).Resume(
+                pb.ResumeRequest(request_id=rid, offset=offset), timeout=300
+            )
+        ]
 
 
 def _gather(address: str, reqs: list[pb.GenerateRequest]) -> list[list[pb.GenerateResponse]]:
@@ -112,14 +122,25 @@ def test_resume_returns_the_same_logprobs(cluster: Cluster) -> None:
         assert r_prompt == (prompt_lps if offset == 0 else []), offset
 
 
-EVERY_OPTION = dict(temperature=0.9, top_k=30, top_p=0.95, min_p=0.01, presence_penalty=0.7,
-                    frequency_penalty=0.4, repetition_penalty=1.3, min_tokens=20, logprobs=3,
-                    logit_bias={17: 3.0, 99: -100.0, 2: 8.0})
+EVERY_OPTION = dict(
+    temperature=0.9,
+    top_k=30,
+    top_p=0.95,
+    min_p=0.01,
+    presence_penalty=0.7,
+    frequency_penalty=0.4,
+    repetition_penalty=1.3,
+    min_tokens=20,
+    logprobs=3,
+    logit_bias={17: 3.0, 99: -100.0, 2: 8.0},
+)
 
 
 def _every_option(i: int, prompt: list[int]) -> pb.GenerateRequest:
-    return pb.GenerateRequest(prompt_token_ids=prompt, sampling=pb.SamplingParams(
-        max_tokens=24 + 3 * i, seed=500 + i, stop_token_ids=[2], **EVERY_OPTION))
+    return pb.GenerateRequest(
+        prompt_token_ids=prompt,
+        sampling=pb.SamplingParams(max_tokens=24 + 3 * i, seed=500 + i, stop_token_ids=[2], **EVERY_OPTION),
+    )
 
 
 PREEMPT = {
@@ -129,14 +150,22 @@ PREEMPT = {
 
 
 @pytest.mark.parametrize("mode", list(PREEMPT))
-def test_seeded_sampling_with_every_option_survives_preemption(mode: str, tiny_llama: Path, redis_url: str,
-                                                                tmp_path: Path) -> None:
+def test_seeded_sampling_with_every_option_survives_preemption(
+    mode: str, tiny_llama: Path, redis_url: str, tmp_path: Path
+) -> None:
     prompts = [[rng.randrange(3, 49152) for _ in range(rng.randrange(20, 50))] for _ in range(10)]
     reqs = [_every_option(i, p) for i, p in enumerate(prompts)]
     sargs, eargs = PREEMPT[mode]
     ns = f"sampling-{mode}"
-    with make_cluster(tiny_llama, redis_url, ns, tmp_path, kv_cache_memory=12 * BLOCK_BYTES,
-                      scheduler_args=[*sargs, "--max-num-batched-tokens", "48"], executor_args=eargs) as c:
+    with make_cluster(
+        tiny_llama,
+        redis_url,
+        ns,
+        tmp_path,
+        kv_cache_memory=12 * BLOCK_BYTES,
+        scheduler_args=[*sargs, "--max-num-batched-tokens", "48"],
+        executor_args=eargs,
+    ) as c:
         client = redis.Redis.from_url(redis_url, decode_responses=True)
         alone = [_gather(c.address, [r])[0] for r in reqs[:4]]
         again = _gather(c.address, [reqs[0]])[0]

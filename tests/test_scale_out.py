@@ -56,8 +56,10 @@ def expected_long(tiny_llama: Path) -> list[list[int]]:
 def split(cluster: Cluster, reqs: list) -> tuple[list, list]:
     """Half of the requests through each scheduler replica, in the background."""
     half = len(reqs) // 2
-    return (run_in_background(cluster.schedulers[0].address, reqs[:half]),
-            run_in_background(cluster.schedulers[1].address, reqs[half:]))
+    return (
+        run_in_background(cluster.schedulers[0].address, reqs[:half]),
+        run_in_background(cluster.schedulers[1].address, reqs[half:]),
+    )
 
 
 def join(*runs: tuple) -> list:
@@ -95,18 +97,21 @@ def served_by(client: redis.Redis, ns: str, request_ids: list[str]) -> set[str]:
     return {client.hget(Keys(ns).req(rid), "executor") for rid in request_ids}
 
 
-def test_three_executors_serve_in_parallel_and_survive_a_sigkill(tiny_llama: Path, redis_url: str, tmp_path: Path,
-                                                                 expected: list[list[int]]) -> None:
+def test_three_executors_serve_in_parallel_and_survive_a_sigkill(
+    tiny_llama: Path, redis_url: str, tmp_path: Path, expected: list[list[int]]
+) -> None:
     ns = "scale-three"
     client = redis.Redis.from_url(redis_url, decode_responses=True)
-    with make_cluster(tiny_llama, redis_url, ns, tmp_path, kv_cache_memory=POOL, executors=3,
-                      executor_args=FAST, scheduler_args=FAST) as cluster:
+    with make_cluster(
+        tiny_llama, redis_url, ns, tmp_path, kv_cache_memory=POOL, executors=3, executor_args=FAST, scheduler_args=FAST
+    ) as cluster:
         cluster.start_scheduler(FAST)
         wait_for(lambda: len(executors(client, ns)) == 3, what="three loops")
         results = join(*split(cluster, REQS))
         assert [r.token_ids for r in results] == expected
-        assert served_by(client, ns, [r.request_id for r in results]) == set(executors(client, ns)), \
+        assert served_by(client, ns, [r.request_id for r in results]) == set(executors(client, ns)), (
             "every executor served some"
+        )
 
         # Again, and one executor dies mid-run.
         runs = split(cluster, REQS)
@@ -124,21 +129,32 @@ def test_three_executors_serve_in_parallel_and_survive_a_sigkill(tiny_llama: Pat
         assert not client.zscore(keys.members, dead)
 
 
-def test_an_executor_joins_mid_run_and_another_drains(tiny_llama: Path, redis_url: str, tmp_path: Path,
-                                                      expected_long: list[list[int]]) -> None:
+def test_an_executor_joins_mid_run_and_another_drains(
+    tiny_llama: Path, redis_url: str, tmp_path: Path, expected_long: list[list[int]]
+) -> None:
     ns = "scale-join-drain"
     drain_s = 6
     client = redis.Redis.from_url(redis_url, decode_responses=True)
-    with make_cluster(tiny_llama, redis_url, ns, tmp_path, kv_cache_memory=SMALL_POOL, executors=2,
-                      executor_args=[*FAST, "--drain-timeout", str(drain_s)], scheduler_args=FAST) as cluster:
+    with make_cluster(
+        tiny_llama,
+        redis_url,
+        ns,
+        tmp_path,
+        kv_cache_memory=SMALL_POOL,
+        executors=2,
+        executor_args=[*FAST, "--drain-timeout", str(drain_s)],
+        scheduler_args=FAST,
+    ) as cluster:
         wait_for(lambda: len(executors(client, ns)) == 2, what="two loops")
         worker, results = run_in_background(cluster.address, LONG)
         wait_for(lambda: client.zcard(Keys(ns).queue) > 0, what="a queue")
         before = set(executors(client, ns))
         cluster.add_executor()
         assert client.zcard(Keys(ns).queue) > 0, "work still waits when the new executor is up"
-        wait_for(lambda: any(n > 0 for e, n in placed(client, ns).items() if e not in before),
-                 what="the new executor to receive work")
+        wait_for(
+            lambda: any(n > 0 for e, n in placed(client, ns).items() if e not in before),
+            what="the new executor to receive work",
+        )
 
         victim, draining = busiest(cluster, client, ns)
         assert placed(client, ns)[draining] > 0
@@ -154,13 +170,15 @@ def test_an_executor_joins_mid_run_and_another_drains(tiny_llama: Path, redis_ur
         assert free == totals
 
 
-def test_a_dead_replicas_loops_move_to_the_other(tiny_llama: Path, redis_url: str, tmp_path: Path,
-                                                 expected: list[list[int]]) -> None:
+def test_a_dead_replicas_loops_move_to_the_other(
+    tiny_llama: Path, redis_url: str, tmp_path: Path, expected: list[list[int]]
+) -> None:
     ns = "scale-replica"
     client = redis.Redis.from_url(redis_url, decode_responses=True)
     keys = Keys(ns)
-    with make_cluster(tiny_llama, redis_url, ns, tmp_path, kv_cache_memory=POOL, executors=2,
-                      executor_args=FAST, scheduler_args=FAST) as cluster:
+    with make_cluster(
+        tiny_llama, redis_url, ns, tmp_path, kv_cache_memory=POOL, executors=2, executor_args=FAST, scheduler_args=FAST
+    ) as cluster:
         survivor = cluster.start_scheduler(FAST)
         leaders = lambda: {e: client.get(keys.executor(e).leader) for e in executors(client, ns)}  # noqa: E731
         wait_for(lambda: len(set(leaders().values()) - {None}) == 2, what="one loop per replica")

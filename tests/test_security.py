@@ -52,11 +52,19 @@ def certs(tmp_path_factory: pytest.TempPathFactory) -> devcerts.DevCerts:
 
 
 @pytest.fixture(scope="module")
-def secure(tiny_llama: Path, redis_url: str, certs: devcerts.DevCerts,
-           tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+def secure(
+    tiny_llama: Path, redis_url: str, certs: devcerts.DevCerts, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Cluster]:
     """TLS on the public port, mutual TLS and the internal token to the executor, API keys."""
-    with make_cluster(tiny_llama, redis_url, NS, tmp_path_factory.mktemp("logs"), tls=certs,
-                      api_key_file=certs.api_keys, internal_token_file=certs.internal_token) as cluster:
+    with make_cluster(
+        tiny_llama,
+        redis_url,
+        NS,
+        tmp_path_factory.mktemp("logs"),
+        tls=certs,
+        api_key_file=certs.api_keys,
+        internal_token_file=certs.internal_token,
+    ) as cluster:
         yield cluster
 
 
@@ -80,8 +88,10 @@ def _served_cert_serial(address: str, ca: Path, client: tuple[Path, Path] | None
     ctx.set_alpn_protocols(["h2"])
     if client:
         ctx.load_cert_chain(str(client[0]), str(client[1]))
-    with socket.create_connection((host, int(port)), timeout=10) as raw, \
-            ctx.wrap_socket(raw, server_hostname=host) as conn:
+    with (
+        socket.create_connection((host, int(port)), timeout=10) as raw,
+        ctx.wrap_socket(raw, server_hostname=host) as conn,
+    ):
         der = conn.getpeercert(binary_form=True)
     assert der is not None
     return x509.load_der_x509_certificate(der).serial_number
@@ -101,33 +111,56 @@ def test_without_a_key_every_method_is_unauthenticated(stub: pb_grpc.GenerationS
         "Abort": lambda md: stub.Abort(pb.AbortRequest(request_id="x"), timeout=30, metadata=md),
     }
     for name, call in calls.items():
-        for md in ([], [("authorization", "Bearer not-a-key")], [("authorization", f"Basic {KEYS[0]}")],
-                   [("authorization", f"Bearer {KEYS[0][:-1]}")]):
+        for md in (
+            [],
+            [("authorization", "Bearer not-a-key")],
+            [("authorization", f"Basic {KEYS[0]}")],
+            [("authorization", f"Bearer {KEYS[0][:-1]}")],
+        ):
             with pytest.raises(grpc.RpcError) as info:
                 call(md)
             assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED, (name, md)
             assert "API key" in info.value.details()
 
 
-def test_either_key_is_served_and_greedy_matches_the_reference(secure: Cluster, certs: devcerts.DevCerts,
-                                                               reference: list[int]) -> None:
+def test_either_key_is_served_and_greedy_matches_the_reference(
+    secure: Cluster, certs: devcerts.DevCerts, reference: list[int]
+) -> None:
     """Through the mTLS hop to the executor, which therefore steps for this scheduler."""
     for key in KEYS:
-        tokens = [t for r in generate(secure.address, greedy(PROMPT, MAX_TOKENS), timeout=120, api_key=key,
-                                      tls_ca=certs.ca_cert) for t in r.token_ids]
+        tokens = [
+            t
+            for r in generate(
+                secure.address, greedy(PROMPT, MAX_TOKENS), timeout=120, api_key=key, tls_ca=certs.ca_cert
+            )
+            for t in r.token_ids
+        ]
         assert tokens == reference
     # The scheme is case-insensitive, as HTTP's.
     with grpc.secure_channel(secure.address, secure.credentials) as ch:
-        out = list(pb_grpc.GenerationStub(ch).Generate(greedy(PROMPT, 3), timeout=120,
-                                                       metadata=[("authorization", f"bearer {KEYS[1]}")]))
+        out = list(
+            pb_grpc.GenerationStub(ch).Generate(
+                greedy(PROMPT, 3), timeout=120, metadata=[("authorization", f"bearer {KEYS[1]}")]
+            )
+        )
     assert [t for r in out for t in r.token_ids] == reference[:3]
 
 
-def test_cli_takes_the_key_from_the_environment(secure: Cluster, certs: devcerts.DevCerts,
-                                                monkeypatch: pytest.MonkeyPatch,
-                                                capsys: pytest.CaptureFixture[str]) -> None:
-    argv = ["generate", "--raw", "--json", "-n", "2", "--address", secure.address, "--tls-ca", str(certs.ca_cert),
-            "Once upon a time"]
+def test_cli_takes_the_key_from_the_environment(
+    secure: Cluster, certs: devcerts.DevCerts, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = [
+        "generate",
+        "--raw",
+        "--json",
+        "-n",
+        "2",
+        "--address",
+        secure.address,
+        "--tls-ca",
+        str(certs.ca_cert),
+        "Once upon a time",
+    ]
     monkeypatch.delenv("PAGEDSERVE_API_KEY", raising=False)
     assert client_main(argv) == 1
     assert "UNAUTHENTICATED" in capsys.readouterr().err
@@ -140,8 +173,11 @@ def test_health_and_reflection_need_no_key(secure: Cluster) -> None:
     with grpc.secure_channel(secure.address, secure.credentials) as ch:
         resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=10)
         assert resp.status == health_pb2.HealthCheckResponse.SERVING
-        answers = list(reflection_pb2_grpc.ServerReflectionStub(ch).ServerReflectionInfo(
-            iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=10))
+        answers = list(
+            reflection_pb2_grpc.ServerReflectionStub(ch).ServerReflectionInfo(
+                iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=10
+            )
+        )
     names = {s.name for s in answers[0].list_services_response.service}
     assert "pagedserve.v1.Generation" in names
 
@@ -151,8 +187,11 @@ def test_a_plaintext_client_cannot_talk_to_a_tls_port(secure: Cluster) -> None:
         assert not grpc_healthy(address, LIVENESS)  # not even health
         with grpc.insecure_channel(address) as ch:
             with pytest.raises(grpc.RpcError) as info:
-                list(pb_grpc.GenerationStub(ch).Generate(greedy(PROMPT, 2), timeout=10,
-                                                         metadata=[("authorization", f"Bearer {KEYS[0]}")]))
+                list(
+                    pb_grpc.GenerationStub(ch).Generate(
+                        greedy(PROMPT, 2), timeout=10, metadata=[("authorization", f"Bearer {KEYS[0]}")]
+                    )
+                )
         assert info.value.code() == grpc.StatusCode.UNAVAILABLE
 
 
@@ -179,8 +218,9 @@ def test_the_public_port_caps_message_size_in_the_transport(stub: pb_grpc.Genera
 # --- the executor's port ---------------------------------------------------------
 
 
-def _executor_call(address: str, creds: grpc.ChannelCredentials, call: str,
-                   metadata: list[tuple[str, str]] | None = None) -> object:
+def _executor_call(
+    address: str, creds: grpc.ChannelCredentials, call: str, metadata: list[tuple[str, str]] | None = None
+) -> object:
     with grpc.secure_channel(address, creds, options=CHANNEL_OPTIONS) as ch:
         stub = epb_grpc.ExecutorStub(ch)
         if call == "Step":
@@ -190,14 +230,14 @@ def _executor_call(address: str, creds: grpc.ChannelCredentials, call: str,
         return health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=10)
 
 
-def test_the_executor_requires_a_client_certificate_from_its_ca(secure: Cluster, certs: devcerts.DevCerts,
-                                                                tmp_path: Path) -> None:
+def test_the_executor_requires_a_client_certificate_from_its_ca(
+    secure: Cluster, certs: devcerts.DevCerts, tmp_path: Path
+) -> None:
     other = devcerts.write(tmp_path / "other")
     token = [(INTERNAL_TOKEN, certs.internal_token.read_text().strip())]
     refused = {
         "no client certificate": channel_credentials(certs.ca_cert),
-        "a certificate from another CA": channel_credentials(certs.ca_cert, other.scheduler_cert,
-                                                             other.scheduler_key),
+        "a certificate from another CA": channel_credentials(certs.ca_cert, other.scheduler_cert, other.scheduler_key),
     }
     for what, creds in refused.items():
         for call in ("Step", "Info", "Health"):
@@ -212,8 +252,7 @@ def test_the_executor_requires_a_client_certificate_from_its_ca(secure: Cluster,
     assert client_main([*probe, "--tls-cert", str(certs.scheduler_cert), "--tls-key", str(certs.scheduler_key)]) == 0
 
 
-def test_the_executor_requires_the_internal_token_but_not_for_health(secure: Cluster,
-                                                                      certs: devcerts.DevCerts) -> None:
+def test_the_executor_requires_the_internal_token_but_not_for_health(secure: Cluster, certs: devcerts.DevCerts) -> None:
     good = secure.internal_credentials
     for md in (None, [(INTERNAL_TOKEN, "wrong")], [("authorization", f"Bearer {KEYS[0]}")]):
         for call in ("Step", "Info"):
@@ -226,20 +265,36 @@ def test_the_executor_requires_the_internal_token_but_not_for_health(secure: Clu
 
 
 def test_a_scheduler_with_a_foreign_client_certificate_never_reaches_the_executor(
-        secure: Cluster, certs: devcerts.DevCerts, tmp_path: Path) -> None:
+    secure: Cluster, certs: devcerts.DevCerts, tmp_path: Path
+) -> None:
     """It trusts the executor (the right CA) but shows a certificate from another CA: the
     executor's handshake refuses it, so it never gets the tokenizer (health stays
     NOT_SERVING) and cannot lead, let alone step, the executor."""
     other = devcerts.write(tmp_path / "other")
     log = secure.log_dir / f"scheduler-{len(secure.schedulers)}.log"
     bad = secure.start_scheduler(
-        ["--tls-cert", str(other.scheduler_cert), "--tls-key", str(other.scheduler_key), "--tls-ca",
-         str(certs.ca_cert), "--internal-token-file", str(certs.internal_token), "--api-key-file",
-         str(certs.api_keys)],
-        ready=LIVENESS, secure=False, credentials=channel_credentials(other.ca_cert))
+        [
+            "--tls-cert",
+            str(other.scheduler_cert),
+            "--tls-key",
+            str(other.scheduler_key),
+            "--tls-ca",
+            str(certs.ca_cert),
+            "--internal-token-file",
+            str(certs.internal_token),
+            "--api-key-file",
+            str(certs.api_keys),
+        ],
+        ready=LIVENESS,
+        secure=False,
+        credentials=channel_credentials(other.ca_cert),
+    )
     try:
-        wait_until(lambda: "UNAVAILABLE; trying another" in log.read_text(errors="replace"), 60,
-                   "the foreign scheduler's Info refused")
+        wait_until(
+            lambda: "UNAVAILABLE; trying another" in log.read_text(errors="replace"),
+            60,
+            "the foreign scheduler's Info refused",
+        )
         assert not grpc_healthy(bad.address, "", channel_credentials(other.ca_cert))
         assert "leads executor" not in log.read_text(errors="replace")
     finally:
@@ -250,15 +305,15 @@ def test_a_scheduler_with_a_foreign_client_certificate_never_reaches_the_executo
     assert out[-1].finish_reason == "length"
 
 
-def test_without_tls_the_internal_token_guards_the_executor(tiny_llama: Path, redis_url: str,
-                                                            certs: devcerts.DevCerts, tmp_path: Path,
-                                                            reference: list[int]) -> None:
+def test_without_tls_the_internal_token_guards_the_executor(
+    tiny_llama: Path, redis_url: str, certs: devcerts.DevCerts, tmp_path: Path, reference: list[int]
+) -> None:
     """Plaintext everywhere, the token the only guard: the scheduler sends it and steps; a
     caller without it is UNAUTHENTICATED, health stays open."""
-    with make_cluster(tiny_llama, redis_url, "token-only", tmp_path,
-                      internal_token_file=certs.internal_token) as cluster:
-        tokens = [t for r in generate(cluster.address, greedy(PROMPT, MAX_TOKENS), timeout=120)
-                  for t in r.token_ids]
+    with make_cluster(
+        tiny_llama, redis_url, "token-only", tmp_path, internal_token_file=certs.internal_token
+    ) as cluster:
+        tokens = [t for r in generate(cluster.address, greedy(PROMPT, MAX_TOKENS), timeout=120) for t in r.token_ids]
         assert tokens == reference
         with grpc.insecure_channel(cluster.executor.address, options=CHANNEL_OPTIONS) as ch:
             stub = epb_grpc.ExecutorStub(ch)
@@ -274,15 +329,16 @@ def test_without_tls_the_internal_token_guards_the_executor(tiny_llama: Path, re
 # --- reload without restart ------------------------------------------------------
 
 
-def test_certificates_reload_without_a_restart(secure: Cluster, certs: devcerts.DevCerts,
-                                               reference: list[int]) -> None:
+def test_certificates_reload_without_a_restart(secure: Cluster, certs: devcerts.DevCerts, reference: list[int]) -> None:
     """New leaves from the same CA written over the files: new connections are shown them;
     the processes are the same ones, and serve on."""
     pids = [s.proc.pid for s in (*secure.schedulers, *secure.executors)]
     ca, ca_key = devcerts.load_ca(certs)
     client = (certs.scheduler_cert, certs.scheduler_key)
-    before = (_served_cert_serial(secure.address, certs.ca_cert),
-              _served_cert_serial(secure.executor.address, certs.ca_cert, client))
+    before = (
+        _served_cert_serial(secure.address, certs.ca_cert),
+        _served_cert_serial(secure.executor.address, certs.ca_cert, client),
+    )
     assert before == (_serial(certs.scheduler_cert), _serial(certs.executor_cert))
     devcerts.write_leaf(certs.executor_cert, certs.executor_key, ca, ca_key, "executor", ["127.0.0.1"])
     devcerts.write_leaf(certs.scheduler_cert, certs.scheduler_key, ca, ca_key, "scheduler", ["127.0.0.1"])
@@ -291,8 +347,13 @@ def test_certificates_reload_without_a_restart(secure: Cluster, certs: devcerts.
     os.kill(secure.scheduler.proc.pid, signal.SIGHUP)
     assert _served_cert_serial(secure.address, certs.ca_cert) == _serial(certs.scheduler_cert)
     assert _serial(certs.scheduler_cert) != before[0]
-    tokens = [t for r in generate(secure.address, greedy(PROMPT, MAX_TOKENS), timeout=120, api_key=KEYS[0],
-                                  tls_ca=certs.ca_cert) for t in r.token_ids]
+    tokens = [
+        t
+        for r in generate(
+            secure.address, greedy(PROMPT, MAX_TOKENS), timeout=120, api_key=KEYS[0], tls_ca=certs.ca_cert
+        )
+        for t in r.token_ids
+    ]
     assert tokens == reference
     assert [s.proc.pid for s in (*secure.schedulers, *secure.executors)] == pids
     assert all(s.proc.poll() is None for s in (*secure.schedulers, *secure.executors))
@@ -305,11 +366,15 @@ def test_api_keys_rotate_without_a_restart(secure: Cluster, certs: devcerts.DevC
         with grpc.secure_channel(secure.address, secure.credentials) as ch:
             stub = pb_grpc.GenerationStub(ch)
             with pytest.raises(grpc.RpcError) as info:
-                stub.Abort(pb.AbortRequest(request_id="nope"), timeout=10,
-                           metadata=[("authorization", f"Bearer {KEYS[0]}")])
+                stub.Abort(
+                    pb.AbortRequest(request_id="nope"), timeout=10, metadata=[("authorization", f"Bearer {KEYS[0]}")]
+                )
             assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
-            stub.Abort(pb.AbortRequest(request_id="nope"), timeout=10,
-                       metadata=[("authorization", "Bearer brand-new-key-cccccccccccccccccccccc")])
+            stub.Abort(
+                pb.AbortRequest(request_id="nope"),
+                timeout=10,
+                metadata=[("authorization", "Bearer brand-new-key-cccccccccccccccccccccc")],
+            )
     finally:
         certs.api_keys.write_text(original)
 
@@ -345,14 +410,18 @@ def test_secret_files_parse_reload_and_keep_the_last_good_secrets(tmp_path: Path
 
 
 def test_bearer_extraction() -> None:
-    md = [("authorization", "Bearer abc"), ("x-other", "Bearer no"), ("authorization", "BEARER  def "),
-          ("authorization", "Basic ghi"), ("authorization", "Bearer")]
+    md = [
+        ("authorization", "Bearer abc"),
+        ("x-other", "Bearer no"),
+        ("authorization", "BEARER  def "),
+        ("authorization", "Basic ghi"),
+        ("authorization", "Bearer"),
+    ]
     assert bearer(md) == [b"abc", b"def"]
     assert bearer(None) == []
 
 
-def test_the_certificate_fetcher_reloads_on_change_or_request_and_refuses_a_mismatched_pair(
-        tmp_path: Path) -> None:
+def test_the_certificate_fetcher_reloads_on_change_or_request_and_refuses_a_mismatched_pair(tmp_path: Path) -> None:
     out = devcerts.write(tmp_path / "c")
     fetcher = ReloadingCertificate(out.executor_cert, out.executor_key, out.ca_cert)
     assert fetcher.fetch() is None
@@ -377,8 +446,17 @@ def test_tls_flag_problems_are_named() -> None:
 def test_devcerts_writes_the_agreed_files(tmp_path: Path) -> None:
     out = devcerts.write(tmp_path / "d", hosts=["scheduler.example", "10.0.0.7"])
     assert sorted(p.name for p in out.dir.iterdir()) == sorted(
-        ["ca.crt", "ca.key", "scheduler.crt", "scheduler.key", "executor.crt", "executor.key", "api-keys",
-         "internal-token"])
+        [
+            "ca.crt",
+            "ca.key",
+            "scheduler.crt",
+            "scheduler.key",
+            "executor.crt",
+            "executor.key",
+            "api-keys",
+            "internal-token",
+        ]
+    )
     cert = x509.load_pem_x509_certificate(out.executor_cert.read_bytes())
     san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
     assert san.get_values_for_type(x509.DNSName) == ["localhost", "executor", "scheduler.example"]

@@ -57,8 +57,10 @@ class EchoExecutor:
         self.info = info
 
     async def Step(self, plan: epb.StepPlan, timeout: float | None = None) -> epb.StepResult:
-        return epb.StepResult(step_id=plan.step_id, outputs=[epb.SeqOutput(request_id=s.request_id, token_id=7)
-                                                             for s in plan.seqs if s.sample])
+        return epb.StepResult(
+            step_id=plan.step_id,
+            outputs=[epb.SeqOutput(request_id=s.request_id, token_id=7) for s in plan.seqs if s.sample],
+        )
 
     async def Info(self, request: epb.InfoRequest, timeout: float | None = None) -> epb.InfoResponse:
         return self.info
@@ -126,20 +128,46 @@ class ClusterState(RuleBasedStateMachine):
         self.run(self.client.delete(self.keys.executor(eid).leader))
         epoch = self.run(self.store.acquire(eid, "test", 60_000))
         d, c, k = self.totals[eid]
-        info = epb.InfoResponse(instance_id=eid, block_size=BLOCK, num_gpu_blocks=d, num_cpu_blocks=c,
-                                num_disk_blocks=k, max_model_len=64, eos_token_ids=[2], pipelined=self.pipelined)
-        loop = EchoLoop(self.store, info, EchoExecutor(info), self.config, epoch, lambda: self.members.get(eid),
-                        channel=object() if self.pipelined else None, async_scheduling=self.pipelined)
+        info = epb.InfoResponse(
+            instance_id=eid,
+            block_size=BLOCK,
+            num_gpu_blocks=d,
+            num_cpu_blocks=c,
+            num_disk_blocks=k,
+            max_model_len=64,
+            eos_token_ids=[2],
+            pipelined=self.pipelined,
+        )
+        loop = EchoLoop(
+            self.store,
+            info,
+            EchoExecutor(info),
+            self.config,
+            epoch,
+            lambda: self.members.get(eid),
+            channel=object() if self.pipelined else None,
+            async_scheduling=self.pipelined,
+        )
         loop.idle_block_ms = None
         self.run(loop.start())
         self.loops[eid] = loop
 
-    @initialize(policy=st.sampled_from(["fcfs", "priority"]), mode=st.sampled_from(["swap", "recompute"]),
-                budget=st.integers(4, 24), pipelined=st.booleans())
+    @initialize(
+        policy=st.sampled_from(["fcfs", "priority"]),
+        mode=st.sampled_from(["swap", "recompute"]),
+        budget=st.integers(4, 24),
+        pipelined=st.booleans(),
+    )
     def start(self, policy: str, mode: str, budget: int, pipelined: bool) -> None:
         self.pipelined = pipelined
-        self.config = SchedulerConfig(max_model_len=64, max_num_seqs=6, max_num_batched_tokens=budget,
-                                      policy=policy, preemption_mode=mode, watermark=0.0)
+        self.config = SchedulerConfig(
+            max_model_len=64,
+            max_num_seqs=6,
+            max_num_batched_tokens=budget,
+            policy=policy,
+            preemption_mode=mode,
+            watermark=0.0,
+        )
         self.join()
 
     @precondition(lambda self: self.joined < len(SIZES))
@@ -151,14 +179,23 @@ class ClusterState(RuleBasedStateMachine):
         self.members[eid] = Member(eid, "stub", "m", "digest", "float32", BLOCK, self.totals[eid], 64)
         self.lead(eid)
 
-    @rule(prompt=st.integers(1, 20), max_tokens=st.integers(1, 20), priority=st.integers(0, 3),
-          salt=st.sampled_from([None, None, "tenant-a"]))
+    @rule(
+        prompt=st.integers(1, 20),
+        max_tokens=st.integers(1, 20),
+        priority=st.integers(0, 3),
+        salt=st.sampled_from([None, None, "tenant-a"]),
+    )
     def submit(self, prompt: int, max_tokens: int, priority: int, salt: str | None) -> None:
         """Prompts share prefixes (3, 4, 5, ...), so the prefix cache is hit, shared and evicted."""
         rid = f"r{self.next_id}"
         self.next_id += 1
-        req = Request(rid, list(range(3, 3 + prompt)), Params(max_tokens=max_tokens, temperature=0.0),
-                      priority=priority, cache_salt=salt)
+        req = Request(
+            rid,
+            list(range(3, 3 + prompt)),
+            Params(max_tokens=max_tokens, temperature=0.0),
+            priority=priority,
+            cache_salt=salt,
+        )
         self.run(self.store.submit(req, [], self.config.policy))
 
     @rule(n=st.integers(2, 4), prompt=st.integers(1, 14), max_tokens=st.integers(1, 12))
@@ -221,7 +258,8 @@ class ClusterState(RuleBasedStateMachine):
             assert set(after) == set(before) - cancelled
         else:
             assert {rid: v for rid, v in after.items() if rid not in handed} == {
-                rid: v for rid, v in before.items() if rid not in cancelled | handed}
+                rid: v for rid, v in before.items() if rid not in cancelled | handed
+            }
             assert set(after) == set(before) - cancelled
 
     @precondition(lambda self: bool(self.loops))
@@ -264,8 +302,7 @@ class ClusterState(RuleBasedStateMachine):
             # holds the last one (and claims since), the loop is ahead of it.
             synced = loop.s.pipe.can_commit()
             _check_pool(snap, self.totals[eid], self.pipelined, synced)
-            _check_cache(snap, loop if synced else None,
-                         self.run(self.client.smembers(self.keys.executor(eid).hashes)))
+            _check_cache(snap, loop if synced else None, self.run(self.client.smembers(self.keys.executor(eid).hashes)))
             for r, _ in snap.requests:
                 assert r.request_id not in placed and r.request_id not in queued, f"{r.request_id} is in two places"
                 placed[r.request_id] = eid
@@ -283,8 +320,10 @@ class ClusterState(RuleBasedStateMachine):
 
 
 def _state(loop: Loop) -> dict:
-    return {r.request_id: (r.status, r.num_computed, list(r.blocks), list(r.swap_blocks), list(r.output_ids))
-            for r in loop.s.sched.requests.values()}
+    return {
+        r.request_id: (r.status, r.num_computed, list(r.blocks), list(r.swap_blocks), list(r.output_ids))
+        for r in loop.s.sched.requests.values()
+    }
 
 
 def _check_cache(snap, loop: Loop | None, hashes: set[str]) -> None:  # noqa: ANN001
@@ -314,8 +353,12 @@ def _check_cache(snap, loop: Loop | None, hashes: set[str]) -> None:  # noqa: AN
         assert {b: h for b, h in bm.hash_of.items()} == snap.cache and dict(bm.lru) == snap.ranks
 
 
-def _check_pool(snap, totals: tuple[int, int, int], pipelined: bool = False,  # noqa: ANN001
-                synced: bool = True) -> None:
+def _check_pool(
+    snap,
+    totals: tuple[int, int, int],
+    pipelined: bool = False,  # noqa: ANN001
+    synced: bool = True,
+) -> None:
     """``pipelined``: a commit may hold a launched plan's allocations (blocks for tokens not computed
     yet, which a reload keeps) beside what reported steps computed; ``synced`` False: the commit is
     deferred, and requests claimed since are placed but still waiting."""
@@ -374,7 +417,8 @@ def test_redis_state_machine(redis_url: str) -> None:
     walked = _walk_to_sharing()
     assert min(walked.values()) > 0, walked
     run = ClusterState.TestCase
-    run.settings = settings(max_examples=60, stateful_step_count=40, deadline=None,
-                            suppress_health_check=list(HealthCheck))
+    run.settings = settings(
+        max_examples=60, stateful_step_count=40, deadline=None, suppress_health_check=list(HealthCheck)
+    )
     run().runTest()
     assert min(ClusterState.seen.values()) > 0, ClusterState.seen

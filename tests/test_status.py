@@ -38,8 +38,9 @@ IDENTITY = {"model_digest": "d1", "block_size": "16", "dtype": "float32", "model
 
 
 def member(eid: str, state: str = "serving", digest: str = "d1", evacuate_at_ms: int = 0) -> Member:
-    return Member(eid, f"10.0.0.{eid[-1]}:50061", "tiny", digest, "float32", 16, (32, 100, 0), 512, state,
-                  evacuate_at_ms)
+    return Member(
+        eid, f"10.0.0.{eid[-1]}:50061", "tiny", digest, "float32", 16, (32, 100, 0), 512, state, evacuate_at_ms
+    )
 
 
 def view(eid: str, free: tuple[int, int, int], running: int, swapped: int) -> str:
@@ -49,18 +50,37 @@ def view(eid: str, free: tuple[int, int, int], running: int, swapped: int) -> st
 def raw(now: int = 1_000_000, **over: object) -> status.Raw:
     """Two executors led by two replicas (a third replica's heartbeat expired), one draining, one
     refused (another model), one record expired and one pool view nobody registered."""
-    cv = ClusterView(members={"e1": member("e1"), "e2": member("e2", "draining", evacuate_at_ms=now + 5000),
-                              "e3": member("e3", digest="other")},
-                     dead=["e4"], identity=dict(IDENTITY), replicas=2)
+    cv = ClusterView(
+        members={
+            "e1": member("e1"),
+            "e2": member("e2", "draining", evacuate_at_ms=now + 5000),
+            "e3": member("e3", digest="other"),
+        },
+        dead=["e4"],
+        identity=dict(IDENTITY),
+        replicas=2,
+    )
     r = status.Raw(
-        "ns", cv,
-        usage={"e1": view("e1", (8, 100, 0), 3, 0), "e2": view("e2", (24, 90, 0), 1, 2), "e5": view("e5", (32, 100, 0), 0, 0)},
+        "ns",
+        cv,
+        usage={
+            "e1": view("e1", (8, 100, 0), 3, 0),
+            "e2": view("e2", (24, 90, 0), 1, 2),
+            "e5": view("e5", (32, 100, 0), 0, 0),
+        },
         leaders={"e1": "host-1-aa", "e2": "host-2-bb", "e3": None, "e4": None},
-        counters={"e1": {"steps": "40", "preemptions_swap": "2"}, "e2": {"steps": "10", "preemptions_recompute": "1"},
-                  "e3": {}, "e4": {}, "e5": {}},
+        counters={
+            "e1": {"steps": "40", "preemptions_swap": "2"},
+            "e2": {"steps": "10", "preemptions_recompute": "1"},
+            "e3": {},
+            "e4": {},
+            "e5": {},
+        },
         placed={"e1": 4, "e2": 3, "e3": 0, "e4": 1, "e5": 0},
         totals={"steps": "50", "preemptions_swap": "2", "preemptions_recompute": "1"},
-        waiting=5, live=12, attached=11,
+        waiting=5,
+        live=12,
+        attached=11,
         replicas=[("host-1-aa", now + 3000), ("host-2-bb", now + 10), ("host-3-cc", now - 10)],
         now_ms=now,
     )
@@ -86,14 +106,19 @@ def test_snapshot_from_plain_data() -> None:
     assert e4.address == "" and e4.placed == 1 and e4.blocks == (0, 0, 0), "an expired record: sizes unknown"
     assert snap.model == "tiny" and (snap.waiting, snap.live, snap.attached) == (5, 12, 11)
     assert [(r.id, r.alive, r.leads) for r in snap.replicas] == [
-        ("host-1-aa", True, ("e1",)), ("host-2-bb", True, ("e2",)), ("host-3-cc", False, ())]
+        ("host-1-aa", True, ("e1",)),
+        ("host-2-bb", True, ("e2",)),
+        ("host-3-cc", False, ()),
+    ]
     assert not snap.counts_tokens
 
 
 def test_a_lease_held_by_a_replica_without_heartbeat_is_listed() -> None:
     snap = status.build(raw(replicas=[]))
-    assert [(r.id, r.alive, r.leads) for r in snap.replicas] == [("host-1-aa", False, ("e1",)),
-                                                                 ("host-2-bb", False, ("e2",))]
+    assert [(r.id, r.alive, r.leads) for r in snap.replicas] == [
+        ("host-1-aa", False, ("e1",)),
+        ("host-2-bb", False, ("e2",)),
+    ]
 
 
 def test_json_shape() -> None:
@@ -102,10 +127,23 @@ def test_json_shape() -> None:
     assert set(doc) == {"namespace", "model", "at_ms", "executors", "queue", "replicas", "totals"}
     e1 = doc["executors"][0]
     assert e1 == {
-        "id": "e1", "address": "10.0.0.1:50061", "model": "tiny", "state": "serving", "leader": "host-1-aa",
-        "block_size": 16, "blocks": {"device": 32, "cpu": 100, "disk": 0}, "free": {"device": 8, "cpu": 100, "disk": 0},
-        "kv_usage": 0.75, "running": 3, "swapped": 0, "max_num_seqs": 8, "placed": 4, "steps": 40, "generated": None,
-        "preemptions": {"swap": 2, "recompute": 0}, "swapped_blocks": {"out": 0, "in": 0, "disk_spilled": 0},
+        "id": "e1",
+        "address": "10.0.0.1:50061",
+        "model": "tiny",
+        "state": "serving",
+        "leader": "host-1-aa",
+        "block_size": 16,
+        "blocks": {"device": 32, "cpu": 100, "disk": 0},
+        "free": {"device": 8, "cpu": 100, "disk": 0},
+        "kv_usage": 0.75,
+        "running": 3,
+        "swapped": 0,
+        "max_num_seqs": 8,
+        "placed": 4,
+        "steps": 40,
+        "generated": None,
+        "preemptions": {"swap": 2, "recompute": 0},
+        "swapped_blocks": {"out": 0, "in": 0, "disk_spilled": 0},
         "evacuate_at_ms": 0,
     }
     assert doc["executors"][2]["free"] is None and doc["executors"][2]["kv_usage"] is None
@@ -120,8 +158,11 @@ def test_json_shape() -> None:
 def test_rates_between_two_snapshots() -> None:
     before = status.build(raw(now=1_000_000))
     later = raw(now=1_002_000)
-    later.counters = {**later.counters, "e1": {"steps": "140", "preemptions_swap": "4", "preemptions_recompute": "2"},
-                      "e2": {"steps": "5"}}  # e2's counters went back (reaped, state rebuilt): no rate
+    later.counters = {
+        **later.counters,
+        "e1": {"steps": "140", "preemptions_swap": "4", "preemptions_recompute": "2"},
+        "e2": {"steps": "5"},
+    }  # e2's counters went back (reaped, state rebuilt): no rate
     later.totals = {"steps": "150", "preemptions_swap": "4", "preemptions_recompute": "3"}
     later.usage = {k: v for k, v in later.usage.items() if k != "e5"}
     later.view.members["e6"] = member("e6")
@@ -157,9 +198,26 @@ def test_render_shows_every_executor_and_replica() -> None:
     wide = Console(record=True, width=160, color_system=None)
     wide.print(top.render(b, status.rates(a, b)))
     text = wide.export_text()
-    for needle in ("e1", "e2", "e3", "e4", "e5", "10.0.0.1:50061", "draining 5s", "refused", "dead", "left",
-                   "75%", "24/32", "host-1-aa", "host-3-cc", "expired", "5 waiting", "12 unfinished",
-                   "steps/s"):
+    for needle in (
+        "e1",
+        "e2",
+        "e3",
+        "e4",
+        "e5",
+        "10.0.0.1:50061",
+        "draining 5s",
+        "refused",
+        "dead",
+        "left",
+        "75%",
+        "24/32",
+        "host-1-aa",
+        "host-3-cc",
+        "expired",
+        "5 waiting",
+        "12 unfinished",
+        "steps/s",
+    ):
         assert needle in text, needle
     assert "██████░░  75%" in text, "a 75% KV usage bar"
     narrow = Console(record=True, width=80, color_system=None)
@@ -205,7 +263,14 @@ def test_reader_reads_the_documented_keys(redis_url: str) -> None:
     snap = asyncio.run(go())
     a1, a2 = snap.executors
     assert (a1.id, a1.state, a1.leader, a1.kv_usage, a1.running, a1.placed, a1.counter("steps")) == (
-        "a1", "serving", "rep-1", 0.5, 2, 2, 7)
+        "a1",
+        "serving",
+        "rep-1",
+        0.5,
+        2,
+        2,
+        7,
+    )
     assert (a2.id, a2.state, a2.leader, a2.free, a2.placed) == ("a2", "draining", None, None, 0)
     assert (snap.waiting, snap.live, snap.attached, snap.totals) == (1, 3, 2, {"steps": 9})
     assert [(r.id, r.alive, r.leads) for r in snap.replicas] == [("rep-1", True, ("a1",))]
@@ -216,8 +281,13 @@ def test_reader_reads_the_documented_keys(redis_url: str) -> None:
 
 
 def cli(redis_url: str, ns: str, *args: str, timeout: float = 30) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pagedserve.cli", *args, "--redis-url", redis_url,
-                           "--namespace", ns], capture_output=True, text=True, timeout=timeout, check=False)
+    return subprocess.run(
+        [sys.executable, "-m", "pagedserve.cli", *args, "--redis-url", redis_url, "--namespace", ns],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
 
 
 def status_json(redis_url: str, ns: str, capsys: pytest.CaptureFixture[str] | None = None) -> dict:
@@ -232,8 +302,14 @@ def status_json(redis_url: str, ns: str, capsys: pytest.CaptureFixture[str] | No
     return json.loads(capsys.readouterr().out)
 
 
-def poll(redis_url: str, ns: str, check: Callable[[dict], bool], timeout: float, what: str,
-         capsys: pytest.CaptureFixture[str] | None = None) -> dict:
+def poll(
+    redis_url: str,
+    ns: str,
+    check: Callable[[dict], bool],
+    timeout: float,
+    what: str,
+    capsys: pytest.CaptureFixture[str] | None = None,
+) -> dict:
     deadline = time.monotonic() + timeout
     while True:
         doc = status_json(redis_url, ns, capsys)
@@ -247,9 +323,24 @@ def top_live(redis_url: str, ns: str, frames: int) -> tuple[int, str]:
     """``pagedserve top`` on a pseudo-terminal until it has drawn ``frames`` frames, then Ctrl-C:
     (exit status, everything it wrote)."""
     master, slave = pty.openpty()
-    proc = subprocess.Popen([sys.executable, "-m", "pagedserve.cli", "top", "--redis-url", redis_url,
-                             "--namespace", ns, "--interval", "0.3"], stdout=slave, stderr=slave, stdin=slave,
-                            env={**os.environ, "COLUMNS": "240", "LINES": "60", "TERM": "xterm"})
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "pagedserve.cli",
+            "top",
+            "--redis-url",
+            redis_url,
+            "--namespace",
+            ns,
+            "--interval",
+            "0.3",
+        ],
+        stdout=slave,
+        stderr=slave,
+        stdin=slave,
+        env={**os.environ, "COLUMNS": "240", "LINES": "60", "TERM": "xterm"},
+    )
     os.close(slave)
     out = b""
     start, interrupted = time.monotonic(), False
@@ -272,20 +363,37 @@ def top_live(redis_url: str, ns: str, frames: int) -> tuple[int, str]:
             proc.wait()
 
 
-def test_status_and_top_on_a_live_deployment_and_a_drain(tiny_llama: Path, redis_url: str, tmp_path: Path,
-                                                         capsys: pytest.CaptureFixture[str]) -> None:
+def test_status_and_top_on_a_live_deployment_and_a_drain(
+    tiny_llama: Path, redis_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     ns = "status-live"
     rng = random.Random(4)
-    reqs = [greedy([rng.randrange(3, 49152) for _ in range(rng.randrange(8, 24))], rng.randrange(200, 240))
-            for _ in range(16)]
-    with make_cluster(tiny_llama, redis_url, ns, tmp_path, kv_cache_memory=32 * BLOCK_BYTES, executors=2,
-                      executor_args=["--lease-ms", "3000", "--drain-timeout", "10"],
-                      scheduler_args=["--lease-ms", "3000"]) as cluster:
+    reqs = [
+        greedy([rng.randrange(3, 49152) for _ in range(rng.randrange(8, 24))], rng.randrange(200, 240))
+        for _ in range(16)
+    ]
+    with make_cluster(
+        tiny_llama,
+        redis_url,
+        ns,
+        tmp_path,
+        kv_cache_memory=32 * BLOCK_BYTES,
+        executors=2,
+        executor_args=["--lease-ms", "3000", "--drain-timeout", "10"],
+        scheduler_args=["--lease-ms", "3000"],
+    ) as cluster:
         worker, results = run_in_background(cluster.address, reqs)
         # While requests run: both executors, their pool sizes, usage and running requests.
-        doc = poll(redis_url, ns, lambda d: len(d["executors"]) == 2 and all(
-            (e["running"] or 0) > 0 and (e["kv_usage"] or 0) > 0 for e in d["executors"]), 60,
-            "work on both executors")
+        doc = poll(
+            redis_url,
+            ns,
+            lambda d: (
+                len(d["executors"]) == 2
+                and all((e["running"] or 0) > 0 and (e["kv_usage"] or 0) > 0 for e in d["executors"])
+            ),
+            60,
+            "work on both executors",
+        )
         assert doc["namespace"] == ns and doc["model"]
         addresses = {e.address for e in cluster.executors}
         (replica,) = doc["replicas"]
@@ -310,8 +418,14 @@ def test_status_and_top_on_a_live_deployment_and_a_drain(tiny_llama: Path, redis
         assert busiest["placed"] > 0
         (victim,) = [s for s in cluster.executors if s.address == busiest["address"]]
         victim.proc.send_signal(signal.SIGTERM)
-        doc = poll(redis_url, ns, lambda d: any(e["id"] == busiest["id"] and e["state"] == "draining"
-                                                for e in d["executors"]), 10, "the victim to drain", capsys)
+        doc = poll(
+            redis_url,
+            ns,
+            lambda d: any(e["id"] == busiest["id"] and e["state"] == "draining" for e in d["executors"]),
+            10,
+            "the victim to drain",
+            capsys,
+        )
         (draining,) = [e for e in doc["executors"] if e["id"] == busiest["id"]]
         assert draining["evacuate_at_ms"] > 0 and draining["address"] == busiest["address"]
         other = [e for e in doc["executors"] if e["id"] != busiest["id"]]
@@ -322,8 +436,14 @@ def test_status_and_top_on_a_live_deployment_and_a_drain(tiny_llama: Path, redis
         assert once.returncode == 0, once.stderr
         assert all(e["id"][:8] in once.stdout for e in other) and "KV usage" in once.stdout
         if busiest["id"][:8] not in once.stdout:  # it drained and left before top read the membership
-            poll(redis_url, ns, lambda d: all(e["state"] == "left" for e in d["executors"]
-                                              if e["id"] == busiest["id"]), 10, "the victim to have left", capsys)
+            poll(
+                redis_url,
+                ns,
+                lambda d: all(e["state"] == "left" for e in d["executors"] if e["id"] == busiest["id"]),
+                10,
+                "the victim to have left",
+                capsys,
+            )
         rc, screen = top_live(redis_url, ns, frames=3)
         assert rc == 0, screen
         # The drained victim may have left by now (its requests moved); the other is there throughout.
@@ -332,9 +452,14 @@ def test_status_and_top_on_a_live_deployment_and_a_drain(tiny_llama: Path, redis
 
         assert victim.proc.wait(timeout=30) == 0
         # Gone from the membership; its pool view may stay published until it is cleaned up ("left").
-        doc = poll(redis_url, ns, lambda d: all(e["state"] == "left" for e in d["executors"]
-                                                if e["id"] == busiest["id"]), 10, "the drained executor to leave",
-                   capsys)
+        doc = poll(
+            redis_url,
+            ns,
+            lambda d: all(e["state"] == "left" for e in d["executors"] if e["id"] == busiest["id"]),
+            10,
+            "the drained executor to leave",
+            capsys,
+        )
         assert [e["state"] for e in doc["executors"] if e["id"] == other[0]["id"]] == ["serving"]
         worker.join(120)
         assert not worker.is_alive() and len(results) == len(reqs)

@@ -36,11 +36,15 @@ def test_queue_entries_follow_the_codec_and_the_policy(store: RedisStore) -> Non
     a = submit(store, "a", priority=5, policy="priority")
     b = submit(store, "b", priority=1, policy="priority")
     queue = run(store.r.zrange(store.keys.queue, 0, -1, withscores=True))
-    assert queue == [(codec.queue_entry(b, "b", 1, "priority")[1], 1.0),
-                     (codec.queue_entry(a, "a", 5, "priority")[1], 5.0)], "priority order, as the codec writes it"
+    assert queue == [
+        (codec.queue_entry(b, "b", 1, "priority")[1], 1.0),
+        (codec.queue_entry(a, "a", 5, "priority")[1], 5.0),
+    ], "priority order, as the codec writes it"
     candidates, _ = run(store.look(8))
-    assert [(c.request_id, c.prompt_len, c.max_tokens, c.priority) for c in candidates] == [("b", 3, 4, 1),
-                                                                                          ("a", 3, 4, 5)]
+    assert [(c.request_id, c.prompt_len, c.max_tokens, c.priority) for c in candidates] == [
+        ("b", 3, 4, 1),
+        ("a", 3, 4, 5),
+    ]
 
 
 def test_cancelling_a_queued_request_emits_the_codecs_event(store: RedisStore) -> None:

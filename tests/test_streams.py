@@ -112,12 +112,14 @@ def stored_seed(client: redis.Redis, ns: str, rid: str) -> int:
     return json.loads(client.hget(Keys(ns).req(rid), "spec"))["params"]["seed"]
 
 
-def test_clients_finish_on_the_other_replica_when_theirs_is_killed(tiny_llama: Path, redis_url: str, tmp_path: Path,
-                                                                   expected: list[list[int]]) -> None:
+def test_clients_finish_on_the_other_replica_when_theirs_is_killed(
+    tiny_llama: Path, redis_url: str, tmp_path: Path, expected: list[list[int]]
+) -> None:
     ns = "streams-kill"
     client = redis.Redis.from_url(redis_url, decode_responses=True)
-    with make_cluster(tiny_llama, redis_url, ns, tmp_path, kv_cache_memory=64 * BLOCK_BYTES,
-                      scheduler_args=FAST) as cluster:
+    with make_cluster(
+        tiny_llama, redis_url, ns, tmp_path, kv_cache_memory=64 * BLOCK_BYTES, scheduler_args=FAST
+    ) as cluster:
         a, b = cluster.scheduler, cluster.start_scheduler(FAST)
         reqs = [greedy(p, 100) for p in PROMPTS[:3]] + [sampled(p, 100) for p in PROMPTS[3:6]]
         streams = Streams([[a.address, b.address]] * 6, reqs)
@@ -131,13 +133,15 @@ def test_clients_finish_on_the_other_replica_when_theirs_is_killed(tiny_llama: P
         assert got[3:] == again, "sampled: the same tokens as an undisturbed run with the stored seed"
 
 
-def test_a_rolling_restart_of_every_replica_loses_nothing(tiny_llama: Path, redis_url: str, tmp_path: Path,
-                                                          expected: list[list[int]]) -> None:
+def test_a_rolling_restart_of_every_replica_loses_nothing(
+    tiny_llama: Path, redis_url: str, tmp_path: Path, expected: list[list[int]]
+) -> None:
     ns = "streams-roll"
     client = redis.Redis.from_url(redis_url, decode_responses=True)
     slow = [*FAST, "--max-num-seqs", "2"]  # the run outlasts two restarts
-    with make_cluster(tiny_llama, redis_url, ns, tmp_path, kv_cache_memory=64 * BLOCK_BYTES,
-                      scheduler_args=slow) as cluster:
+    with make_cluster(
+        tiny_llama, redis_url, ns, tmp_path, kv_cache_memory=64 * BLOCK_BYTES, scheduler_args=slow
+    ) as cluster:
         cluster.start_scheduler(slow)
         addrs = [s.address for s in cluster.schedulers]
         # One raw stream shows what the library does for us: a drained stream says where to resume.
@@ -174,13 +178,20 @@ def test_a_rolling_restart_of_every_replica_loses_nothing(tiny_llama: Path, redi
 
 
 @pytest.mark.parametrize("outage", ["aof-always", "aof-everysec", "sigstop"])
-def test_streams_survive_a_redis_outage(outage: str, tiny_llama: Path, tmp_path: Path,
-                                        expected: list[list[int]]) -> None:
+def test_streams_survive_a_redis_outage(
+    outage: str, tiny_llama: Path, tmp_path: Path, expected: list[list[int]]
+) -> None:
     server = RedisServer(appendfsync=outage.removeprefix("aof-") if outage.startswith("aof") else None)
     ns = "streams-redis"
     try:
-        with Cluster(str(tiny_llama), redis_url=server.url, namespace=ns, log_dir=tmp_path,
-                     kv_cache_memory=64 * BLOCK_BYTES, scheduler_args=FAST) as cluster:
+        with Cluster(
+            str(tiny_llama),
+            redis_url=server.url,
+            namespace=ns,
+            log_dir=tmp_path,
+            kv_cache_memory=64 * BLOCK_BYTES,
+            scheduler_args=FAST,
+        ) as cluster:
             client = redis.Redis.from_url(server.url, decode_responses=True)
             streams = Streams([[cluster.address]] * 6, [greedy(p, 200) for p in PROMPTS[:6]])
             progress(client, ns, streams.ids(), 20)
@@ -199,8 +210,9 @@ def test_streams_survive_a_redis_outage(outage: str, tiny_llama: Path, tmp_path:
         server.stop()
 
 
-def test_streams_survive_redis_losing_its_last_seconds(tiny_llama: Path, tmp_path: Path,
-                                                        expected: list[list[int]]) -> None:
+def test_streams_survive_redis_losing_its_last_seconds(
+    tiny_llama: Path, tmp_path: Path, expected: list[list[int]]
+) -> None:
     """Redis restarts from an AOF seconds old: placements, tokens, a whole request are gone. Loops
     notice (the executor has run plans past what Redis holds) and recompute; the frontend submits the
     lost request again; replayable seeds regenerate the same tokens; offsets drop what clients have."""
@@ -208,11 +220,18 @@ def test_streams_survive_redis_losing_its_last_seconds(tiny_llama: Path, tmp_pat
     ns = "streams-rollback"
     aof = Path(server.dir) / "appendonly.aof"
     try:
-        with Cluster(str(tiny_llama), redis_url=server.url, namespace=ns, log_dir=tmp_path,
-                     kv_cache_memory=32 * BLOCK_BYTES, scheduler_args=FAST) as cluster:
+        with Cluster(
+            str(tiny_llama),
+            redis_url=server.url,
+            namespace=ns,
+            log_dir=tmp_path,
+            kv_cache_memory=32 * BLOCK_BYTES,
+            scheduler_args=FAST,
+        ) as cluster:
             client = redis.Redis.from_url(server.url, decode_responses=True)
-            first = Streams([[cluster.address]] * 4, [greedy(p, 200) for p in PROMPTS[:2]] +
-                            [sampled(p, 200) for p in PROMPTS[2:4]])
+            first = Streams(
+                [[cluster.address]] * 4, [greedy(p, 200) for p in PROMPTS[:2]] + [sampled(p, 200) for p in PROMPTS[2:4]]
+            )
             progress(client, ns, first.ids(), 20)
             old = aof.read_bytes()  # the state Redis will come back to
             late = Streams([[cluster.address]] * 2, [greedy(PROMPTS[4], 200), sampled(PROMPTS[5], 200)])
@@ -224,8 +243,9 @@ def test_streams_survive_redis_losing_its_last_seconds(tiny_llama: Path, tmp_pat
             assert [got[i] for i in (0, 1, 4)] == [expected[i] for i in (0, 1, 4)]
             ids = first.ids() + late.ids()
             seeds = [stored_seed(client, ns, ids[i]) for i in (2, 3, 5)]
-            again = Streams([[cluster.address]] * 3, [sampled(PROMPTS[i], 200, seed)
-                                                      for i, seed in zip((2, 3, 5), seeds)]).join()
+            again = Streams(
+                [[cluster.address]] * 3, [sampled(PROMPTS[i], 200, seed) for i, seed in zip((2, 3, 5), seeds)]
+            ).join()
             assert [got[i] for i in (2, 3, 5)] == again
             log = (tmp_path / "scheduler-0.log").read_text()
             assert "recompute" in log and "submitting it again" in log, "the rollback was noticed and healed"
@@ -235,28 +255,42 @@ def test_streams_survive_redis_losing_its_last_seconds(tiny_llama: Path, tmp_pat
         server.stop()
 
 
-def test_a_vanished_clients_request_is_aborted_a_resumed_one_completes(tiny_llama: Path, redis_url: str,
-                                                                       tmp_path: Path,
-                                                                       expected: list[list[int]]) -> None:
+def test_a_vanished_clients_request_is_aborted_a_resumed_one_completes(
+    tiny_llama: Path, redis_url: str, tmp_path: Path, expected: list[list[int]]
+) -> None:
     ns = "streams-detach"
     client = redis.Redis.from_url(redis_url, decode_responses=True)
     args = [*FAST, "--detach-timeout", "2", "--max-num-seqs", "2"]
-    with make_cluster(tiny_llama, redis_url, ns, tmp_path, kv_cache_memory=64 * BLOCK_BYTES,
-                      scheduler_args=args) as cluster:
+    with make_cluster(
+        tiny_llama, redis_url, ns, tmp_path, kv_cache_memory=64 * BLOCK_BYTES, scheduler_args=args
+    ) as cluster:
         a, b = cluster.scheduler, cluster.start_scheduler(args)
         channel = grpc.insecure_channel(a.address, options=CHANNEL_OPTIONS)
         stub = pb_grpc.GenerationStub(channel)
         long = pb.SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)  # outlives the window
-        calls = [stub.Generate(pb.GenerateRequest(request_id="kept", prompt_token_ids=PROMPTS[0],
-                                                  sampling=pb.SamplingParams(max_tokens=200, temperature=0))),
-                 stub.Generate(pb.GenerateRequest(request_id="vanished", prompt_token_ids=PROMPTS[1], sampling=long))]
+        calls = [
+            stub.Generate(
+                pb.GenerateRequest(
+                    request_id="kept",
+                    prompt_token_ids=PROMPTS[0],
+                    sampling=pb.SamplingParams(max_tokens=200, temperature=0),
+                )
+            ),
+            stub.Generate(pb.GenerateRequest(request_id="vanished", prompt_token_ids=PROMPTS[1], sampling=long)),
+        ]
         for c in calls:
             next(c)
         kill_replica(a)  # both clients lose their stream; nobody cancels anything
         channel.close()
         # "kept" comes back within the window, through the library (Generate: ALREADY_EXISTS, so Resume).
-        kept = lib.generate([b.address], pb.GenerateRequest(request_id="kept", prompt_token_ids=PROMPTS[0],
-                                                            sampling=pb.SamplingParams(max_tokens=200, temperature=0)))
+        kept = lib.generate(
+            [b.address],
+            pb.GenerateRequest(
+                request_id="kept",
+                prompt_token_ids=PROMPTS[0],
+                sampling=pb.SamplingParams(max_tokens=200, temperature=0),
+            ),
+        )
         assert [t for r in kept for t in r.token_ids] == expected[0]
         keys = Keys(ns)
         deadline = time.monotonic() + 30

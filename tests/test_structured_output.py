@@ -37,25 +37,49 @@ from tests.helpers import Result, collect, run_all, wait_all_free
 from tests.test_failover import run_in_background, wait_progress
 
 MAX_GRAMMAR_BYTES = 4096
-PERSON = {"type": "object", "properties": {
-    "name": {"type": "string", "maxLength": 24},
-    "age": {"type": "integer", "minimum": 0, "maximum": 120},
-    "color": {"enum": ["red", "green", "blue"]},
-}, "required": ["name", "age", "color"], "additionalProperties": False}
-BOOK = {"type": "object", "properties": {
-    "title": {"type": "string", "maxLength": 30},
-    "author": {"type": "object", "properties": {
+PERSON = {
+    "type": "object",
+    "properties": {
         "name": {"type": "string", "maxLength": 24},
-        "born": {"type": "integer", "minimum": 1000, "maximum": 2025},
-    }, "required": ["name", "born"], "additionalProperties": False},
-    "genre": {"enum": ["fiction", "history", "science"]},
-}, "required": ["title", "author", "genre"], "additionalProperties": False}
-CITY = {"type": "object", "properties": {
-    "city": {"type": "string", "maxLength": 20},
-    "tags": {"type": "array", "items": {"enum": ["big", "old", "sunny", "cold"]}, "minItems": 1, "maxItems": 3},
-    "location": {"type": "object", "properties": {"lat": {"type": "number"}, "lon": {"type": "number"}},
-                 "required": ["lat", "lon"], "additionalProperties": False},
-}, "required": ["city", "tags", "location"], "additionalProperties": False}
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "color": {"enum": ["red", "green", "blue"]},
+    },
+    "required": ["name", "age", "color"],
+    "additionalProperties": False,
+}
+BOOK = {
+    "type": "object",
+    "properties": {
+        "title": {"type": "string", "maxLength": 30},
+        "author": {
+            "type": "object",
+            "properties": {
+                "name": {"type": "string", "maxLength": 24},
+                "born": {"type": "integer", "minimum": 1000, "maximum": 2025},
+            },
+            "required": ["name", "born"],
+            "additionalProperties": False,
+        },
+        "genre": {"enum": ["fiction", "history", "science"]},
+    },
+    "required": ["title", "author", "genre"],
+    "additionalProperties": False,
+}
+CITY = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 20},
+        "tags": {"type": "array", "items": {"enum": ["big", "old", "sunny", "cold"]}, "minItems": 1, "maxItems": 3},
+        "location": {
+            "type": "object",
+            "properties": {"lat": {"type": "number"}, "lon": {"type": "number"}},
+            "required": ["lat", "lon"],
+            "additionalProperties": False,
+        },
+    },
+    "required": ["city", "tags", "location"],
+    "additionalProperties": False,
+}
 SCHEMAS = [("a person", PERSON), ("a book", BOOK), ("a city", CITY)]
 
 
@@ -68,29 +92,42 @@ class Book(pydantic.BaseModel):
     title: str = pydantic.Field(max_length=30)
     author: Author
     genre: str = pydantic.Field(pattern="^(fiction|history|science)$")
+
+
 SAMPLING = [{"temperature": 0.0}, {"temperature": 1.0, "seed": 1}, {"temperature": 0.8, "top_p": 0.9, "seed": 2}]
 REGEX = r"[A-Z][a-z]{2,9} is [0-9]{1,2} years old\."
 CHOICES = ["yes", "no", "it depends"]
 
 
 def chat(text: str, so: pb.StructuredOutput, max_tokens: int = 200, **sampling: object) -> pb.GenerateRequest:
-    return pb.GenerateRequest(messages=[pb.ChatMessage(role="user", content=text)], sampling=pb.SamplingParams(
-        max_tokens=max_tokens, structured_output=so, **sampling))  # type: ignore[arg-type]
+    return pb.GenerateRequest(
+        messages=[pb.ChatMessage(role="user", content=text)],
+        sampling=pb.SamplingParams(max_tokens=max_tokens, structured_output=so, **sampling),
+    )  # type: ignore[arg-type]
 
 
 @pytest.fixture(scope="module")
 def smol(smol_dir: Path, redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    with make_cluster(smol_dir, redis_url, "structured", tmp_path_factory.mktemp("logs"), kv_cache_memory=64 << 20,
-                      scheduler_args=["--max-grammar-bytes", str(MAX_GRAMMAR_BYTES)],
-                      http_port=free_port()) as cluster:
+    with make_cluster(
+        smol_dir,
+        redis_url,
+        "structured",
+        tmp_path_factory.mktemp("logs"),
+        kv_cache_memory=64 << 20,
+        scheduler_args=["--max-grammar-bytes", str(MAX_GRAMMAR_BYTES)],
+        http_port=free_port(),
+    ) as cluster:
         yield cluster
 
 
 def test_json_schema_output_always_validates(smol: Cluster) -> None:
-    reqs = [chat(f"Describe {what} as JSON.", pb.StructuredOutput(json_schema=json.dumps(schema)), **s)
-            for what, schema in SCHEMAS for s in SAMPLING]
+    reqs = [
+        chat(f"Describe {what} as JSON.", pb.StructuredOutput(json_schema=json.dumps(schema)), **s)
+        for what, schema in SCHEMAS
+        for s in SAMPLING
+    ]
     results = run_all(smol.address, reqs)
-    for (what, schema), group in zip(SCHEMAS, [results[i:i + len(SAMPLING)] for i in range(0, len(results), 3)]):
+    for (what, schema), group in zip(SCHEMAS, [results[i : i + len(SAMPLING)] for i in range(0, len(results), 3)]):
         for s, res in zip(SAMPLING, group):
             assert res.finish_reason == "stop", (what, s, res.text)
             jsonschema.validate(json.loads(res.text), schema)
@@ -100,13 +137,14 @@ def test_json_schema_output_always_validates(smol: Cluster) -> None:
 
 def test_regex_choice_grammar_and_json_object(smol: Cluster) -> None:
     grammar = 'root ::= "The answer is " ("yes" | "no") "."'
-    reqs = [chat("How old is Tom? Answer in one sentence.", pb.StructuredOutput(regex=REGEX), temperature=0.0),
-            chat("How old is Tom? Answer in one sentence.", pb.StructuredOutput(regex=REGEX), temperature=1.0, seed=5),
-            chat("Is the sky blue?", pb.StructuredOutput(choice=pb.Choices(choices=CHOICES)), temperature=0.0),
-            chat("Is the sky blue?", pb.StructuredOutput(choice=pb.Choices(choices=CHOICES)), temperature=1.0,
-                 seed=9),
-            chat("Is the sky blue?", pb.StructuredOutput(grammar=grammar), temperature=0.0),
-            chat("Describe a dog as JSON.", pb.StructuredOutput(json_object=True), max_tokens=120, temperature=0.0)]
+    reqs = [
+        chat("How old is Tom? Answer in one sentence.", pb.StructuredOutput(regex=REGEX), temperature=0.0),
+        chat("How old is Tom? Answer in one sentence.", pb.StructuredOutput(regex=REGEX), temperature=1.0, seed=5),
+        chat("Is the sky blue?", pb.StructuredOutput(choice=pb.Choices(choices=CHOICES)), temperature=0.0),
+        chat("Is the sky blue?", pb.StructuredOutput(choice=pb.Choices(choices=CHOICES)), temperature=1.0, seed=9),
+        chat("Is the sky blue?", pb.StructuredOutput(grammar=grammar), temperature=0.0),
+        chat("Describe a dog as JSON.", pb.StructuredOutput(json_object=True), max_tokens=120, temperature=0.0),
+    ]
     regex1, regex2, choice1, choice2, ebnf, obj = run_all(smol.address, reqs)
     for res in (regex1, regex2):
         assert res.finish_reason == "stop" and re.fullmatch(REGEX, res.text), res.text
@@ -136,12 +174,14 @@ def test_a_spec_that_cannot_compile_is_invalid_argument(smol: Cluster, so: pb.St
             stub = pb_grpc.GenerationStub(ch)
             with pytest.raises(grpc.aio.AioRpcError) as info:
                 await collect(stub, chat("Hi", so, max_tokens=4))
-            return info.value, await collect(stub, chat("Hi", pb.StructuredOutput(regex="[a-z]+"), max_tokens=4,
-                                                        temperature=0.0))
+            return info.value, await collect(
+                stub, chat("Hi", pb.StructuredOutput(regex="[a-z]+"), max_tokens=4, temperature=0.0)
+            )
 
     err, after = asyncio.run(go())
-    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and (err.details() or "").startswith(field + ":"), \
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and (err.details() or "").startswith(field + ":"), (
         err.details()
+    )
     assert after.finish_reason in ("stop", "length") and re.fullmatch("[a-z]*", after.text), "the server goes on"
 
 
@@ -149,22 +189,38 @@ def test_openai_client_response_format_json_schema(smol: Cluster, smol_dir: Path
     with openai.OpenAI(base_url=smol.http_url + "/v1", api_key="EMPTY", max_retries=0, timeout=300) as client:
         model = client.models.list().data[0].id
         got = client.chat.completions.create(
-            model=model, messages=[{"role": "user", "content": "Describe a book as JSON."}], max_tokens=200,
-            temperature=0, response_format={"type": "json_schema", "json_schema": {"name": "book", "schema": BOOK}})
+            model=model,
+            messages=[{"role": "user", "content": "Describe a book as JSON."}],
+            max_tokens=200,
+            temperature=0,
+            response_format={"type": "json_schema", "json_schema": {"name": "book", "schema": BOOK}},
+        )
         assert got.choices[0].finish_reason == "stop"
         jsonschema.validate(json.loads(got.choices[0].message.content or ""), BOOK)
         parsed = client.chat.completions.parse(  # the SDK's own schema from a pydantic model ($defs, strict)
-            model=model, messages=[{"role": "user", "content": "Describe a book as JSON."}], max_tokens=200,
-            temperature=0, response_format=Book)
+            model=model,
+            messages=[{"role": "user", "content": "Describe a book as JSON."}],
+            max_tokens=200,
+            temperature=0,
+            response_format=Book,
+        )
         book = parsed.choices[0].message.parsed
         assert isinstance(book, Book) and 1000 <= book.author.born <= 2025
-        text = client.completions.create(model=model, prompt="Is water wet? Answer:", max_tokens=8, temperature=0,
-                                         extra_body={"structured_outputs": {"choice": CHOICES}})
+        text = client.completions.create(
+            model=model,
+            prompt="Is water wet? Answer:",
+            max_tokens=8,
+            temperature=0,
+            extra_body={"structured_outputs": {"choice": CHOICES}},
+        )
         assert text.choices[0].text in CHOICES
         with pytest.raises(openai.BadRequestError) as info:
             client.chat.completions.create(
-                model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=8,
-                response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectx"}}})
+                model=model,
+                messages=[{"role": "user", "content": "Hi"}],
+                max_tokens=8,
+                response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectx"}}},
+            )
         err = info.value.body
         assert isinstance(err, dict) and err.get("param") == "response_format.json_schema.schema", err
 
@@ -175,15 +231,26 @@ BLOCK_BYTES = 2 * 2 * 16 * 2 * 16 * 4  # tiny Llama: K+V x 2 layers x 16 tokens 
 GIB = 1 << 30
 rng = random.Random(12)
 PROMPTS = [[rng.randrange(3, 49152) for _ in range(rng.randrange(5, 60))] for _ in range(8)]
-SPECS = [pb.StructuredOutput(json_schema=json.dumps(PERSON)), pb.StructuredOutput(json_schema=json.dumps(BOOK)),
-         pb.StructuredOutput(regex=REGEX), pb.StructuredOutput(choice=pb.Choices(choices=CHOICES))]
+SPECS = [
+    pb.StructuredOutput(json_schema=json.dumps(PERSON)),
+    pb.StructuredOutput(json_schema=json.dumps(BOOK)),
+    pb.StructuredOutput(regex=REGEX),
+    pb.StructuredOutput(choice=pb.Choices(choices=CHOICES)),
+]
 
 
 def structured_reqs() -> list[pb.GenerateRequest]:
-    return [pb.GenerateRequest(prompt_token_ids=p, sampling=pb.SamplingParams(
-        max_tokens=120, structured_output=SPECS[i % len(SPECS)],
-        **({"temperature": 0.0} if i % 2 == 0 else {"temperature": 1.0, "seed": i})))  # type: ignore[arg-type]
-        for i, p in enumerate(PROMPTS)]
+    return [
+        pb.GenerateRequest(
+            prompt_token_ids=p,
+            sampling=pb.SamplingParams(
+                max_tokens=120,
+                structured_output=SPECS[i % len(SPECS)],
+                **({"temperature": 0.0} if i % 2 == 0 else {"temperature": 1.0, "seed": i}),
+            ),
+        )  # type: ignore[arg-type]
+        for i, p in enumerate(PROMPTS)
+    ]
 
 
 def check(results: list[Result]) -> None:
@@ -200,21 +267,29 @@ def check(results: list[Result]) -> None:
 
 @pytest.fixture(scope="module")
 def unpreempted(tiny_llama: Path, redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> list[Result]:
-    with make_cluster(tiny_llama, redis_url, "structured-ref", tmp_path_factory.mktemp("logs"),
-                      kv_cache_memory=400 * BLOCK_BYTES) as cluster:
+    with make_cluster(
+        tiny_llama, redis_url, "structured-ref", tmp_path_factory.mktemp("logs"), kv_cache_memory=400 * BLOCK_BYTES
+    ) as cluster:
         results = run_all(cluster.address, structured_reqs())
     check(results)
     return results
 
 
 @pytest.mark.parametrize("mode", ["swap", "recompute"])
-def test_structured_requests_survive_preemption(mode: str, tiny_llama: Path, redis_url: str, tmp_path: Path,
-                                                unpreempted: list[Result]) -> None:
+def test_structured_requests_survive_preemption(
+    mode: str, tiny_llama: Path, redis_url: str, tmp_path: Path, unpreempted: list[Result]
+) -> None:
     ns = f"structured-{mode}"
     eargs = ["--swap-space", str(64 * BLOCK_BYTES / GIB)] if mode == "swap" else []
-    with make_cluster(tiny_llama, redis_url, ns, tmp_path, kv_cache_memory=12 * BLOCK_BYTES,
-                      scheduler_args=["--preemption-mode", mode, "--max-num-batched-tokens", "48"],
-                      executor_args=eargs) as cluster:
+    with make_cluster(
+        tiny_llama,
+        redis_url,
+        ns,
+        tmp_path,
+        kv_cache_memory=12 * BLOCK_BYTES,
+        scheduler_args=["--preemption-mode", mode, "--max-num-batched-tokens", "48"],
+        executor_args=eargs,
+    ) as cluster:
         results = run_all(cluster.address, structured_reqs())
         client = redis.Redis.from_url(redis_url, decode_responses=True)
         free, totals = wait_all_free(client, ns)
@@ -226,15 +301,17 @@ def test_structured_requests_survive_preemption(mode: str, tiny_llama: Path, red
     check(results)
 
 
-def test_structured_requests_survive_a_new_leader(tiny_llama: Path, redis_url: str, tmp_path: Path,
-                                                  unpreempted: list[Result]) -> None:
+def test_structured_requests_survive_a_new_leader(
+    tiny_llama: Path, redis_url: str, tmp_path: Path, unpreempted: list[Result]
+) -> None:
     """The loop is SIGKILLed mid-generation: the new leader resets the executor's tables (and its
     matchers) and resends full tables with the tokens before them; the matchers are rebuilt from
     those and every output is the one an undisturbed run gives."""
     ns = "structured-failover"
     client = redis.Redis.from_url(redis_url, decode_responses=True)
-    with make_cluster(tiny_llama, redis_url, ns, tmp_path, kv_cache_memory=400 * BLOCK_BYTES,
-                      scheduler_args=["--lease-ms", "1500"]) as cluster:
+    with make_cluster(
+        tiny_llama, redis_url, ns, tmp_path, kv_cache_memory=400 * BLOCK_BYTES, scheduler_args=["--lease-ms", "1500"]
+    ) as cluster:
         worker, results = run_in_background(cluster.address, structured_reqs())
         wait_progress(client, ns, 40)
         epoch_key, epoch = helpers.kill_loop(client, ns, cluster.scheduler.proc.pid)

@@ -40,12 +40,14 @@ async def _traced_request(redis_url: str, tokenizer_dir: Path, front: tracing.Tr
     watch.limits, watch.model = Limits(64, 49152, 4, ((16, 64),)), "tiny"
     bus = EventBus(store)
     frontend = Frontend(store, bus, watch, tracer=front.tracer)
-    info = epb.InfoResponse(instance_id="exec-t", model="tiny", block_size=4, num_gpu_blocks=16, max_model_len=64,
-                            eos_token_ids=[2])
+    info = epb.InfoResponse(
+        instance_id="exec-t", model="tiny", block_size=4, num_gpu_blocks=16, max_model_len=64, eos_token_ids=[2]
+    )
     member = Member("exec-t", "stub", "tiny", "d", "float32", 4, (16, 0, 0), 64)
     epoch = await store.acquire("exec-t", "test", 60_000)
-    loop = Loop(store, info, EchoExecutor(info), SchedulerConfig(max_model_len=64), epoch, lambda: member,
-                tracer=loops.tracer)
+    loop = Loop(
+        store, info, EchoExecutor(info), SchedulerConfig(max_model_len=64), epoch, lambda: member, tracer=loops.tracer
+    )
     loop.idle_block_ms = 50
     await loop.start()
     stop = asyncio.Event()

@@ -1,12 +1,12 @@
 """The ``pagedserve`` command: a client for a deployment.
 
-    pagedserve generate "Write a haiku about paging"                       # chat prompt
-    pagedserve generate --raw "The capital of France is" -n 8              # plain completion
-    pagedserve generate --address host-a:50051 --address host-b:50051 --json "Hi"
-    pagedserve status --json --redis-url redis://localhost:6379/0          # the deployment, once
-    pagedserve top --redis-url redis://localhost:6379/0                    # refreshing (pagedserve/cli/status.py)
-    pagedserve generate --tls-ca ca.crt --api-key KEY "Hi"                # TLS and an API key (docs/security.md)
-    pagedserve health --address localhost:50061 --tls-ca ca.crt --tls-cert c.crt --tls-key c.key  # a probe
+pagedserve generate "Write a haiku about paging"                       # chat prompt
+pagedserve generate --raw "The capital of France is" -n 8              # plain completion
+pagedserve generate --address host-a:50051 --address host-b:50051 --json "Hi"
+pagedserve status --json --redis-url redis://localhost:6379/0          # the deployment, once
+pagedserve top --redis-url redis://localhost:6379/0                    # refreshing (pagedserve/cli/status.py)
+pagedserve generate --tls-ca ca.crt --api-key KEY "Hi"                # TLS and an API key (docs/security.md)
+pagedserve health --address localhost:50061 --tls-ca ca.crt --tls-cert c.crt --tls-key c.key  # a probe
 """
 
 from __future__ import annotations

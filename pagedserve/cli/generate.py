@@ -14,19 +14,32 @@ from pagedserve.v1 import generation_pb2 as pb
 
 
 def _as_json(resp: pb.GenerateResponse) -> str:
-    return json.dumps({"request_id": resp.request_id, "offset": resp.offset, "token_ids": list(resp.token_ids),
-                       "text": resp.text, "finish_reason": resp.finish_reason})
+    return json.dumps(
+        {
+            "request_id": resp.request_id,
+            "offset": resp.offset,
+            "token_ids": list(resp.token_ids),
+            "text": resp.text,
+            "finish_reason": resp.finish_reason,
+        }
+    )
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     g = sub.add_parser("generate", help="stream a completion to stdout")
     g.add_argument("prompt")
-    g.add_argument("--address", action="append", default=None,
-                   help="a scheduler replica HOST:PORT (repeatable: a broken stream resumes on the next; "
-                        "default localhost:50051)")
+    g.add_argument(
+        "--address",
+        action="append",
+        default=None,
+        help="a scheduler replica HOST:PORT (repeatable: a broken stream resumes on the next; default localhost:50051)",
+    )
     g.add_argument("--raw", action="store_true", help="plain completion instead of a chat message")
-    g.add_argument("--json", action="store_true",
-                   help="one JSON object per response: request_id, offset, token_ids, text, finish_reason")
+    g.add_argument(
+        "--json",
+        action="store_true",
+        help="one JSON object per response: request_id, offset, token_ids, text, finish_reason",
+    )
     g.add_argument("--request-id", default="", help="default: a random one (needed to resume)")
     g.add_argument("-n", "--max-tokens", type=int, default=128)
     g.add_argument("-t", "--temperature", type=float, default=0.0)
@@ -35,10 +48,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stop", action="append", default=[])
     g.add_argument("--priority", type=int, default=0)
-    g.add_argument("--api-key", default=os.environ.get("PAGEDSERVE_API_KEY"),
-                   help="sent as authorization: Bearer KEY (default: $PAGEDSERVE_API_KEY)")
-    g.add_argument("--tls-ca", default=None, metavar="PATH",
-                   help="speak TLS, trusting this CA bundle (PEM) for the scheduler's certificate")
+    g.add_argument(
+        "--api-key",
+        default=os.environ.get("PAGEDSERVE_API_KEY"),
+        help="sent as authorization: Bearer KEY (default: $PAGEDSERVE_API_KEY)",
+    )
+    g.add_argument(
+        "--tls-ca",
+        default=None,
+        metavar="PATH",
+        help="speak TLS, trusting this CA bundle (PEM) for the scheduler's certificate",
+    )
 
 
 def request_of(args: argparse.Namespace) -> pb.GenerateRequest:
@@ -56,8 +76,9 @@ def request_of(args: argparse.Namespace) -> pb.GenerateRequest:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        for resp in generate(args.address or ["localhost:50051"], request_of(args), api_key=args.api_key,
-                             tls_ca=args.tls_ca):
+        for resp in generate(
+            args.address or ["localhost:50051"], request_of(args), api_key=args.api_key, tls_ca=args.tls_ca
+        ):
             if args.json:
                 print(_as_json(resp), flush=True)
                 continue
@@ -65,8 +86,10 @@ def run(args: argparse.Namespace) -> int:
             sys.stdout.flush()
             if resp.finish_reason:
                 sys.stdout.write("\n")
-                sys.stderr.write(f"[{resp.finish_reason}: {resp.prompt_tokens} prompt + "
-                                 f"{resp.completion_tokens} completion tokens]\n")
+                sys.stderr.write(
+                    f"[{resp.finish_reason}: {resp.prompt_tokens} prompt + "
+                    f"{resp.completion_tokens} completion tokens]\n"
+                )
     except grpc.RpcError as exc:
         sys.stderr.write(f"error: {exc.code().name}: {exc.details()}\n")
         return 1

@@ -14,11 +14,16 @@ from pagedserve.security import channel_credentials
 def add_parser(sub: argparse._SubParsersAction) -> None:
     h = sub.add_parser("health", help="exit 0 if a scheduler or executor reports SERVING (a probe that speaks TLS)")
     h.add_argument("--address", default="localhost:50051", help="HOST:PORT (default: %(default)s)")
-    h.add_argument("--service", default="", help="the health service name (default: the overall status; "
-                                                   "`liveness`: merely up)")
+    h.add_argument(
+        "--service", default="", help="the health service name (default: the overall status; `liveness`: merely up)"
+    )
     h.add_argument("--tls-ca", default=None, metavar="PATH", help="speak TLS, trusting this CA bundle")
-    h.add_argument("--tls-cert", default=None, metavar="PATH",
-                   help="client certificate, for an executor with --tls-ca (with --tls-key)")
+    h.add_argument(
+        "--tls-cert",
+        default=None,
+        metavar="PATH",
+        help="client certificate, for an executor with --tls-ca (with --tls-key)",
+    )
     h.add_argument("--tls-key", default=None, metavar="PATH", help="the key of --tls-cert")
     h.add_argument("--timeout", type=float, default=1.0, help="seconds (default: %(default)s)")
 
@@ -35,8 +40,9 @@ def run(args: argparse.Namespace) -> int:
     channel = grpc.secure_channel(args.address, creds) if creds else grpc.insecure_channel(args.address)
     with channel:
         try:
-            resp = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=args.service),
-                                                             timeout=args.timeout)
+            resp = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout
+            )
         except grpc.RpcError as exc:
             sys.stderr.write(f"{args.address}: {exc.code().name}: {exc.details()}\n")
             return 1

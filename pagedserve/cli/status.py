@@ -162,12 +162,19 @@ def _executor(eid: str, raw: Raw, member: Member | None, state: str) -> Executor
 
     blocks = _per_tier(view.get("blocks")) or (member.blocks if member else (0, 0, 0))
     return ExecutorStatus(
-        id=eid, address=member.address if member else "", model=member.model if member else "", state=state,
+        id=eid,
+        address=member.address if member else "",
+        model=member.model if member else "",
+        state=state,
         leader=raw.leaders.get(eid) or None,
         block_size=member.block_size if member else _int(view.get("block_size")),
-        blocks=blocks, free=_per_tier(view.get("free")),
-        running=field_("running"), swapped=field_("swapped"), max_num_seqs=field_("max_num_seqs"),
-        placed=raw.placed.get(eid, 0), counters={k: _int(v) for k, v in raw.counters.get(eid, {}).items()},
+        blocks=blocks,
+        free=_per_tier(view.get("free")),
+        running=field_("running"),
+        swapped=field_("swapped"),
+        max_num_seqs=field_("max_num_seqs"),
+        placed=raw.placed.get(eid, 0),
+        counters={k: _int(v) for k, v in raw.counters.get(eid, {}).items()},
         evacuate_at_ms=member.evacuate_at_ms if member else 0,
     )
 
@@ -194,13 +201,24 @@ def build(raw: Raw) -> Snapshot:
         if e.leader:
             leads.setdefault(e.leader, []).append(e.id)
     deadlines = dict(raw.replicas)
-    replicas = [ReplicaStatus(r, deadlines.get(r, 0) > raw.now_ms, tuple(sorted(leads.get(r, ()))))
-                for r in sorted(set(deadlines) | set(leads))]
+    replicas = [
+        ReplicaStatus(r, deadlines.get(r, 0) > raw.now_ms, tuple(sorted(leads.get(r, ()))))
+        for r in sorted(set(deadlines) | set(leads))
+    ]
     model = view.identity.get("model") or next((m.model for m in view.members.values()), "")
     counts_tokens = GENERATED in raw.totals or any(GENERATED in c for c in raw.counters.values())
-    return Snapshot(namespace=raw.namespace, model=model, at_ms=raw.now_ms, executors=tuple(out),
-                    waiting=raw.waiting, live=raw.live, attached=raw.attached, replicas=tuple(replicas),
-                    totals={k: _int(v) for k, v in raw.totals.items()}, counts_tokens=counts_tokens)
+    return Snapshot(
+        namespace=raw.namespace,
+        model=model,
+        at_ms=raw.now_ms,
+        executors=tuple(out),
+        waiting=raw.waiting,
+        live=raw.live,
+        attached=raw.attached,
+        replicas=tuple(replicas),
+        totals={k: _int(v) for k, v in raw.totals.items()},
+        counts_tokens=counts_tokens,
+    )
 
 
 # -- rates ------------------------------------------------------------------------
@@ -220,9 +238,11 @@ def _rate(before: Mapping[str, int], after: Mapping[str, int], names: tuple[str,
 
 def rate_of(before: Mapping[str, int], after: Mapping[str, int], dt: float, counts_tokens: bool) -> Rate:
     """Rates of cumulative counters ``before`` and ``after``, ``dt`` seconds apart."""
-    return Rate(_rate(before, after, ("steps",), dt),
-                _rate(before, after, (GENERATED,), dt) if counts_tokens else None,
-                _rate(before, after, ("preemptions_swap", "preemptions_recompute"), dt))
+    return Rate(
+        _rate(before, after, ("steps",), dt),
+        _rate(before, after, (GENERATED,), dt) if counts_tokens else None,
+        _rate(before, after, ("preemptions_swap", "preemptions_recompute"), dt),
+    )
 
 
 def rates(before: Snapshot, after: Snapshot) -> tuple[dict[str, Rate], Rate]:
@@ -231,8 +251,9 @@ def rates(before: Snapshot, after: Snapshot) -> tuple[dict[str, Rate], Rate]:
     went down gives None rather than a negative rate."""
     dt = (after.at_ms - before.at_ms) / 1000
     prev = {e.id: e for e in before.executors}
-    per = {e.id: rate_of(prev[e.id].counters, e.counters, dt, after.counts_tokens)
-           for e in after.executors if e.id in prev}
+    per = {
+        e.id: rate_of(prev[e.id].counters, e.counters, dt, after.counts_tokens) for e in after.executors if e.id in prev
+    }
     return per, rate_of(before.totals, after.totals, dt, after.counts_tokens)
 
 
@@ -244,8 +265,11 @@ def _round(x: float | None, nd: int = 4) -> float | None:
 
 
 def _rate_json(r: Rate) -> dict[str, float | None]:
-    return {"steps_per_s": _round(r.steps_per_s, 2), "tokens_per_s": _round(r.tokens_per_s, 2),
-            "preemptions_per_s": _round(r.preemptions_per_s, 2)}
+    return {
+        "steps_per_s": _round(r.steps_per_s, 2),
+        "tokens_per_s": _round(r.tokens_per_s, 2),
+        "preemptions_per_s": _round(r.preemptions_per_s, 2),
+    }
 
 
 def _counters_json(c: Mapping[str, int], counts_tokens: bool) -> dict[str, object]:
@@ -253,8 +277,11 @@ def _counters_json(c: Mapping[str, int], counts_tokens: bool) -> dict[str, objec
         "steps": c.get("steps", 0),
         "generated": c.get(GENERATED, 0) if counts_tokens else None,
         "preemptions": {"swap": c.get("preemptions_swap", 0), "recompute": c.get("preemptions_recompute", 0)},
-        "swapped_blocks": {"out": c.get("swapped_out_blocks", 0), "in": c.get("swapped_in_blocks", 0),
-                           "disk_spilled": c.get("disk_spilled_blocks", 0)},
+        "swapped_blocks": {
+            "out": c.get("swapped_out_blocks", 0),
+            "in": c.get("swapped_in_blocks", 0),
+            "disk_spilled": c.get("disk_spilled_blocks", 0),
+        },
     }
 
 
@@ -263,10 +290,20 @@ def to_json(snap: Snapshot, rate: tuple[dict[str, Rate], Rate] | None = None) ->
     execs = []
     for e in snap.executors:
         d: dict[str, object] = {
-            "id": e.id, "address": e.address, "model": e.model, "state": e.state, "leader": e.leader,
-            "block_size": e.block_size, "blocks": _tiers(e.blocks), "free": _tiers(e.free),
-            "kv_usage": _round(e.kv_usage), "running": e.running, "swapped": e.swapped,
-            "max_num_seqs": e.max_num_seqs, "placed": e.placed, **_counters_json(e.counters, snap.counts_tokens),
+            "id": e.id,
+            "address": e.address,
+            "model": e.model,
+            "state": e.state,
+            "leader": e.leader,
+            "block_size": e.block_size,
+            "blocks": _tiers(e.blocks),
+            "free": _tiers(e.free),
+            "kv_usage": _round(e.kv_usage),
+            "running": e.running,
+            "swapped": e.swapped,
+            "max_num_seqs": e.max_num_seqs,
+            "placed": e.placed,
+            **_counters_json(e.counters, snap.counts_tokens),
             "evacuate_at_ms": e.evacuate_at_ms,
         }
         if rate is not None:
@@ -286,7 +323,10 @@ def to_json(snap: Snapshot, rate: tuple[dict[str, Rate], Rate] | None = None) ->
     if rate is not None:
         totals["rates"] = _rate_json(rate[1])
     return {
-        "namespace": snap.namespace, "model": snap.model, "at_ms": snap.at_ms, "executors": execs,
+        "namespace": snap.namespace,
+        "model": snap.model,
+        "at_ms": snap.at_ms,
+        "executors": execs,
         "queue": {"waiting": snap.waiting, "live": snap.live, "attached": snap.attached},
         "replicas": [{"id": r.id, "alive": r.alive, "leads": list(r.leads)} for r in snap.replicas],
         "totals": totals,
@@ -360,12 +400,18 @@ def _seconds(text: str) -> float:
 
 
 def add_arguments(p: argparse.ArgumentParser, *, interval: float | None) -> None:
-    p.add_argument("--redis-url", default=os.environ.get("REDIS_URL"),
-                   help="the deployment's Redis (default: $REDIS_URL)")
+    p.add_argument(
+        "--redis-url", default=os.environ.get("REDIS_URL"), help="the deployment's Redis (default: $REDIS_URL)"
+    )
     p.add_argument("--namespace", default="pagedserve", help="the deployment's key prefix (default: pagedserve)")
-    p.add_argument("--interval", type=_seconds, default=interval,
-                   help=f"seconds between reads (default {interval})" if interval is not None else
-                   "read twice this many seconds apart and add per-second rates")
+    p.add_argument(
+        "--interval",
+        type=_seconds,
+        default=interval,
+        help=f"seconds between reads (default {interval})"
+        if interval is not None
+        else "read twice this many seconds apart and add per-second rates",
+    )
 
 
 async def status(url: str, namespace: str, interval: float | None = None) -> dict[str, object]:
@@ -385,14 +431,20 @@ async def status(url: str, namespace: str, interval: float | None = None) -> dic
 def _text(doc: dict[str, object]) -> str:
     """``pagedserve status`` without ``--json``: one line per executor."""
     q: dict = doc["queue"]  # type: ignore[assignment]
-    lines = [f"namespace {doc['namespace']}  model {doc['model'] or '-'}  requests: {q['waiting']} waiting, "
-             + f"{q['live']} unfinished, {q['attached']} attached"]
+    lines = [
+        f"namespace {doc['namespace']}  model {doc['model'] or '-'}  requests: {q['waiting']} waiting, "
+        + f"{q['live']} unfinished, {q['attached']} attached"
+    ]
     for e in doc["executors"]:  # type: ignore[union-attr]
         usage = "-" if e["kv_usage"] is None else f"{e['kv_usage'] * 100:.0f}%"
-        lines.append(f"  {e['id']}  {e['address']}  {e['state']}  kv {usage}  running {e['running']}  "
-                     f"swapped {e['swapped']}  placed {e['placed']}  steps {e['steps']}  leader {e['leader']}")
+        lines.append(
+            f"  {e['id']}  {e['address']}  {e['state']}  kv {usage}  running {e['running']}  "
+            f"swapped {e['swapped']}  placed {e['placed']}  steps {e['steps']}  leader {e['leader']}"
+        )
     for r in doc["replicas"]:  # type: ignore[union-attr]
-        lines.append(f"  replica {r['id']} ({'alive' if r['alive'] else 'expired'}) leads {', '.join(r['leads']) or '-'}")
+        lines.append(
+            f"  replica {r['id']} ({'alive' if r['alive'] else 'expired'}) leads {', '.join(r['leads']) or '-'}"
+        )
     return "\n".join(lines)
 
 

@@ -1,6 +1,6 @@
 """``pagedserve top``: the deployment as ``status.py`` reads it, drawn with rich and refreshed until Ctrl-C.
 
-    pagedserve top --redis-url redis://host:6379/0 [--namespace NS] [--interval S] [--once]
+pagedserve top --redis-url redis://host:6379/0 [--namespace NS] [--interval S] [--once]
 """
 
 from __future__ import annotations
@@ -78,8 +78,9 @@ def _state(e: ExecutorStatus, at_ms: int) -> Text:
 WIDE = 110  # console columns from which ``top`` shows executor addresses and swap usage
 
 
-def render(snap: Snapshot, rate: tuple[dict[str, Rate], Rate] | None = None,
-           error: str | None = None) -> RenderableType:
+def render(
+    snap: Snapshot, rate: tuple[dict[str, Rate], Rate] | None = None, error: str | None = None
+) -> RenderableType:
     """One frame of ``top``: a header (queue, totals), the executors (KV usage bars), the replicas
     and the executors whose loops they lead (``(none)``: executors no loop steps right now). Fits
     the console: narrower than ``WIDE`` columns, it leaves out addresses and swap usage."""
@@ -104,31 +105,59 @@ class _Frame:
         head.append(f"pagedserve {snap.namespace}", style="bold")
         head.append(f"  {snap.model or '-'}  ")
         head.append(time.strftime("%H:%M:%S", time.localtime(snap.at_ms / 1000)), style="dim")
-        head.append(f"\nrequests: {snap.waiting} waiting in the queue, {snap.live} unfinished, "
-                    f"{snap.attached} attached")
-        head.append(f"\nsteps {t.get('steps', 0)}  preemptions {t.get('preemptions_swap', 0)} swap "
-                    f"{t.get('preemptions_recompute', 0)} recompute  swapped blocks "
-                    f"{t.get('swapped_out_blocks', 0)} out {t.get('swapped_in_blocks', 0)} in "
-                    f"{t.get('disk_spilled_blocks', 0)} to disk")
+        head.append(
+            f"\nrequests: {snap.waiting} waiting in the queue, {snap.live} unfinished, {snap.attached} attached"
+        )
+        head.append(
+            f"\nsteps {t.get('steps', 0)}  preemptions {t.get('preemptions_swap', 0)} swap "
+            f"{t.get('preemptions_recompute', 0)} recompute  swapped blocks "
+            f"{t.get('swapped_out_blocks', 0)} out {t.get('swapped_in_blocks', 0)} in "
+            f"{t.get('disk_spilled_blocks', 0)} to disk"
+        )
         if rate is not None:
             r = rate[1]
-            head.append(f"\n{_num(r.steps_per_s, '{:.1f}')} steps/s  {_num(r.tokens_per_s, '{:.1f}')} tokens/s  "
-                        f"{_num(r.preemptions_per_s, '{:.2f}')} preemptions/s")
+            head.append(
+                f"\n{_num(r.steps_per_s, '{:.1f}')} steps/s  {_num(r.tokens_per_s, '{:.1f}')} tokens/s  "
+                f"{_num(r.preemptions_per_s, '{:.2f}')} preemptions/s"
+            )
         if self.error:
             head.append(f"\n{self.error}", style="bold red")
         yield head
 
-        ex = Table(box=box.SIMPLE_HEAD, padding=(0, 0), show_edge=False, title="executors", title_justify="left",
-                   title_style="bold")
-        cols = ["executor", "address", "state", "KV usage", "blocks", "swap", "run", "swp", "placed", "steps/s",
-                "tok/s", "preempt"]
+        ex = Table(
+            box=box.SIMPLE_HEAD,
+            padding=(0, 0),
+            show_edge=False,
+            title="executors",
+            title_justify="left",
+            title_style="bold",
+        )
+        cols = [
+            "executor",
+            "address",
+            "state",
+            "KV usage",
+            "blocks",
+            "swap",
+            "run",
+            "swp",
+            "placed",
+            "steps/s",
+            "tok/s",
+            "preempt",
+        ]
         left = {"executor", "address", "state", "KV usage"}
         least = {"executor": 8, "state": 7, "KV usage": 13}
         keep = [c not in ("address", "swap") or wide for c in cols]
         for name, k in zip(cols, keep):
             if k:
-                ex.add_column(name, justify="left" if name in left else "right", no_wrap=True, overflow="ellipsis",
-                              min_width=least.get(name, len(name)))
+                ex.add_column(
+                    name,
+                    justify="left" if name in left else "right",
+                    no_wrap=True,
+                    overflow="ellipsis",
+                    min_width=least.get(name, len(name)),
+                )
         short = SHORT_ID if wide else 8
         for e in snap.executors:
             r = rate[0].get(e.id) if rate is not None else None
@@ -137,29 +166,50 @@ class _Frame:
             if e.free is not None and swap_total:
                 swap = (swap_total - e.free[Tier.CPU] - e.free[Tier.DISK]) / swap_total
             used = None if e.free is None else e.blocks[Tier.DEVICE] - e.free[Tier.DEVICE]
-            row = [e.id[:short], e.address or "-", _state(e, snap.at_ms), _bar(e.kv_usage),
-                   f"{_num(used)}/{e.blocks[Tier.DEVICE]}", _pct(swap), _num(e.running), _num(e.swapped),
-                   str(e.placed), _num(r.steps_per_s if r else None, "{:.1f}"),
-                   _num(r.tokens_per_s if r else None, "{:.1f}"),
-                   f"{e.counter('preemptions_swap')}/{e.counter('preemptions_recompute')}"]
+            row = [
+                e.id[:short],
+                e.address or "-",
+                _state(e, snap.at_ms),
+                _bar(e.kv_usage),
+                f"{_num(used)}/{e.blocks[Tier.DEVICE]}",
+                _pct(swap),
+                _num(e.running),
+                _num(e.swapped),
+                str(e.placed),
+                _num(r.steps_per_s if r else None, "{:.1f}"),
+                _num(r.tokens_per_s if r else None, "{:.1f}"),
+                f"{e.counter('preemptions_swap')}/{e.counter('preemptions_recompute')}",
+            ]
             ex.add_row(*(v for v, k in zip(row, keep) if k))
         yield ex
 
-        rep = Table(box=box.SIMPLE_HEAD, padding=(0, 0), show_edge=False, title="scheduler replicas",
-                    title_justify="left", title_style="bold")
+        rep = Table(
+            box=box.SIMPLE_HEAD,
+            padding=(0, 0),
+            show_edge=False,
+            title="scheduler replicas",
+            title_justify="left",
+            title_style="bold",
+        )
         rep.add_column("replica", no_wrap=True)
         rep.add_column("heartbeat", no_wrap=True)
         rep.add_column("leads the loops of")
         for rp in snap.replicas:
-            rep.add_row(rp.id, Text("alive" if rp.alive else "expired", style="green" if rp.alive else "red"),
-                        " ".join(x[:SHORT_ID] for x in rp.leads) or "-")
+            rep.add_row(
+                rp.id,
+                Text("alive" if rp.alive else "expired", style="green" if rp.alive else "red"),
+                " ".join(x[:SHORT_ID] for x in rp.leads) or "-",
+            )
         unled = [e.id[:SHORT_ID] for e in snap.executors if e.leader is None and e.state in (SERVING, DRAINING)]
         if unled:
             rep.add_row(Text("(none)", style="red"), "-", " ".join(unled))
         yield rep
-        legend = ("blocks: device blocks used/total; " + ("swap: CPU+disk swap used; " if wide else "")
-                  + "run/swp: running/swapped requests; placed: requests on it; preempt: preemptions by "
-                  "swap/recompute; rates between the last two reads")
+        legend = (
+            "blocks: device blocks used/total; "
+            + ("swap: CPU+disk swap used; " if wide else "")
+            + "run/swp: running/swapped requests; placed: requests on it; preempt: preemptions by "
+            "swap/recompute; rates between the last two reads"
+        )
         if not snap.counts_tokens:
             legend += "; tok/s: these step commits do not count generated tokens"
         yield Text(legend, style="dim")

@@ -54,12 +54,32 @@ class DevCerts:
     @classmethod
     def at(cls, directory: str | os.PathLike[str]) -> DevCerts:
         d = Path(directory)
-        return cls(d, d / "ca.crt", d / "ca.key", d / "scheduler.crt", d / "scheduler.key", d / "executor.crt",
-                   d / "executor.key", d / "api-keys", d / "internal-token")
+        return cls(
+            d,
+            d / "ca.crt",
+            d / "ca.key",
+            d / "scheduler.crt",
+            d / "scheduler.key",
+            d / "executor.crt",
+            d / "executor.key",
+            d / "api-keys",
+            d / "internal-token",
+        )
 
     def complete(self) -> bool:
-        return all(p.exists() for p in (self.ca_cert, self.ca_key, self.scheduler_cert, self.scheduler_key,
-                                        self.executor_cert, self.executor_key, self.api_keys, self.internal_token))
+        return all(
+            p.exists()
+            for p in (
+                self.ca_cert,
+                self.ca_key,
+                self.scheduler_cert,
+                self.scheduler_key,
+                self.executor_cert,
+                self.executor_key,
+                self.api_keys,
+                self.internal_token,
+            )
+        )
 
 
 def _key() -> ec.EllipticCurvePrivateKey:
@@ -67,21 +87,27 @@ def _key() -> ec.EllipticCurvePrivateKey:
 
 
 def _name(common_name: str) -> x509.Name:
-    return x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, "pagedserve development"),
-                      x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
+    return x509.Name(
+        [
+            x509.NameAttribute(NameOID.ORGANIZATION_NAME, "pagedserve development"),
+            x509.NameAttribute(NameOID.COMMON_NAME, common_name),
+        ]
+    )
 
 
 def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
-    return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                             serialization.NoEncryption())
+    return key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
 
 
 def _cert_pem(cert: x509.Certificate) -> bytes:
     return cert.public_bytes(serialization.Encoding.PEM)
 
 
-def make_ca(common_name: str = "pagedserve development CA",
-            days: int = VALID_DAYS) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
+def make_ca(
+    common_name: str = "pagedserve development CA", days: int = VALID_DAYS
+) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
     key = _key()
     now = dt.datetime.now(dt.UTC)
     cert = (
@@ -93,9 +119,20 @@ def make_ca(common_name: str = "pagedserve development CA",
         .not_valid_before(now - dt.timedelta(minutes=5))
         .not_valid_after(now + dt.timedelta(days=days))
         .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-        .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True,
-                                     content_commitment=False, key_encipherment=False, data_encipherment=False,
-                                     key_agreement=False, encipher_only=False, decipher_only=False), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=True,
+                key_cert_sign=True,
+                crl_sign=True,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
         .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
         .sign(key, hashes.SHA256())
     )
@@ -109,8 +146,13 @@ def _san(name: str) -> x509.GeneralName:
         return x509.DNSName(name)
 
 
-def make_leaf(ca_cert: x509.Certificate, ca_key: ec.EllipticCurvePrivateKey, common_name: str,
-              hosts: Sequence[str], days: int = VALID_DAYS) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
+def make_leaf(
+    ca_cert: x509.Certificate,
+    ca_key: ec.EllipticCurvePrivateKey,
+    common_name: str,
+    hosts: Sequence[str],
+    days: int = VALID_DAYS,
+) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
     """A certificate for ``hosts`` (SANs, deduplicated, in order) good for server and client auth."""
     key = _key()
     now = dt.datetime.now(dt.UTC)
@@ -124,11 +166,23 @@ def make_leaf(ca_cert: x509.Certificate, ca_key: ec.EllipticCurvePrivateKey, com
         .not_valid_before(now - dt.timedelta(minutes=5))
         .not_valid_after(now + dt.timedelta(days=days))
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-        .add_extension(x509.KeyUsage(digital_signature=True, key_encipherment=False, key_cert_sign=False,
-                                     crl_sign=False, content_commitment=False, data_encipherment=False,
-                                     key_agreement=False, encipher_only=False, decipher_only=False), critical=True)
-        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
-                       critical=False)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=True,
+                key_encipherment=False,
+                key_cert_sign=False,
+                crl_sign=False,
+                content_commitment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
+        .add_extension(
+            x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False
+        )
         .add_extension(x509.SubjectAlternativeName([_san(h) for h in names]), critical=False)
         .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
         .sign(ca_key, hashes.SHA256())
@@ -145,8 +199,14 @@ def _write(path: Path, data: bytes, private: bool) -> None:
     os.replace(tmp, path)
 
 
-def write_leaf(cert_path: Path, key_path: Path, ca_cert: x509.Certificate, ca_key: ec.EllipticCurvePrivateKey,
-               common_name: str, hosts: Sequence[str]) -> None:
+def write_leaf(
+    cert_path: Path,
+    key_path: Path,
+    ca_cert: x509.Certificate,
+    ca_key: ec.EllipticCurvePrivateKey,
+    common_name: str,
+    hosts: Sequence[str],
+) -> None:
     """Write one leaf pair (the key first: a reloading server that sees the new
     certificate finds its key already there)."""
     cert, key = make_leaf(ca_cert, ca_key, common_name, hosts)
@@ -165,8 +225,14 @@ def write(directory: str | os.PathLike[str], hosts: Sequence[str] = (), keep: bo
     _write(out.ca_key, _key_pem(ca_key), private=True)
     _write(out.ca_cert, _cert_pem(ca_cert), private=False)
     for role in ROLES:
-        write_leaf(getattr(out, f"{role}_cert"), getattr(out, f"{role}_key"), ca_cert, ca_key, role,
-                   ["localhost", "127.0.0.1", role, *hosts])
+        write_leaf(
+            getattr(out, f"{role}_cert"),
+            getattr(out, f"{role}_key"),
+            ca_cert,
+            ca_key,
+            role,
+            ["localhost", "127.0.0.1", role, *hosts],
+        )
     _write(out.api_keys, f"# pagedserve API keys: one per line\n{secrets.token_urlsafe(32)}\n".encode(), private=True)
     _write(out.internal_token, f"{secrets.token_urlsafe(32)}\n".encode(), private=True)
     return out
@@ -181,12 +247,20 @@ def load_ca(out: DevCerts) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m pagedserve.dev.devcerts", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m pagedserve.dev.devcerts",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("dir", type=Path, help="output directory (created if missing)")
-    p.add_argument("--host", action="append", default=[], metavar="NAME",
-                   help="an extra DNS name or IP address in both leaf certificates (repeatable), e.g. a compose "
-                        "service name or the host clients dial")
+    p.add_argument(
+        "--host",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="an extra DNS name or IP address in both leaf certificates (repeatable), e.g. a compose "
+        "service name or the host clients dial",
+    )
     p.add_argument("--keep", action="store_true", help="leave a complete existing set as it is")
     args = p.parse_args(argv)
     out = write(args.dir, args.host, args.keep)

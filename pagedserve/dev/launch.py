@@ -76,8 +76,11 @@ class Cluster:
         self.http_port = http_port
         token = ["--internal-token-file", str(internal_token_file)] if internal_token_file else []
         self._executor_security = [*_tls_args(tls, "executor"), *token]
-        self._scheduler_security = [*_tls_args(tls, "scheduler"), *token,
-                                    *(["--api-key-file", str(api_key_file)] if api_key_file else [])]
+        self._scheduler_security = [
+            *_tls_args(tls, "scheduler"),
+            *token,
+            *(["--api-key-file", str(api_key_file)] if api_key_file else []),
+        ]
         self._executor_args = ["--block-size", str(block_size), *(executor_args or [])]
         if model:
             self._executor_args += ["--model", str(model)]
@@ -89,11 +92,17 @@ class Cluster:
                 redis_url = self._redis.url
             self.redis_url = redis_url
             http = ["--http-port", str(http_port)] if http_port else []
-            *self.executors, first = start_all([
-                *(functools.partial(self._executor, i, [], executor_port if i == 0 else None) for i in range(executors)),
-                functools.partial(self._scheduler, 0, [*http, *(scheduler_args or [])], port,
-                                  "" if executors else LIVENESS),
-            ])
+            *self.executors, first = start_all(
+                [
+                    *(
+                        functools.partial(self._executor, i, [], executor_port if i == 0 else None)
+                        for i in range(executors)
+                    ),
+                    functools.partial(
+                        self._scheduler, 0, [*http, *(scheduler_args or [])], port, "" if executors else LIVENESS
+                    ),
+                ]
+            )
             self.schedulers.append(first)
         except BaseException:
             self.close()
@@ -107,8 +116,9 @@ class Cluster:
     @property
     def internal_credentials(self) -> grpc.ChannelCredentials | None:
         """For a peer of the executors: the CA and the scheduler's client certificate."""
-        return channel_credentials(self.tls.ca_cert, self.tls.scheduler_cert, self.tls.scheduler_key) if self.tls \
-            else None
+        return (
+            channel_credentials(self.tls.ca_cert, self.tls.scheduler_cert, self.tls.scheduler_key) if self.tls else None
+        )
 
     @property
     def http_url(self) -> str | None:
@@ -122,8 +132,14 @@ class Cluster:
         """The first key of ``api_key_file``."""
         return SecretFile(self.api_key_file, "--api-key-file").first() if self.api_key_file else None
 
-    def add_executor(self, args: list[str] | None = None, port: int | None = None, *, secure: bool = True,
-                     credentials: grpc.ChannelCredentials | None = None) -> Service:
+    def add_executor(
+        self,
+        args: list[str] | None = None,
+        port: int | None = None,
+        *,
+        secure: bool = True,
+        credentials: grpc.ChannelCredentials | None = None,
+    ) -> Service:
         """Start one more executor; it registers itself and schedulers pick it up. ``secure``
         False: without the cluster's TLS and token flags (pass your own in ``args``, and
         ``credentials`` for its health check if its port speaks TLS)."""
@@ -131,8 +147,15 @@ class Cluster:
         self.executors.append(svc)
         return svc
 
-    def start_scheduler(self, args: list[str], port: int | None = None, ready: str = "", *, secure: bool = True,
-                        credentials: grpc.ChannelCredentials | None = None) -> Service:
+    def start_scheduler(
+        self,
+        args: list[str],
+        port: int | None = None,
+        ready: str = "",
+        *,
+        secure: bool = True,
+        credentials: grpc.ChannelCredentials | None = None,
+    ) -> Service:
         """Start one more scheduler replica (API and loops) on the same namespace; ``ready``
         as for ``Service`` (a scheduler is SERVING only once an executor serves); ``secure``
         and ``credentials`` as for ``add_executor``."""
@@ -140,21 +163,52 @@ class Cluster:
         self.schedulers.append(svc)
         return svc
 
-    def _executor(self, i: int, args: list[str], port: int | None, secure: bool = True,
-                  credentials: grpc.ChannelCredentials | None = None) -> Service:
+    def _executor(
+        self,
+        i: int,
+        args: list[str],
+        port: int | None,
+        secure: bool = True,
+        credentials: grpc.ChannelCredentials | None = None,
+    ) -> Service:
         port = port or free_port()
-        return Service("executor_svc", [
-            *self._executor_args, "--redis-url", self.redis_url, "--advertise-address", f"127.0.0.1:{port}",
-            "--namespace", self.namespace, *(self._executor_security if secure else []), *args,
-        ], port, self.log_dir / f"executor-{i}.log",
-            credentials=self.internal_credentials if secure else credentials)
+        return Service(
+            "executor_svc",
+            [
+                *self._executor_args,
+                "--redis-url",
+                self.redis_url,
+                "--advertise-address",
+                f"127.0.0.1:{port}",
+                "--namespace",
+                self.namespace,
+                *(self._executor_security if secure else []),
+                *args,
+            ],
+            port,
+            self.log_dir / f"executor-{i}.log",
+            credentials=self.internal_credentials if secure else credentials,
+        )
 
-    def _scheduler(self, i: int, args: list[str], port: int | None, ready: str, secure: bool = True,
-                   credentials: grpc.ChannelCredentials | None = None) -> Service:
+    def _scheduler(
+        self,
+        i: int,
+        args: list[str],
+        port: int | None,
+        ready: str,
+        secure: bool = True,
+        credentials: grpc.ChannelCredentials | None = None,
+    ) -> Service:
         return Service(
             "scheduler_svc",
-            ["--redis-url", self.redis_url, "--namespace", self.namespace,
-             *(self._scheduler_security if secure else []), *args],
+            [
+                "--redis-url",
+                self.redis_url,
+                "--namespace",
+                self.namespace,
+                *(self._scheduler_security if secure else []),
+                *args,
+            ],
             port or free_port(),
             self.log_dir / f"scheduler-{i}.log",
             ready=ready,
@@ -189,8 +243,14 @@ class Cluster:
 def _tls_args(tls: DevCerts | None, role: str) -> list[str]:
     if tls is None:
         return []
-    return ["--tls-cert", str(getattr(tls, f"{role}_cert")), "--tls-key", str(getattr(tls, f"{role}_key")),
-            "--tls-ca", str(tls.ca_cert)]
+    return [
+        "--tls-cert",
+        str(getattr(tls, f"{role}_cert")),
+        "--tls-key",
+        str(getattr(tls, f"{role}_key")),
+        "--tls-ca",
+        str(tls.ca_cert),
+    ]
 
 
 SAMPLE = "What is PagedAttention, in one sentence?"
@@ -210,8 +270,10 @@ def _served_model(cluster: Cluster) -> str:
     """The model name the HTTP API answers to, from its ``/v1/models``."""
     assert cluster.http_url is not None
     ctx = ssl.create_default_context(cafile=str(cluster.tls.ca_cert)) if cluster.tls else None
-    req = urllib.request.Request(f"{cluster.http_url}/v1/models",
-                                 headers={"Authorization": f"Bearer {cluster.api_key}"} if cluster.api_key else {})
+    req = urllib.request.Request(
+        f"{cluster.http_url}/v1/models",
+        headers={"Authorization": f"Bearer {cluster.api_key}"} if cluster.api_key else {},
+    )
     with urllib.request.urlopen(req, timeout=10, context=ctx) as resp:
         return json.load(resp)["data"][0]["id"]
 
@@ -219,17 +281,22 @@ def _served_model(cluster: Cluster) -> str:
 def http_usage(base: str, model: str, tls: DevCerts | None) -> str:
     """How to call the HTTP API: curl, and the ``openai`` client."""
     key = f"$(tail -1 {tls.api_keys})" if tls else "EMPTY"
-    curl_tls = f" --cacert {tls.ca_cert} -H \"Authorization: Bearer {key}\"" if tls else ""
+    curl_tls = f' --cacert {tls.ca_cert} -H "Authorization: Bearer {key}"' if tls else ""
     body = json.dumps({"model": model, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 64})
-    client = (f'OpenAI(base_url="{base}/v1", api_key=open("{tls.api_keys}").read().split()[-1], '
-              f'http_client=httpx.Client(verify=ssl.create_default_context(cafile="{tls.ca_cert}")))' if tls
-              else f'OpenAI(base_url="{base}/v1", api_key="EMPTY")')
-    return (f"OpenAI-compatible HTTP on {base}/v1 (docs/http.md):\n"
-            f"  curl {base}/v1/chat/completions{curl_tls} -H 'Content-Type: application/json' \\\n"
-            f"    -d '{body}'\n"
-            f"  .venv/bin/python -c '{'import httpx, ssl; ' if tls else ''}from openai import OpenAI; client = {client}; "
-            f"print(client.chat.completions.create(model=\"{model}\", max_tokens=64, "
-            f"messages=[{{\"role\": \"user\", \"content\": \"Hello\"}}]).choices[0].message.content)'")
+    client = (
+        f'OpenAI(base_url="{base}/v1", api_key=open("{tls.api_keys}").read().split()[-1], '
+        f'http_client=httpx.Client(verify=ssl.create_default_context(cafile="{tls.ca_cert}")))'
+        if tls
+        else f'OpenAI(base_url="{base}/v1", api_key="EMPTY")'
+    )
+    return (
+        f"OpenAI-compatible HTTP on {base}/v1 (docs/http.md):\n"
+        f"  curl {base}/v1/chat/completions{curl_tls} -H 'Content-Type: application/json' \\\n"
+        f"    -d '{body}'\n"
+        f"  .venv/bin/python -c '{'import httpx, ssl; ' if tls else ''}from openai import OpenAI; client = {client}; "
+        f'print(client.chat.completions.create(model="{model}", max_tokens=64, '
+        f'messages=[{{"role": "user", "content": "Hello"}}]).choices[0].message.content)\''
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -241,11 +308,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv-cache-memory", type=int, default=256 << 20)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--prompt", default=SAMPLE, help="sample chat prompt streamed once at start")
-    p.add_argument("--http-port", type=int, default=HTTP_PORT,
-                   help="the OpenAI-compatible HTTP API's port (a free one if it is taken; 0: off)")
-    p.add_argument("--secure", type=Path, default=None, metavar="DIR",
-                   help="TLS on every port, mutual TLS to executors, an API key and the internal token, from the "
-                        "development certificates in DIR (written by pagedserve.dev.devcerts if missing)")
+    p.add_argument(
+        "--http-port",
+        type=int,
+        default=HTTP_PORT,
+        help="the OpenAI-compatible HTTP API's port (a free one if it is taken; 0: off)",
+    )
+    p.add_argument(
+        "--secure",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="TLS on every port, mutual TLS to executors, an API key and the internal token, from the "
+        "development certificates in DIR (written by pagedserve.dev.devcerts if missing)",
+    )
     args = p.parse_args(argv)
     tls = write_devcerts(args.secure, keep=True) if args.secure else None
     redis_url = os.environ.get("REDIS_URL")
@@ -267,13 +343,16 @@ def main(argv: list[str] | None = None) -> int:
     ) as cluster:
         from pagedserve.client import stream_chat
 
-        print(f"serving pagedserve.v1.Generation on {cluster.address} with {len(cluster.executors)} executor(s); "
-              f"logs in {cluster.log_dir}/")
+        print(
+            f"serving pagedserve.v1.Generation on {cluster.address} with {len(cluster.executors)} executor(s); "
+            f"logs in {cluster.log_dir}/"
+        )
         print(f"> {args.prompt}")
-        stream_chat(cluster.address, args.prompt, out=sys.stdout, api_key=cluster.api_key,
-                    tls_ca=tls.ca_cert if tls else None)
-        flags = f" --tls-ca {tls.ca_cert} --api-key \"$(tail -1 {tls.api_keys})\"" if tls else ""
-        print(f"\nready: try `.venv/bin/pagedserve generate --address {cluster.address}{flags} \"Hello\"`.")
+        stream_chat(
+            cluster.address, args.prompt, out=sys.stdout, api_key=cluster.api_key, tls_ca=tls.ca_cert if tls else None
+        )
+        flags = f' --tls-ca {tls.ca_cert} --api-key "$(tail -1 {tls.api_keys})"' if tls else ""
+        print(f'\nready: try `.venv/bin/pagedserve generate --address {cluster.address}{flags} "Hello"`.')
         if cluster.http_url:
             print(http_usage(cluster.http_url.replace("127.0.0.1", "localhost"), _served_model(cluster), tls))
         print("Ctrl-C stops.")

@@ -50,7 +50,7 @@ def grpc_healthy(address: str, service: str = "", credentials: grpc.ChannelCrede
     """Whether ``service`` (default: the overall status) reports SERVING; over TLS with
     ``credentials`` (``pagedserve.security.channel_credentials``: the CA, and a client
     certificate for an executor that requires one)."""
-    with (grpc.secure_channel(address, credentials) if credentials else grpc.insecure_channel(address)) as ch:
+    with grpc.secure_channel(address, credentials) if credentials else grpc.insecure_channel(address) as ch:
         try:
             resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service), timeout=1)
         except grpc.RpcError:
@@ -77,22 +77,33 @@ class RedisServer:
     commands) may connect. ``url`` carries the credentials; ``bare_url`` does not.
     """
 
-    def __init__(self, appendfsync: str | None = None, password: str | None = None,
-                 user: str | None = None) -> None:
+    def __init__(self, appendfsync: str | None = None, password: str | None = None, user: str | None = None) -> None:
         if user is not None and not password:
             raise ValueError("an ACL user needs a password")
         self.port = free_port()
         self.dir = tempfile.mkdtemp(prefix="pagedserve-redis-")
         self.password, self.user = password, user
-        persistence = ["--appendonly", "no"] if appendfsync is None else [
-            "--appendonly", "yes", "--appendfsync", appendfsync]
+        persistence = (
+            ["--appendonly", "no"] if appendfsync is None else ["--appendonly", "yes", "--appendfsync", appendfsync]
+        )
         auth: list[str] = []
         if user is not None:
             auth = ["--user", "default", "off", "--user", user, "on", f">{password}", "~*", "&*", "+@all"]
         elif password:
             auth = ["--requirepass", password]
-        self.argv = [redis_server_binary(), "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-                     *persistence, "--dir", self.dir, *auth]
+        self.argv = [
+            redis_server_binary(),
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            *persistence,
+            "--dir",
+            self.dir,
+            *auth,
+        ]
         self.bare_url = f"redis://127.0.0.1:{self.port}/0"
         userinfo = ""
         if password:
@@ -143,9 +154,17 @@ class Service:
     for ``ready`` (the overall status by default; ``rpc.LIVENESS``: merely up), asked over
     TLS with ``credentials`` when its port speaks TLS."""
 
-    def __init__(self, module: str, args: list[str], port: int, log_path: Path | None = None,
-                 env: dict[str, str] | None = None, timeout: float = 180, ready: str = "",
-                 credentials: grpc.ChannelCredentials | None = None) -> None:
+    def __init__(
+        self,
+        module: str,
+        args: list[str],
+        port: int,
+        log_path: Path | None = None,
+        env: dict[str, str] | None = None,
+        timeout: float = 180,
+        ready: str = "",
+        credentials: grpc.ChannelCredentials | None = None,
+    ) -> None:
         self.address = f"127.0.0.1:{port}"
         self.credentials = credentials
         self.log_path = log_path
@@ -155,7 +174,9 @@ class Service:
         child_env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, child_env.get("PYTHONPATH")]))
         self.proc = subprocess.Popen(
             [sys.executable, "-m", module, "--port", str(port), *args],
-            stdout=out, stderr=subprocess.STDOUT, env=child_env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=child_env,
         )
         try:
             wait_until(lambda: grpc_healthy(self.address, ready, credentials), timeout, module, self.proc)

@@ -69,8 +69,9 @@ class Pool:
 
 
 class BlockManager:
-    def __init__(self, block_size: int, device: Pool, cpu: Pool | None = None, disk: Pool | None = None, *,
-                 caching: bool = False) -> None:
+    def __init__(
+        self, block_size: int, device: Pool, cpu: Pool | None = None, disk: Pool | None = None, *, caching: bool = False
+    ) -> None:
         self.block_size = block_size
         self.pools = (device, cpu or Pool.fresh(0), disk or Pool.fresh(0))
         self.caching = caching  # --enable-prefix-caching

@@ -18,8 +18,13 @@ from scheduler_svc.core.request import Request, Status
 
 def expired(req: Request, now_ms: int) -> bool:
     """Whether ``req`` has waited past its deadline without starting."""
-    return (req.deadline_ms > 0 and now_ms >= req.deadline_ms and req.status != Status.RUNNING
-            and not req.output_ids and req.status != Status.FINISHED)
+    return (
+        req.deadline_ms > 0
+        and now_ms >= req.deadline_ms
+        and req.status != Status.RUNNING
+        and not req.output_ids
+        and req.status != Status.FINISHED
+    )
 
 
 def expired_among(requests: Iterable[Request], now_ms: int) -> list[Request]:

@@ -26,9 +26,15 @@ def mates_waiting(waiting: Iterable[Request], head: Request) -> list[Request]:
     that wants its own prompt logprobs (it computes its prompt itself)."""
     if not head.group:
         return []
-    return [r for r in waiting if r is not head and r.group == head.group and not r.blocks
-            and len(r.prompt_ids) == len(head.prompt_ids)
-            and (r.params.prompt_logprobs is None or r.output_ids)]
+    return [
+        r
+        for r in waiting
+        if r is not head
+        and r.group == head.group
+        and not r.blocks
+        and len(r.prompt_ids) == len(head.prompt_ids)
+        and (r.params.prompt_logprobs is None or r.output_ids)
+    ]
 
 
 def fork_need(head: Request, mates: list[Request], block_size: int) -> int:

@@ -36,10 +36,23 @@ def completions(req: Request) -> list[Request]:
         return [req]
     out = []
     for i in range(p.n):
-        params = replace(p, seed=None if p.seed is None else (p.seed + i) % SEED_MOD,
-                         prompt_logprobs=p.prompt_logprobs if i == 0 else None)
-        out.append(Request(completion_id(req.request_id, i), list(req.prompt_ids), params, priority=req.priority,
-                           deadline_ms=req.deadline_ms, cache_salt=req.cache_salt, group=req.request_id, index=i))
+        params = replace(
+            p,
+            seed=None if p.seed is None else (p.seed + i) % SEED_MOD,
+            prompt_logprobs=p.prompt_logprobs if i == 0 else None,
+        )
+        out.append(
+            Request(
+                completion_id(req.request_id, i),
+                list(req.prompt_ids),
+                params,
+                priority=req.priority,
+                deadline_ms=req.deadline_ms,
+                cache_salt=req.cache_salt,
+                group=req.request_id,
+                index=i,
+            )
+        )
     return out
 
 

@@ -146,8 +146,16 @@ def _cache_holder(c: Candidate, now: list[_Sim], least: _Sim) -> _Sim | None:
     return top
 
 
-def pick(candidates: list[Candidate], me: str, views: dict[str, PoolView], *, policy: str, seats: int,
-         budget: int, affinity: Callable[[Candidate, str], float] | None = None) -> list[Candidate]:
+def pick(
+    candidates: list[Candidate],
+    me: str,
+    views: dict[str, PoolView],
+    *,
+    policy: str,
+    seats: int,
+    budget: int,
+    affinity: Callable[[Candidate, str], float] | None = None,
+) -> list[Candidate]:
     """The candidates (in queue order) that executor ``me`` should claim now.
 
     ``views`` has every pool that may take work, ``me`` included and fresh;
@@ -169,8 +177,9 @@ def pick(candidates: list[Candidate], me: str, views: dict[str, PoolView], *, po
             if policy == "priority" and preemption_target(c, [s.view for s in able], budget) == me:
                 mine.append(c)
             break
-        best = min(now, key=lambda s, c=c: (s.load - (affinity(c, s.view.executor) if affinity else 0.0),
-                                            s.view.executor))
+        best = min(
+            now, key=lambda s, c=c: (s.load - (affinity(c, s.view.executor) if affinity else 0.0), s.view.executor)
+        )
         cached = _cache_holder(c, now, best)
         own = sims[me]
         if cached is not None:

@@ -69,5 +69,12 @@ class StepRecord:
 
     @property
     def empty(self) -> bool:
-        return not (self.touched or self.new_tokens or self.finished or self.requeued or any(self.changed)
-                    or self.cache or self.counters.nonzero())
+        return not (
+            self.touched
+            or self.new_tokens
+            or self.finished
+            or self.requeued
+            or any(self.changed)
+            or self.cache
+            or self.counters.nonzero()
+        )

@@ -36,8 +36,9 @@ def consistent(bm: BlockManager, requests: list[Request], cache: dict[int, bytes
         for tier, block in [(TIERS[0], b) for b in req.blocks] + req.swap_blocks:
             if block >= bm.total(tier) or bm.is_free(tier, block):
                 return False
-            if block in owned[tier] and not (tier == TIERS[0] and (block in cache or owned[tier][block] == req.group
-                                                                   and req.group)):
+            if block in owned[tier] and not (
+                tier == TIERS[0] and (block in cache or owned[tier][block] == req.group and req.group)
+            ):
                 return False
             owned[tier][block] = req.group
     if len(set(cache.values())) != len(cache) or any(b >= bm.total(TIERS[0]) for b in cache):
@@ -45,8 +46,9 @@ def consistent(bm: BlockManager, requests: list[Request], cache: dict[int, bytes
     return all(len(owned[t]) + bm.num_free(t) == bm.total(t) for t in TIERS)
 
 
-def restore(snap: Snapshot, totals: tuple[int, ...], config: SchedulerConfig, block_size: int,
-            applied_seq: int = 0) -> Restored:
+def restore(
+    snap: Snapshot, totals: tuple[int, ...], config: SchedulerConfig, block_size: int, applied_seq: int = 0
+) -> Restored:
     """The scheduler of an executor whose pools have ``totals`` blocks per tier.
 
     Requests a loop claimed but never committed as admitted go back to the queue;
@@ -61,8 +63,9 @@ def restore(snap: Snapshot, totals: tuple[int, ...], config: SchedulerConfig, bl
     pools = [Pool.with_free(total, [b for b in free if b < total]) for total, free in zip(totals, snap.free)]
     bm = BlockManager(block_size, *pools, caching=caching)
     held = [r for r, _ in snap.requests if r.status in (Status.RUNNING, Status.SWAPPED)]
-    reset = (snap.pool != pool_fields(totals, block_size) or not consistent(bm, held, snap.cache)
-             or applied_seq > snap.seq)
+    reset = (
+        snap.pool != pool_fields(totals, block_size) or not consistent(bm, held, snap.cache) or applied_seq > snap.seq
+    )
     if reset:  # the cache goes too (reset_ops deletes it from Redis)
         bm = BlockManager(block_size, *(Pool.fresh(t) for t in totals), caching=caching)
     else:

@@ -143,8 +143,9 @@ class Scheduler:
     def fits_ever(self, req: Request) -> bool:
         """Whether ``req`` at its longest fits this executor's context and whole device pool."""
         total = min(len(req.prompt_ids) + req.params.max_tokens, self.config.max_model_len)
-        return (req.num_tokens < self.config.max_model_len
-                and blocks_needed(total, self.blocks.block_size) <= self.blocks.total(DEVICE))
+        return req.num_tokens < self.config.max_model_len and blocks_needed(
+            total, self.blocks.block_size
+        ) <= self.blocks.total(DEVICE)
 
     def _remove(self, req: Request) -> None:
         del self.requests[req.request_id]
@@ -245,8 +246,12 @@ class Scheduler:
         self.running.remove(victim)
         victim.num_preemptions += 1
         victim.source = None
-        if (not recompute and self.config.preemption_mode == "swap" and victim.num_computed > 0
-                and self.blocks.can_swap_out(victim)):
+        if (
+            not recompute
+            and self.config.preemption_mode == "swap"
+            and victim.num_computed > 0
+            and self.blocks.can_swap_out(victim)
+        ):
             moves = self.blocks.swap_out(victim)
             out.swap_out.extend(moves)
             self._count("preemptions_swap")
@@ -374,11 +379,16 @@ class Scheduler:
         if from_swap:
             return blocks_needed(req.num_computed + n, self.blocks.block_size)
         bs = self.blocks.block_size
-        return (blocks_needed(len(hit) * bs + n, bs) - len(hit)
-                + sum(1 for b in hit if b in self.blocks.lru) + group.fork_need(req, mates, self.blocks.block_size))
+        return (
+            blocks_needed(len(hit) * bs + n, bs)
+            - len(hit)
+            + sum(1 for b in hit if b in self.blocks.lru)
+            + group.fork_need(req, mates, self.blocks.block_size)
+        )
 
-    def _make_room(self, req: Request, n: int, from_swap: bool, out: SchedulerOutput, hit: list[int],
-                   mates: list[Request]) -> bool:
+    def _make_room(
+        self, req: Request, n: int, from_swap: bool, out: SchedulerOutput, hit: list[int], mates: list[Request]
+    ) -> bool:
         """Under ``priority``, preempt less urgent running requests for ``req``.
 
         Returns whether ``req`` fits now; after swap-outs it fits only next step.
@@ -405,8 +415,9 @@ class Scheduler:
             hit = [] if from_swap else self.blocks.lookup(req)
             n = min(budget, req.num_pending - len(hit) * self.blocks.block_size)
             mates = [] if from_swap else group.mates_waiting(self.waiting, req)
-            while not (self._fits(req, n, from_swap, hit, mates)
-                       or self._make_room(req, n, from_swap, out, hit, mates)):
+            while not (
+                self._fits(req, n, from_swap, hit, mates) or self._make_room(req, n, from_swap, out, hit, mates)
+            ):
                 if not mates or self.running:
                     return  # head-of-line: later requests wait for this one (a group, for all of it)
                 mates.pop()  # nothing runs and the whole group never fits: as many as fit
@@ -457,8 +468,13 @@ class Scheduler:
             s.req.num_unreported += s.samples
         out.launched = True
 
-    def update(self, out: SchedulerOutput, sampled: dict[str, int], logprobs: dict[str, object] | None = None,
-               prompt_logprobs: dict[str, dict[int, object]] | None = None) -> list[Request]:
+    def update(
+        self,
+        out: SchedulerOutput,
+        sampled: dict[str, int],
+        logprobs: dict[str, object] | None = None,
+        prompt_logprobs: dict[str, dict[int, object]] | None = None,
+    ) -> list[Request]:
         """Apply the executor's report of a launched plan (launching it first if the caller did
         not): its swaps' sources come free, sampled tokens join their requests (with their
         logprobs, and the prompt's, opaque here); returns the requests it finished. A token of a
@@ -522,8 +538,16 @@ class Scheduler:
         for r in self.running:
             held[r.priority] += len(r.blocks)
         b = self.blocks
-        return PoolView(executor=executor, serving=serving, block_size=b.block_size,
-                        blocks=tuple(b.total(t) for t in TIERS), free=tuple(b.num_free(t) for t in TIERS),
-                        running=len(self.running), swapped=len(self.swapped),
-                        max_model_len=self.config.max_model_len, max_num_seqs=self.config.max_num_seqs,
-                        watermark=self._watermark, held=dict(held))
+        return PoolView(
+            executor=executor,
+            serving=serving,
+            block_size=b.block_size,
+            blocks=tuple(b.total(t) for t in TIERS),
+            free=tuple(b.num_free(t) for t in TIERS),
+            running=len(self.running),
+            swapped=len(self.swapped),
+            max_model_len=self.config.max_model_len,
+            max_num_seqs=self.config.max_num_seqs,
+            watermark=self._watermark,
+            held=dict(held),
+        )

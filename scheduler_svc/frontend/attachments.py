@@ -51,8 +51,11 @@ class Attachments:
             if held is None:
                 continue
             req, stop = held
-            log.warning("%s is gone from Redis (a restart lost its last writes); submitting it again", rid,
-                        extra={"request_id": rid})
+            log.warning(
+                "%s is gone from Redis (a restart lost its last writes); submitting it again",
+                rid,
+                extra={"request_id": rid},
+            )
             try:
                 await self.store.submit(req, stop, self.policy)
             except DuplicateRequest:

@@ -40,8 +40,9 @@ RESUME_ID, RESUME_OFFSET = "pagedserve-request-id", "pagedserve-offset"
 RETRY_AFTER = "retry-after"
 
 
-async def _stream(chunks: AsyncIterator[Chunk],
-                  context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
+async def _stream(
+    chunks: AsyncIterator[Chunk], context: grpc.aio.ServicerContext
+) -> AsyncIterator[pb.GenerateResponse]:
     """Chunks as responses; a drained stream ends UNAVAILABLE with where to resume."""
     try:
         async for chunk in chunks:
@@ -79,8 +80,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         except UNAVAILABLE as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"redis unavailable: {exc}")
 
-    async def Resume(self, request: pb.ResumeRequest,
-                     context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
+    async def Resume(
+        self, request: pb.ResumeRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateResponse]:
         if not request.request_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id: must be set")
         try:
@@ -107,13 +109,17 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"redis unavailable: {exc}")
 
 
-
-def add_to_server(servicer: GenerationServicer, server: grpc.aio.Server,
-                  max_request_bytes: int = MAX_REQUEST_BYTES) -> None:
+def add_to_server(
+    servicer: GenerationServicer, server: grpc.aio.Server, max_request_bytes: int = MAX_REQUEST_BYTES
+) -> None:
     """Register the Generation service, parsing requests in the handlers (in place of
     ``generation_pb2_grpc.add_GenerationServicer_to_server``; same names, same messages)."""
-    handlers.register(server, pb.DESCRIPTOR.services_by_name["Generation"], {
-        "Generate": handlers.stream(servicer.Generate, pb.GenerateRequest, max_request_bytes),
-        "Resume": handlers.stream(servicer.Resume, pb.ResumeRequest, max_request_bytes),
-        "Abort": handlers.unary(servicer.Abort, pb.AbortRequest, max_request_bytes),
-    })
+    handlers.register(
+        server,
+        pb.DESCRIPTOR.services_by_name["Generation"],
+        {
+            "Generate": handlers.stream(servicer.Generate, pb.GenerateRequest, max_request_bytes),
+            "Resume": handlers.stream(servicer.Resume, pb.ResumeRequest, max_request_bytes),
+            "Abort": handlers.unary(servicer.Abort, pb.AbortRequest, max_request_bytes),
+        },
+    )

@@ -80,8 +80,12 @@ class BearerAuth:
         if scope["type"] != "http" or scope["path"] in OPEN_PATHS or self.allowed(scope):
             await self.app(scope, receive, send)
             return
-        err = ApiError(401, "missing or invalid API key (header Authorization: Bearer <key>)",
-                       code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+        err = ApiError(
+            401,
+            "missing or invalid API key (header Authorization: Bearer <key>)",
+            code="invalid_api_key",
+            headers={"WWW-Authenticate": "Bearer"},
+        )
         await error_response(err)(scope, receive, send)
 
 
@@ -90,8 +94,11 @@ class EventStream(StreamingResponse):
     leaves it suspended when a send fails), so that the request behind it is aborted."""
 
     def __init__(self, events: AsyncIterator[bytes], headers: dict[str, str]) -> None:
-        super().__init__(events, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers})
+        super().__init__(
+            events,
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers},
+        )
         self.events = events
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -159,8 +166,13 @@ class Door:
 
     def _card(self) -> dict[str, Any]:
         limits = self.frontend.watch.limits
-        return {"id": self.model, "object": "model", "created": self.started, "owned_by": "pagedserve",
-                "max_model_len": limits.max_model_len if limits else None}
+        return {
+            "id": self.model,
+            "object": "model",
+            "created": self.started,
+            "owned_by": "pagedserve",
+            "max_model_len": limits.max_model_len if limits else None,
+        }
 
     async def models(self, request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [self._card()] if self.model else []})
@@ -177,8 +189,12 @@ class Door:
         return JSONResponse({"status": "serving" if serving else "not serving"}, 200 if serving else 503)
 
     def _unknown_model(self, name: str) -> ApiError:
-        return ApiError(404, f"The model `{name}` does not exist (this server serves `{self.model}`).",
-                        param="model", code="model_not_found")
+        return ApiError(
+            404,
+            f"The model `{name}` does not exist (this server serves `{self.model}`).",
+            param="model",
+            code="model_not_found",
+        )
 
     async def completions(self, request: Request) -> Response:
         return await _answered(self._generate(request, chat=False))
@@ -192,8 +208,11 @@ class Door:
         if self.model and parsed.model != self.model:
             raise self._unknown_model(parsed.model)
         if (size := parsed.request.ByteSize()) > self.max_request_bytes:
-            raise ApiError(400, f"request: {size} bytes as a pagedserve.v1 request, over the limit of "
-                                f"{self.max_request_bytes} (--max-request-bytes)")
+            raise ApiError(
+                400,
+                f"request: {size} bytes as a pagedserve.v1 request, over the limit of "
+                f"{self.max_request_bytes} (--max-request-bytes)",
+            )
         try:
             req, stop = self.frontend.prepare(parsed.request, None)
         except InvalidArgument as exc:  # a refused structured-output spec is named as the body named it
@@ -204,8 +223,14 @@ class Door:
         if chat and not parsed.request.sampling.HasField("max_tokens") and limits is not None:
             req.params = replace(req.params, max_tokens=proto.context_room(limits, len(req.prompt_ids)))
         tokenizer = self.frontend.tokenizer
-        shape = answer.Shape(parsed, req.request_id, int(time.time()), self.model, list(req.prompt_ids),
-                            decode=lambda t: tokenizer.decode([t]))
+        shape = answer.Shape(
+            parsed,
+            req.request_id,
+            int(time.time()),
+            self.model,
+            list(req.prompt_ids),
+            decode=lambda t: tokenizer.decode([t]),
+        )
         chunks = self.frontend.generate(req, stop)
         headers = {"X-Request-Id": req.request_id}
         streaming = False
@@ -286,7 +311,9 @@ def build_app(door: Door, api_keys: SecretFile | None = None) -> Starlette:
         Route("/health", door.health, methods=["GET"]),
     ]
     handlers: dict[Any, Callable[[Request, Exception], Awaitable[Response]]] = {
-        HTTPException: _http_error, 500: _internal_error}
+        HTTPException: _http_error,
+        500: _internal_error,
+    }
     app = Starlette(routes=routes, exception_handlers=handlers)
     if api_keys is not None:
         app.add_middleware(BearerAuth, keys=api_keys)
@@ -325,14 +352,30 @@ class HttpServer:
             await asyncio.wait_for(self.task, SHUTDOWN_GRACE_S + 5)
 
 
-async def serve(frontend: Frontend, host: str, port: int, *, api_keys: SecretFile | None = None,
-                tls: ReloadingSSLContext | None = None, max_request_bytes: int) -> HttpServer:
+async def serve(
+    frontend: Frontend,
+    host: str,
+    port: int,
+    *,
+    api_keys: SecretFile | None = None,
+    tls: ReloadingSSLContext | None = None,
+    max_request_bytes: int,
+) -> HttpServer:
     """Serve the door on ``host:port`` as a task of the running loop; returns once it listens."""
     sock = bind(host, port)
     app = build_app(Door(frontend, max_request_bytes, int(time.time())), api_keys)
-    config = uvicorn.Config(app, http="h11", ws="none", lifespan="off", log_config=None, access_log=False,
-                            server_header=False, proxy_headers=False, timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
-                            ssl_context_factory=(lambda _config, _default: tls.context) if tls else None)
+    config = uvicorn.Config(
+        app,
+        http="h11",
+        ws="none",
+        lifespan="off",
+        log_config=None,
+        access_log=False,
+        server_header=False,
+        proxy_headers=False,
+        timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
+        ssl_context_factory=(lambda _config, _default: tls.context) if tls else None,
+    )
     server = _Server(config)
     task = asyncio.create_task(server.serve(sockets=[sock]))
     while not server.started and not task.done():

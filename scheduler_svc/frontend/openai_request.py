@@ -36,12 +36,21 @@ FLOAT32_MAX = 3.4028234663852886e38
 # Fields OpenAI or vLLM define that pagedserve does not honour: refused with a 400 naming
 # them, never ignored. Each maps to the value that means "off", which is accepted.
 NOT_YET: dict[str, tuple[Any, ...]] = {
-    "best_of": (1,), "echo": (False,), "suffix": ("",), "tools": ([],), "functions": ([],),
+    "best_of": (1,),
+    "echo": (False,),
+    "suffix": ("",),
+    "tools": ([],),
+    "functions": ([],),
 }
 # vLLM's structured-output keys (``structured_outputs: {...}``, and the older top-level
 # ``guided_*``) -> the StructuredOutput field they set.
-STRUCTURED_KEYS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar",
-                   "json_object": "json_object"}
+STRUCTURED_KEYS = {
+    "json": "json_schema",
+    "regex": "regex",
+    "choice": "choice",
+    "grammar": "grammar",
+    "json_object": "json_object",
+}
 GUIDED = {f"guided_{k}": v for k, v in STRUCTURED_KEYS.items() if k != "json_object"}
 STRUCTURED_FIELD = "sampling.structured_output."  # how validate/frontend name its fields
 # validate.check names pagedserve.v1 fields; these are their OpenAI names.
@@ -52,17 +61,25 @@ PARAM = re.compile(r"^([A-Za-z_][\w.\[\]-]*): ")
 class ApiError(Exception):
     """An HTTP error answer: ``status`` and OpenAI's ``{"error": {...}}`` object."""
 
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None, headers: dict[str, str] | None = None,
-                 extra: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type_: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+        extra: dict[str, Any] | None = None,
+    ) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
         self.headers = headers or {}
         self.extra = extra or {}
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code,
-                          **self.extra}}
+        return {
+            "error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code, **self.extra}
+        }
 
 
 def bad(name: str, what: str) -> ApiError:
@@ -77,9 +94,9 @@ def rename(message: str) -> tuple[str, str | None]:
     name = m.group(1)
     for old, new in RENAMES.items():
         if name.startswith(old):
-            name = new + name[len(old):]
+            name = new + name[len(old) :]
             break
-    return name + message[m.end(1):], name
+    return name + message[m.end(1) :], name
 
 
 def error_for(exc: BaseException) -> ApiError | None:
@@ -93,16 +110,21 @@ def error_for(exc: BaseException) -> ApiError | None:
     if isinstance(exc, OverCapacity):  # could never fit any KV pool: OpenAI answers an overlong context 400
         return ApiError(400, str(exc).replace("sampling.", ""), code="context_length_exceeded")
     if isinstance(exc, TooManyPending):
-        return ApiError(429, str(exc), "requests", code="rate_limit_exceeded",
-                        headers={"Retry-After": str(exc.retry_after)})
+        return ApiError(
+            429, str(exc), "requests", code="rate_limit_exceeded", headers={"Retry-After": str(exc.retry_after)}
+        )
     if isinstance(exc, QueueTimeout):
         # The client's own queue_timeout passed: say so at once rather than let the SDK
         # resubmit it (it retries 408 and 5xx), which would wait longer than it asked.
-        return ApiError(504, str(exc), "timeout", "queue_timeout", "queue_timeout",
-                        headers={"x-should-retry": "false"})
+        return ApiError(504, str(exc), "timeout", "queue_timeout", "queue_timeout", headers={"x-should-retry": "false"})
     if isinstance(exc, DuplicateRequest):  # the SDK retries 409, which cannot help while it runs
-        return ApiError(409, "X-Request-Id: a live request already has this id", param="X-Request-Id",
-                        code="duplicate_request_id", headers={"x-should-retry": "false"})
+        return ApiError(
+            409,
+            "X-Request-Id: a live request already has this id",
+            param="X-Request-Id",
+            code="duplicate_request_id",
+            headers={"x-should-retry": "false"},
+        )
     if isinstance(exc, Unavailable):
         return ApiError(503, str(exc), "server_error", code="unavailable")
     if isinstance(exc, StreamDetached):
@@ -114,8 +136,13 @@ def error_for(exc: BaseException) -> ApiError | None:
 
 def detached(exc: StreamDetached) -> ApiError:
     """The stream ended, its request goes on: where to resume it (gRPC ``Resume``)."""
-    return ApiError(503, str(exc), "server_error", code="stream_detached",
-                    extra={"request_id": exc.request_id, "offset": exc.offset})
+    return ApiError(
+        503,
+        str(exc),
+        "server_error",
+        code="stream_detached",
+        extra={"request_id": exc.request_id, "offset": exc.offset},
+    )
 
 
 # --- reading JSON ----------------------------------------------------------------
@@ -281,8 +308,10 @@ def _response_format(v: Any) -> tuple[pb.StructuredOutput, str] | None:
     _text("response_format.json_schema.name", spec.get("name"))
     if spec.get("schema") is None:
         raise bad("response_format.json_schema.schema", "required")
-    return (pb.StructuredOutput(json_schema=_schema("response_format.json_schema.schema", spec["schema"])),
-            "response_format.json_schema.schema")
+    return (
+        pb.StructuredOutput(json_schema=_schema("response_format.json_schema.schema", spec["schema"])),
+        "response_format.json_schema.schema",
+    )
 
 
 def _structured(body: dict[str, Any]) -> tuple[pb.StructuredOutput, str] | None:
@@ -324,8 +353,9 @@ def _prompt(req: pb.GenerateRequest, v: Any) -> None:
     """A string, token ids, or a list of exactly one of either."""
     if isinstance(v, list) and v and all(isinstance(x, str | list) for x in v):
         if len(v) != 1:
-            raise bad("prompt", f"{len(v)} prompts in one request: send one per request (batches are not "
-                                f"supported yet)")
+            raise bad(
+                "prompt", f"{len(v)} prompts in one request: send one per request (batches are not supported yet)"
+            )
         v = v[0]
     if isinstance(v, str):
         if not v:
@@ -349,7 +379,7 @@ def _content(i: int, v: Any) -> str:
     texts = []
     for j, part in enumerate(v):
         if not isinstance(part, dict) or part.get("type") != "text":
-            raise bad(f"{name}[{j}]", "only parts of type \"text\" are supported")
+            raise bad(f"{name}[{j}]", 'only parts of type "text" are supported')
         texts.append(_text(f"{name}[{j}].text", part.get("text")))
     return "\n".join(texts)
 
@@ -360,8 +390,9 @@ def _messages(req: pb.GenerateRequest, v: Any) -> None:
     for i, m in enumerate(v):
         if not isinstance(m, dict):
             raise bad(f"messages[{i}]", "must be an object with role and content")
-        req.messages.append(pb.ChatMessage(role=_text(f"messages[{i}].role", m.get("role")),
-                                           content=_content(i, m.get("content"))))
+        req.messages.append(
+            pb.ChatMessage(role=_text(f"messages[{i}].role", m.get("role")), content=_content(i, m.get("content")))
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -410,8 +441,9 @@ def parse(body: dict[str, Any], chat: bool, request_id: str = "") -> Parsed:
         req.cache_salt = _text("cache_salt", body["cache_salt"])
     stream = body.get("stream") is not None and _flag("stream", body["stream"])
     ids = body.get("return_token_ids") is not None and _flag("return_token_ids", body["return_token_ids"])
-    return Parsed(req, model, chat, stream, _stream_options(body, stream), ids,
-                  structured[1] if structured is not None else "")
+    return Parsed(
+        req, model, chat, stream, _stream_options(body, stream), ids, structured[1] if structured is not None else ""
+    )
 
 
 def context_room(limits: Limits, num_prompt: int) -> int:

@@ -18,9 +18,12 @@ from scheduler_svc.frontend.streams import Chunk
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
     """OpenAI's usage object; ``prompt_tokens_details.cached_tokens``: prompt tokens served from the prefix cache."""
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
 
 
 @dataclass(slots=True)
@@ -96,8 +99,12 @@ class Shape:
             state.text_offset += len(t)
         # As vLLM: the sampled token is among its position's top_logprobs, with the top k.
         tops = [{self.decode(i): lp for i, lp in zip(e[3], e[4])} | {tok: e[1]} for e, tok in zip(entries, tokens)]
-        return {"tokens": tokens, "token_logprobs": [e[1] for e in entries], "top_logprobs": tops,
-                "text_offset": offsets}
+        return {
+            "tokens": tokens,
+            "token_logprobs": [e[1] for e in entries],
+            "top_logprobs": tops,
+            "text_offset": offsets,
+        }
 
     def _chat_entry(self, e: Any) -> dict[str, Any]:
         def one(token_id: int, logprob: float) -> dict[str, Any]:
@@ -109,6 +116,7 @@ class Shape:
     def _prompt_logprobs(self, entries: list[Any]) -> list[Any]:
         """vLLM's shape: None for the first prompt token, then {token id: {logprob, rank,
         decoded_token}} with the prompt token and its top alternatives."""
+
         def one(token_id: int, logprob: float, rank: int | None) -> tuple[str, dict[str, Any]]:
             return str(token_id), {"logprob": logprob, "rank": rank, "decoded_token": self.decode(token_id)}
 
@@ -125,8 +133,16 @@ class Shape:
     def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def _choice(self, index: int, text: str, finish: str | None, token_ids: list[int], delta: bool,
-                logprobs: list[Any] | None = None, prompt_logprobs: list[Any] | None = None) -> dict[str, Any]:
+    def _choice(
+        self,
+        index: int,
+        text: str,
+        finish: str | None,
+        token_ids: list[int],
+        delta: bool,
+        logprobs: list[Any] | None = None,
+        prompt_logprobs: list[Any] | None = None,
+    ) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": index}
         if not self.parsed.chat:
             choice["text"] = text
@@ -146,9 +162,18 @@ class Shape:
     def body(self, done: list[Collected]) -> dict[str, Any]:
         """The non-streaming answer, from each completion gathered (by index)."""
         out = self._head("chat.completion" if self.parsed.chat else "text_completion")
-        out["choices"] = [self._choice(i, "".join(d.texts), d.finish_reason, d.token_ids, delta=False,
-                                       logprobs=d.logprobs, prompt_logprobs=d.prompt_logprobs)
-                          for i, d in enumerate(done)]
+        out["choices"] = [
+            self._choice(
+                i,
+                "".join(d.texts),
+                d.finish_reason,
+                d.token_ids,
+                delta=False,
+                logprobs=d.logprobs,
+                prompt_logprobs=d.prompt_logprobs,
+            )
+            for i, d in enumerate(done)
+        ]
         prompt = done[0].prompt_logprobs
         if self.parsed.chat and prompt is not None:
             out["prompt_logprobs"] = self._prompt_logprobs(prompt)  # vLLM: beside the choices
@@ -167,8 +192,12 @@ class Shape:
         """What a stream starts with: the assistant's role, for chat (one chunk per choice)."""
         if not self.parsed.chat:
             return []
-        return [self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                              "finish_reason": None}]) for i in range(self.n)]
+        return [
+            self._chunk(
+                [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]
+            )
+            for i in range(self.n)
+        ]
 
     def events(self, chunk: Chunk) -> list[dict[str, Any]]:
         """The stream chunks for one frontend chunk (none for tokens that are no text yet)."""
@@ -182,8 +211,19 @@ class Shape:
             return []  # its logprobs go with the next chunk that has text
         pending, state.pending = state.pending, []
         prompt, state.pending_prompt = state.pending_prompt, None
-        out = self._chunk([self._choice(chunk.index, chunk.text, chunk.finish_reason, chunk.token_ids, delta=True,
-                                        logprobs=pending, prompt_logprobs=prompt)])
+        out = self._chunk(
+            [
+                self._choice(
+                    chunk.index,
+                    chunk.text,
+                    chunk.finish_reason,
+                    chunk.token_ids,
+                    delta=True,
+                    logprobs=pending,
+                    prompt_logprobs=prompt,
+                )
+            ]
+        )
         if self.parsed.chat and prompt is not None:
             out["prompt_logprobs"] = self._prompt_logprobs(prompt)
         return [out]
@@ -194,5 +234,12 @@ class Shape:
         if not self.parsed.include_usage or not finals:
             return []
         out = self._head("chat.completion.chunk" if self.parsed.chat else "text_completion")
-        return [out | {"choices": [], "usage": usage(finals[0].prompt_tokens, sum(f.completion_tokens for f in finals),
-                                                         finals[0].cached_tokens)}]
+        return [
+            out
+            | {
+                "choices": [],
+                "usage": usage(
+                    finals[0].prompt_tokens, sum(f.completion_tokens for f in finals), finals[0].cached_tokens
+                ),
+            }
+        ]

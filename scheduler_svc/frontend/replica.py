@@ -42,17 +42,32 @@ log = logging.getLogger("scheduler_svc")
 
 
 def _caps(args: argparse.Namespace) -> validate.Caps:
-    return validate.Caps(max_stop_strings=args.max_stop_strings, max_stop_string_length=args.max_stop_string_length,
-                         max_prompt_bytes=args.max_prompt_bytes, max_logprobs=args.max_logprobs,
-                         max_grammar_bytes=args.max_grammar_bytes, max_n=args.max_n)
+    return validate.Caps(
+        max_stop_strings=args.max_stop_strings,
+        max_stop_string_length=args.max_stop_string_length,
+        max_prompt_bytes=args.max_prompt_bytes,
+        max_logprobs=args.max_logprobs,
+        max_grammar_bytes=args.max_grammar_bytes,
+        max_n=args.max_n,
+    )
 
 
 async def _supervise(args: argparse.Namespace, stop: asyncio.Event, metrics_port: int) -> None:
     """Run the loops as ``python -m scheduler_svc --role loop`` with the same flags, and
     keep that process alive; if it dies, other replicas take its leases meanwhile. Its
     metrics are served on ``metrics_port`` of the loopback (0: off)."""
-    argv = [sys.executable, "-m", "scheduler_svc", *args.argv, "--role", "loop", "--metrics-port", str(metrics_port),
-            "--metrics-host", "127.0.0.1"]
+    argv = [
+        sys.executable,
+        "-m",
+        "scheduler_svc",
+        *args.argv,
+        "--role",
+        "loop",
+        "--metrics-port",
+        str(metrics_port),
+        "--metrics-host",
+        "127.0.0.1",
+    ]
     proc: asyncio.subprocess.Process | None = None
     while not stop.is_set():
         if proc is None or proc.returncode is not None:
@@ -71,13 +86,19 @@ async def _supervise(args: argparse.Namespace, stop: asyncio.Event, metrics_port
             proc.kill()
 
 
-def _public_server(args: argparse.Namespace, frontend: Frontend,
-                   certificate: ReloadingCertificate | None) -> tuple[grpc.aio.Server, health.HealthServicer, int]:
+def _public_server(
+    args: argparse.Namespace, frontend: Frontend, certificate: ReloadingCertificate | None
+) -> tuple[grpc.aio.Server, health.HealthServicer, int]:
     """The public gRPC port: the Generation service with its limits, TLS and API keys (not started)."""
     return rpc.make_server(
         f"{args.host}:{args.port}",
-        [(functools.partial(add_to_server, max_request_bytes=args.max_request_bytes), GenerationServicer(frontend),
-          SERVICE_NAME)],
+        [
+            (
+                functools.partial(add_to_server, max_request_bytes=args.max_request_bytes),
+                GenerationServicer(frontend),
+                SERVICE_NAME,
+            )
+        ],
         reflect=True,
         credentials=certificate.credentials() if certificate else None,
         interceptors=[api_key_interceptor(args.api_keys)] if args.api_keys else (),
@@ -97,8 +118,9 @@ async def serve(args: argparse.Namespace) -> None:
     await require_redis(args.redis_url)  # wrong or missing credentials: one clear line, exit 2
     # Thousands of concurrent streams share a bounded pool and wait for a free
     # connection instead of failing with "Too many connections".
-    pool = aioredis.BlockingConnectionPool.from_url(args.redis_url, max_connections=64, timeout=None,
-                                                     decode_responses=True)
+    pool = aioredis.BlockingConnectionPool.from_url(
+        args.redis_url, max_connections=64, timeout=None, decode_responses=True
+    )
     client = aioredis.Redis.from_pool(pool)
     store = RedisStore(client, args.namespace, args.result_ttl)
     watch = ClusterWatch(Registry(client, store.keys), args.max_model_len, dial=args.dialer.channel)
@@ -110,8 +132,17 @@ async def serve(args: argparse.Namespace) -> None:
         registry.register(metrics.ChildCollector(f"http://127.0.0.1:{loop_metrics_port}/metrics"))
     metrics.serve(args.metrics_port, registry, args.metrics_host)
     traces = tracing.setup("scheduler_svc", args.otlp_traces_endpoint)
-    frontend = Frontend(store, bus, watch, args.policy, attachments, FrontendMetrics(registry),
-                        traces.tracer if traces else None, caps=_caps(args), max_pending=args.max_pending_requests)
+    frontend = Frontend(
+        store,
+        bus,
+        watch,
+        args.policy,
+        attachments,
+        FrontendMetrics(registry),
+        traces.tracer if traces else None,
+        caps=_caps(args),
+        max_pending=args.max_pending_requests,
+    )
     certificate = server_tls(args.tls, verify_clients=False)
     server, health, port = _public_server(args, frontend, certificate)
     https = ReloadingSSLContext(certificate.cert, certificate.key) if args.http_port and certificate else None
@@ -119,23 +150,51 @@ async def serve(args: argparse.Namespace) -> None:
     await rpc.set_serving(health, [SERVICE_NAME], False)
     stop = await rpc.stop_on_signals()
     try:
-        http = await http_app.serve(frontend, args.http_host, args.http_port, api_keys=args.api_keys, tls=https,
-                                       max_request_bytes=args.max_request_bytes) if args.http_port else None
+        http = (
+            await http_app.serve(
+                frontend,
+                args.http_host,
+                args.http_port,
+                api_keys=args.api_keys,
+                tls=https,
+                max_request_bytes=args.max_request_bytes,
+            )
+            if args.http_port
+            else None
+        )
     except OSError as exc:
         raise SystemExit(f"error: {exc}") from None  # one line, exit 1
     await server.start()
-    tasks = [asyncio.create_task(bus.run(stop)), asyncio.create_task(watch.run(stop, health, [SERVICE_NAME])),
-             asyncio.create_task(attachments.run(stop))]
+    tasks = [
+        asyncio.create_task(bus.run(stop)),
+        asyncio.create_task(watch.run(stop, health, [SERVICE_NAME])),
+        asyncio.create_task(attachments.run(stop)),
+    ]
     if args.role == "all":
         tasks.append(asyncio.create_task(_supervise(args, stop, loop_metrics_port)))
-    log.info("scheduler serving on port %d (role %s, namespace %s, %s, %s, executors: %s)", port, args.role,
-             args.namespace, args.policy, args.preemption_mode, ", ".join(args.executor) or "registered")
-    log.info("public port: %s, %s; executors dialled %s%s", "TLS" if certificate else "plaintext",
-             "API key required" if args.api_keys else "no API key", "over TLS" if args.tls.ca else "in plaintext",
-             " with the internal token" if args.internal_token else "")
+    log.info(
+        "scheduler serving on port %d (role %s, namespace %s, %s, %s, executors: %s)",
+        port,
+        args.role,
+        args.namespace,
+        args.policy,
+        args.preemption_mode,
+        ", ".join(args.executor) or "registered",
+    )
+    log.info(
+        "public port: %s, %s; executors dialled %s%s",
+        "TLS" if certificate else "plaintext",
+        "API key required" if args.api_keys else "no API key",
+        "over TLS" if args.tls.ca else "in plaintext",
+        " with the internal token" if args.internal_token else "",
+    )
     if http is not None:
-        log.info("OpenAI-compatible HTTP on port %d (%s, %s)", http.port, "HTTPS" if http.tls else "plain HTTP",
-                 "API key required" if args.api_keys else "no API key")
+        log.info(
+            "OpenAI-compatible HTTP on port %d (%s, %s)",
+            http.port,
+            "HTTPS" if http.tls else "plain HTTP",
+            "API key required" if args.api_keys else "no API key",
+        )
     heap.settle()  # keep the collector's full passes off the streams
     await stop.wait()
     # Drain: open streams end UNAVAILABLE (HTTP: an error event) with where to resume; their

@@ -73,8 +73,10 @@ class TooManyPending(RuntimeError):
     at ``--max-pending-requests``."""
 
     def __init__(self, queued: int, limit: int, retry_after_s: int) -> None:
-        super().__init__(f"{queued} requests are waiting in this namespace, the limit is {limit} "
-                         f"(--max-pending-requests); retry after {retry_after_s} s")
+        super().__init__(
+            f"{queued} requests are waiting in this namespace, the limit is {limit} "
+            f"(--max-pending-requests); retry after {retry_after_s} s"
+        )
         self.retry_after = retry_after_s
 
 
@@ -97,9 +99,18 @@ def _end(span: Span | None, streams: list[Stream]) -> None:
 
 
 class Frontend:
-    def __init__(self, store: RedisStore, bus: EventBus, watch: ClusterWatch, policy: str = "fcfs",
-                 attachments: Attachments | None = None, metrics: FrontendMetrics | None = None,
-                 tracer: Tracer | None = None, caps: Caps = DEFAULT_CAPS, max_pending: int = 0) -> None:
+    def __init__(
+        self,
+        store: RedisStore,
+        bus: EventBus,
+        watch: ClusterWatch,
+        policy: str = "fcfs",
+        attachments: Attachments | None = None,
+        metrics: FrontendMetrics | None = None,
+        tracer: Tracer | None = None,
+        caps: Caps = DEFAULT_CAPS,
+        max_pending: int = 0,
+    ) -> None:
         self.store = store
         self.bus = bus
         self.watch = watch
@@ -169,9 +180,17 @@ class Frontend:
         if params.temperature > 0 and params.seed is None:
             params = replace(params, seed=secrets.randbits(63))
         rid = checked.request_id or uuid.uuid4().hex
-        return (Request(rid, prompt, params, priority=checked.priority,
-                        deadline_ms=deadline_ms(now_ms(), checked.queue_timeout, time_remaining),
-                        cache_salt=checked.cache_salt), checked.stop)
+        return (
+            Request(
+                rid,
+                prompt,
+                params,
+                priority=checked.priority,
+                deadline_ms=deadline_ms(now_ms(), checked.queue_timeout, time_remaining),
+                cache_salt=checked.cache_salt,
+            ),
+            checked.stop,
+        )
 
     async def _cancel(self, request_id: str, reason: Finish) -> None:
         try:
@@ -185,8 +204,9 @@ class Frontend:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    async def _attached(self, s: Stream, queue: StreamQueue, first: list[Chunk],
-                        touch: bool = False) -> AsyncIterator[Chunk]:
+    async def _attached(
+        self, s: Stream, queue: StreamQueue, first: list[Chunk], touch: bool = False
+    ) -> AsyncIterator[Chunk]:
         """Stream ``first``, then the live tail; the request is held (attached) meanwhile, and
         ``touch`` refreshes that at once. A client that goes away aborts it; a draining replica
         or a Redis outage leaves it running."""
@@ -245,8 +265,9 @@ class Frontend:
     def _span(self, name: str, rid: str, traceparent: str = "", **attrs: object) -> Span | None:
         if self.tracer is None:
             return None
-        return self.tracer.start_span(name, context=tracing.parent(traceparent),
-                                      attributes={"pagedserve.request_id": rid, **attrs})
+        return self.tracer.start_span(
+            name, context=tracing.parent(traceparent), attributes={"pagedserve.request_id": rid, **attrs}
+        )
 
     async def _submit(self, reqs: list[Request], stop: list[str], trace: str) -> None:
         """Submit a request (or a group's completions, together) under admission control; raises
@@ -263,12 +284,21 @@ class Frontend:
         self.finish_rate.add(time.monotonic(), seen.finished)
 
     def _stream(self, req: Request, stop: list[str], submitted: float, **kw: Any) -> Stream:
-        return Stream(req.request_id, len(req.prompt_ids), Detokenizer(self.tokenizer, stop), submitted,
-                      functools.partial(self._cancel_later, reason=Finish.STOP),
-                      logprobs=req.params.logprobs is not None, group=req.group, index=req.index, **kw)
+        return Stream(
+            req.request_id,
+            len(req.prompt_ids),
+            Detokenizer(self.tokenizer, stop),
+            submitted,
+            functools.partial(self._cancel_later, reason=Finish.STOP),
+            logprobs=req.params.logprobs is not None,
+            group=req.group,
+            index=req.index,
+            **kw,
+        )
 
-    def _views(self, streams: list[Stream], queues: list[StreamQueue],
-               firsts: list[list[Chunk]], touch: bool = False) -> AsyncIterator[Chunk]:
+    def _views(
+        self, streams: list[Stream], queues: list[StreamQueue], firsts: list[list[Chunk]], touch: bool = False
+    ) -> AsyncIterator[Chunk]:
         """The attached stream of a request (no extra layer: a decode step streams hundreds of
         chunks), or its completions' streams merged into one (``_merged``)."""
         views = [self._attached(s, q, f, touch) for s, q, f in zip(streams, queues, firsts)]
@@ -296,13 +326,15 @@ class Frontend:
     async def generate(self, req: Request, stop: list[str]) -> AsyncIterator[Chunk]:
         """Submit ``req`` and stream it; with sampling.n > 1, its completions (``parallel``), merged."""
         rid = req.request_id
-        span = self._span("pagedserve.request", rid, **{"pagedserve.prompt_tokens": len(req.prompt_ids),
-                                                        "pagedserve.max_tokens": req.params.max_tokens})
+        span = self._span(
+            "pagedserve.request",
+            rid,
+            **{"pagedserve.prompt_tokens": len(req.prompt_ids), "pagedserve.max_tokens": req.params.max_tokens},
+        )
         reqs = parallel.completions(req)
         queues = [self.bus.subscribe(r.request_id) for r in reqs]
         submitted = time.time()
-        streams = [self._stream(r, stop, submitted, prompt_pending=r.params.prompt_logprobs is not None)
-                   for r in reqs]
+        streams = [self._stream(r, stop, submitted, prompt_pending=r.params.prompt_logprobs is not None) for r in reqs]
         timers: list[asyncio.Task[None]] = []
         try:
             try:
@@ -339,9 +371,14 @@ class Frontend:
             if req.status == Status.FINISHED and fields.get("finish_reason") == Finish.DEADLINE.value:
                 raise QueueTimeout(req.group or request_id)
             stop = codec.stop_of(fields)
-            s = self._stream(req, stop, int(fields.get("ts", 0)) / 1000, first_pending=False,
-                             prompt_pending=req.params.prompt_logprobs is not None and offset == 0,
-                             cached=req.num_cached)
+            s = self._stream(
+                req,
+                stop,
+                int(fields.get("ts", 0)) / 1000,
+                first_pending=False,
+                prompt_pending=req.params.prompt_logprobs is not None and offset == 0,
+                cached=req.num_cached,
+            )
             s.detok.add(req.output_ids[:offset])  # what the client has: the text state it left off at
             s.detok.take(final=False)
             s.delivered = offset
@@ -368,8 +405,11 @@ class Frontend:
             raise OutOfRange(f"index: {index}, but request {request_id!r} has one completion")
         if index is not None and n and index >= n:
             raise OutOfRange(f"index: {index}, but request {request_id!r} has {n} completions")
-        ids = [request_id] if n == 0 else [parallel.completion_id(request_id, i)
-                                          for i in ([index] if index is not None else range(n))]
+        ids = (
+            [request_id]
+            if n == 0
+            else [parallel.completion_id(request_id, i) for i in ([index] if index is not None else range(n))]
+        )
         opened: list[_Reopened] = []
         try:
             for rid in ids:
@@ -395,8 +435,10 @@ class Frontend:
         """Abort a request, or every completion of one with sampling.n > 1; False if none was live."""
         if await self.store.cancel(request_id, Finish.ABORT):
             return True
-        found = [await self.store.cancel(parallel.completion_id(request_id, i), Finish.ABORT)
-                 for i in range(await self.store.group_size(request_id))]
+        found = [
+            await self.store.cancel(parallel.completion_id(request_id, i), Finish.ABORT)
+            for i in range(await self.store.group_size(request_id))
+        ]
         return any(found)
 
     def drain(self) -> None:

@@ -28,8 +28,10 @@ class QueueTimeout(RuntimeError):
     was removed and holds nothing."""
 
     def __init__(self, request_id: str) -> None:
-        super().__init__(f"queue_timeout: request {request_id} did not start before its deadline (queue_timeout "
-                         f"or the call's deadline); it was removed from the queue")
+        super().__init__(
+            f"queue_timeout: request {request_id} did not start before its deadline (queue_timeout "
+            f"or the call's deadline); it was removed from the queue"
+        )
 
 
 class StreamDetached(RuntimeError):
@@ -75,8 +77,9 @@ class Chunk:
 
 def token_logprobs(entry: Any) -> pb.TokenLogprobs:
     token, logprob, rank, top_ids, top_logprobs = entry
-    return pb.TokenLogprobs(token_id=token, logprob=logprob, rank=rank, top_token_ids=top_ids,
-                            top_logprobs=top_logprobs)
+    return pb.TokenLogprobs(
+        token_id=token, logprob=logprob, rank=rank, top_token_ids=top_ids, top_logprobs=top_logprobs
+    )
 
 
 @dataclass(slots=True)
@@ -99,16 +102,27 @@ class Stream:
     group: str = ""  # a completion of a request with sampling.n > 1: that request's id (what chunks carry)
     index: int = 0  # and which completion
 
-    def chunk(self, tokens: list[int], offset: int, final: bool = False, reason: str = "",
-              logprobs: list[Any] | None = None) -> Chunk:
+    def chunk(
+        self, tokens: list[int], offset: int, final: bool = False, reason: str = "", logprobs: list[Any] | None = None
+    ) -> Chunk:
         text = self.detok.take(final=final)
         lps = logprobs[: len(tokens)] if self.logprobs and logprobs is not None else None
         rid = self.group or self.request_id
         if not final:
             return Chunk(rid, tokens, text, offset, logprobs=lps, index=self.index)
         self.done = True
-        return Chunk(rid, tokens, text, offset, reason, self.prompt_tokens, len(self.detok.ids),
-                     logprobs=lps, cached_tokens=self.cached, index=self.index)
+        return Chunk(
+            rid,
+            tokens,
+            text,
+            offset,
+            reason,
+            self.prompt_tokens,
+            len(self.detok.ids),
+            logprobs=lps,
+            cached_tokens=self.cached,
+            index=self.index,
+        )
 
     def deliver(self, tokens: list[int], finished: str | None = None, lps: list[Any] | None = None) -> Chunk | None:
         """Take ``tokens`` (the completion's next ones, ``lps`` their logprobs); ``finished``: the
@@ -125,13 +139,19 @@ class Stream:
         return self.chunk(accepted, offset, logprobs=lps) if accepted else None
 
 
-async def fresh(store: RedisStore, s: Stream, offset: int, tokens: list[int],
-                lps: list[Any] | None = None) -> tuple[list[int], list[Any] | None]:
+async def fresh(
+    store: RedisStore, s: Stream, offset: int, tokens: list[int], lps: list[Any] | None = None
+) -> tuple[list[int], list[Any] | None]:
     """The tokens (and logprobs) of an event not yet delivered: overlap dropped, a gap
     filled from Redis."""
     if offset > s.delivered:
-        log.warning("%s: events skipped tokens %d..%d; reading them back", s.request_id, s.delivered, offset,
-                    extra={"request_id": s.request_id})
+        log.warning(
+            "%s: events skipped tokens %d..%d; reading them back",
+            s.request_id,
+            s.delivered,
+            offset,
+            extra={"request_id": s.request_id},
+        )
         gap = await store.output(s.request_id, s.delivered, offset)
         gap_lps = await store.logprobs(s.request_id, s.delivered, offset) if s.logprobs else None
         return gap + tokens, (gap_lps + (lps or [])) if s.logprobs and gap_lps is not None else None

@@ -80,16 +80,20 @@ def _check_caps(req: pb.GenerateRequest, caps: Caps) -> None:
     if req.prompt and (n := _utf8(req.prompt)) > caps.max_prompt_bytes:
         raise InvalidArgument(f"prompt: {n} bytes, over the limit of {caps.max_prompt_bytes} (--max-prompt-bytes)")
     if req.messages and (n := sum(_utf8(m.role) + _utf8(m.content) for m in req.messages)) > caps.max_prompt_bytes:
-        raise InvalidArgument(f"messages: {n} bytes of roles and contents, over the limit of "
-                              f"{caps.max_prompt_bytes} (--max-prompt-bytes)")
+        raise InvalidArgument(
+            f"messages: {n} bytes of roles and contents, over the limit of {caps.max_prompt_bytes} (--max-prompt-bytes)"
+        )
     stop = req.sampling.stop
     if len(stop) > caps.max_stop_strings:
-        raise InvalidArgument(f"sampling.stop: {len(stop)} strings, at most {caps.max_stop_strings} allowed "
-                              f"(--max-stop-strings)")
+        raise InvalidArgument(
+            f"sampling.stop: {len(stop)} strings, at most {caps.max_stop_strings} allowed (--max-stop-strings)"
+        )
     for i, x in enumerate(stop):
         if len(x) > caps.max_stop_string_length:
-            raise InvalidArgument(f"sampling.stop[{i}]: {len(x)} characters, at most {caps.max_stop_string_length} "
-                                  f"allowed (--max-stop-string-length)")
+            raise InvalidArgument(
+                f"sampling.stop[{i}]: {len(x)} characters, at most {caps.max_stop_string_length} "
+                f"allowed (--max-stop-string-length)"
+            )
     if req.HasField("cache_salt") and len(req.cache_salt) > MAX_CACHE_SALT:
         raise InvalidArgument(f"cache_salt: {len(req.cache_salt)} characters, at most {MAX_CACHE_SALT} allowed")
     if req.HasField("queue_timeout") and not (math.isfinite(req.queue_timeout) and req.queue_timeout > 0):
@@ -105,11 +109,12 @@ def structured(s: pb.SamplingParams, caps: Caps = DEFAULT_CAPS) -> tuple[tuple[s
     kind = so.WhichOneof("kind")
     name = f"sampling.structured_output.{kind}"
     if kind is None:
-        raise InvalidArgument("sampling.structured_output: set one of json_schema, regex, choice, grammar, "
-                              "json_object")
+        raise InvalidArgument("sampling.structured_output: set one of json_schema, regex, choice, grammar, json_object")
     if s.ignore_eos:
-        raise InvalidArgument("sampling.ignore_eos: cannot be combined with sampling.structured_output (the "
-                              "grammar ends the output with an EOS token)")
+        raise InvalidArgument(
+            "sampling.ignore_eos: cannot be combined with sampling.structured_output (the "
+            "grammar ends the output with an EOS token)"
+        )
     if kind == "json_object":
         if not so.json_object:
             raise InvalidArgument(f"{name}: must be true when set")
@@ -159,8 +164,10 @@ def check(req: pb.GenerateRequest, limits: Limits, caps: Caps = DEFAULT_CAPS) ->
     if any(t >= limits.vocab_size for t in s.stop_token_ids):
         raise InvalidArgument(f"sampling.stop_token_ids: ids must be below the vocabulary size {limits.vocab_size}")
     if len(req.prompt_token_ids) >= limits.max_model_len:  # before walking them
-        raise InvalidArgument(f"prompt_token_ids: {len(req.prompt_token_ids)} tokens, but the model's context is "
-                              f"{limits.max_model_len} tokens")
+        raise InvalidArgument(
+            f"prompt_token_ids: {len(req.prompt_token_ids)} tokens, but the model's context is "
+            f"{limits.max_model_len} tokens"
+        )
     if any(t >= limits.vocab_size for t in req.prompt_token_ids):
         raise InvalidArgument(f"prompt_token_ids: ids must be below the vocabulary size {limits.vocab_size}")
     for i, m in enumerate(req.messages):
@@ -187,9 +194,16 @@ def check(req: pb.GenerateRequest, limits: Limits, caps: Caps = DEFAULT_CAPS) ->
         grammar=grammar,
         n=s.n if s.HasField("n") else 1,
     )
-    return Checked(req.request_id, given[0], params, list(s.stop), req.priority,
-                   req.queue_timeout if req.HasField("queue_timeout") else None, grammar_field,
-                   cache_salt=req.cache_salt or None)
+    return Checked(
+        req.request_id,
+        given[0],
+        params,
+        list(s.stop),
+        req.priority,
+        req.queue_timeout if req.HasField("queue_timeout") else None,
+        grammar_field,
+        cache_salt=req.cache_salt or None,
+    )
 
 
 def _check_sampling(s: pb.SamplingParams, limits: Limits, caps: Caps) -> None:
@@ -206,17 +220,21 @@ def _check_sampling(s: pb.SamplingParams, limits: Limits, caps: Caps) -> None:
         raise InvalidArgument(f"sampling.min_tokens: {s.min_tokens} is more than max_tokens ({max_tokens})")
     for t, b in s.logit_bias.items():
         if t >= limits.vocab_size:
-            raise InvalidArgument(f"sampling.logit_bias: token id {t} is not below the vocabulary size "
-                                  f"{limits.vocab_size}")
+            raise InvalidArgument(
+                f"sampling.logit_bias: token id {t} is not below the vocabulary size {limits.vocab_size}"
+            )
         if not (math.isfinite(b) and -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS):
-            raise InvalidArgument(f"sampling.logit_bias: the bias of token {t} must be a number in "
-                                  f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}] (got {b})")
+            raise InvalidArgument(
+                f"sampling.logit_bias: the bias of token {t} must be a number in "
+                f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}] (got {b})"
+            )
     if s.HasField("n") and not 1 <= s.n <= caps.max_n:
         raise InvalidArgument(f"sampling.n: must be in [1, {caps.max_n}] (got {s.n}; --max-n)")
     for name in ("logprobs", "prompt_logprobs"):
         if s.HasField(name) and getattr(s, name) > caps.max_logprobs:
-            raise InvalidArgument(f"sampling.{name}: {getattr(s, name)} is more than the {caps.max_logprobs} "
-                                  f"allowed (--max-logprobs)")
+            raise InvalidArgument(
+                f"sampling.{name}: {getattr(s, name)} is more than the {caps.max_logprobs} allowed (--max-logprobs)"
+            )
 
 
 def check_length(kind: str, num_prompt: int, params: Params, limits: Limits) -> None:
@@ -224,13 +242,14 @@ def check_length(kind: str, num_prompt: int, params: Params, limits: Limits) -> 
     if num_prompt == 0:
         raise InvalidArgument(f"{kind}: tokenizes to no tokens")
     if num_prompt >= limits.max_model_len:
-        raise InvalidArgument(
-            f"{kind}: {num_prompt} tokens, but the model's context is {limits.max_model_len} tokens"
-        )
+        raise InvalidArgument(f"{kind}: {num_prompt} tokens, but the model's context is {limits.max_model_len} tokens")
+
     def need(max_len: int) -> int:
         return -(-min(num_prompt + params.max_tokens, max_len) // limits.block_size)
 
     if not any(need(max_len) <= blocks and num_prompt < max_len for blocks, max_len in limits.pools):
         largest = max(blocks for blocks, _ in limits.pools)
-        raise OverCapacity(f"prompt + sampling.max_tokens need {need(limits.max_model_len)} KV blocks; the largest "
-                           f"executor pool has {largest}")
+        raise OverCapacity(
+            f"prompt + sampling.max_tokens need {need(limits.max_model_len)} KV blocks; the largest "
+            f"executor pool has {largest}"
+        )

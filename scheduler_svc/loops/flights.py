@@ -144,8 +144,9 @@ class StreamChannel:
     def __init__(self, channel: grpc.aio.Channel, timeout: float) -> None:
         self.timeout = timeout
         self._out: asyncio.Queue[bytes | None] = asyncio.Queue()
-        self._call = channel.stream_stream(STEPS_METHOD, request_serializer=None,
-                                           response_deserializer=None)(self._plans())
+        self._call = channel.stream_stream(STEPS_METHOD, request_serializer=None, response_deserializer=None)(
+            self._plans()
+        )
 
     async def _plans(self):  # type: ignore[no-untyped-def]
         while (data := await self._out.get()) is not None:

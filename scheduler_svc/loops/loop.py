@@ -143,8 +143,9 @@ class Loop:
                 # own, after a failure the loop did not see, or a newer leader's); the reload finds out.
                 # FAILED_PRECONDITION (a table the executor lacks, or a newer epoch there) heals
                 # here: the reload starts a fresh PlanBuilder, which sends every table in full.
-                self.log.warning("executor %s refused a plan (%s: %s); reloading", self.executor, exc.code().name,
-                            exc.details())
+                self.log.warning(
+                    "executor %s refused a plan (%s: %s); reloading", self.executor, exc.code().name, exc.details()
+                )
                 rejected = self._in_flight if exc.code() == grpc.StatusCode.INVALID_ARGUMENT else []
             except UNAVAILABLE as exc:
                 self.log.warning("redis unavailable (%s); retrying", exc)
@@ -177,16 +178,34 @@ class Loop:
                 self.log.error("aborting %s: the executor rejected its step", rid)
         ops = writer.reset_ops(totals, info.block_size, max(applied, snap.seq)) if restored.reset else []
         if restored.reset and snap.requests:
-            self.log.warning("executor %s: pool state unusable (the executor ran plans up to write %d, Redis has %d); "
-                        "%d requests recompute", self.executor, applied, snap.seq, len(snap.requests))
+            self.log.warning(
+                "executor %s: pool state unusable (the executor ran plans up to write %d, Redis has %d); "
+                "%d requests recompute",
+                self.executor,
+                applied,
+                snap.seq,
+                len(snap.requests),
+            )
         self._published = None
         ops += writer.ops(sched.take_record(), sched.blocks.is_free, self._view(sched))
         seq = await self.store.apply(self.executor, self.epoch, snap.seq, ops)
-        self.log.info("executor %s: restored %d live requests; device blocks free %d/%d", self.executor,
-                 len(sched.requests), sched.blocks.num_free(DEVICE), sched.blocks.total(DEVICE))
+        self.log.info(
+            "executor %s: restored %d live requests; device blocks free %d/%d",
+            self.executor,
+            len(sched.requests),
+            sched.blocks.num_free(DEVICE),
+            sched.blocks.total(DEVICE),
+        )
         self._close()
-        self.s = Session(sched, writer, PlanBuilder(self.epoch, self.executor), cursor, seq,
-                         pipe=Pipeline(2 if self.pipelined else 1), channel=self._open())
+        self.s = Session(
+            sched,
+            writer,
+            PlanBuilder(self.epoch, self.executor),
+            cursor,
+            seq,
+            pipe=Pipeline(2 if self.pipelined else 1),
+            channel=self._open(),
+        )
 
     def _open(self) -> UnaryChannel | StreamChannel:
         if self.pipelined:
@@ -214,14 +233,19 @@ class Loop:
         if not candidates:
             return [], False
         views[self.executor] = sched.view(self.executor, True)
-        picks = placement.pick(candidates, self.executor, views, policy=self.config.policy, seats=seats,
-                               budget=tokens)
-        self.log.debug("executor %s: %d queued, views %s, picks %s", self.executor, len(candidates), views,
-                  [c.request_id for c in picks])
+        picks = placement.pick(candidates, self.executor, views, policy=self.config.policy, seats=seats, budget=tokens)
+        self.log.debug(
+            "executor %s: %d queued, views %s, picks %s",
+            self.executor,
+            len(candidates),
+            views,
+            [c.request_id for c in picks],
+        )
         if not picks:
             return [], False
-        claimed = await timer.redis_call(self.store.claim(self.executor, self.epoch, self.s.seq,
-                                                          [c.queue_key for c in picks]))
+        claimed = await timer.redis_call(
+            self.store.claim(self.executor, self.epoch, self.s.seq, [c.queue_key for c in picks])
+        )
         self.s.seq += 1
         self.placements.claimed(claimed)
         return [(c.req, c.cancel) for c in claimed], len(claimed) < len(picks)
@@ -256,8 +280,9 @@ class Loop:
             if member.evacuate_at_ms and now_ms() >= member.evacuate_at_ms and sched.requests:
                 hold = bool(s.pipe)  # requests leave with nothing in flight: first take what is
                 if not hold:
-                    self.log.warning("executor %s: drain deadline; moving %d requests elsewhere", self.executor,
-                                     len(sched.requests))
+                    self.log.warning(
+                        "executor %s: drain deadline; moving %d requests elsewhere", self.executor, len(sched.requests)
+                    )
                     sched.evacuate()
         else:
             claimed, s.retry = await self._claim(sched, timer)
@@ -358,8 +383,9 @@ class Loop:
             return False
         return info.instance_id == self.executor and info.state != "failed"
 
-    def _log_step(self, sched: Scheduler, done: tuple[Flight, pb.StepResult], queued: int,
-                  timer: steplog.Timer) -> None:
+    def _log_step(
+        self, sched: Scheduler, done: tuple[Flight, pb.StepResult], queued: int, timer: steplog.Timer
+    ) -> None:
         assert self.step_log is not None
         steplog.write(self.step_log, steplog.stats(self.executor, sched, *done, queued, timer, len(self.s.pipe)))
 

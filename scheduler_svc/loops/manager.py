@@ -48,11 +48,24 @@ class Led:
 
 
 class Manager:
-    def __init__(self, store: RedisStore, registry: Registry, config: SchedulerConfig, replica: str, *,
-                 lease_ms: int = 10_000, static: list[str] | None = None, executor_timeout: float = 60.0,
-                 detach_timeout: float = DETACH_TIMEOUT_S, step_log: TextIO | None = None,
-                 metrics: LoopMetrics | None = None, namespace_metrics: NamespaceMetrics | None = None,
-                 tracer: Tracer | None = None, dial: DialFn = insecure, async_scheduling: bool = False) -> None:
+    def __init__(
+        self,
+        store: RedisStore,
+        registry: Registry,
+        config: SchedulerConfig,
+        replica: str,
+        *,
+        lease_ms: int = 10_000,
+        static: list[str] | None = None,
+        executor_timeout: float = 60.0,
+        detach_timeout: float = DETACH_TIMEOUT_S,
+        step_log: TextIO | None = None,
+        metrics: LoopMetrics | None = None,
+        namespace_metrics: NamespaceMetrics | None = None,
+        tracer: Tracer | None = None,
+        dial: DialFn = insecure,
+        async_scheduling: bool = False,
+    ) -> None:
         """``dial``: a channel to an executor's address (``pagedserve.security.Dialer.channel``:
         TLS and the internal token as configured). ``async_scheduling``: loops plan a step ahead
         (``scheduler_svc.loops.flights``) wherever the executor serves ``Steps``."""
@@ -92,8 +105,12 @@ class Manager:
         view = await self.registry.read()
         for eid in view.dead:
             requeued = await self.store.reap(eid)
-            log.warning("executor %s stopped heartbeating: reaped, %d requests back in the queue", eid, requeued,
-                        extra={"executor": eid})
+            log.warning(
+                "executor %s stopped heartbeating: reaped, %d requests back in the queue",
+                eid,
+                requeued,
+                extra={"executor": eid},
+            )
         await self._fix_identity(view)
         self.members = {m.instance_id: m for m in view.compatible()}
         await self._keep()
@@ -117,8 +134,9 @@ class Manager:
         """Requests no stream has held for the detach timeout: nobody is waiting for them."""
         for rid in await self.store.detached(self.detach_ms):
             if await self.store.cancel(rid, Finish.ABORT):
-                log.info("%s: no stream attached for %.0f s; aborted", rid, self.detach_ms / 1000,
-                         extra={"request_id": rid})
+                log.info(
+                    "%s: no stream attached for %.0f s; aborted", rid, self.detach_ms / 1000, extra={"request_id": rid}
+                )
 
     async def _fix_identity(self, view: ClusterView) -> None:
         if not view.identity and view.members:
@@ -174,20 +192,33 @@ class Manager:
         try:
             info = await stub.Info(pb.InfoRequest(omit_tokenizer_files=True), timeout=INFO_TIMEOUT_S)
         except grpc.aio.AioRpcError as exc:
-            log.warning("executor %s at %s does not answer (%s); not leading it yet", m.instance_id, m.address,
-                        exc.code().name)
+            log.warning(
+                "executor %s at %s does not answer (%s); not leading it yet", m.instance_id, m.address, exc.code().name
+            )
             info = None
         if info is None or info.instance_id != m.instance_id:
             await channel.close()
             await self.store.release(m.instance_id, self.replica)
             return False
         stop = asyncio.Event()
-        loop = Loop(self.store, info, stub, self.config, epoch, lambda: self.members.get(m.instance_id),
-                    executor_timeout=self.executor_timeout, step_log=self.step_log, metrics=self.metrics,
-                    tracer=self.tracer, channel=channel, async_scheduling=self.async_scheduling)
+        loop = Loop(
+            self.store,
+            info,
+            stub,
+            self.config,
+            epoch,
+            lambda: self.members.get(m.instance_id),
+            executor_timeout=self.executor_timeout,
+            step_log=self.step_log,
+            metrics=self.metrics,
+            tracer=self.tracer,
+            channel=channel,
+            async_scheduling=self.async_scheduling,
+        )
         log.info("replica %s leads executor %s at %s (epoch %d)", self.replica, m.instance_id, m.address, epoch)
-        self.loops[m.instance_id] = Led(asyncio.create_task(loop.lead(stop)), stop, channel,
-                                        asyncio.create_task(self._renew(m.instance_id, stop)))
+        self.loops[m.instance_id] = Led(
+            asyncio.create_task(loop.lead(stop)), stop, channel, asyncio.create_task(self._renew(m.instance_id, stop))
+        )
         return True
 
     async def _drop(self, eid: str) -> None:
@@ -210,8 +241,9 @@ class Manager:
                 info = await stub.Info(pb.InfoRequest(omit_tokenizer_files=True), timeout=INFO_TIMEOUT_S)
                 if await self.registry.register(Member.from_info(info, address, static=True), self.lease_ms) is None:
                     # Evicted after a failed step, but still up: it comes back as a new instance.
-                    info = await stub.Info(pb.InfoRequest(renew_instance=True, omit_tokenizer_files=True),
-                                           timeout=INFO_TIMEOUT_S)
+                    info = await stub.Info(
+                        pb.InfoRequest(renew_instance=True, omit_tokenizer_files=True), timeout=INFO_TIMEOUT_S
+                    )
                     await self.registry.register(Member.from_info(info, address, static=True), self.lease_ms)
             except grpc.aio.AioRpcError as exc:
                 log.debug("static executor %s does not answer: %s", address, exc.code().name)

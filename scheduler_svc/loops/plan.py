@@ -35,8 +35,9 @@ def needs_history(params: Params) -> bool:
 def sampling_of(p: Params) -> pb.Sampling:
     """The executor's view of ``p`` that holds for every step (built once per request); the options
     a request leaves unset cost nothing on the wire."""
-    out = pb.Sampling(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, has_seed=p.seed is not None,
-                      seed=p.seed or 0)
+    out = pb.Sampling(
+        temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, has_seed=p.seed is not None, seed=p.seed or 0
+    )
     if p.min_p or p.penalized:
         out.min_p, out.presence_penalty, out.frequency_penalty = p.min_p, p.presence_penalty, p.frequency_penalty
         out.repetition_penalty = p.repetition_penalty
@@ -62,12 +63,16 @@ def for_chunk(base: pb.Sampling, req: Request, s: Scheduled, generated: int) -> 
     out = pb.Sampling()
     out.CopyFrom(base)
     if masks:
-        out.min_tokens.CopyFrom(pb.MinTokens(count=p.min_tokens, stop_token_ids=p.stop_token_ids,
-                                             include_eos=not p.ignore_eos))
+        out.min_tokens.CopyFrom(
+            pb.MinTokens(count=p.min_tokens, stop_token_ids=p.stop_token_ids, include_eos=not p.ignore_eos)
+        )
     if prompt:
         end = s.start + s.num_tokens
-        out.prompt_logprobs.CopyFrom(pb.PromptLogprobs(top=p.prompt_logprobs, has_next=end < plen,
-                                                       next_token=req.prompt_ids[end] if end < plen else 0))
+        out.prompt_logprobs.CopyFrom(
+            pb.PromptLogprobs(
+                top=p.prompt_logprobs, has_next=end < plen, next_token=req.prompt_ids[end] if end < plen else 0
+            )
+        )
     return out
 
 
@@ -110,9 +115,17 @@ class PlanBuilder:
         for rid in forget:
             self._sent.pop(rid, None)
             self._sampling.pop(rid, None)
-        plan = pb.StepPlan(step_id=step_id, swap_out=_moves(out.swap_out), swap_in=_moves(out.swap_in),
-                           copies=_moves(out.copies), forget=forget, reset_tables=self._first, epoch=self.epoch,
-                           instance_id=self.instance_id, seq=seq)
+        plan = pb.StepPlan(
+            step_id=step_id,
+            swap_out=_moves(out.swap_out),
+            swap_in=_moves(out.swap_in),
+            copies=_moves(out.copies),
+            forget=forget,
+            reset_tables=self._first,
+            epoch=self.epoch,
+            instance_id=self.instance_id,
+            seq=seq,
+        )
         add = plan.seqs.add
         for s in out.scheduled:
             req = s.req
@@ -127,9 +140,15 @@ class PlanBuilder:
             if unreported > 1:
                 raise ValueError(f"{rid}: {unreported} unreported tokens in one plan (at most one)")
             generated = len(req.output_ids) + req.num_unreported
-            seq_pb = add(request_id=rid, start_pos=s.start, sampling=for_chunk(sampling, req, s, generated),
-                         sample=s.samples, num_generated=generated, full_table=known is None,
-                         from_last_sample=unreported == 1)
+            seq_pb = add(
+                request_id=rid,
+                start_pos=s.start,
+                sampling=for_chunk(sampling, req, s, generated),
+                sample=s.samples,
+                num_generated=generated,
+                full_table=known is None,
+                from_last_sample=unreported == 1,
+            )
             # Empty repeated fields cost as much as the rest of the message: filled only when there is something.
             if unreported < 1 or s.num_tokens > 1:
                 seq_pb.token_ids.extend(req.tokens(s.start, min(end, req.num_known)))

@@ -42,8 +42,9 @@ async def run_loops(args: argparse.Namespace) -> None:
     """The scheduling loops alone: lead this replica's share of the executors."""
     await require_redis(args.redis_url)  # wrong or missing credentials: one clear line, exit 2
     # Each loop holds a connection while it waits on the doorbell stream.
-    pool = aioredis.BlockingConnectionPool.from_url(args.redis_url, max_connections=256, timeout=None,
-                                                     decode_responses=True)
+    pool = aioredis.BlockingConnectionPool.from_url(
+        args.redis_url, max_connections=256, timeout=None, decode_responses=True
+    )
     client = aioredis.Redis.from_pool(pool)
     keys = Keys(args.namespace)
     step_log = open(args.step_log, "a") if args.step_log else None  # noqa: SIM115 - lives as long as the loops
@@ -51,12 +52,22 @@ async def run_loops(args: argparse.Namespace) -> None:
     registry = CollectorRegistry()
     metrics.serve(args.metrics_port, registry, args.metrics_host)
     traces = tracing.setup("scheduler_svc", args.otlp_traces_endpoint)
-    manager = Manager(RedisStore(client, args.namespace, args.result_ttl), Registry(client, keys),
-                      _scheduler_config(args), replica, lease_ms=args.lease_ms, static=args.executor,
-                      executor_timeout=args.executor_timeout, detach_timeout=args.detach_timeout, step_log=step_log,
-                      metrics=LoopMetrics(registry), namespace_metrics=NamespaceMetrics(registry),
-                      tracer=traces.tracer if traces else None, dial=args.dialer.channel,
-                      async_scheduling=args.async_scheduling)
+    manager = Manager(
+        RedisStore(client, args.namespace, args.result_ttl),
+        Registry(client, keys),
+        _scheduler_config(args),
+        replica,
+        lease_ms=args.lease_ms,
+        static=args.executor,
+        executor_timeout=args.executor_timeout,
+        detach_timeout=args.detach_timeout,
+        step_log=step_log,
+        metrics=LoopMetrics(registry),
+        namespace_metrics=NamespaceMetrics(registry),
+        tracer=traces.tracer if traces else None,
+        dial=args.dialer.channel,
+        async_scheduling=args.async_scheduling,
+    )
     stop = await rpc.stop_on_signals()
     reload_on_sighup([args.internal_token])
     heap.settle()  # keep the collector off the loops' turns

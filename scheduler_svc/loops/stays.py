@@ -33,8 +33,9 @@ class _Stay:
 
 
 class Placements:
-    def __init__(self, executor: str, model: str, metrics: LoopMetrics | None = None,
-                 tracer: Tracer | None = None) -> None:
+    def __init__(
+        self, executor: str, model: str, metrics: LoopMetrics | None = None, tracer: Tracer | None = None
+    ) -> None:
         self.executor = executor
         self.model = model
         self.metrics = metrics
@@ -71,11 +72,18 @@ class Placements:
             if (stay := self._stays.get(rid)) is not None:
                 stay.tokens += len(toks)
         for req in rec.finished:
-            self._leave(req.request_id, now, {"pagedserve.finish_reason": str(req.finish_reason or "abort"),
-                                             "pagedserve.preemptions": req.num_preemptions})
+            self._leave(
+                req.request_id,
+                now,
+                {
+                    "pagedserve.finish_reason": str(req.finish_reason or "abort"),
+                    "pagedserve.preemptions": req.num_preemptions,
+                },
+            )
         for req in rec.requeued:
-            self._leave(req.request_id, now, {"pagedserve.outcome": "requeued",
-                                             "pagedserve.preemptions": req.num_preemptions})
+            self._leave(
+                req.request_id, now, {"pagedserve.outcome": "requeued", "pagedserve.preemptions": req.num_preemptions}
+            )
 
     def _leave(self, rid: str, now: int, attrs: dict[str, object]) -> None:
         stay = self._stays.pop(rid, None)
@@ -86,7 +94,10 @@ class Placements:
     def _span(self, name: str, rid: str, stay: _Stay, start_ns: int, end_ns: int, attrs: dict[str, object]) -> None:
         if self.tracer is None or not stay.traceparent:
             return
-        span = self.tracer.start_span(name, context=parent(stay.traceparent), start_time=start_ns,
-                                      attributes={"pagedserve.request_id": rid, "pagedserve.executor": self.executor,
-                                                  **attrs})
+        span = self.tracer.start_span(
+            name,
+            context=parent(stay.traceparent),
+            start_time=start_ns,
+            attributes={"pagedserve.request_id": rid, "pagedserve.executor": self.executor, **attrs},
+        )
         span.end(end_time=end_ns)

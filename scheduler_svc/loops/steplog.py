@@ -80,8 +80,9 @@ class Timer:
         self.total = (time.perf_counter() - self.t0) * 1e3
 
 
-def stats(executor: str, sched: Scheduler, flight: Flight, result: pb.StepResult, queued: int, timer: Timer,
-          in_flight: int) -> StepStats:
+def stats(
+    executor: str, sched: Scheduler, flight: Flight, result: pb.StepResult, queued: int, timer: Timer, in_flight: int
+) -> StepStats:
     """The line for ``flight``'s reported ``result``, from the turn that took it (``timer``) and the
     scheduler's state after it; ``queued``: the shared queue's length, ``in_flight``: plans still out."""
     bm = sched.blocks

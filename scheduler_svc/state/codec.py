@@ -31,9 +31,15 @@ _ARGS = 4000  # Lua's unpack() limit is ~8000; stay well below
 def spec_json(req: Request, stop: list[str]) -> str:
     """The immutable part of a request."""
     p = req.params
-    params: dict[str, object] = {"max_tokens": p.max_tokens, "temperature": p.temperature, "top_p": p.top_p,
-                                 "top_k": p.top_k, "seed": p.seed, "stop_token_ids": list(p.stop_token_ids),
-                                 "ignore_eos": p.ignore_eos}
+    params: dict[str, object] = {
+        "max_tokens": p.max_tokens,
+        "temperature": p.temperature,
+        "top_p": p.top_p,
+        "top_k": p.top_k,
+        "seed": p.seed,
+        "stop_token_ids": list(p.stop_token_ids),
+        "ignore_eos": p.ignore_eos,
+    }
     # The newer options only when set: a spec keeps the shape older replicas read.
     params.update({k: getattr(p, k) for k, default in _EXTRA_DEFAULTS.items() if getattr(p, k) != default})
     if p.logit_bias:
@@ -46,9 +52,16 @@ def spec_json(req: Request, stop: list[str]) -> str:
     return json.dumps({"prompt": req.prompt_ids, "priority": req.priority, "stop": stop, **extra, "params": params})
 
 
-_EXTRA_DEFAULTS: dict[str, object] = {"min_p": 0.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
-                                      "repetition_penalty": 1.0, "min_tokens": 0, "logprobs": None,
-                                      "prompt_logprobs": None, "n": 1}
+_EXTRA_DEFAULTS: dict[str, object] = {
+    "min_p": 0.0,
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+    "repetition_penalty": 1.0,
+    "min_tokens": 0,
+    "logprobs": None,
+    "prompt_logprobs": None,
+    "n": 1,
+}
 
 
 def request_from(request_id: str, fields: dict[str, str], output: list[str], computed: int = 0) -> Request:
@@ -127,8 +140,15 @@ def candidate_from(row: list[str]) -> Candidate:
     """A row of the peek script: queue key, prompt length, max_tokens, priority, tokens generated, and
     the prefix hits per executor (``hits_from``)."""
     qk, plen, maxt, prio, nout, *rest = row
-    return Candidate(qk, request_id_of(qk), int(plen), int(plen) + int(nout), int(maxt), int(prio),
-                     hits_from(rest[0] if rest else ""))
+    return Candidate(
+        qk,
+        request_id_of(qk),
+        int(plen),
+        int(plen) + int(nout),
+        int(maxt),
+        int(prio),
+        hits_from(rest[0] if rest else ""),
+    )
 
 
 # -- events ---------------------------------------------------------------------
@@ -152,17 +172,22 @@ class Event:
         if self.logprobs:
             d["l"] = self.logprobs
         if self.finished:
-            d["f"] = {rid: [reason, n, *([self.cached[rid]] if self.cached.get(rid) else [])]
-                      for rid, (reason, n) in self.finished.items()}
+            d["f"] = {
+                rid: [reason, n, *([self.cached[rid]] if self.cached.get(rid) else [])]
+                for rid, (reason, n) in self.finished.items()
+            }
         return json.dumps(d, separators=(",", ":"))
 
     @classmethod
     def decode(cls, data: str) -> Event:
         d = json.loads(data)
         finished = d.get("f", {})
-        return cls({rid: (v[0], v[1:]) for rid, v in d.get("t", {}).items()},
-                   {rid: (v[0], int(v[1])) for rid, v in finished.items()}, d.get("l", {}),
-                   {rid: int(v[2]) for rid, v in finished.items() if len(v) > 2})
+        return cls(
+            {rid: (v[0], v[1:]) for rid, v in d.get("t", {}).items()},
+            {rid: (v[0], int(v[1])) for rid, v in finished.items()},
+            d.get("l", {}),
+            {rid: int(v[2]) for rid, v in finished.items() if len(v) > 2},
+        )
 
     def __bool__(self) -> bool:
         return bool(self.tokens or self.finished)
@@ -191,17 +216,38 @@ def entry_json(entry: object) -> str:
 
 
 def view_json(v: PoolView) -> str:
-    return json.dumps({"serving": v.serving, "block_size": v.block_size, "blocks": v.blocks, "free": v.free,
-                       "running": v.running, "swapped": v.swapped, "max_model_len": v.max_model_len,
-                       "max_num_seqs": v.max_num_seqs, "watermark": v.watermark,
-                       "held": {str(p): n for p, n in v.held.items()}}, separators=(",", ":"))
+    return json.dumps(
+        {
+            "serving": v.serving,
+            "block_size": v.block_size,
+            "blocks": v.blocks,
+            "free": v.free,
+            "running": v.running,
+            "swapped": v.swapped,
+            "max_model_len": v.max_model_len,
+            "max_num_seqs": v.max_num_seqs,
+            "watermark": v.watermark,
+            "held": {str(p): n for p, n in v.held.items()},
+        },
+        separators=(",", ":"),
+    )
 
 
 def view_from(executor: str, data: str) -> PoolView:
     d = json.loads(data)
-    return PoolView(executor, d["serving"], d["block_size"], tuple(d["blocks"]), tuple(d["free"]), d["running"],
-                    d["swapped"], d["max_model_len"], d["max_num_seqs"], d["watermark"],
-                    {int(p): n for p, n in d["held"].items()})
+    return PoolView(
+        executor,
+        d["serving"],
+        d["block_size"],
+        tuple(d["blocks"]),
+        tuple(d["free"]),
+        d["running"],
+        d["swapped"],
+        d["max_model_len"],
+        d["max_num_seqs"],
+        d["watermark"],
+        {int(p): n for p, n in d["held"].items()},
+    )
 
 
 # -- one step's commit ------------------------------------------------------------
@@ -253,9 +299,11 @@ class CommitWriter:
     def reset_ops(self, totals: tuple[int, ...], block_size: int, seq: int) -> list[list[str]]:
         """Bind the state to a fresh pool: every block free, nothing computed; the write
         sequence goes to ``seq`` (at least what the executor has executed)."""
-        ops: list[list[str]] = [["DEL", self.x.pool, self.x.computed, self.x.cache, self.x.lru, self.x.hashes],
-                                ["HSET", self.x.pool, "blocks", ",".join(map(str, totals)), "block_size",
-                                 str(block_size)], ["SET", self.x.seq, str(seq)]]
+        ops: list[list[str]] = [
+            ["DEL", self.x.pool, self.x.computed, self.x.cache, self.x.lru, self.x.hashes],
+            ["HSET", self.x.pool, "blocks", ",".join(map(str, totals)), "block_size", str(block_size)],
+            ["SET", self.x.seq, str(seq)],
+        ]
         return ops + [[FILL, self.x.free(tier), str(total)] for tier, total in zip(TIERS, totals)]
 
     def _blocks(self, rec: StepRecord, is_free: object) -> list[list[str]]:
@@ -289,10 +337,24 @@ class CommitWriter:
             if self._saved.get(rid) == sig:
                 continue
             self._saved[rid] = sig
-            ops.append(["HSET", self.k.req(rid), "status", req.status.value, "executor", self.executor,
-                        "blocks", ",".join(map(str, req.blocks)),
-                        "swap", ",".join(f"{int(t)}:{b}" for t, b in req.swap_blocks),
-                        "preemptions", str(req.num_preemptions), "cached", str(req.num_cached)])
+            ops.append(
+                [
+                    "HSET",
+                    self.k.req(rid),
+                    "status",
+                    req.status.value,
+                    "executor",
+                    self.executor,
+                    "blocks",
+                    ",".join(map(str, req.blocks)),
+                    "swap",
+                    ",".join(f"{int(t)}:{b}" for t, b in req.swap_blocks),
+                    "preemptions",
+                    str(req.num_preemptions),
+                    "cached",
+                    str(req.num_cached),
+                ]
+            )
         if computed:
             ops += _chunks("HSET", self.x.computed, computed)
         return ops
@@ -303,30 +365,76 @@ class CommitWriter:
             rid = req.request_id
             self._saved.pop(rid, None)
             score, member = queue_entry(req.arrival, rid, req.priority, self.policy)
-            ops += [["HSET", self.k.req(rid), "status", Status.WAITING.value, "executor", "", "blocks", "", "swap", "",
-                     "preemptions", str(req.num_preemptions)],
-                    ["SREM", self.x.live, rid], ["HDEL", self.x.computed, rid],
-                    ["ZADD", self.k.queue, repr(score), member]]
+            ops += [
+                [
+                    "HSET",
+                    self.k.req(rid),
+                    "status",
+                    Status.WAITING.value,
+                    "executor",
+                    "",
+                    "blocks",
+                    "",
+                    "swap",
+                    "",
+                    "preemptions",
+                    str(req.num_preemptions),
+                ],
+                ["SREM", self.x.live, rid],
+                ["HDEL", self.x.computed, rid],
+                ["ZADD", self.k.queue, repr(score), member],
+            ]
         for req in rec.finished:
             rid = req.request_id
             self._saved.pop(rid, None)
-            ops += [["HSET", self.k.req(rid), "status", Status.FINISHED.value, "executor", self.executor,
-                     "finish_reason", (req.finish_reason or Finish.ABORT).value, "blocks", "", "swap", "",
-                     "cached", str(req.num_cached)],
-                    ["SREM", self.x.live, rid], ["SREM", self.k.live, rid], ["HDEL", self.x.computed, rid],
-                    ["ZREM", self.k.attached, rid],
-                    ["EXPIRE", self.k.req(rid), self.result_ttl], ["EXPIRE", self.k.out(rid), self.result_ttl]]
+            ops += [
+                [
+                    "HSET",
+                    self.k.req(rid),
+                    "status",
+                    Status.FINISHED.value,
+                    "executor",
+                    self.executor,
+                    "finish_reason",
+                    (req.finish_reason or Finish.ABORT).value,
+                    "blocks",
+                    "",
+                    "swap",
+                    "",
+                    "cached",
+                    str(req.num_cached),
+                ],
+                ["SREM", self.x.live, rid],
+                ["SREM", self.k.live, rid],
+                ["HDEL", self.x.computed, rid],
+                ["ZREM", self.k.attached, rid],
+                ["EXPIRE", self.k.req(rid), self.result_ttl],
+                ["EXPIRE", self.k.out(rid), self.result_ttl],
+            ]
             if req.params.logprobs is not None:
                 ops.append(["EXPIRE", self.k.logprobs(rid), self.result_ttl])
             if req.params.prompt_logprobs is not None:
                 ops.append(["EXPIRE", self.k.prompt_logprobs(rid), self.result_ttl])
         if rec.requeued:
-            ops.append(["XADD", self.k.incoming, "MAXLEN", "~", "10000", "*", "op", "requeue", "id",
-                        rec.requeued[0].request_id])
+            ops.append(
+                [
+                    "XADD",
+                    self.k.incoming,
+                    "MAXLEN",
+                    "~",
+                    "10000",
+                    "*",
+                    "op",
+                    "requeue",
+                    "id",
+                    rec.requeued[0].request_id,
+                ]
+            )
         return ops
 
-    def ops(self, rec: StepRecord, is_free: object, view: PoolView | None = None,
-            in_flight: dict[str, int] | None = None) -> list[list[str]]:
+    def ops(
+        self, rec: StepRecord, is_free: object, view: PoolView | None = None, in_flight: dict[str, int] | None = None
+    ) -> list[list[str]]:
         """Everything ``rec`` changed; ``is_free(tier, block)`` is the block manager's.
         ``view``: this pool's usage for placement, written when given. ``in_flight``: the
         requests of a launched plan whose result is not in, with its first position: what
@@ -337,8 +445,11 @@ class CommitWriter:
         for rid, entries in rec.logprobs.items():
             ops.append(["RPUSH", self.k.logprobs(rid), *map(entry_json, entries)])
         for rid, by_pos in rec.prompt_logprobs.items():
-            ops += _chunks("HSET", self.k.prompt_logprobs(rid),
-                           [x for pos, e in sorted(by_pos.items()) for x in (str(pos), entry_json(e))])
+            ops += _chunks(
+                "HSET",
+                self.k.prompt_logprobs(rid),
+                [x for pos, e in sorted(by_pos.items()) for x in (str(pos), entry_json(e))],
+            )
         ops += self._leaving(rec)
         event = event_of(rec)
         if event:

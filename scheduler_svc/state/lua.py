@@ -23,7 +23,9 @@ local seq = redis.call('INCR', seq_key)
 """
 
 # A step's commands (codec.CommitWriter), plus two bitmap operations of the codec's.
-APPLY = FENCE + """
+APPLY = (
+    FENCE
+    + """
 local ops = cjson.decode(ARGV[3])
 for i = 1, #ops do
   local op = ops[i]
@@ -45,6 +47,7 @@ for i = 1, #ops do
 end
 return redis.call('GET', seq_key)
 """
+)
 
 # One executor's pool as its last commit left it: pool hash, free bitmaps, live set,
 # computed counts, write sequence, prefix cache (block -> hash, evictable block -> LRU
@@ -132,7 +135,9 @@ end
 
 # A frontend ends a request (abort, or a stop string it saw). Queued: finished
 # here. Placed: the flag stays on the request and its loop is rung.
-CANCEL = FINISH_QUEUED + """
+CANCEL = (
+    FINISH_QUEUED
+    + """
 local p, rid, reason = ARGV[1], ARGV[2], ARGV[3]
 local rk = p .. 'req:' .. rid
 local f = redis.call('HMGET', rk, 'status', 'qk')
@@ -148,13 +153,16 @@ else
 end
 return 1
 """
+)
 
 # A request's queue deadline (field 'dl', ms) may have passed: if it is in the shared
 # queue and has not started (core/deadline.py), it finishes here with 'deadline'.
 # Returns 1 if it expired now, 0 if it never will (finished, started, no deadline),
 # 2 if not yet, or if a loop holds it (claimed, running, swapped): that loop expires
 # what it holds, and the caller asks again a little later.
-EXPIRE = FINISH_QUEUED + """
+EXPIRE = (
+    FINISH_QUEUED
+    + """
 local p, rid, now = ARGV[1], ARGV[2], tonumber(ARGV[3])
 local rk = p .. 'req:' .. rid
 local f = redis.call('HMGET', rk, 'status', 'qk', 'dl', 'executor')
@@ -172,6 +180,7 @@ if f[1] == 'waiting' and (f[4] or '') == '' and redis.call('ZREM', p .. 'queue',
 end
 return 2
 """
+)
 
 # Streams hold these requests now: refresh their attachment. Returns the ids
 # Redis does not know (lost in a rollback after a crash): their frontend submits
@@ -225,7 +234,9 @@ return out
 # A loop takes queued requests for its executor: each lands on exactly one
 # executor, and the queued completions of a parallel-sampling group ('grp', 'gn':
 # ids "<group>#<index>") land together. Nothing is taken for a draining executor.
-CLAIM = FENCE + """
+CLAIM = (
+    FENCE
+    + """
 local p, eid = ARGV[3], ARGV[4]
 local out = {}
 if redis.call('HGET', p .. 'exec:' .. eid, 'state') == 'draining' then
@@ -256,10 +267,13 @@ for i = 5, #ARGV do
 end
 return out
 """
+)
 
 # An executor is gone: fence its loop, send its requests back to the queue (or
 # finish the cancelled ones), forget its pool, and never lead it again.
-REAP = FINISH_QUEUED + """
+REAP = (
+    FINISH_QUEUED
+    + """
 local p, eid, now = ARGV[1], ARGV[2], tonumber(ARGV[4])
 local x = p .. 'x:' .. eid .. ':'
 local requeued = 0
@@ -287,6 +301,7 @@ if requeued > 0 then
 end
 return requeued
 """
+)
 
 # The epoch is the server's clock in microseconds (and above the last one): unlike a
 # counter, it never repeats after a restart that lost the last increments.

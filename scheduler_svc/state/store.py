@@ -33,6 +33,7 @@ UNAVAILABLE = (redis_exceptions.ConnectionError, redis_exceptions.TimeoutError, 
 # replicas' attachments and the loops' reaping of dead replicas both count it (--detach-timeout).
 DETACH_TIMEOUT_S = 30.0
 
+
 class Fenced(RuntimeError):
     """A newer leader holds this executor's lease, or it was reaped: stop writing."""
 
@@ -82,8 +83,9 @@ class Op:
 
 
 class RedisStore:
-    def __init__(self, client: aioredis.Redis, namespace: str = "pagedserve",
-                 result_ttl: int = codec.RESULT_TTL_S) -> None:
+    def __init__(
+        self, client: aioredis.Redis, namespace: str = "pagedserve", result_ttl: int = codec.RESULT_TTL_S
+    ) -> None:
         self.r = client
         self.keys = Keys(namespace)
         self.result_ttl = result_ttl
@@ -101,21 +103,36 @@ class RedisStore:
 
     # -- frontends ------------------------------------------------------------
 
-    async def submit(self, req: Request, stop: list[str], policy: str, trace: str = "",
-                     hashes: list[str] | None = None) -> int:
+    async def submit(
+        self, req: Request, stop: list[str], policy: str, trace: str = "", hashes: list[str] | None = None
+    ) -> int:
         """Persist a new request and queue it; returns its arrival number. ``trace``: the
         ``traceparent`` of its root span, for the loops' spans; ``hashes``: its prompt's block
         hashes (core/prefix.prompt_hashes), for prefix-aware placement."""
         return (await self.admit(req, stop, policy, trace, hashes=hashes)).arrival
 
-    async def admit(self, req: Request, stop: list[str], policy: str, trace: str = "",
-                    max_pending: int = 0, hashes: list[str] | None = None) -> Submitted:
+    async def admit(
+        self,
+        req: Request,
+        stop: list[str],
+        policy: str,
+        trace: str = "",
+        max_pending: int = 0,
+        hashes: list[str] | None = None,
+    ) -> Submitted:
         """``submit``, under admission control: with ``max_pending`` > 0 the request is refused
         (``Overloaded``) while that many requests wait in the namespace's queue."""
         return await self.admit_group([req], stop, policy, trace, max_pending, hashes)
 
-    async def admit_group(self, reqs: list[Request], stop: list[str], policy: str, trace: str = "",
-                          max_pending: int = 0, hashes: list[str] | None = None) -> Submitted:
+    async def admit_group(
+        self,
+        reqs: list[Request],
+        stop: list[str],
+        policy: str,
+        trace: str = "",
+        max_pending: int = 0,
+        hashes: list[str] | None = None,
+    ) -> Submitted:
         """``admit`` the completions of one parallel-sampling group (or one request alone) together:
         all are queued, or none. A group's own id must not be a live request's either."""
         k, head = self.keys, reqs[0]
@@ -123,10 +140,20 @@ class RedisStore:
         # The other name of the request: a group's own id, or the completion 0 a group of this id would have.
         other = k.req(group) if group else k.req(parallel.completion_id(head.request_id, 0))
         keys = [k.arrival, k.queue, k.live, k.incoming, k.attached, k.counters, other]
-        args: list[object] = [len(reqs), max_pending, len(head.prompt_ids), head.params.max_tokens, head.priority,
-                              repr(codec.queue_entry(0, "", head.priority, policy)[0]), now_ms(), trace,
-                              head.deadline_ms or "", group, head.params.n if group else "",
-                              codec.hashes_field(hashes or [])]
+        args: list[object] = [
+            len(reqs),
+            max_pending,
+            len(head.prompt_ids),
+            head.params.max_tokens,
+            head.priority,
+            repr(codec.queue_entry(0, "", head.priority, policy)[0]),
+            now_ms(),
+            trace,
+            head.deadline_ms or "",
+            group,
+            head.params.n if group else "",
+            codec.hashes_field(hashes or []),
+        ]
         for req in reqs:
             rid = req.request_id
             keys += [k.req(rid), k.out(rid), k.logprobs(rid), k.prompt_logprobs(rid)]
@@ -147,14 +174,18 @@ class RedisStore:
 
     async def cancel(self, request_id: str, reason: Finish) -> bool:
         """End a request (``abort`` or ``stop``) wherever it is; False if it is not live."""
-        found = await self._cancel(keys=[self.keys.req(request_id)],
-                                   args=[self.keys.prefix, request_id, reason.value, self.result_ttl])
+        found = await self._cancel(
+            keys=[self.keys.req(request_id)], args=[self.keys.prefix, request_id, reason.value, self.result_ttl]
+        )
         return bool(found)
 
     async def expire(self, request_id: str) -> Expiry:
         """Expire a request whose queue deadline passed, if it is queued and has not started."""
-        return Expiry(await self._expire(keys=[self.keys.req(request_id)],
-                                        args=[self.keys.prefix, request_id, now_ms(), self.result_ttl]))
+        return Expiry(
+            await self._expire(
+                keys=[self.keys.req(request_id)], args=[self.keys.prefix, request_id, now_ms(), self.result_ttl]
+            )
+        )
 
     async def attach(self, request_ids: list[str]) -> list[str]:
         """Streams hold these requests: refresh them; returns those Redis lost (to submit again)."""
@@ -242,8 +273,9 @@ class RedisStore:
         for i, rid in enumerate(ids):
             fields, out = rows[2 * i], rows[2 * i + 1]
             if fields.get("status", "finished") != "finished":
-                requests.append((codec.request_from(rid, fields, out, int(computed.get(rid, 0))),
-                                 codec.cancel_of(fields)))
+                requests.append(
+                    (codec.request_from(rid, fields, out, int(computed.get(rid, 0))), codec.cancel_of(fields))
+                )
         cache = {int(b): bytes.fromhex(h.decode()) for b, h in zip(raw[7][::2], raw[7][1::2])}
         ranks = {int(b): int(float(r)) for b, r in zip(raw[8][::2], raw[8][1::2])}
         return Snapshot(pool, free, requests, int(raw[6]), cache, ranks)
@@ -258,8 +290,11 @@ class RedisStore:
         pipe.xread({self.keys.incoming: after}, block=block_ms, count=1024)
         pipe.zcard(self.keys.queue)
         got, queued = await pipe.execute()
-        return [Op(eid, f["op"], f["id"], Finish(f["reason"]) if f.get("reason") else None)
-                for _, entries in got or [] for eid, f in entries], int(queued)
+        return [
+            Op(eid, f["op"], f["id"], Finish(f["reason"]) if f.get("reason") else None)
+            for _, entries in got or []
+            for eid, f in entries
+        ], int(queued)
 
     async def look(self, depth: int) -> tuple[list[Candidate], dict[str, PoolView]]:
         """The queue's head and every pool's published view, in one round trip."""
@@ -272,29 +307,41 @@ class RedisStore:
     async def claim(self, executor: str, epoch: int, seq: int, queue_keys: list[str]) -> list[codec.Claimed]:
         """Take these queued requests for ``executor`` (a write: ``seq`` + 1); returns those it got."""
         try:
-            rows = await self._claim(keys=[self.keys.executor(executor).epoch],
-                                     args=[str(epoch), str(seq), self.keys.prefix, executor, *queue_keys])
+            rows = await self._claim(
+                keys=[self.keys.executor(executor).epoch],
+                args=[str(epoch), str(seq), self.keys.prefix, executor, *queue_keys],
+            )
         except redis_exceptions.ResponseError as exc:
             raise _fenced(exc) from exc
         out = []
         for rid, flat, output in rows:
             fields = dict(zip(flat[::2], flat[1::2]))
-            out.append(codec.Claimed(codec.request_from(rid, fields, output), codec.cancel_of(fields),
-                                     int(fields.get("ts", 0)), fields.get("tp", "")))
+            out.append(
+                codec.Claimed(
+                    codec.request_from(rid, fields, output),
+                    codec.cancel_of(fields),
+                    int(fields.get("ts", 0)),
+                    fields.get("tp", ""),
+                )
+            )
         return out
 
     async def apply(self, executor: str, epoch: int, seq: int, ops: list[list[str]]) -> int:
         """Run one step's commands, fenced; returns the write sequence after it."""
         try:
-            return int(await self._apply(keys=[self.keys.executor(executor).epoch],
-                                         args=[str(epoch), str(seq), json.dumps(ops)]))
+            return int(
+                await self._apply(
+                    keys=[self.keys.executor(executor).epoch], args=[str(epoch), str(seq), json.dumps(ops)]
+                )
+            )
         except redis_exceptions.ResponseError as exc:
             raise _fenced(exc) from exc
 
     async def reap(self, executor: str) -> int:
         """Forget a dead executor; returns how many of its requests went back to the queue."""
-        return int(await self._reap(keys=[self.keys.evicted],
-                                    args=[self.keys.prefix, executor, self.result_ttl, now_ms()]))
+        return int(
+            await self._reap(keys=[self.keys.evicted], args=[self.keys.prefix, executor, self.result_ttl, now_ms()])
+        )
 
 
 def _text_pairs(flat: list[bytes]) -> dict[str, str]:

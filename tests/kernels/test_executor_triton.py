@@ -27,8 +27,17 @@ def run(engine: Engine, prompts: list[list[int]], steps: int, chunk: int) -> lis
             if len(outs[i]) >= steps:
                 continue
             n = min(chunk, len(toks) - done[i])
-            seqs.append(SeqInput(str(i), toks[done[i]:done[i] + n], done[i], tables[i],
-                                 SamplingParams(temperature=0.0), done[i] + n == len(toks), len(outs[i])))
+            seqs.append(
+                SeqInput(
+                    str(i),
+                    toks[done[i] : done[i] + n],
+                    done[i],
+                    tables[i],
+                    SamplingParams(temperature=0.0),
+                    done[i] + n == len(toks),
+                    len(outs[i]),
+                )
+            )
         if not seqs:
             break
         out = engine.step(StepInput(step_id=step, seqs=seqs))
@@ -44,8 +53,9 @@ def test_triton_path_matches_torch_path(tiny_llama: Path) -> None:
     prompts = [[5 + i for i in range(n)] for n in (7, 16, 23)]
     results = {}
     for backend in ("torch", "triton"):
-        engine = Engine(EngineConfig(model=tiny_llama, kv_cache_memory=1 << 20, attention_backend=backend,
-                                     swap_space=0))
+        engine = Engine(
+            EngineConfig(model=tiny_llama, kv_cache_memory=1 << 20, attention_backend=backend, swap_space=0)
+        )
         assert engine.backend.name == backend
         results[backend] = run(engine, prompts, steps=6, chunk=10)
     assert results["triton"] == results["torch"]

@@ -45,9 +45,7 @@ def test_unified_attention_matches_reference(case):
 def test_unified_attention_small_query_tiles(block_m, tile_n):
     """Prefill chunks spanning several query tiles (and the binary search over
     tiles of many sequences), with key tiles smaller and larger than a block."""
-    batch = paged_batch(
-        [19, 40, 1, 24, 33], [19, 17, 1, 9, 1], block_size=16, heads=4, kv_heads=1, head_dim=64, seed=3
-    )
+    batch = paged_batch([19, 40, 1, 24, 33], [19, 17, 1, 9, 1], block_size=16, heads=4, kv_heads=1, head_dim=64, seed=3)
     out = triton_ops.unified_attention(
         batch.query, batch.key_cache, batch.value_cache, batch.meta, batch.scale, block_m=block_m, tile_n=tile_n
     )

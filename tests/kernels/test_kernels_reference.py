@@ -73,8 +73,9 @@ def test_decodes_are_padded_within_a_length_bucket_only():
     twice the block count of its shortest sequence."""
     seq_lens = [1000, 250, 240, 230, 17, 16]
     block_tables = torch.arange(len(seq_lens) * 63, dtype=torch.int32).view(len(seq_lens), 63)
-    meta = reference.make_metadata(block_tables, torch.arange(len(seq_lens) + 1, dtype=torch.int32),
-                                   torch.tensor(seq_lens, dtype=torch.int32), 16)
+    meta = reference.make_metadata(
+        block_tables, torch.arange(len(seq_lens) + 1, dtype=torch.int32), torch.tensor(seq_lens, dtype=torch.int32), 16
+    )
     groups = reference._groups(meta)
     gathered = sum(len(g.blocks) for g in groups)
     assert len(groups) == 4 and gathered == 63 + 3 * 16 + 2 + 1  # not 6 x 63

@@ -17,8 +17,11 @@ def test_retry_after_is_the_time_to_finish_the_excess_at_the_recent_rate() -> No
     assert retry_after(10, 10, 0.001) == RETRY_AFTER_MAX_S
     for unknown in (None, 0.0, -1.0, float("nan"), float("inf")):
         assert retry_after(10, 10, unknown) == RETRY_AFTER_DEFAULT_S
-    assert all(isinstance(retry_after(q, 3, r), int) and retry_after(q, 3, r) >= 1
-               for q in range(0, 50) for r in (None, 0.01, 0.3, 7.0, 1e6))
+    assert all(
+        isinstance(retry_after(q, 3, r), int) and retry_after(q, 3, r) >= 1
+        for q in range(0, 50)
+        for r in (None, 0.01, 0.3, 7.0, 1e6)
+    )
 
 
 def test_finish_rate_over_the_window() -> None:

@@ -9,8 +9,14 @@ from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig
 
 
 def req(rid: str, deadline: int, status: Status = Status.WAITING, output: int = 0, prompt: int = 8) -> Request:
-    return Request(rid, list(range(10, 10 + prompt)), Params(max_tokens=16), output_ids=[7] * output,
-                   status=status, deadline_ms=deadline)
+    return Request(
+        rid,
+        list(range(10, 10 + prompt)),
+        Params(max_tokens=16),
+        output_ids=[7] * output,
+        status=status,
+        deadline_ms=deadline,
+    )
 
 
 def test_only_requests_that_have_not_started_expire() -> None:

@@ -37,13 +37,16 @@ def ids(tok: object, text: str) -> list[int]:
     return list(tok(text, add_special_tokens=False).input_ids)  # type: ignore[operator]
 
 
-@pytest.mark.parametrize("spec,why", [
-    (("json_schema", '{"type": "objectx"}'), "objectx"),
-    (("json_schema", "{not json"), "not valid JSON"),
-    (("regex", "a(b"), "parenthesis"),
-    (("ebnf", "root ::= foo"), "foo"),
-    (("yaml", "a: 1"), "unknown grammar kind"),
-])
+@pytest.mark.parametrize(
+    "spec,why",
+    [
+        (("json_schema", '{"type": "objectx"}'), "objectx"),
+        (("json_schema", "{not json"), "not valid JSON"),
+        (("regex", "a(b"), "parenthesis"),
+        (("ebnf", "root ::= foo"), "foo"),
+        (("yaml", "a: 1"), "unknown grammar kind"),
+    ],
+)
 def test_a_spec_that_does_not_compile_says_why(compiler: Compiler, spec: tuple[str, str], why: str) -> None:
     with pytest.raises(GrammarError, match=why) as info:
         compiler.compile(spec)
@@ -66,8 +69,17 @@ class Executor:
     def __init__(self, compiler: Compiler) -> None:
         self.g = Grammars(lambda: compiler, VOCAB, [EOS])
 
-    def step(self, rid: str, spec: tuple[str, str], token_ids: list[int], start_pos: int, num_generated: int,
-             logits: torch.Tensor, full_table: bool = False, history: list[int] | None = None) -> int:
+    def step(
+        self,
+        rid: str,
+        spec: tuple[str, str],
+        token_ids: list[int],
+        start_pos: int,
+        num_generated: int,
+        logits: torch.Tensor,
+        full_table: bool = False,
+        history: list[int] | None = None,
+    ) -> int:
         self.g.observe(rid, spec, token_ids, start_pos, full_table, history or [])
         rows = [Row(0, rid, spec, start_pos + len(token_ids), num_generated)]
         logits = logits.clone()[None]
@@ -80,8 +92,9 @@ class Executor:
         return self.g.start([Row(0, rid, spec, end, num_generated)], 1).result()[0]
 
 
-def run(ex: Executor, rid: str, spec: tuple[str, str], prompt: list[int], logits: torch.Tensor,
-        max_tokens: int) -> list[int]:
+def run(
+    ex: Executor, rid: str, spec: tuple[str, str], prompt: list[int], logits: torch.Tensor, max_tokens: int
+) -> list[int]:
     """Prefill then decode until EOS; returns the output tokens."""
     out: list[int] = []
     t = ex.step(rid, spec, prompt, 0, 0, logits, full_table=True)
@@ -128,8 +141,10 @@ def feed(ex: Executor, rid: str, spec: tuple[str, str], prompt: list[int], outpu
 def test_a_matcher_rebuilt_from_history_masks_as_the_original(compiler: Compiler, tok: object) -> None:
     """A new leader or a swap-in sends the full table with history: the new matcher stands where
     the old one stood."""
-    spec = ("json_schema", json.dumps({"type": "object", "properties": {"name": {"type": "string"}},
-                                       "required": ["name"]}))
+    spec = (
+        "json_schema",
+        json.dumps({"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}),
+    )
     prompt, text = [1, 5, 9], ids(tok, '{"name": "Al')
     n = len(text)
     a = Executor(compiler)
@@ -211,7 +226,7 @@ def test_the_executor_knows_each_structured_request_s_tokens_through_preemption(
             g.observe(seq.request_id, spec, list(seq.token_ids), seq.start_pos, seq.full_table, list(seq.history))
             if seq.sample:
                 r = s.requests[seq.request_id]
-                assert g._entries[seq.request_id].tokens == r.prompt_ids + r.output_ids[:seq.num_generated]
+                assert g._entries[seq.request_id].tokens == r.prompt_ids + r.output_ids[: seq.num_generated]
                 assert seq.start_pos + len(seq.token_ids) - seq.num_generated == len(r.prompt_ids)
                 checked += 1
         ended = [r.request_id for r in s.update(out, {x.req.request_id: 7 for x in out.scheduled if x.samples})]
@@ -248,15 +263,18 @@ def _so(**kw: object) -> pb.SamplingParams:
     return pb.SamplingParams(structured_output=pb.StructuredOutput(**kw))  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("sampling,field", [
-    (pb.SamplingParams(structured_output=pb.StructuredOutput()), "sampling.structured_output:"),
-    (_so(json_schema=""), "sampling.structured_output.json_schema:"),
-    (_so(choice=pb.Choices()), "sampling.structured_output.choice:"),
-    (_so(choice=pb.Choices(choices=["a", ""])), "sampling.structured_output.choice:"),
-    (_so(json_object=False), "sampling.structured_output.json_object:"),
-    (_so(regex="a" * 101), "sampling.structured_output.regex: 101 bytes"),
-    (pb.SamplingParams(ignore_eos=True, structured_output=pb.StructuredOutput(regex="a")), "sampling.ignore_eos:"),
-])
+@pytest.mark.parametrize(
+    "sampling,field",
+    [
+        (pb.SamplingParams(structured_output=pb.StructuredOutput()), "sampling.structured_output:"),
+        (_so(json_schema=""), "sampling.structured_output.json_schema:"),
+        (_so(choice=pb.Choices()), "sampling.structured_output.choice:"),
+        (_so(choice=pb.Choices(choices=["a", ""])), "sampling.structured_output.choice:"),
+        (_so(json_object=False), "sampling.structured_output.json_object:"),
+        (_so(regex="a" * 101), "sampling.structured_output.regex: 101 bytes"),
+        (pb.SamplingParams(ignore_eos=True, structured_output=pb.StructuredOutput(regex="a")), "sampling.ignore_eos:"),
+    ],
+)
 def test_bad_structured_output_names_the_field(sampling: pb.SamplingParams, field: str) -> None:
     with pytest.raises(InvalidArgument) as info:
         structured(sampling, Caps(max_grammar_bytes=100))

@@ -30,13 +30,40 @@ def chat(**kw: Any) -> dict[str, Any]:
 
 
 def test_a_completion_body_becomes_the_same_request_as_on_grpc() -> None:
-    p = proto.parse(completion(max_tokens=7, temperature=0.5, top_p=0.9, top_k=40, seed=3, stop="END",
-                               stop_token_ids=[2, 5], ignore_eos=True, priority=-2, queue_timeout=1.5,
-                               user="ignored", unknown_extra={"x": 1}), chat=False, request_id="r-1")
+    p = proto.parse(
+        completion(
+            max_tokens=7,
+            temperature=0.5,
+            top_p=0.9,
+            top_k=40,
+            seed=3,
+            stop="END",
+            stop_token_ids=[2, 5],
+            ignore_eos=True,
+            priority=-2,
+            queue_timeout=1.5,
+            user="ignored",
+            unknown_extra={"x": 1},
+        ),
+        chat=False,
+        request_id="r-1",
+    )
     assert p.request == pb.GenerateRequest(
-        request_id="r-1", prompt="Hello", priority=-2, queue_timeout=1.5,
-        sampling=pb.SamplingParams(max_tokens=7, temperature=0.5, top_p=0.9, top_k=40, seed=3, stop=["END"],
-                                   stop_token_ids=[2, 5], ignore_eos=True))
+        request_id="r-1",
+        prompt="Hello",
+        priority=-2,
+        queue_timeout=1.5,
+        sampling=pb.SamplingParams(
+            max_tokens=7,
+            temperature=0.5,
+            top_p=0.9,
+            top_k=40,
+            seed=3,
+            stop=["END"],
+            stop_token_ids=[2, 5],
+            ignore_eos=True,
+        ),
+    )
     assert (p.model, p.chat, p.stream, p.include_usage, p.return_token_ids) == (M, False, False, False, False)
 
 
@@ -47,28 +74,40 @@ def test_unset_fields_stay_unset_so_the_grpc_defaults_apply() -> None:
     assert nulls.request.sampling == pb.SamplingParams()
 
 
-@pytest.mark.parametrize("prompt,field,value", [
-    ("text", "prompt", "text"),
-    (["text"], "prompt", "text"),
-    ([5, 6, 7], "prompt_token_ids", [5, 6, 7]),
-    ([[5, 6]], "prompt_token_ids", [5, 6]),
-    ([5.0, 6], "prompt_token_ids", [5, 6]),
-])
+@pytest.mark.parametrize(
+    "prompt,field,value",
+    [
+        ("text", "prompt", "text"),
+        (["text"], "prompt", "text"),
+        ([5, 6, 7], "prompt_token_ids", [5, 6, 7]),
+        ([[5, 6]], "prompt_token_ids", [5, 6]),
+        ([5.0, 6], "prompt_token_ids", [5, 6]),
+    ],
+)
 def test_prompt_forms(prompt: Any, field: str, value: Any) -> None:
     got = getattr(proto.parse(completion(prompt=prompt), chat=False).request, field)
     assert (list(got) if field == "prompt_token_ids" else got) == value
 
 
 def test_chat_messages_content_parts_and_max_completion_tokens() -> None:
-    body = chat(messages=[
-        {"role": "system", "content": "Be brief."},
-        {"role": "user", "content": [{"type": "text", "text": "one"}, {"type": "text", "text": "two"}]},
-        {"role": "assistant", "content": None, "name": "bot"},
-    ], max_tokens=9, max_completion_tokens=4, stream=True, stream_options={"include_usage": True},
-        return_token_ids=True)
+    body = chat(
+        messages=[
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": [{"type": "text", "text": "one"}, {"type": "text", "text": "two"}]},
+            {"role": "assistant", "content": None, "name": "bot"},
+        ],
+        max_tokens=9,
+        max_completion_tokens=4,
+        stream=True,
+        stream_options={"include_usage": True},
+        return_token_ids=True,
+    )
     p = proto.parse(body, chat=True)
-    assert [(m.role, m.content) for m in p.request.messages] == [("system", "Be brief."), ("user", "one\ntwo"),
-                                                                 ("assistant", "")]
+    assert [(m.role, m.content) for m in p.request.messages] == [
+        ("system", "Be brief."),
+        ("user", "one\ntwo"),
+        ("assistant", ""),
+    ]
     assert p.request.sampling.max_tokens == 4, "max_completion_tokens wins, as in vLLM"
     assert (p.stream, p.include_usage, p.return_token_ids) == (True, True, True)
     assert proto.parse(chat(max_tokens=9), chat=True).request.sampling.max_tokens == 9
@@ -76,8 +115,19 @@ def test_chat_messages_content_parts_and_max_completion_tokens() -> None:
 
 
 def test_off_values_of_unsupported_fields_are_accepted() -> None:
-    off = dict(n=1, presence_penalty=0, frequency_penalty=0.0, repetition_penalty=1.0, min_p=0, logit_bias={},
-               response_format={"type": "text"}, best_of=1, echo=False, tools=[], top_logprobs=0)
+    off = dict(
+        n=1,
+        presence_penalty=0,
+        frequency_penalty=0.0,
+        repetition_penalty=1.0,
+        min_p=0,
+        logit_bias={},
+        response_format={"type": "text"},
+        best_of=1,
+        echo=False,
+        tools=[],
+        top_logprobs=0,
+    )
     proto.parse(completion(**off), chat=False)
     proto.parse(chat(logprobs=False, **off), chat=True)
 
@@ -117,18 +167,34 @@ BAD: list[tuple[str, dict[str, Any], bool, str]] = [
     ("min_p a string", completion(min_p="0.1"), False, "min_p"),
     ("response_format a string", chat(response_format="json"), True, "response_format"),
     ("response_format type", chat(response_format={"type": "xml"}), True, "response_format.type"),
-    ("json_schema without schema", chat(response_format={"type": "json_schema", "json_schema": {"name": "a"}}),
-     True, "response_format.json_schema.schema"),
-    ("json_schema without name", chat(response_format={"type": "json_schema", "json_schema": {"schema": {}}}),
-     True, "response_format.json_schema.name"),
-    ("schema a number", chat(response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": 3}}),
-     True, "response_format.json_schema.schema"),
+    (
+        "json_schema without schema",
+        chat(response_format={"type": "json_schema", "json_schema": {"name": "a"}}),
+        True,
+        "response_format.json_schema.schema",
+    ),
+    (
+        "json_schema without name",
+        chat(response_format={"type": "json_schema", "json_schema": {"schema": {}}}),
+        True,
+        "response_format.json_schema.name",
+    ),
+    (
+        "schema a number",
+        chat(response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": 3}}),
+        True,
+        "response_format.json_schema.schema",
+    ),
     ("guided_choice empty", completion(guided_choice=[]), False, "guided_choice"),
     ("guided_choice item", completion(guided_choice=["a", 3]), False, "guided_choice[1]"),
     ("guided_regex a number", completion(guided_regex=3), False, "guided_regex"),
     ("structured_outputs a list", completion(structured_outputs=[]), False, "structured_outputs"),
-    ("structured_outputs json_object false", completion(structured_outputs={"json_object": False}), False,
-     "structured_outputs.json_object"),
+    (
+        "structured_outputs json_object false",
+        completion(structured_outputs={"json_object": False}),
+        False,
+        "structured_outputs.json_object",
+    ),
     ("two constraints", chat(response_format={"type": "json_object"}, guided_regex="a+"), True, "guided_regex"),
     ("tools", chat(tools=[{"type": "function", "function": {"name": "f"}}]), True, "tools"),
     ("echo", completion(echo=True), False, "echo"),
@@ -144,12 +210,20 @@ BAD: list[tuple[str, dict[str, Any], bool, str]] = [
     ("message not an object", chat(messages=["hi"]), True, "messages[0]"),
     ("role missing", chat(messages=[{"content": "hi"}]), True, "messages[0].role"),
     ("content a number", chat(messages=[{"role": "user", "content": 5}]), True, "messages[0].content"),
-    ("image part", chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]), True,
-     "messages[0].content[0]"),
+    (
+        "image part",
+        chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]),
+        True,
+        "messages[0].content[0]",
+    ),
     ("stream a string", completion(stream="yes"), False, "stream"),
     ("stream_options without stream", completion(stream_options={"include_usage": True}), False, "stream_options"),
-    ("include_usage a string", completion(stream=True, stream_options={"include_usage": "y"}), False,
-     "stream_options.include_usage"),
+    (
+        "include_usage a string",
+        completion(stream=True, stream_options={"include_usage": "y"}),
+        False,
+        "stream_options.include_usage",
+    ),
 ]
 
 
@@ -159,8 +233,9 @@ def test_bad_values_are_400_naming_the_field(body: dict[str, Any], is_chat: bool
         proto.parse(body, chat=is_chat)
     err = info.value
     assert err.status == 400 and err.param == param and err.message.startswith(param + ":"), err.message
-    assert err.body() == {"error": {"message": err.message, "type": "invalid_request_error", "param": param,
-                                    "code": None}}
+    assert err.body() == {
+        "error": {"message": err.message, "type": "invalid_request_error", "param": param, "code": None}
+    }
 
 
 def test_frontend_messages_are_renamed_to_openai_fields() -> None:
@@ -178,9 +253,16 @@ def test_exceptions_map_to_statuses() -> None:
         return err.status, err.type, err.param, err.code, err.headers
 
     assert status(InvalidArgument("sampling.top_p: must be in (0, 1]")) == (
-        400, "invalid_request_error", "top_p", None, {})
-    assert status(InvalidArgument("prompt: 600 tokens, but the model's context is 512 tokens"))[3] == \
-        "context_length_exceeded"
+        400,
+        "invalid_request_error",
+        "top_p",
+        None,
+        {},
+    )
+    assert (
+        status(InvalidArgument("prompt: 600 tokens, but the model's context is 512 tokens"))[3]
+        == "context_length_exceeded"
+    )
     over = proto.error_for(OverCapacity("prompt + sampling.max_tokens need 40 KV blocks; the largest pool has 24"))
     assert over is not None and (over.status, over.code) == (400, "context_length_exceeded")
     assert "sampling." not in over.message
@@ -192,9 +274,14 @@ def test_exceptions_map_to_statuses() -> None:
     assert status(redis.ConnectionError("down"))[0] == 503
     detached = proto.error_for(StreamDetached("r-9", 12))
     assert detached is not None and detached.status == 503
-    assert detached.body()["error"] | {"message": ""} == {"message": "", "type": "server_error", "param": None,
-                                                          "code": "stream_detached", "request_id": "r-9",
-                                                          "offset": 12}
+    assert detached.body()["error"] | {"message": ""} == {
+        "message": "",
+        "type": "server_error",
+        "param": None,
+        "code": "stream_detached",
+        "request_id": "r-9",
+        "offset": 12,
+    }
     assert proto.error_for(KeyError("x")) is None, "a bug is not mapped: it is a 500"
 
 
@@ -210,14 +297,29 @@ def test_non_streaming_bodies() -> None:
     for c in CHUNKS:
         done.add(c)
     assert _shape(completion(), False).body([done]) == {
-        "id": "cmpl-rid", "object": "text_completion", "created": 1700, "model": M,
+        "id": "cmpl-rid",
+        "object": "text_completion",
+        "created": 1700,
+        "model": M,
         "choices": [{"index": 0, "text": "Hello", "logprobs": None, "finish_reason": "length"}],
-        "usage": {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6,
-                  "prompt_tokens_details": {"cached_tokens": 0}}}
+        "usage": {
+            "prompt_tokens": 3,
+            "completion_tokens": 3,
+            "total_tokens": 6,
+            "prompt_tokens_details": {"cached_tokens": 0},
+        },
+    }
     body = _shape(chat(return_token_ids=True), True).body([done])
     assert body["id"] == "chatcmpl-rid" and body["object"] == "chat.completion"
-    assert body["choices"] == [{"index": 0, "message": {"role": "assistant", "content": "Hello"}, "logprobs": None,
-                                "finish_reason": "length", "token_ids": [10, 11, 12]}]
+    assert body["choices"] == [
+        {
+            "index": 0,
+            "message": {"role": "assistant", "content": "Hello"},
+            "logprobs": None,
+            "finish_reason": "length",
+            "token_ids": [10, 11, 12],
+        }
+    ]
     assert body["prompt_token_ids"] == [1, 2, 3]
 
 
@@ -226,15 +328,34 @@ def test_chat_stream_chunks_with_usage() -> None:
     events = [*shape.opening(), *(e for c in CHUNKS for e in shape.events(c)), *shape.closing()]
     head = {"id": "chatcmpl-rid", "object": "chat.completion.chunk", "created": 1700, "model": M}
     assert events == [
-        head | {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                             "finish_reason": None}], "usage": None},
-        head | {"choices": [{"index": 0, "delta": {"content": "Hel"}, "logprobs": None, "finish_reason": None}],
-                "usage": None},
+        head
+        | {
+            "choices": [
+                {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+            ],
+            "usage": None,
+        },
+        head
+        | {
+            "choices": [{"index": 0, "delta": {"content": "Hel"}, "logprobs": None, "finish_reason": None}],
+            "usage": None,
+        },
         # the chunk with no text yet is skipped
-        head | {"choices": [{"index": 0, "delta": {"content": "lo"}, "logprobs": None, "finish_reason": "length"}],
-                "usage": None},
-        head | {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6,
-                  "prompt_tokens_details": {"cached_tokens": 0}}},
+        head
+        | {
+            "choices": [{"index": 0, "delta": {"content": "lo"}, "logprobs": None, "finish_reason": "length"}],
+            "usage": None,
+        },
+        head
+        | {
+            "choices": [],
+            "usage": {
+                "prompt_tokens": 3,
+                "completion_tokens": 3,
+                "total_tokens": 6,
+                "prompt_tokens_details": {"cached_tokens": 0},
+            },
+        },
     ]
 
 
@@ -258,38 +379,76 @@ def test_chat_without_a_limit_runs_to_the_end_of_the_context_a_pool_holds() -> N
 
 
 def test_sampling_options_map_to_the_grpc_fields() -> None:
-    s = proto.parse(completion(presence_penalty=0.5, frequency_penalty=-1, repetition_penalty=1.2, min_p=0.1,
-                               min_tokens=3, logit_bias={"5": 10, "7": -100}, logprobs=2, prompt_logprobs=1),
-                    chat=False).request.sampling
-    assert s == pb.SamplingParams(presence_penalty=0.5, frequency_penalty=-1, repetition_penalty=1.2, min_p=0.1,
-                                  min_tokens=3, logit_bias={5: 10, 7: -100}, logprobs=2, prompt_logprobs=1)
+    s = proto.parse(
+        completion(
+            presence_penalty=0.5,
+            frequency_penalty=-1,
+            repetition_penalty=1.2,
+            min_p=0.1,
+            min_tokens=3,
+            logit_bias={"5": 10, "7": -100},
+            logprobs=2,
+            prompt_logprobs=1,
+        ),
+        chat=False,
+    ).request.sampling
+    assert s == pb.SamplingParams(
+        presence_penalty=0.5,
+        frequency_penalty=-1,
+        repetition_penalty=1.2,
+        min_p=0.1,
+        min_tokens=3,
+        logit_bias={5: 10, 7: -100},
+        logprobs=2,
+        prompt_logprobs=1,
+    )
     assert proto.parse(chat(logprobs=True, top_logprobs=4), chat=True).request.sampling.logprobs == 4
     assert proto.parse(chat(logprobs=True), chat=True).request.sampling == pb.SamplingParams(logprobs=0)
     assert not proto.parse(chat(logprobs=False, top_logprobs=0), chat=True).request.sampling.HasField("logprobs")
 
 
-LP_CHUNKS = [Chunk("rid", [10], "Hel", 0, logprobs=[[10, -0.5, 1, [10, 11], [-0.5, -1.5]]],
-                   prompt_logprobs=[[2, -3.0, 4, [9], [-0.1]], [3, -2.0, 1, [3], [-2.0]]]),
-             Chunk("rid", [11], "", 1, logprobs=[[11, -0.25, 2, [12, 11], [-0.2, -0.25]]]),
-             Chunk("rid", [12], "lo", 2, "length", 3, 3, logprobs=[[12, -0.125, 1, [12, 10], [-0.125, -3.0]]])]
+LP_CHUNKS = [
+    Chunk(
+        "rid",
+        [10],
+        "Hel",
+        0,
+        logprobs=[[10, -0.5, 1, [10, 11], [-0.5, -1.5]]],
+        prompt_logprobs=[[2, -3.0, 4, [9], [-0.1]], [3, -2.0, 1, [3], [-2.0]]],
+    ),
+    Chunk("rid", [11], "", 1, logprobs=[[11, -0.25, 2, [12, 11], [-0.2, -0.25]]]),
+    Chunk("rid", [12], "lo", 2, "length", 3, 3, logprobs=[[12, -0.125, 1, [12, 10], [-0.125, -3.0]]]),
+]
 DECODE = {10: "Hel", 11: "", 12: "lo", 9: "x", 2: "a", 3: "b"}
 
 
 def test_completion_logprobs_in_openai_shape_streamed_or_not() -> None:
-    shape = answer.Shape(proto.parse(completion(logprobs=2, prompt_logprobs=1), chat=False), "rid", 1700, M,
-                        [1, 2, 3], decode=DECODE.__getitem__)
+    shape = answer.Shape(
+        proto.parse(completion(logprobs=2, prompt_logprobs=1), chat=False),
+        "rid",
+        1700,
+        M,
+        [1, 2, 3],
+        decode=DECODE.__getitem__,
+    )
     done = answer.Collected()
     for c in LP_CHUNKS:
         done.add(c)
     choice = shape.body([done])["choices"][0]
-    assert choice["logprobs"] == {"tokens": ["Hel", "", "lo"], "token_logprobs": [-0.5, -0.25, -0.125],
-                                  "top_logprobs": [{"Hel": -0.5, "": -1.5}, {"lo": -0.2, "": -0.25},
-                                                   {"lo": -0.125, "Hel": -3.0}],
-                                  "text_offset": [0, 3, 3]}
+    assert choice["logprobs"] == {
+        "tokens": ["Hel", "", "lo"],
+        "token_logprobs": [-0.5, -0.25, -0.125],
+        "top_logprobs": [{"Hel": -0.5, "": -1.5}, {"lo": -0.2, "": -0.25}, {"lo": -0.125, "Hel": -3.0}],
+        "text_offset": [0, 3, 3],
+    }
     assert choice["prompt_logprobs"] == [
-        None, {"9": {"logprob": -0.1, "rank": 1, "decoded_token": "x"},
-               "2": {"logprob": -3.0, "rank": 4, "decoded_token": "a"}},
-        {"3": {"logprob": -2.0, "rank": 1, "decoded_token": "b"}}]
+        None,
+        {
+            "9": {"logprob": -0.1, "rank": 1, "decoded_token": "x"},
+            "2": {"logprob": -3.0, "rank": 4, "decoded_token": "a"},
+        },
+        {"3": {"logprob": -2.0, "rank": 1, "decoded_token": "b"}},
+    ]
     streamed = answer.Shape(shape.parsed, "rid", 1700, M, [1, 2, 3], decode=DECODE.__getitem__)
     events = [e for c in LP_CHUNKS for e in streamed.events(c)]
     assert len(events) == 2, "the token with no text yet travels with the next chunk"
@@ -297,23 +456,39 @@ def test_completion_logprobs_in_openai_shape_streamed_or_not() -> None:
     assert tokens == ["Hel", "", "lo"]
     assert [o for e in events for o in e["choices"][0]["logprobs"]["text_offset"]] == [0, 3, 3]
     late = answer.Shape(shape.parsed, "rid", 1700, M, [1, 2, 3], decode=DECODE.__getitem__)
-    first_no_text = [Chunk("rid", [11], "", 0, logprobs=LP_CHUNKS[1].logprobs,
-                           prompt_logprobs=LP_CHUNKS[0].prompt_logprobs), *LP_CHUNKS[2:]]
+    first_no_text = [
+        Chunk("rid", [11], "", 0, logprobs=LP_CHUNKS[1].logprobs, prompt_logprobs=LP_CHUNKS[0].prompt_logprobs),
+        *LP_CHUNKS[2:],
+    ]
     events = [e for c in first_no_text for e in late.events(c)]
     assert len(events) == 1 and len(events[0]["choices"][0]["prompt_logprobs"]) == 3, "held with the tokens"
 
 
 def test_chat_logprobs_in_openai_shape() -> None:
-    shape = answer.Shape(proto.parse(chat(logprobs=True, top_logprobs=2), chat=True), "rid", 1700, M, [1, 2, 3],
-                        decode=DECODE.__getitem__)
+    shape = answer.Shape(
+        proto.parse(chat(logprobs=True, top_logprobs=2), chat=True),
+        "rid",
+        1700,
+        M,
+        [1, 2, 3],
+        decode=DECODE.__getitem__,
+    )
     done = answer.Collected()
     for c in LP_CHUNKS:
         done.add(c)
     content = shape.body([done])["choices"][0]["logprobs"]["content"]
-    assert content[0] == {"token": "Hel", "logprob": -0.5, "bytes": [72, 101, 108],
-                          "top_logprobs": [{"token": "Hel", "logprob": -0.5, "bytes": [72, 101, 108]},
-                                           {"token": "", "logprob": -1.5, "bytes": []}]}
+    assert content[0] == {
+        "token": "Hel",
+        "logprob": -0.5,
+        "bytes": [72, 101, 108],
+        "top_logprobs": [
+            {"token": "Hel", "logprob": -0.5, "bytes": [72, 101, 108]},
+            {"token": "", "logprob": -1.5, "bytes": []},
+        ],
+    }
     assert [c["logprob"] for c in content] == [-0.5, -0.25, -0.125]
+
+
 def test_structured_output_fields() -> None:
     """response_format (OpenAI), structured_outputs (vLLM) and guided_* (older vLLM) map to
     sampling.structured_output; "text" is no constraint."""
@@ -323,7 +498,8 @@ def test_structured_output_fields() -> None:
     assert json.loads(got.json_schema) == schema
     assert so(chat(response_format={"type": "json_object"})).json_object
     assert not proto.parse(chat(response_format={"type": "text"}), chat=True).request.sampling.HasField(
-        "structured_output")
+        "structured_output"
+    )
     assert json.loads(so(completion(guided_json=schema), False).json_schema) == schema
     assert so(completion(guided_json='{"type": "string"}'), False).json_schema == '{"type": "string"}'
     assert so(completion(guided_regex="[0-9]+"), False).regex == "[0-9]+"
@@ -337,11 +513,14 @@ def test_structured_output_fields() -> None:
 def test_a_refused_spec_is_named_as_the_body_named_it() -> None:
     body = chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}})
     parsed = proto.parse(body, chat=True)
-    err = proto.structured_error(InvalidArgument("sampling.structured_output.json_schema: does not compile: bad"),
-                                 parsed)
+    err = proto.structured_error(
+        InvalidArgument("sampling.structured_output.json_schema: does not compile: bad"), parsed
+    )
     assert err is not None and err.status == 400 and err.param == "response_format.json_schema.schema"
     assert err.message == "response_format.json_schema.schema: does not compile: bad"
     assert proto.structured_error(InvalidArgument("sampling.top_p: bad"), parsed) is None
+
+
 def test_cache_salt_passes_through_and_usage_reports_cached_tokens() -> None:
     from scheduler_svc.core.prefix import MAX_SALT
     from scheduler_svc.frontend import validate
@@ -355,5 +534,9 @@ def test_cache_salt_passes_through_and_usage_reports_cached_tokens() -> None:
     with pytest.raises(InvalidArgument, match="cache_salt"):
         validate.check(pb.GenerateRequest(prompt="x", cache_salt="s" * (MAX_SALT + 1)), limits)
     assert validate.check(pb.GenerateRequest(prompt="x", cache_salt="s"), limits).cache_salt == "s"
-    assert answer.usage(40, 3, 32) == {"prompt_tokens": 40, "completion_tokens": 3, "total_tokens": 43,
-                                      "prompt_tokens_details": {"cached_tokens": 32}}
+    assert answer.usage(40, 3, 32) == {
+        "prompt_tokens": 40,
+        "completion_tokens": 3,
+        "total_tokens": 43,
+        "prompt_tokens_details": {"cached_tokens": 32},
+    }

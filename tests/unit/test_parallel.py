@@ -16,15 +16,18 @@ EOS = 2
 
 
 def make(blocks: int = 64, caching: bool = False, **cfg: object) -> Scheduler:
-    config = SchedulerConfig(max_model_len=4096, eos_token_ids=(EOS,), watermark=0.0,
-                             enable_prefix_caching=caching, **cfg)  # type: ignore[arg-type]
+    config = SchedulerConfig(
+        max_model_len=4096, eos_token_ids=(EOS,), watermark=0.0, enable_prefix_caching=caching, **cfg
+    )  # type: ignore[arg-type]
     return Scheduler(config, BlockManager(BS, Pool.fresh(blocks), caching=caching))
 
 
 def group(gid: str, n: int, prompt: int, max_tokens: int = 100, arrival: int = 0) -> list[Request]:
     ids = list(range(10, 10 + prompt))
-    return [Request(f"{gid}#{i}", list(ids), Params(max_tokens=max_tokens), arrival=arrival + i, group=gid, index=i)
-            for i in range(n)]
+    return [
+        Request(f"{gid}#{i}", list(ids), Params(max_tokens=max_tokens), arrival=arrival + i, group=gid, index=i)
+        for i in range(n)
+    ]
 
 
 def step(s: Scheduler, tokens: dict[str, int] | None = None) -> SchedulerOutput:
@@ -52,10 +55,15 @@ def test_prompt_is_computed_once_and_forked() -> None:
     second = step(s)
     # Each mate computes only the last prompt token, in a copy of the partial block (positions 8, 9).
     assert sorted((x.req.request_id, x.start, x.num_tokens) for x in second.scheduled) == [
-        ("g#0", 10, 1), ("g#1", 9, 1), ("g#2", 9, 1), ("g#3", 9, 1)]
+        ("g#0", 10, 1),
+        ("g#1", 9, 1),
+        ("g#2", 9, 1),
+        ("g#3", 9, 1),
+    ]
     head = s.requests["g#0"]
-    assert [(m.src, m.dst) for m in second.copies] == [(head.blocks[2], s.requests[f"g#{i}"].blocks[2])
-                                                        for i in (1, 2, 3)]
+    assert [(m.src, m.dst) for m in second.copies] == [
+        (head.blocks[2], s.requests[f"g#{i}"].blocks[2]) for i in (1, 2, 3)
+    ]
     for i in (1, 2, 3):
         assert s.requests[f"g#{i}"].blocks[:2] == head.blocks[:2]
     assert s.counters.forked_tokens == 3 * 9

@@ -35,13 +35,22 @@ class Markov:
         return EOS if self.eos_every and t % self.eos_every == 0 else t
 
     def run(self, plan) -> dict[str, int]:  # type: ignore[no-untyped-def]
-        seqs = [type("Seq", (), {"request_id": s.request_id, "token_ids": list(s.token_ids),
-                                 "from_last_sample": s.from_last_sample})() for s in plan.seqs]
+        seqs = [
+            type(
+                "Seq",
+                (),
+                {"request_id": s.request_id, "token_ids": list(s.token_ids), "from_last_sample": s.from_last_sample},
+            )()
+            for s in plan.seqs
+        ]
         self.sampled.resolve(seqs)
         for rid in plan.forget:
             self.sampled.forget(rid)
-        out = {p.request_id: self.token(s.token_ids[-1], p.start_pos + len(s.token_ids))
-               for p, s in zip(plan.seqs, seqs) if p.sample}
+        out = {
+            p.request_id: self.token(s.token_ids[-1], p.start_pos + len(s.token_ids))
+            for p, s in zip(plan.seqs, seqs)
+            if p.sample
+        }
         self.sampled.record(list(out.items()))
         return out
 
@@ -98,7 +107,9 @@ def _fresh_plans() -> None:
     flight_plans.clear()
 
 
-def outputs(mode: str, depth: int, blocks: int, eos_every: int = 0) -> tuple[dict[str, list[int]], Scheduler, list[int]]:
+def outputs(
+    mode: str, depth: int, blocks: int, eos_every: int = 0
+) -> tuple[dict[str, list[int]], Scheduler, list[int]]:
     s = make(blocks=blocks, cpu=8, preemption_mode=mode, max_num_batched_tokens=24)
     reqs = [req(f"r{i}", 3 + 5 * i, max_tokens=6 + 7 * i, arrival=i) for i in range(5)]
     for r in reqs:

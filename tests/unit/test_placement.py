@@ -7,10 +7,29 @@ from scheduler_svc.core.placement import Candidate, PoolView, pick, preemption_t
 BS = 16
 
 
-def pool(name: str, total: int = 64, free: int | None = None, running: int = 0, serving: bool = True,
-         max_len: int = 2048, held: dict[int, int] | None = None, max_num_seqs: int = 256) -> PoolView:
-    return PoolView(name, serving, BS, (total, 0, 0), (total if free is None else free, 0, 0), running, 0, max_len,
-                    max_num_seqs, 0, held or {})
+def pool(
+    name: str,
+    total: int = 64,
+    free: int | None = None,
+    running: int = 0,
+    serving: bool = True,
+    max_len: int = 2048,
+    held: dict[int, int] | None = None,
+    max_num_seqs: int = 256,
+) -> PoolView:
+    return PoolView(
+        name,
+        serving,
+        BS,
+        (total, 0, 0),
+        (total if free is None else free, 0, 0),
+        running,
+        0,
+        max_len,
+        max_num_seqs,
+        0,
+        held or {},
+    )
 
 
 def cand(i: int, tokens: int = 32, max_tokens: int = 32, priority: int = 0) -> Candidate:

@@ -41,11 +41,15 @@ class Recorder:
 
 async def serve(rec: Recorder) -> tuple[grpc.aio.Server, grpc.aio.Channel]:
     server = grpc.aio.server()
-    handlers.register(server, pb.DESCRIPTOR.services_by_name["Executor"], {
-        "Info": handlers.unary(rec.Step, pb.InfoRequest),  # unused here
-        "Step": handlers.unary(rec.Step, pb.StepPlan),
-        "Steps": handlers.bidi(rec.Steps, pb.StepPlan),
-    })
+    handlers.register(
+        server,
+        pb.DESCRIPTOR.services_by_name["Executor"],
+        {
+            "Info": handlers.unary(rec.Step, pb.InfoRequest),  # unused here
+            "Step": handlers.unary(rec.Step, pb.StepPlan),
+            "Steps": handlers.bidi(rec.Steps, pb.StepPlan),
+        },
+    )
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     return server, grpc.aio.insecure_channel(f"127.0.0.1:{port}")
@@ -58,8 +62,9 @@ def open_stream(ch: grpc.aio.Channel) -> tuple[asyncio.Queue, grpc.aio.StreamStr
         while (plan := await queue.get()) is not None:
             yield plan
 
-    call = ch.stream_stream(METHOD, request_serializer=pb.StepPlan.SerializeToString,
-                            response_deserializer=pb.StepResult.FromString)(plans(), timeout=30)
+    call = ch.stream_stream(
+        METHOD, request_serializer=pb.StepPlan.SerializeToString, response_deserializer=pb.StepResult.FromString
+    )(plans(), timeout=30)
     return queue, call
 
 
@@ -117,6 +122,7 @@ def test_a_newer_caller_supersedes_a_stream() -> None:
 def test_the_next_plan_runs_while_a_result_is_still_being_written() -> None:
     """Driven without gRPC: the stream's consumer (the call's writer) takes the first result and
     then stalls, as a slow write would; the plan queued behind it runs anyway."""
+
     async def go() -> None:
         rec = Recorder(delay=0.01)
 

@@ -41,7 +41,9 @@ def test_hashes_chain_over_the_prefix_and_the_salt() -> None:
     assert a[:2] == b[:2] and a[2] != b[2]
     c = prefix.extend([], [0, 1, 2, 99] + list(range(4, 12)), None, BS, 3)
     assert all(x != y for x, y in zip(a, c)), "a change early changes every later block's hash"
-    assert prefix.extend([], list(range(12)), "t1", BS, 3)[0] != a[0] != prefix.extend([], list(range(12)), "t2", BS, 1)[0]
+    assert (
+        prefix.extend([], list(range(12)), "t1", BS, 3)[0] != a[0] != prefix.extend([], list(range(12)), "t2", BS, 1)[0]
+    )
     assert prefix.root("") == prefix.root(None)
     assert len(prefix.prompt_hashes(list(range(8)), None, BS)) == 1, "a whole-prompt hit would leave nothing to compute"
     assert len(prefix.prompt_hashes(list(range(9)), None, BS)) == 2

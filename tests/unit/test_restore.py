@@ -12,8 +12,15 @@ TOTALS = (8, 4, 0)
 
 
 def running(rid: str, blocks: list[int], arrival: int) -> Request:
-    return Request(rid, list(range(10, 18)), Params(max_tokens=8), arrival=arrival, status=Status.RUNNING,
-                   num_computed=8, blocks=blocks)
+    return Request(
+        rid,
+        list(range(10, 18)),
+        Params(max_tokens=8),
+        arrival=arrival,
+        status=Status.RUNNING,
+        num_computed=8,
+        blocks=blocks,
+    )
 
 
 def snapshot(requests: list[tuple[Request, Finish | None]], free: list[int], seq: int = 7) -> Snapshot:
@@ -22,8 +29,9 @@ def snapshot(requests: list[tuple[Request, Finish | None]], free: list[int], seq
 
 def test_a_consistent_snapshot_is_kept_claims_go_back_and_cancels_finish() -> None:
     claimed = Request("claimed", [5, 6], Params(), arrival=3)  # claimed, but its step never committed
-    snap = snapshot([(running("a", [0, 1], 1), None), (running("b", [2, 3], 2), Finish.STOP), (claimed, None)],
-                    free=[4, 5, 6, 7])
+    snap = snapshot(
+        [(running("a", [0, 1], 1), None), (running("b", [2, 3], 2), Finish.STOP), (claimed, None)], free=[4, 5, 6, 7]
+    )
     r = restore(snap, TOTALS, CONFIG, 4, applied_seq=7)
     assert not r.reset
     assert list(r.sched.requests) == ["a"] and r.sched.requests["a"].blocks == [0, 1]
@@ -43,10 +51,21 @@ def test_inconsistent_ownership_resets_the_pool() -> None:
 
 def test_an_executor_ahead_of_redis_means_lost_writes_and_a_reset() -> None:
     """Redis came back from an older AOF: the executor ran plans built on writes it no longer has."""
-    swapped = Request("s", list(range(10, 18)), Params(), arrival=2, status=Status.SWAPPED, num_computed=8,
-                      swap_blocks=[(Tier.CPU, 0), (Tier.CPU, 1)])
-    snap = Snapshot(pool_fields(TOTALS, 4), ([2, 3, 4, 5, 6, 7], [2, 3], []),
-                    [(running("a", [0, 1], 1), None), (swapped, None)], seq=7)
+    swapped = Request(
+        "s",
+        list(range(10, 18)),
+        Params(),
+        arrival=2,
+        status=Status.SWAPPED,
+        num_computed=8,
+        swap_blocks=[(Tier.CPU, 0), (Tier.CPU, 1)],
+    )
+    snap = Snapshot(
+        pool_fields(TOTALS, 4),
+        ([2, 3, 4, 5, 6, 7], [2, 3], []),
+        [(running("a", [0, 1], 1), None), (swapped, None)],
+        seq=7,
+    )
     assert not restore(snap, TOTALS, CONFIG, 4, applied_seq=7).reset, "the same writes: the KV can be trusted"
     r = restore(snap, TOTALS, CONFIG, 4, applied_seq=9)
     assert r.reset

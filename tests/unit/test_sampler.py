@@ -65,8 +65,9 @@ def _full_sort_filter(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
 TOP_P_TOLERANCE = 1e-5
 
 
-def _assert_same_cut(got: torch.Tensor, want: torch.Tensor, logits: torch.Tensor, top_k: torch.Tensor,
-                     top_p: torch.Tensor) -> None:
+def _assert_same_cut(
+    got: torch.Tensor, want: torch.Tensor, logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+) -> None:
     """``got`` keeps what ``want`` keeps, except tokens sitting on the top_p boundary (within the tolerance)."""
     differ = torch.isinf(got) != torch.isinf(want)
     sorted_logits, order = logits.double().sort(dim=-1, descending=True)
@@ -86,10 +87,12 @@ def test_filter_keeps_exactly_what_a_full_sort_keeps() -> None:
 
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(6, 3000, generator=gen) * 3
-    cases = [([50, 50, 1, 7, 2999, 3000], [1.0, 0.9, 0.5, 1.0, 0.3, 1.0]),  # every row bounded: topk
-             ([0, 50, 5, 0, 40, 3], [1.0, 0.95, 1.0, 0.7, 1.0, 1.0]),  # some unbounded: a full sort
-             ([0, 10, 0, 0, 0, 0], [1.0] * 6),  # one row filters, the others keep everything
-             ([0] * 6, [1.0] * 6)]  # nothing to filter
+    cases = [
+        ([50, 50, 1, 7, 2999, 3000], [1.0, 0.9, 0.5, 1.0, 0.3, 1.0]),  # every row bounded: topk
+        ([0, 50, 5, 0, 40, 3], [1.0, 0.95, 1.0, 0.7, 1.0, 1.0]),  # some unbounded: a full sort
+        ([0, 10, 0, 0, 0, 0], [1.0] * 6),  # one row filters, the others keep everything
+        ([0] * 6, [1.0] * 6),
+    ]  # nothing to filter
     for ks, ps in cases:
         top_k, top_p = torch.tensor(ks), torch.tensor(ps)
         got, want = _filter(logits, top_k, top_p), _full_sort_filter(logits, top_k, top_p)
@@ -138,6 +141,8 @@ def test_top_p_without_top_k_keeps_what_a_full_sort_keeps_when_the_probe_suffice
     got = _filter(logits, top_k, top_p)
     _assert_same_cut(got, want, logits, top_k, top_p)
     flat = torch.randn(2, 49152, generator=gen) * 0.1  # the nucleus is wider than the probe: a full sort
-    got, want = _filter(flat, torch.tensor([0, 0]), torch.tensor([0.9, 0.3])), _full_sort_filter(
-        flat, torch.tensor([0, 0]), torch.tensor([0.9, 0.3]))
+    got, want = (
+        _filter(flat, torch.tensor([0, 0]), torch.tensor([0.9, 0.3])),
+        _full_sort_filter(flat, torch.tensor([0, 0]), torch.tensor([0.9, 0.3])),
+    )
     assert torch.equal(torch.isinf(got), torch.isinf(want))

@@ -88,10 +88,13 @@ def test_min_tokens_masks_stop_ids_until_enough_outputs() -> None:
 
 def test_greedy_follows_the_processed_logits() -> None:
     logits, params, histories, generated = _case(11)
-    greedy = [SamplingParams(**{f: getattr(p, f) for f in p.__slots__ if f not in ("temperature", "seed")})
-              for p in params]
-    want = [max(range(VOCAB), key=lambda t, i=i: ref_process(logits[i].tolist(), greedy[i], histories[i],
-                                                             generated[i])[t]) for i in range(len(params))]
+    greedy = [
+        SamplingParams(**{f: getattr(p, f) for f in p.__slots__ if f not in ("temperature", "seed")}) for p in params
+    ]
+    want = [
+        max(range(VOCAB), key=lambda t, i=i: ref_process(logits[i].tolist(), greedy[i], histories[i], generated[i])[t])
+        for i in range(len(params))
+    ]
     assert sample(logits, greedy, generated, histories) == want
 
 
@@ -112,9 +115,19 @@ def test_min_p_keeps_what_the_reference_keeps() -> None:
 
 def test_seeded_draw_with_every_option_is_reproducible_and_batch_independent() -> None:
     logits, params, histories, generated = _case(4)
-    p = SamplingParams(temperature=0.9, top_k=20, top_p=0.9, min_p=0.02, seed=77, presence_penalty=0.5,
-                       frequency_penalty=0.3, repetition_penalty=1.2, logit_bias=((4, 2.0),), min_tokens=1,
-                       min_tokens_ids=(0,))
+    p = SamplingParams(
+        temperature=0.9,
+        top_k=20,
+        top_p=0.9,
+        min_p=0.02,
+        seed=77,
+        presence_penalty=0.5,
+        frequency_penalty=0.3,
+        repetition_penalty=1.2,
+        logit_bias=((4, 2.0),),
+        min_tokens=1,
+        min_tokens_ids=(0,),
+    )
     alone = sample(logits[2:3], [p], [generated[2]], [histories[2]])
     batched = sample(logits, params[:2] + [p] + params[3:], generated, histories)
     assert batched[2] == alone[0] == sample(logits[2:3], [p], [generated[2]], [histories[2]])[0]
@@ -139,10 +152,12 @@ def test_a_row_the_processors_leave_without_a_token_samples_its_raw_logits() -> 
     eos = 5
     masked = torch.full((1, 16), float("-inf"))
     masked[0, eos] = 1.0
-    for p in (SamplingParams(min_tokens=3, min_tokens_ids=(eos,)),
-              SamplingParams(temperature=0.8, top_k=4, seed=1, min_tokens=3, min_tokens_ids=(eos,)),
-              SamplingParams(temperature=0.8, top_p=0.9, min_tokens=3, min_tokens_ids=(eos,)),
-              SamplingParams(temperature=0.8, min_tokens=3, min_tokens_ids=(eos,))):
+    for p in (
+        SamplingParams(min_tokens=3, min_tokens_ids=(eos,)),
+        SamplingParams(temperature=0.8, top_k=4, seed=1, min_tokens=3, min_tokens_ids=(eos,)),
+        SamplingParams(temperature=0.8, top_p=0.9, min_tokens=3, min_tokens_ids=(eos,)),
+        SamplingParams(temperature=0.8, min_tokens=3, min_tokens_ids=(eos,)),
+    ):
         assert sample(masked.clone(), [p], [0]) == [eos], p
     nothing = torch.full((2, 16), float("-inf"))
     for p in (SamplingParams(), SamplingParams(temperature=0.8, top_k=4, seed=1), SamplingParams(temperature=0.8)):

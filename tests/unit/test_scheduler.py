@@ -20,8 +20,13 @@ def make(blocks: int = 16, cpu: int = 0, disk: int = 0, **cfg: object) -> Schedu
 
 
 def req(rid: str, prompt: int, max_tokens: int = 100, priority: int = 0, arrival: int = 0, **kw: object) -> Request:
-    return Request(rid, list(range(10, 10 + prompt)), Params(max_tokens=max_tokens, **kw),  # type: ignore[arg-type]
-                   priority=priority, arrival=arrival)
+    return Request(
+        rid,
+        list(range(10, 10 + prompt)),
+        Params(max_tokens=max_tokens, **kw),  # type: ignore[arg-type]
+        priority=priority,
+        arrival=arrival,
+    )
 
 
 def run_step(s: Scheduler, token: int = 7) -> SchedulerOutput:
@@ -37,7 +42,9 @@ def owned(s: Scheduler) -> list[int]:
 def check_blocks(s: Scheduler) -> None:
     bm = s.blocks
     for tier in (DEVICE, CPU, DISK):
-        mine = [b for r in s.requests.values() for t, b in ([(DEVICE, x) for x in r.blocks] + r.swap_blocks) if t == tier]
+        mine = [
+            b for r in s.requests.values() for t, b in ([(DEVICE, x) for x in r.blocks] + r.swap_blocks) if t == tier
+        ]
         assert len(mine) == len(set(mine)), "a block is owned twice"
         assert not any(bm.is_free(tier, b) for b in mine), "an owned block is on the free list"
         assert len(mine) + bm.num_free(tier) + sum(t == tier for t, _ in bm.pending) == bm.total(tier)
@@ -142,8 +149,7 @@ def test_priority_waiting_does_not_preempt_more_urgent_work() -> None:
 
 
 def test_max_num_seqs_and_watermark_limit_admission() -> None:
-    s = Scheduler(SchedulerConfig(max_model_len=4096, max_num_seqs=2, watermark=0.25),
-                  BlockManager(4, Pool.fresh(16)))
+    s = Scheduler(SchedulerConfig(max_model_len=4096, max_num_seqs=2, watermark=0.25), BlockManager(4, Pool.fresh(16)))
     for i in range(4):
         s.add(req(f"r{i}", 4, arrival=i))
     run_step(s)

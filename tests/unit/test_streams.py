@@ -39,8 +39,7 @@ def tok(smol_dir: Path):  # noqa: ANN201
 
 
 def stream(tok, stop: list[str] | None = None, stopped: list[str] | None = None) -> Stream:  # noqa: ANN001
-    return Stream("r1", 5, Detokenizer(tok, stop or []), 0.0,
-                  on_stop=(stopped if stopped is not None else []).append)
+    return Stream("r1", 5, Detokenizer(tok, stop or []), 0.0, on_stop=(stopped if stopped is not None else []).append)
 
 
 def run(s: Stream, store: Completion, events: list[tuple]) -> tuple[list[Chunk], BaseException | None]:
@@ -62,25 +61,33 @@ def run(s: Stream, store: Completion, events: list[tuple]) -> tuple[list[Chunk],
 def test_overlap_is_dropped_and_a_gap_read_back(tok) -> None:  # noqa: ANN001
     ids = tok("The quick brown fox jumps over the lazy dog", add_special_tokens=False).input_ids
     store = Completion(ids)
-    events = [("t", (0, ids[:2], None)), ("t", (1, ids[1:4], None)),  # overlaps the first by one
-              ("t", (6, ids[6:8], None)),  # skips 4..6
-              ("f", ("length", len(ids), 3))]  # the finish names the total: the tail is read back
+    events = [
+        ("t", (0, ids[:2], None)),
+        ("t", (1, ids[1:4], None)),  # overlaps the first by one
+        ("t", (6, ids[6:8], None)),  # skips 4..6
+        ("f", ("length", len(ids), 3)),
+    ]  # the finish names the total: the tail is read back
     chunks, err = run(s := stream(tok), store, events)
     assert err is None
     assert [t for c in chunks for t in c.token_ids] == ids  # each token once, in order
     assert [c.offset for c in chunks] == [0, 2, 4, 8]
     assert store.reads == [(4, 6), (8, len(ids))]
     last = chunks[-1]
-    assert (last.finish_reason, last.completion_tokens, last.prompt_tokens, last.cached_tokens) == \
-        ("length", len(ids), 5, 3)
+    assert (last.finish_reason, last.completion_tokens, last.prompt_tokens, last.cached_tokens) == (
+        "length",
+        len(ids),
+        5,
+        3,
+    )
     assert "".join(c.text for c in chunks) == tok.decode(ids) and s.done
 
 
 def test_a_stop_string_ends_the_text_and_cancels_the_request_once(tok) -> None:  # noqa: ANN001
     ids = tok("one two. three four", add_special_tokens=False).input_ids
     stopped: list[str] = []
-    chunks, err = run(stream(tok, stop=["."], stopped=stopped), Completion(ids),
-                      [("t", (i, [t], None)) for i, t in enumerate(ids)])
+    chunks, err = run(
+        stream(tok, stop=["."], stopped=stopped), Completion(ids), [("t", (i, [t], None)) for i, t in enumerate(ids)]
+    )
     assert err is None and stopped == ["r1"]
     assert "".join(c.text for c in chunks) == "one two" and chunks[-1].finish_reason == "stop"
 

@@ -18,8 +18,11 @@ MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "conten
 
 
 def _files(model_dir: Path, **config_changes: object) -> dict[str, bytes]:
-    files = {p.name: p.read_bytes() for p in model_dir.iterdir()
-             if p.name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")}
+    files = {
+        p.name: p.read_bytes()
+        for p in model_dir.iterdir()
+        if p.name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+    }
     if config_changes:
         config = json.loads(files["tokenizer_config.json"])
         files["tokenizer_config.json"] = json.dumps({**config, **config_changes}).encode()
@@ -32,8 +35,9 @@ def _same(a: object, b: object) -> None:
         assert a(text).input_ids == b(text).input_ids
     ids = b(TEXTS[0]).input_ids + [1, 2, 3]
     assert a.decode(ids) == b.decode(ids)
-    assert (a.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False)
-            == b.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False))
+    assert a.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False) == b.apply_chat_template(
+        MESSAGES, add_generation_prompt=True, tokenize=False
+    )
     assert a.eos_token_id == b.eos_token_id and a.all_special_ids == b.all_special_ids
 
 
@@ -51,8 +55,10 @@ def test_other_tokenizer_classes_go_through_auto_tokenizer(tmp_path: Path) -> No
 
 
 def test_the_fast_path_imports_no_torch() -> None:
-    code = ("import sys; from executor_svc.model_store import resolve_model; from scheduler_svc.frontend.watch import "
-            "load_tokenizer; d = resolve_model(None); load_tokenizer({p.name: p.read_bytes() for p in d.iterdir() "
-            "if p.name.startswith(('tokenizer', 'special', 'chat'))}); print('torch' in sys.modules)")
+    code = (
+        "import sys; from executor_svc.model_store import resolve_model; from scheduler_svc.frontend.watch import "
+        "load_tokenizer; d = resolve_model(None); load_tokenizer({p.name: p.read_bytes() for p in d.iterdir() "
+        "if p.name.startswith(('tokenizer', 'special', 'chat'))}); print('torch' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip().splitlines()[-1] == "False"
