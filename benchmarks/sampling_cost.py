@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from executor_svc.sampler import SamplingParams, sample
+from executor_svc.sampler import Sampling, sample
 
 NEIGHBOURHOOD = 0.25  # step-log rows within +-25% of a batch size stand for it
 MIN_STEPS = 3
@@ -64,8 +64,8 @@ class SamplingPoint:
     sampling_share_of_forward: float | None  # seeded_ms / forward_ms: sampling itself against the forward
 
 
-def _params(batch: int, cfg: SamplingConfig, seeded: bool) -> list[SamplingParams]:
-    return [SamplingParams(cfg.temperature, 1.0, cfg.top_k, i + 1 if seeded else None) for i in range(batch)]
+def _params(batch: int, cfg: SamplingConfig, seeded: bool) -> list[Sampling]:
+    return [Sampling(cfg.temperature, 1.0, cfg.top_k, i + 1 if seeded else None) for i in range(batch)]
 
 
 @dataclass(slots=True)

@@ -157,7 +157,7 @@ async def _health(servicer: ExecutorServicer, health: object, stop: asyncio.Even
     while not stop.is_set():
         if servicer.lifecycle.serving != serving:
             serving = servicer.lifecycle.serving
-            await rpc.set_serving(health, [SERVICE_NAME], serving)  # type: ignore[arg-type]
+            await rpc.set_serving(health, [SERVICE_NAME], serving)
         try:
             await asyncio.wait_for(stop.wait(), 0.5)
         except TimeoutError:

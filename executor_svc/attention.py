@@ -41,7 +41,7 @@ def paged_attention_forward(
     """``query [1, H, T, D]``, ``key/value [1, KVH, T, D]`` post-RoPE, packed tokens."""
     if paged is None:
         raise RuntimeError("the pagedserve attention needs the step's `paged` context")
-    layer = module.layer_idx
+    layer = int(module.layer_idx)  # type: ignore[arg-type]
     k_cache, v_cache = paged.cache.k[layer], paged.cache.v[layer]
     q = query[0].transpose(0, 1)  # [T, H, D]
     paged.backend.reshape_and_cache(

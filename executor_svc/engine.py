@@ -30,11 +30,12 @@ from executor_svc.kv_pool import (
     device_tier,
     disk_tier,
 )
-from executor_svc.plan import Move, PlanError, SeqInput, StepInput, StepOutput
+from executor_svc.plan import PlanError, SeqInput, StepInput, StepOutput
 from executor_svc.runner import LastSampled
 from executor_svc.sampler import sample
 from kernels import get_backend, make_metadata
 from pagedserve.grammar import Compiler
+from pagedserve.tiers import BlockMove
 
 TIER_NAMES = ("device", "cpu", "disk")
 
@@ -61,7 +62,8 @@ class Engine:
         self.device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         dtype = getattr(torch, cfg.dtype)
         config = AutoConfig.from_pretrained(cfg.model)
-        self.model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=dtype).to(self.device).eval()
+        hf = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=dtype)
+        self.model = hf.to(self.device).eval()  # type: ignore[arg-type]
         self.model.set_attn_implementation(attention.IMPLEMENTATION)
         self.backend = get_backend(cfg.attention_backend, self.device)
         text_config = config.get_text_config()
@@ -81,10 +83,10 @@ class Engine:
         self.pool = KVPool(
             self.geometry,
             device_tier(self.geometry, self._device_blocks(), self.device),
-            cpu_tier(self.geometry, self.geometry.blocks_for(cfg.swap_space * GIB), self.device.type == "cuda")
+            cpu_tier(self.geometry, self.geometry.blocks_in(cfg.swap_space * GIB), self.device.type == "cuda")
             if cfg.swap_space > 0
             else None,
-            disk_tier(self.geometry, self.geometry.blocks_for(cfg.disk_swap_space * GIB), cfg.swap_dir)
+            disk_tier(self.geometry, self.geometry.blocks_in(cfg.disk_swap_space * GIB), cfg.swap_dir)
             if cfg.swap_dir is not None and cfg.disk_swap_space > 0
             else None,
         )
@@ -101,7 +103,7 @@ class Engine:
             budget = self._profiled_budget()
         else:
             budget = float(512 << 20)
-        blocks = self.geometry.blocks_for(budget)
+        blocks = self.geometry.blocks_in(budget)
         if blocks < 1:
             raise ValueError(f"KV cache budget of {budget:.0f} bytes holds no {self.geometry.block_bytes}-byte block")
         return blocks
@@ -156,8 +158,8 @@ class Engine:
 
     # -- one step -------------------------------------------------------------
 
-    def _move(self, moves: list[Move]) -> None:
-        groups: dict[tuple[int, int], list[Move]] = defaultdict(list)
+    def _move(self, moves: list[BlockMove]) -> None:
+        groups: dict[tuple[int, int], list[BlockMove]] = defaultdict(list)
         for m in moves:
             groups[(m.src_tier, m.dst_tier)].append(m)
         for (src_tier, dst_tier), group in groups.items():

@@ -31,7 +31,7 @@ class KVGeometry:
         elem = torch.empty((), dtype=self.dtype).element_size()
         return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
 
-    def blocks_for(self, num_bytes: float) -> int:
+    def blocks_in(self, num_bytes: float) -> int:
         return max(0, int(num_bytes // self.block_bytes))
 
     def shape(self, num_blocks: int) -> tuple[int, ...]:

@@ -32,11 +32,11 @@ def gather(logits: torch.Tensor, targets: list[int], ks: list[int]) -> list[Entr
     tgt = torch.tensor(targets, device=lp.device)[:, None]
     chosen = lp.gather(1, tgt)
     ranks = ((lp > chosen).sum(dim=-1) + 1).tolist()
-    chosen = chosen[:, 0].tolist()
+    chosen_lp: list[float] = chosen[:, 0].tolist()
     k = max(ks)
-    top_lp, top_ids = lp.topk(k, dim=-1) if k > 0 else (lp[:, :0], lp[:, :0].long())
-    top_lp, top_ids = top_lp.tolist(), top_ids.tolist()
+    top_t, top_i = lp.topk(k, dim=-1) if k > 0 else (lp[:, :0], lp[:, :0].long())
+    top_lp, top_ids = top_t.tolist(), top_i.tolist()
     return [
-        Entry(t, chosen[i], ranks[i], tuple(top_ids[i][: ks[i]]), tuple(top_lp[i][: ks[i]]))
+        Entry(t, chosen_lp[i], ranks[i], tuple(top_ids[i][: ks[i]]), tuple(top_lp[i][: ks[i]]))
         for i, t in enumerate(targets)
     ]

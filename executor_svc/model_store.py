@@ -50,7 +50,7 @@ def convert_gguf(src: Path, dst: Path) -> Path:
     tokenizer = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)
     model = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name)
     # save_pretrained refuses a model that still carries its GGUF quantizer marker.
-    model.hf_quantizer = None
+    model.hf_quantizer = None  # type: ignore[assignment]
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     dst.parent.mkdir(parents=True, exist_ok=True)

@@ -5,21 +5,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from executor_svc import logprobs
-from executor_svc.sampler import SamplingParams
+from executor_svc.logprobs import Entry
+from executor_svc.sampler import Sampling
 from pagedserve.grammar import Spec
+from pagedserve.tiers import BlockMove
 
 
 class PlanError(ValueError):
     """A step plan that cannot be executed as given (bad block ids, positions...)."""
-
-
-@dataclass(frozen=True, slots=True)
-class Move:
-    src_tier: int
-    src: int
-    dst_tier: int
-    dst: int
 
 
 @dataclass(slots=True)
@@ -28,7 +21,7 @@ class SeqInput:
     token_ids: list[int]
     start_pos: int
     block_table: list[int]  # the whole table, or with full_table=False the blocks new since the last step
-    sampling: SamplingParams = field(default_factory=SamplingParams)
+    sampling: Sampling = field(default_factory=Sampling)
     sample: bool = True
     num_generated: int = 0
     full_table: bool = True
@@ -42,9 +35,9 @@ class SeqInput:
 @dataclass(slots=True)
 class StepInput:
     step_id: int = 0
-    swap_out: list[Move] = field(default_factory=list)
-    swap_in: list[Move] = field(default_factory=list)
-    copies: list[Move] = field(default_factory=list)
+    swap_out: list[BlockMove] = field(default_factory=list)
+    swap_in: list[BlockMove] = field(default_factory=list)
+    copies: list[BlockMove] = field(default_factory=list)
     seqs: list[SeqInput] = field(default_factory=list)
     forget: list[str] = field(default_factory=list)  # requests whose tables can be dropped
     reset_tables: bool = False  # drop every table before this plan
@@ -60,6 +53,6 @@ class StepOutput:
     step_ms: float
     swap_in_ms: float = 0.0  # swap-ins and copies before the forward (host time; launch time on CUDA)
     swap_out_ms: float = 0.0  # swap-outs (host time: inline on CPU, launched onto a side stream on CUDA)
-    logprobs: dict[str, logprobs.Entry] = field(default_factory=dict)  # sampled tokens' logprobs, if asked
+    logprobs: dict[str, Entry] = field(default_factory=dict)  # sampled tokens' logprobs, if asked
     # request -> (prompt position of the first entry, one entry per prompt position)
-    prompt_logprobs: dict[str, tuple[int, list[logprobs.Entry]]] = field(default_factory=dict)
+    prompt_logprobs: dict[str, tuple[int, list[Entry]]] = field(default_factory=dict)

@@ -71,7 +71,7 @@ def row_key(seed: int, num_generated: int) -> int:
 
 
 @dataclass(frozen=True, slots=True)
-class SamplingParams:
+class Sampling:
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
@@ -164,12 +164,14 @@ def _min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(logits < floor, float("-inf"))
 
 
-def _bias(logits: torch.Tensor, params: Sequence[SamplingParams], num_generated: Sequence[int]) -> None:
+def _bias(logits: torch.Tensor, params: Sequence[Sampling], num_generated: Sequence[int]) -> None:
     """logit_bias and the min_tokens mask, in place: one index_put per kind for the whole batch."""
     rows, cols, vals = [], [], []
     for i, p in enumerate(params):
         for t, b in p.logit_bias:
-            rows.append(i), cols.append(t), vals.append(b)
+            rows.append(i)
+            cols.append(t)
+            vals.append(b)
     if rows:
         dev = logits.device
         logits.index_put_(
@@ -190,7 +192,7 @@ def _bias(logits: torch.Tensor, params: Sequence[SamplingParams], num_generated:
 
 def _penalize(
     logits: torch.Tensor,
-    params: Sequence[SamplingParams],
+    params: Sequence[Sampling],
     num_generated: Sequence[int],
     histories: Sequence[Sequence[int] | None],
 ) -> None:
@@ -203,7 +205,7 @@ def _penalize(
     if not rows:
         return
     dev, vocab = logits.device, logits.shape[-1]
-    hist = [histories[i] if histories[i] is not None else array("l") for i in rows]
+    hist = [h if (h := histories[i]) is not None else array("l") for i in rows]
     lens = torch.tensor([len(h) for h in hist])
     flat = torch.tensor([t for h in hist for t in h], dtype=torch.long)
     row_of = torch.repeat_interleave(torch.arange(len(rows)), lens)
@@ -233,7 +235,7 @@ def _penalize(
 
 def process(
     logits: torch.Tensor,
-    params: Sequence[SamplingParams],
+    params: Sequence[Sampling],
     num_generated: Sequence[int],
     histories: Sequence[Sequence[int] | None] | None = None,
 ) -> torch.Tensor:
@@ -250,7 +252,7 @@ def process(
 
 def sample(
     logits: torch.Tensor,
-    params: list[SamplingParams],
+    params: list[Sampling],
     num_generated: list[int],
     histories: Sequence[Sequence[int] | None] | None = None,
 ) -> list[int]:
@@ -297,7 +299,7 @@ def _draw_candidates(
     top_k: torch.Tensor,
     top_p: torch.Tensor,
     rows: list[int],
-    params: Sequence[SamplingParams],
+    params: Sequence[Sampling],
     num_generated: Sequence[int],
 ) -> torch.Tensor:
     """Rows that top-k or top-p filter: noise for the surviving candidates only (a most-likely-first
@@ -310,7 +312,7 @@ def _draw_candidates(
     fresh = torch.randint(-(1 << 63), (1 << 63) - 1, (len(rows),), dtype=torch.int64).tolist()
     keys = torch.tensor(
         [
-            row_key(params[i].seed, num_generated[i]) if params[i].seed is not None else fresh[j]
+            row_key(seed, num_generated[i]) if (seed := params[i].seed) is not None else fresh[j]
             for j, i in enumerate(rows)
         ],
         dtype=torch.int64,
@@ -321,15 +323,15 @@ def _draw_candidates(
 
 
 def _draw_whole(
-    scaled: torch.Tensor, rows: list[int], params: Sequence[SamplingParams], num_generated: Sequence[int]
+    scaled: torch.Tensor, rows: list[int], params: Sequence[Sampling], num_generated: Sequence[int]
 ) -> torch.Tensor:
     """Rows that keep the whole vocabulary: a generator per seeded row (one Exp(1) draw per token)."""
     probs = scaled.softmax(dim=-1)
     draws = torch.empty_like(probs)
     for j, i in enumerate(rows):
         gen = None
-        if params[i].seed is not None:
+        if (seed := params[i].seed) is not None:
             gen = torch.Generator(device=scaled.device)
-            gen.manual_seed((params[i].seed * _MIX + num_generated[i]) & _MASK63)
+            gen.manual_seed((seed * _MIX + num_generated[i]) & _MASK63)
         draws[j].exponential_(generator=gen)
     return (probs / draws).argmax(dim=-1)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 
 import grpc
 
@@ -18,29 +18,30 @@ from executor_svc.engine import Engine
 from executor_svc.lifecycle import Lifecycle
 from executor_svc.logprobs import Entry
 from executor_svc.metrics import ExecutorMetrics
-from executor_svc.plan import Move, PlanError, SeqInput, StepInput, StepOutput
+from executor_svc.plan import PlanError, SeqInput, StepInput, StepOutput
 from executor_svc.runner import PlanRunner, UnknownSample, in_thread
-from executor_svc.sampler import SamplingParams
+from executor_svc.sampler import Sampling
 from pagedserve import handlers
 from pagedserve.executor.v1 import executor_pb2 as pb
 from pagedserve.executor.v1 import executor_pb2_grpc as pb_grpc
 from pagedserve.members import Member
+from pagedserve.tiers import BlockMove, Tier
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Executor"].full_name
 
 
-def _moves(moves: object) -> list[Move]:
-    return [Move(m.src_tier, m.src, m.dst_tier, m.dst) for m in moves]
+def _moves(moves: Iterable[pb.BlockMove]) -> list[BlockMove]:
+    return [BlockMove(Tier(m.src_tier), m.src, Tier(m.dst_tier), m.dst) for m in moves]
 
 
-def sampling_from_pb(s: pb.Sampling, eos: list[int]) -> SamplingParams:
+def sampling_from_pb(s: pb.Sampling, eos: list[int]) -> Sampling:
     m = s.min_tokens
-    return SamplingParams(
+    return Sampling(
         temperature=s.temperature,
         top_p=s.top_p or 1.0,
         top_k=s.top_k,
-        seed=s.seed if s.has_seed else None,
+        seed=s.seed if s.HasField("seed") else None,
         min_p=s.min_p,
         presence_penalty=s.presence_penalty,
         frequency_penalty=s.frequency_penalty,
@@ -48,7 +49,7 @@ def sampling_from_pb(s: pb.Sampling, eos: list[int]) -> SamplingParams:
         min_tokens=m.count,
         min_tokens_ids=tuple(m.stop_token_ids) + (tuple(eos) if m.include_eos else ()) if m.count else (),
         logit_bias=tuple(sorted(s.logit_bias.items())),
-        logprobs=s.logprobs - 1 if s.logprobs else None,
+        logprobs=s.logprobs if s.HasField("logprobs") else None,
     )
 
 
@@ -69,7 +70,7 @@ def _seq_from_pb(s: pb.SeqPlan, eos: list[int]) -> SeqInput:
     if s.sampling.HasField("prompt_logprobs"):
         plp = s.sampling.prompt_logprobs
         seq.prompt_logprobs = plp.top
-        seq.prompt_next = plp.next_token if plp.has_next else None
+        seq.prompt_next = plp.next_token if plp.HasField("next_token") else None
     return seq
 
 

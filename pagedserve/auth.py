@@ -199,7 +199,7 @@ def internal_token_interceptor(token: SecretFile) -> TokenInterceptor:
     )
 
 
-def _with_header(client_call_details, header: str, secret: SecretFile):  # type: ignore[no-untyped-def]
+def _with_header(client_call_details, header: str, secret: SecretFile):
     metadata = grpc.aio.Metadata(*(client_call_details.metadata or ()))
     metadata.add(header, secret.first())
     return client_call_details._replace(metadata=metadata)
@@ -214,7 +214,7 @@ class TokenClientInterceptor(grpc.aio.UnaryUnaryClientInterceptor):
         self.header = header
         self.secret = secret
 
-    async def intercept_unary_unary(self, continuation, client_call_details, request):  # type: ignore[no-untyped-def]
+    async def intercept_unary_unary(self, continuation, client_call_details, request):
         return await continuation(_with_header(client_call_details, self.header, self.secret), request)
 
 
@@ -225,5 +225,5 @@ class TokenStreamInterceptor(grpc.aio.StreamStreamClientInterceptor):
         self.header = header
         self.secret = secret
 
-    async def intercept_stream_stream(self, continuation, client_call_details, request_iterator):  # type: ignore[no-untyped-def]
+    async def intercept_stream_stream(self, continuation, client_call_details, request_iterator):
         return await continuation(_with_header(client_call_details, self.header, self.secret), request_iterator)

@@ -102,7 +102,7 @@ def generate(
                     if fresh.finish_reason:
                         return
         except grpc.RpcError as exc:
-            code = exc.code()  # type: ignore[attr-defined]
+            code = exc.code()
             if code == grpc.StatusCode.NOT_FOUND and resume and have == 0:
                 resume = False  # it never got in: submit it
                 continue

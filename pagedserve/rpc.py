@@ -5,7 +5,8 @@ from __future__ import annotations
 import asyncio
 import signal
 import socket
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -63,7 +64,7 @@ def server_options(
 
 def make_server(
     address: str,
-    services: list[tuple[Callable[[object, grpc.aio.Server], None], object, str]],
+    services: list[tuple[Callable[[Any, grpc.aio.Server], None], Any, str]],
     *,
     reflect: bool = False,
     credentials: grpc.ServerCredentials | None = None,
@@ -114,7 +115,7 @@ async def stop_on_signals() -> asyncio.Event:
 
 
 def run_service(
-    serve: Callable[[object], Awaitable[None]], args: object, log_level: str, log_format: str = "text"
+    serve: Callable[[Any], Coroutine[Any, Any, None]], args: object, log_level: str, log_format: str = "text"
 ) -> None:
     logs.setup(log_level, log_format)
     asyncio.run(serve(args))

@@ -262,7 +262,7 @@ class Dialer:
         return self._creds
 
     def channel(self, address: str) -> grpc.aio.Channel:
-        options = list(rpc.CHANNEL_OPTIONS)
+        options: list[tuple[str, str | int]] = list(rpc.CHANNEL_OPTIONS)
         interceptors = None
         if self.token:  # the unary calls and the Steps stream (grpc.aio files an interceptor under one kind)
             interceptors = [

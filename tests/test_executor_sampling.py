@@ -13,7 +13,7 @@ import torch
 
 from executor_svc.engine import Engine, EngineConfig
 from executor_svc.plan import PlanError, SeqInput, StepInput
-from executor_svc.sampler import SamplingParams
+from executor_svc.sampler import Sampling
 
 BLOCK_BYTES = 2 * 2 * 16 * 2 * 16 * 4
 
@@ -23,14 +23,14 @@ def engine(tiny_llama: Path) -> Engine:
     return Engine(EngineConfig(model=tiny_llama, kv_cache_memory=32 * BLOCK_BYTES, device="cpu"))
 
 
-PEN = SamplingParams(repetition_penalty=1.5, presence_penalty=0.5)
+PEN = Sampling(repetition_penalty=1.5, presence_penalty=0.5)
 
 
 @pytest.mark.parametrize(
     "seq",
     [
-        SeqInput("a", [5, 6], 0, [0], SamplingParams(logit_bias=((49152, 1.0),))),
-        SeqInput("a", [5, 6], 0, [0], SamplingParams(min_tokens=3, min_tokens_ids=(1 << 31,))),
+        SeqInput("a", [5, 6], 0, [0], Sampling(logit_bias=((49152, 1.0),))),
+        SeqInput("a", [5, 6], 0, [0], Sampling(min_tokens=3, min_tokens_ids=(1 << 31,))),
         SeqInput("a", [5, 6], 0, [0], prompt_logprobs=2, prompt_next=49152),
         SeqInput("a", [5, 6], 16, [0, 1], PEN, history=[7] * 15 + [49152]),
         SeqInput("a", [5, 6], 16, [0, 1], PEN, history=[7] * 3),  # short
@@ -68,9 +68,7 @@ def test_logprobs_of_sampled_tokens_and_prompt_chunks(engine: Engine) -> None:
     assert first.tokens == [] and list(first.prompt_logprobs) == ["c"]
     start, entries = first.prompt_logprobs["c"]
     assert start == 1 and [e.token_id for e in entries] == prompt[1:5] and all(len(e.top_ids) == 2 for e in entries)
-    last = engine.step(
-        StepInput(seqs=[SeqInput("c", prompt[4:], 4, [0], SamplingParams(logprobs=3), prompt_logprobs=2)])
-    )
+    last = engine.step(StepInput(seqs=[SeqInput("c", prompt[4:], 4, [0], Sampling(logprobs=3), prompt_logprobs=2)]))
     start, entries = last.prompt_logprobs["c"]
     assert start == 5 and [e.token_id for e in entries] == prompt[5:]
     ((_, token),) = last.tokens

@@ -38,7 +38,7 @@ from pagedserve.executor.v1 import executor_pb2 as epb
 from pagedserve.members import DRAINING, Member
 from pagedserve.tiers import TIERS
 from scheduler_svc.core import parallel
-from scheduler_svc.core.blocks import blocks_needed
+from scheduler_svc.core.fit import blocks_for
 from scheduler_svc.core.request import Finish, Params, Request, Status
 from scheduler_svc.core.scheduler import SchedulerConfig
 from scheduler_svc.loops.loop import Loop
@@ -368,7 +368,7 @@ def _check_pool(
         for tier, b in r.swap_blocks:
             owned[tier].append(b)
         if r.status == Status.RUNNING:
-            needed = blocks_needed(r.num_computed, BLOCK)
+            needed = blocks_for(r.num_computed, BLOCK)
             assert len(r.blocks) >= needed if pipelined else len(r.blocks) == needed, r
             assert not r.swap_blocks
         elif r.status == Status.WAITING and not synced:
@@ -376,7 +376,7 @@ def _check_pool(
             continue
         else:
             assert r.status == Status.SWAPPED, f"{r.request_id} is {r.status} while placed"
-            assert len(r.swap_blocks) == blocks_needed(r.num_computed, BLOCK) and not r.blocks, r
+            assert len(r.swap_blocks) == blocks_for(r.num_computed, BLOCK) and not r.blocks, r
         assert r.num_computed <= r.num_tokens
         assert len(r.output_ids) <= r.params.max_tokens
     owned[0] = sorted(set(owned[0]))  # device blocks may be shared (_check_cache checks how)

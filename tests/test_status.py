@@ -239,7 +239,7 @@ def test_reader_reads_the_documented_keys(redis_url: str) -> None:
     sync = redis.Redis.from_url(redis_url, decode_responses=True)
     sync.delete(*(sync.keys("{" + ns + "}:*") or ["-"]))
 
-    async def go() -> status.Snapshot:
+    async def go() -> status.Deployment:
         import redis.asyncio as aioredis
 
         client = aioredis.Redis.from_url(redis_url, decode_responses=True)

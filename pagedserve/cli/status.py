@@ -9,7 +9,7 @@ the membership (``Registry.read``, two), then one ``MULTI`` of the usage views, 
 counters, live sets, queue and replica heartbeats, so the figures agree with each other.
 
 - ``read(client, keys)`` fetches the raw data (``Raw``);
-- ``build(raw)`` turns it into a ``Snapshot`` (pure, tested with plain data);
+- ``build(raw)`` turns it into a ``Deployment`` (pure, tested with plain data);
 - ``rates(before, after)`` turns two snapshots into per-second rates (pure);
 - ``to_json`` / ``render`` print a snapshot for scripts / people.
 
@@ -30,7 +30,7 @@ import sys
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, cast
 
 from pagedserve.keys import Keys
 from pagedserve.members import ClusterView, Member, Registry
@@ -52,7 +52,7 @@ def _tiers(values: tuple[int, ...] | None) -> dict[str, int] | None:
 
 def _int(v: object, default: int = 0) -> int:
     try:
-        return int(v)  # type: ignore[arg-type]
+        return int(v)  # type: ignore[call-overload]
     except (TypeError, ValueError):
         return default
 
@@ -102,7 +102,9 @@ class ReplicaStatus:
 
 
 @dataclass(frozen=True, slots=True)
-class Snapshot:
+class Deployment:
+    """A deployment as its Redis namespace describes it, at one moment (``build`` of one ``read``)."""
+
     namespace: str
     model: str
     at_ms: int  # when it was read (this machine's clock)
@@ -179,7 +181,7 @@ def _executor(eid: str, raw: Raw, member: Member | None, state: str) -> Executor
     )
 
 
-def build(raw: Raw) -> Snapshot:
+def build(raw: Raw) -> Deployment:
     """The snapshot ``raw`` describes. Executors in membership order (registration time), then
     expired records, then published pool views without a membership entry (``left``)."""
     view = raw.view
@@ -207,7 +209,7 @@ def build(raw: Raw) -> Snapshot:
     ]
     model = view.identity.get("model") or next((m.model for m in view.members.values()), "")
     counts_tokens = GENERATED in raw.totals or any(GENERATED in c for c in raw.counters.values())
-    return Snapshot(
+    return Deployment(
         namespace=raw.namespace,
         model=model,
         at_ms=raw.now_ms,
@@ -245,7 +247,7 @@ def rate_of(before: Mapping[str, int], after: Mapping[str, int], dt: float, coun
     )
 
 
-def rates(before: Snapshot, after: Snapshot) -> tuple[dict[str, Rate], Rate]:
+def rates(before: Deployment, after: Deployment) -> tuple[dict[str, Rate], Rate]:
     """Per-second rates between two snapshots: per executor present in both, and for the namespace.
     An executor's counters start over when it is reaped and rejoins under a new id; a counter that
     went down gives None rather than a negative rate."""
@@ -285,7 +287,7 @@ def _counters_json(c: Mapping[str, int], counts_tokens: bool) -> dict[str, objec
     }
 
 
-def to_json(snap: Snapshot, rate: tuple[dict[str, Rate], Rate] | None = None) -> dict[str, object]:
+def to_json(snap: Deployment, rate: tuple[dict[str, Rate], Rate] | None = None) -> dict[str, object]:
     """The snapshot for scripts (``pagedserve status --json``). ``rate``: from ``rates``, if sampled twice."""
     execs = []
     for e in snap.executors:
@@ -314,7 +316,7 @@ def to_json(snap: Snapshot, rate: tuple[dict[str, Rate], Rate] | None = None) ->
     totals: dict[str, object] = {
         "executors": len(snap.executors),
         "blocks": {t.label: sum(e.blocks[t] for e in snap.executors) for t in TIERS},
-        "free": {t.label: sum(e.free[t] for e in pools) for t in TIERS},  # type: ignore[index]
+        "free": {t.label: sum(e.free[t] for e in pools if e.free is not None) for t in TIERS},
         "running": sum(e.running or 0 for e in snap.executors),
         "swapped": sum(e.swapped or 0 for e in snap.executors),
         "placed": sum(e.placed for e in snap.executors),
@@ -379,7 +381,7 @@ async def read_raw(client: aioredis.Redis, keys: Keys) -> Raw:
     return raw
 
 
-async def read(client: aioredis.Redis, keys: Keys) -> Snapshot:
+async def read(client: aioredis.Redis, keys: Keys) -> Deployment:
     return build(await read_raw(client, keys))
 
 
@@ -435,13 +437,13 @@ def _text(doc: dict[str, object]) -> str:
         f"namespace {doc['namespace']}  model {doc['model'] or '-'}  requests: {q['waiting']} waiting, "
         + f"{q['live']} unfinished, {q['attached']} attached"
     ]
-    for e in doc["executors"]:  # type: ignore[union-attr]
+    for e in cast(list[dict[str, Any]], doc["executors"]):
         usage = "-" if e["kv_usage"] is None else f"{e['kv_usage'] * 100:.0f}%"
         lines.append(
             f"  {e['id']}  {e['address']}  {e['state']}  kv {usage}  running {e['running']}  "
             f"swapped {e['swapped']}  placed {e['placed']}  steps {e['steps']}  leader {e['leader']}"
         )
-    for r in doc["replicas"]:  # type: ignore[union-attr]
+    for r in cast(list[dict[str, Any]], doc["replicas"]):
         lines.append(
             f"  replica {r['id']} ({'alive' if r['alive'] else 'expired'}) leads {', '.join(r['leads']) or '-'}"
         )

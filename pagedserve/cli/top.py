@@ -18,9 +18,9 @@ from pagedserve.cli.status import (
     DEAD,
     LEFT,
     REFUSED,
+    Deployment,
     ExecutorStatus,
     Rate,
-    Snapshot,
     connect,
     rates,
     read,
@@ -79,7 +79,7 @@ WIDE = 110  # console columns from which ``top`` shows executor addresses and sw
 
 
 def render(
-    snap: Snapshot, rate: tuple[dict[str, Rate], Rate] | None = None, error: str | None = None
+    snap: Deployment, rate: tuple[dict[str, Rate], Rate] | None = None, error: str | None = None
 ) -> RenderableType:
     """One frame of ``top``: a header (queue, totals), the executors (KV usage bars), the replicas
     and the executors whose loops they lead (``(none)``: executors no loop steps right now). Fits
@@ -89,7 +89,7 @@ def render(
 
 @dataclass(frozen=True, slots=True)
 class _Frame:
-    snap: Snapshot
+    snap: Deployment
     rate: tuple[dict[str, Rate], Rate] | None
     error: str | None
 
@@ -160,13 +160,13 @@ class _Frame:
                 )
         short = SHORT_ID if wide else 8
         for e in snap.executors:
-            r = rate[0].get(e.id) if rate is not None else None
+            er = rate[0].get(e.id) if rate is not None else None
             swap_total = e.blocks[Tier.CPU] + e.blocks[Tier.DISK]
             swap = None
             if e.free is not None and swap_total:
                 swap = (swap_total - e.free[Tier.CPU] - e.free[Tier.DISK]) / swap_total
             used = None if e.free is None else e.blocks[Tier.DEVICE] - e.free[Tier.DEVICE]
-            row = [
+            row: list[str | Text] = [
                 e.id[:short],
                 e.address or "-",
                 _state(e, snap.at_ms),
@@ -176,8 +176,8 @@ class _Frame:
                 _num(e.running),
                 _num(e.swapped),
                 str(e.placed),
-                _num(r.steps_per_s if r else None, "{:.1f}"),
-                _num(r.tokens_per_s if r else None, "{:.1f}"),
+                _num(er.steps_per_s if er else None, "{:.1f}"),
+                _num(er.tokens_per_s if er else None, "{:.1f}"),
                 f"{e.counter('preemptions_swap')}/{e.counter('preemptions_recompute')}",
             ]
             ex.add_row(*(v for v, k in zip(row, keep) if k))

@@ -28,26 +28,13 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from pagedserve.tiers import TIERS, Tier  # noqa: F401 (TIERS is re-exported)
+from pagedserve.tiers import TIERS, BlockMove, Tier  # noqa: F401 (TIERS is re-exported)
 from scheduler_svc.core import prefix
+from scheduler_svc.core.fit import blocks_for
 from scheduler_svc.core.record import CacheDelta
 from scheduler_svc.core.request import Request
 
 DEVICE, CPU, DISK = Tier.DEVICE, Tier.CPU, Tier.DISK
-
-
-def blocks_needed(num_tokens: int, block_size: int) -> int:
-    return -(-num_tokens // block_size)
-
-
-@dataclass(slots=True)
-class Move:
-    """One block copied from ``(src_tier, src)`` to ``(dst_tier, dst)``."""
-
-    src_tier: Tier
-    src: int
-    dst_tier: Tier
-    dst: int
 
 
 @dataclass(slots=True)
@@ -135,16 +122,16 @@ class BlockManager:
 
     def needed(self, req: Request, num_new: int) -> int:
         """Device blocks ``req`` must gain to hold ``num_new`` more tokens."""
-        return max(0, blocks_needed(req.num_computed + num_new, self.block_size) - len(req.blocks))
+        return max(0, blocks_for(req.num_computed + num_new, self.block_size) - len(req.blocks))
 
     def can_append(self, req: Request, num_new: int, reserve: int = 0) -> bool:
         return self.needed(req, num_new) + reserve <= self.num_free(DEVICE)
 
     def can_swap_out(self, req: Request) -> bool:
-        return blocks_needed(req.num_computed, self.block_size) <= self.num_free(CPU) + self.num_free(DISK)
+        return blocks_for(req.num_computed, self.block_size) <= self.num_free(CPU) + self.num_free(DISK)
 
     def can_swap_in(self, req: Request, num_new: int, reserve: int = 0) -> bool:
-        need = blocks_needed(req.num_computed + num_new, self.block_size)
+        need = blocks_for(req.num_computed + num_new, self.block_size)
         return need + reserve <= self.num_free(DEVICE)
 
     # -- the prefix cache ---------------------------------------------------------
@@ -178,7 +165,7 @@ class BlockManager:
         """Whether ``req`` can take the cached ``hit`` blocks and room for ``num_new`` tokens after them
         (taking an evictable block back costs a free block, as a new one does)."""
         start = len(hit) * self.block_size
-        new = blocks_needed(start + num_new, self.block_size) - len(hit)
+        new = blocks_for(start + num_new, self.block_size) - len(hit)
         return new + sum(1 for b in hit if b in self.lru) + reserve <= self.num_free(DEVICE)
 
     def allocate(self, req: Request, hit: list[int], num_new: int) -> list[int]:
@@ -218,7 +205,7 @@ class BlockManager:
         """Device blocks ``fork`` takes at once: one for the copy of a partial block."""
         return 1 if upto % self.block_size else 0
 
-    def fork(self, src: Request, dst: Request, upto: int) -> Move | None:
+    def fork(self, src: Request, dst: Request, upto: int) -> BlockMove | None:
         """``dst`` (holding nothing, same prompt) takes ``src``'s KV of its first ``upto`` tokens: the
         full blocks among them by reference, the partial one as a copy made by the next plan before
         its forward (copy on write: each goes on writing its own tokens there). Returns that copy;
@@ -233,11 +220,11 @@ class BlockManager:
         if upto % self.block_size == 0:
             return None
         self._hold(src.blocks[full])
-        copy = Move(DEVICE, src.blocks[full], DEVICE, self._alloc(1)[0])
+        copy = BlockMove(DEVICE, src.blocks[full], DEVICE, self._alloc(1)[0])
         dst.blocks.append(copy.dst)
         return copy
 
-    def release_copies(self, copies: list[Move]) -> None:
+    def release_copies(self, copies: list[BlockMove]) -> None:
         """The plan that made these copies was reported (or dropped them): their sources come free."""
         self._unref([m.src for m in copies])
 
@@ -327,8 +314,8 @@ class BlockManager:
             self._give(tier, [b for t, b in req.swap_blocks if t == tier])
         req.swap_blocks = []
 
-    def swap_out(self, req: Request) -> list[Move]:
-        """Move ``req``'s computed KV to the CPU tier, spilling to disk when it is full.
+    def swap_out(self, req: Request) -> list[BlockMove]:
+        """BlockMove ``req``'s computed KV to the CPU tier, spilling to disk when it is full.
 
         Every computed block is copied, shared ones too, so a swapped request is
         self-contained and comes back whatever the cache evicted meanwhile. Blocks
@@ -337,10 +324,10 @@ class BlockManager:
         holders. Device blocks beyond the computed tokens carry nothing and are
         dropped at once.
         """
-        keep = blocks_needed(req.num_computed, self.block_size)
+        keep = blocks_for(req.num_computed, self.block_size)
         n_cpu = min(keep, self.num_free(CPU))
         dst = [(CPU, b) for b in self._take(CPU, n_cpu)] + [(DISK, b) for b in self._take(DISK, keep - n_cpu)]
-        moves = [Move(DEVICE, src, tier, b) for src, (tier, b) in zip(req.blocks, dst)]
+        moves = [BlockMove(DEVICE, src, tier, b) for src, (tier, b) in zip(req.blocks, dst)]
         for b in req.blocks[:keep]:
             self.refs[b] -= 1
             if self.refs[b] == 0:
@@ -352,20 +339,20 @@ class BlockManager:
         req.swap_blocks = dst
         return moves
 
-    def swap_in(self, req: Request) -> list[Move]:
+    def swap_in(self, req: Request) -> list[BlockMove]:
         """Bring ``req``'s KV back into newly allocated device blocks.
 
         Its swap blocks stay pending until the copy is reported.
         """
         dst = self._alloc(len(req.swap_blocks))
-        moves = [Move(tier, b, DEVICE, d) for (tier, b), d in zip(req.swap_blocks, dst)]
+        moves = [BlockMove(tier, b, DEVICE, d) for (tier, b), d in zip(req.swap_blocks, dst)]
         self.pending.extend(req.swap_blocks)
         req.swap_blocks = []
         req.blocks = dst
         req.num_registered = 0
         return moves
 
-    def release_pending(self, moves: list[Move] | None = None) -> None:
+    def release_pending(self, moves: list[BlockMove] | None = None) -> None:
         """The executor reported a step's swaps done: their sources are free (device blocks that
         a prefix hit took meanwhile stay with their new holders). ``moves``: that step's swaps
         (with a later plan already launched, its sources stay pending); None: all."""

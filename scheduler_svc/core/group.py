@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from scheduler_svc.core.blocks import blocks_needed
+from scheduler_svc.core.fit import blocks_for
 from scheduler_svc.core.request import Request
 
 
@@ -40,7 +40,7 @@ def mates_waiting(waiting: Iterable[Request], head: Request) -> list[Request]:
 def fork_need(head: Request, mates: list[Request], block_size: int) -> int:
     """Device blocks the ``mates`` of ``head`` take beyond the full prompt blocks they share with it."""
     shared = (len(head.prompt_ids) - 1) // block_size
-    return sum(blocks_needed(m.num_tokens, block_size) - shared for m in mates)
+    return sum(blocks_for(m.num_tokens, block_size) - shared for m in mates)
 
 
 def waiting_on(running: Iterable[Request], src: Request) -> list[Request]:

@@ -39,12 +39,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pagedserve.tiers import Tier
+from scheduler_svc.core.fit import blocks_for, fits_ever
 
 PREFIX_LOAD_BOUND = 0.25  # device usage (0-1) a cache hit may cost over the least loaded pool
-
-
-def blocks_for(num_tokens: int, block_size: int) -> int:
-    return -(-num_tokens // block_size)
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,8 +83,9 @@ class Candidate:
         return min(self.hits.get(executor, 0) * block_size, max(0, self.num_tokens - 1))
 
     def fits_ever(self, v: PoolView) -> bool:
-        total = min(self.prompt_len + self.max_tokens, v.max_model_len)
-        return self.num_tokens < v.max_model_len and blocks_for(total, v.block_size) <= v.blocks[Tier.DEVICE]
+        return fits_ever(
+            self.prompt_len, self.max_tokens, self.num_tokens, v.block_size, v.blocks[Tier.DEVICE], v.max_model_len
+        )
 
 
 @dataclass(slots=True)
@@ -177,9 +175,11 @@ def pick(
             if policy == "priority" and preemption_target(c, [s.view for s in able], budget) == me:
                 mine.append(c)
             break
-        best = min(
-            now, key=lambda s, c=c: (s.load - (affinity(c, s.view.executor) if affinity else 0.0), s.view.executor)
-        )
+
+        def load(s: _Sim, c: Candidate = c) -> tuple[float, str]:
+            return (s.load - (affinity(c, s.view.executor) if affinity else 0.0), s.view.executor)
+
+        best = min(now, key=load)
         cached = _cache_holder(c, now, best)
         own = sims[me]
         if cached is not None:

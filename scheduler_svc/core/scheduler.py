@@ -40,16 +40,16 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
+from pagedserve.tiers import BlockMove
 from scheduler_svc.core import group
 from scheduler_svc.core.blocks import (
     DEVICE,
     DISK,
     TIERS,
     BlockManager,
-    Move,
-    blocks_needed,
 )
 from scheduler_svc.core.deadline import expired_among
+from scheduler_svc.core.fit import blocks_for, fits_ever
 from scheduler_svc.core.placement import PoolView
 from scheduler_svc.core.queue import make_queue
 from scheduler_svc.core.record import Counters, StepRecord
@@ -94,9 +94,9 @@ class SchedulerOutput:
     """One step plan: what runs and what moves between tiers."""
 
     scheduled: list[Scheduled] = field(default_factory=list)
-    swap_out: list[Move] = field(default_factory=list)
-    swap_in: list[Move] = field(default_factory=list)
-    copies: list[Move] = field(default_factory=list)  # copy-on-write of forked group mates, before the forward
+    swap_out: list[BlockMove] = field(default_factory=list)
+    swap_in: list[BlockMove] = field(default_factory=list)
+    copies: list[BlockMove] = field(default_factory=list)  # copy-on-write of forked group mates, before the forward
     preempted: list[Request] = field(default_factory=list)
     launched: bool = False  # ``Scheduler.launch`` ran
 
@@ -142,10 +142,14 @@ class Scheduler:
 
     def fits_ever(self, req: Request) -> bool:
         """Whether ``req`` at its longest fits this executor's context and whole device pool."""
-        total = min(len(req.prompt_ids) + req.params.max_tokens, self.config.max_model_len)
-        return req.num_tokens < self.config.max_model_len and blocks_needed(
-            total, self.blocks.block_size
-        ) <= self.blocks.total(DEVICE)
+        return fits_ever(
+            len(req.prompt_ids),
+            req.params.max_tokens,
+            req.num_tokens,
+            self.blocks.block_size,
+            self.blocks.total(DEVICE),
+            self.config.max_model_len,
+        )
 
     def _remove(self, req: Request) -> None:
         del self.requests[req.request_id]
@@ -194,7 +198,7 @@ class Scheduler:
             self.requeue(req)
 
     def evacuate(self) -> None:
-        """Move every request elsewhere (the executor is draining and out of time)."""
+        """BlockMove every request elsewhere (the executor is draining and out of time)."""
         for req in [*self.running, *self.swapped, *self.waiting]:
             self.requeue(req)
 
@@ -377,10 +381,10 @@ class Scheduler:
     def _need(self, req: Request, n: int, from_swap: bool, hit: list[int], mates: list[Request]) -> int:
         """Free device blocks admitting ``req`` and its ``mates`` costs."""
         if from_swap:
-            return blocks_needed(req.num_computed + n, self.blocks.block_size)
+            return blocks_for(req.num_computed + n, self.blocks.block_size)
         bs = self.blocks.block_size
         return (
-            blocks_needed(len(hit) * bs + n, bs)
+            blocks_for(len(hit) * bs + n, bs)
             - len(hit)
             + sum(1 for b in hit if b in self.blocks.lru)
             + group.fork_need(req, mates, self.blocks.block_size)
@@ -484,7 +488,7 @@ class Scheduler:
             self.launch(out)
         self.blocks.release_pending(out.swap_out + out.swap_in)
         self.blocks.release_copies(out.copies)
-        finished = []
+        finished: list[Request] = []
         generated = 0
         new_tokens, touched = self.record.new_tokens, self.record.touched
         for s in out.scheduled:
@@ -509,7 +513,8 @@ class Scheduler:
             generated += 1
             reason = self._check_finish(req, token)
             if reason is not None:
-                finished.append(self.finish(rid, reason))
+                self.finish(rid, reason)
+                finished.append(req)
         self._count("generated_tokens", generated)
         return finished
 

@@ -148,7 +148,7 @@ class StreamChannel:
             self._plans()
         )
 
-    async def _plans(self):  # type: ignore[no-untyped-def]
+    async def _plans(self):
         while (data := await self._out.get()) is not None:
             yield data
 

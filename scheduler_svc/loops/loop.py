@@ -32,7 +32,7 @@ from pagedserve.executor.v1 import executor_pb2_grpc as pb_grpc
 from pagedserve.members import Member, now_ms
 from scheduler_svc.core import placement
 from scheduler_svc.core.blocks import DEVICE
-from scheduler_svc.core.request import Finish
+from scheduler_svc.core.request import Finish, Request
 from scheduler_svc.core.restore import intake, restore
 from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from scheduler_svc.loops import steplog
@@ -275,7 +275,8 @@ class Loop:
         if ops_in:
             s.cursor = ops_in[-1].stream_id
         cancels = [(o.request_id, o.reason) for o in ops_in if o.op == "cancel" and o.reason is not None]
-        claimed, s.retry, hold = [], False, False
+        claimed: list[tuple[Request, Finish | None]] = []
+        s.retry, hold = False, False
         if not member.serving:
             if member.evacuate_at_ms and now_ms() >= member.evacuate_at_ms and sched.requests:
                 hold = bool(s.pipe)  # requests leave with nothing in flight: first take what is

@@ -12,7 +12,7 @@ not reported yet (the pipelined loop plans one step ahead) travels as
 from __future__ import annotations
 
 from pagedserve.executor.v1 import executor_pb2 as pb
-from scheduler_svc.core.blocks import Move
+from pagedserve.tiers import BlockMove
 from scheduler_svc.core.request import Params, Request
 from scheduler_svc.core.scheduler import Scheduled, SchedulerOutput
 
@@ -21,8 +21,8 @@ def _grammar(p: Params) -> pb.Grammar | None:
     return pb.Grammar(kind=p.grammar[0], spec=p.grammar[1]) if p.grammar else None
 
 
-def _moves(moves: list[Move]) -> list[pb.BlockMove]:
-    return [pb.BlockMove(src_tier=m.src_tier, src=m.src, dst_tier=m.dst_tier, dst=m.dst) for m in moves]
+def _moves(moves: list[BlockMove]) -> list[pb.BlockMove]:
+    return [pb.BlockMove(src_tier=m.src_tier.to_pb(), src=m.src, dst_tier=m.dst_tier.to_pb(), dst=m.dst) for m in moves]
 
 
 def needs_history(params: Params) -> bool:
@@ -35,9 +35,7 @@ def needs_history(params: Params) -> bool:
 def sampling_of(p: Params) -> pb.Sampling:
     """The executor's view of ``p`` that holds for every step (built once per request); the options
     a request leaves unset cost nothing on the wire."""
-    out = pb.Sampling(
-        temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, has_seed=p.seed is not None, seed=p.seed or 0
-    )
+    out = pb.Sampling(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=p.seed)
     if p.min_p or p.penalized:
         out.min_p, out.presence_penalty, out.frequency_penalty = p.min_p, p.presence_penalty, p.frequency_penalty
         out.repetition_penalty = p.repetition_penalty
@@ -46,7 +44,7 @@ def sampling_of(p: Params) -> pb.Sampling:
     if p.grammar:
         out.grammar.CopyFrom(_grammar(p))
     if p.logprobs is not None:
-        out.logprobs = p.logprobs + 1
+        out.logprobs = p.logprobs
     return out
 
 
@@ -69,9 +67,7 @@ def for_chunk(base: pb.Sampling, req: Request, s: Scheduled, generated: int) -> 
     if prompt:
         end = s.start + s.num_tokens
         out.prompt_logprobs.CopyFrom(
-            pb.PromptLogprobs(
-                top=p.prompt_logprobs, has_next=end < plen, next_token=req.prompt_ids[end] if end < plen else 0
-            )
+            pb.PromptLogprobs(top=p.prompt_logprobs, next_token=req.prompt_ids[end] if end < plen else None)
         )
     return out
 

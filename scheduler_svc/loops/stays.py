@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass
 
 from opentelemetry.trace import Tracer
+from opentelemetry.util.types import AttributeValue
 
 from pagedserve.tracing import parent
 from scheduler_svc.core.record import StepRecord
@@ -85,13 +86,15 @@ class Placements:
                 req.request_id, now, {"pagedserve.outcome": "requeued", "pagedserve.preemptions": req.num_preemptions}
             )
 
-    def _leave(self, rid: str, now: int, attrs: dict[str, object]) -> None:
+    def _leave(self, rid: str, now: int, attrs: dict[str, AttributeValue]) -> None:
         stay = self._stays.pop(rid, None)
         if stay is not None and stay.since_ns:
             attrs = {**attrs, "pagedserve.steps": stay.steps, "pagedserve.tokens": stay.tokens}
             self._span("pagedserve.executor", rid, stay, stay.since_ns, now, attrs)
 
-    def _span(self, name: str, rid: str, stay: _Stay, start_ns: int, end_ns: int, attrs: dict[str, object]) -> None:
+    def _span(
+        self, name: str, rid: str, stay: _Stay, start_ns: int, end_ns: int, attrs: dict[str, AttributeValue]
+    ) -> None:
         if self.tracer is None or not stay.traceparent:
             return
         span = self.tracer.start_span(

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from executor_svc.engine import Engine, EngineConfig
 from executor_svc.plan import SeqInput, StepInput
-from executor_svc.sampler import SamplingParams
+from executor_svc.sampler import Sampling
 
 
 def run(engine: Engine, prompts: list[list[int]], steps: int, chunk: int) -> list[list[int]]:
@@ -33,7 +33,7 @@ def run(engine: Engine, prompts: list[list[int]], steps: int, chunk: int) -> lis
                     toks[done[i] : done[i] + n],
                     done[i],
                     tables[i],
-                    SamplingParams(temperature=0.0),
+                    Sampling(temperature=0.0),
                     done[i] + n == len(toks),
                     len(outs[i]),
                 )

@@ -14,7 +14,9 @@ import pytest
 
 from executor_svc.runner import LastSampled, UnknownSample
 from pagedserve.keys import Keys
-from scheduler_svc.core.blocks import CPU, DEVICE, Move, blocks_needed
+from pagedserve.tiers import BlockMove
+from scheduler_svc.core.blocks import CPU, DEVICE
+from scheduler_svc.core.fit import blocks_for
 from scheduler_svc.core.request import Finish, Params, Request, Status
 from scheduler_svc.core.scheduler import Scheduler, SchedulerOutput
 from scheduler_svc.loops.flights import Flight, Pipeline
@@ -87,7 +89,7 @@ def drive(s: Scheduler, depth: int, executor: Markov, abort_at: dict[int, str] |
                 computed = stored.get(r.request_id, r.num_computed)
                 assert computed <= r.num_known
                 if r.status == Status.RUNNING:
-                    assert blocks_needed(computed, s.blocks.block_size) <= len(r.blocks)
+                    assert blocks_for(computed, s.blocks.block_size) <= len(r.blocks)
         check_blocks(s)
     return in_flight_at_commit
 
@@ -191,7 +193,7 @@ def test_a_plan_that_swaps_is_followed_only_after_its_result() -> None:
     pipe.flights.append(plain)
     assert pipe.can_launch() and not pipe.wait_first() and not pipe.wait_after(True) and pipe.wait_after(False)
     assert pipe.can_commit()
-    swapping = Flight(SchedulerOutput(swap_out=[Move(DEVICE, 1, CPU, 0)]), 1, 0.0, {"a": 5, "b": 0})
+    swapping = Flight(SchedulerOutput(swap_out=[BlockMove(DEVICE, 1, CPU, 0)]), 1, 0.0, {"a": 5, "b": 0})
     pipe.flights.append(swapping)
     assert pipe.wait_first() and not pipe.can_commit()
     assert pipe.starts() == {"a": 4, "b": 0}, "the oldest plan says what is computed for sure"

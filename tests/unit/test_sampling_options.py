@@ -12,12 +12,12 @@ import random
 import torch
 
 from executor_svc.logprobs import gather
-from executor_svc.sampler import SamplingParams, process, sample
+from executor_svc.sampler import Sampling, process, sample
 
 VOCAB = 40
 
 
-def ref_process(row: list[float], p: SamplingParams, history: list[int], num_generated: int) -> list[float]:
+def ref_process(row: list[float], p: Sampling, history: list[int], num_generated: int) -> list[float]:
     """vLLM v1: logit_bias, min_tokens, then repetition, frequency and presence penalties."""
     x = list(row)
     for t, b in p.logit_bias:
@@ -46,16 +46,16 @@ def ref_min_p(row: list[float], min_p: float) -> list[float]:
     return [-math.inf if q < min_p * top else v for v, q in zip(row, probs)]
 
 
-def _case(seed: int) -> tuple[torch.Tensor, list[SamplingParams], list[list[int]], list[int]]:
+def _case(seed: int) -> tuple[torch.Tensor, list[Sampling], list[list[int]], list[int]]:
     rng = random.Random(seed)
     logits = torch.tensor([[rng.gauss(0, 3) for _ in range(VOCAB)] for _ in range(6)])
     params = [
-        SamplingParams(),  # no option: untouched
-        SamplingParams(repetition_penalty=1.7),
-        SamplingParams(presence_penalty=0.9, frequency_penalty=-0.4, temperature=0.7, seed=3),
-        SamplingParams(logit_bias=((2, 5.0), (7, -30.0), (39, 100.0))),
-        SamplingParams(min_tokens=4, min_tokens_ids=(1, 5, 39), repetition_penalty=0.6, frequency_penalty=1.5),
-        SamplingParams(min_tokens=2, min_tokens_ids=(0,), logit_bias=((0, 50.0),), presence_penalty=-2.0),
+        Sampling(),  # no option: untouched
+        Sampling(repetition_penalty=1.7),
+        Sampling(presence_penalty=0.9, frequency_penalty=-0.4, temperature=0.7, seed=3),
+        Sampling(logit_bias=((2, 5.0), (7, -30.0), (39, 100.0))),
+        Sampling(min_tokens=4, min_tokens_ids=(1, 5, 39), repetition_penalty=0.6, frequency_penalty=1.5),
+        Sampling(min_tokens=2, min_tokens_ids=(0,), logit_bias=((0, 50.0),), presence_penalty=-2.0),
     ]
     histories = [[rng.randrange(VOCAB) for _ in range(rng.randrange(1, 30))] for _ in params]
     generated = [rng.randrange(0, len(h) + 1) for h in histories]
@@ -75,22 +75,20 @@ def test_batch_with_mixed_options_equals_the_per_row_reference() -> None:
 
 def test_rows_with_no_option_cost_nothing() -> None:
     logits = torch.randn(4, VOCAB)
-    assert process(logits, [SamplingParams(temperature=0.5)] * 4, [0] * 4, None) is logits
+    assert process(logits, [Sampling(temperature=0.5)] * 4, [0] * 4, None) is logits
 
 
 def test_min_tokens_masks_stop_ids_until_enough_outputs() -> None:
     logits = torch.zeros(2, VOCAB)
     logits[:, 3] = 10.0  # the stop token would win
-    p = SamplingParams(min_tokens=2, min_tokens_ids=(3,))
+    p = Sampling(min_tokens=2, min_tokens_ids=(3,))
     early, late = sample(logits, [p, p], [1, 2])
     assert early != 3 and late == 3
 
 
 def test_greedy_follows_the_processed_logits() -> None:
     logits, params, histories, generated = _case(11)
-    greedy = [
-        SamplingParams(**{f: getattr(p, f) for f in p.__slots__ if f not in ("temperature", "seed")}) for p in params
-    ]
+    greedy = [Sampling(**{f: getattr(p, f) for f in p.__slots__ if f not in ("temperature", "seed")}) for p in params]
     want = [
         max(range(VOCAB), key=lambda t, i=i: ref_process(logits[i].tolist(), greedy[i], histories[i], generated[i])[t])
         for i in range(len(params))
@@ -104,18 +102,18 @@ def test_min_p_keeps_what_the_reference_keeps() -> None:
     for min_p in (0.0, 0.05, 0.3, 1.0):
         keep = [[v > -math.inf for v in ref_min_p(logits[i].tolist(), min_p)] for i in range(3)]
         allowed = [{t for t in range(VOCAB) if keep[i][t]} for i in range(3)]
-        params = [SamplingParams(temperature=1.0, min_p=min_p, seed=s) for s in range(3)]
+        params = [Sampling(temperature=1.0, min_p=min_p, seed=s) for s in range(3)]
         for n in range(60):
             for i, t in enumerate(sample(logits, params, [n] * 3)):
                 assert t in allowed[i], (min_p, i, t)
     # min_p = 1 leaves the most likely token only
-    top1 = sample(logits, [SamplingParams(temperature=1.0, min_p=1.0, seed=9)] * 3, [0] * 3)
+    top1 = sample(logits, [Sampling(temperature=1.0, min_p=1.0, seed=9)] * 3, [0] * 3)
     assert top1 == logits.argmax(dim=-1).tolist()
 
 
 def test_seeded_draw_with_every_option_is_reproducible_and_batch_independent() -> None:
     logits, params, histories, generated = _case(4)
-    p = SamplingParams(
+    p = Sampling(
         temperature=0.9,
         top_k=20,
         top_p=0.9,
@@ -153,13 +151,13 @@ def test_a_row_the_processors_leave_without_a_token_samples_its_raw_logits() -> 
     masked = torch.full((1, 16), float("-inf"))
     masked[0, eos] = 1.0
     for p in (
-        SamplingParams(min_tokens=3, min_tokens_ids=(eos,)),
-        SamplingParams(temperature=0.8, top_k=4, seed=1, min_tokens=3, min_tokens_ids=(eos,)),
-        SamplingParams(temperature=0.8, top_p=0.9, min_tokens=3, min_tokens_ids=(eos,)),
-        SamplingParams(temperature=0.8, min_tokens=3, min_tokens_ids=(eos,)),
+        Sampling(min_tokens=3, min_tokens_ids=(eos,)),
+        Sampling(temperature=0.8, top_k=4, seed=1, min_tokens=3, min_tokens_ids=(eos,)),
+        Sampling(temperature=0.8, top_p=0.9, min_tokens=3, min_tokens_ids=(eos,)),
+        Sampling(temperature=0.8, min_tokens=3, min_tokens_ids=(eos,)),
     ):
         assert sample(masked.clone(), [p], [0]) == [eos], p
     nothing = torch.full((2, 16), float("-inf"))
-    for p in (SamplingParams(), SamplingParams(temperature=0.8, top_k=4, seed=1), SamplingParams(temperature=0.8)):
+    for p in (Sampling(), Sampling(temperature=0.8, top_k=4, seed=1), Sampling(temperature=0.8)):
         (token, _) = sample(nothing.clone(), [p, p], [0, 0])
         assert 0 <= token < 16
