@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pagedserve.grammar import MAX_GRAMMAR_BYTES, choice_ebnf
 from pagedserve.v1 import generation_pb2 as pb
 from scheduler_svc.core.prefix import MAX_SALT
-from scheduler_svc.core.request import Params
+from scheduler_svc.core.request import DEFAULT_MAX_TOKENS, Params
 
 MAX_REQUEST_ID = 256
 MAX_STOP_STRINGS = 16
@@ -176,7 +176,7 @@ def check(req: pb.GenerateRequest, limits: Limits, caps: Caps = DEFAULT_CAPS) ->
     _check_sampling(s, limits, caps)
     grammar, grammar_field = structured(s, caps)
     params = Params(
-        max_tokens=s.max_tokens if s.HasField("max_tokens") else 16,
+        max_tokens=s.max_tokens if s.HasField("max_tokens") else DEFAULT_MAX_TOKENS,
         temperature=s.temperature if s.HasField("temperature") else 1.0,
         top_p=s.top_p if s.HasField("top_p") else 1.0,
         top_k=s.top_k if s.HasField("top_k") else 0,
@@ -215,7 +215,7 @@ def _check_sampling(s: pb.SamplingParams, limits: Limits, caps: Caps) -> None:
             raise InvalidArgument(f"sampling.{name}: must be in [-2, 2] (got {getattr(s, name)})")
     if s.HasField("repetition_penalty") and not (math.isfinite(s.repetition_penalty) and s.repetition_penalty > 0):
         raise InvalidArgument(f"sampling.repetition_penalty: must be a finite number > 0 (got {s.repetition_penalty})")
-    max_tokens = s.max_tokens if s.HasField("max_tokens") else 16
+    max_tokens = s.max_tokens if s.HasField("max_tokens") else DEFAULT_MAX_TOKENS
     if s.HasField("min_tokens") and s.min_tokens > max_tokens:
         raise InvalidArgument(f"sampling.min_tokens: {s.min_tokens} is more than max_tokens ({max_tokens})")
     for t, b in s.logit_bias.items():
