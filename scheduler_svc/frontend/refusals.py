@@ -5,7 +5,7 @@ A ``Refusal`` carries its ``kind`` (a row of ``TABLE``), the ``field`` it is abo
 blame) and the ``reason``. The gRPC servicer answers the row's status code with
 ``str(refusal)``, ``"field: reason"`` as every INVALID_ARGUMENT names its field; the
 HTTP door answers the row's status, OpenAI error ``type`` and ``code``, with the
-field in OpenAI's terms as ``param`` (``openai_request.answer``). No door reads a
+field in OpenAI's terms as ``param`` (``openai_request.api_error``). No door reads a
 message to learn what went wrong.
 
 The store's exceptions (Redis unreachable, a duplicate id) become refusals in one
