@@ -401,7 +401,10 @@ def test_bad_input_is_400_naming_the_field_and_others_go_on(
             assert resp.status_code == 400, (name, resp.text)
             error = resp.json()["error"]
             assert error["type"] == "invalid_request_error" and error["param"] == param, (name, error)
-            assert param is None or error["message"].startswith(param), (name, error)
+            if error["code"] == "context_length_exceeded":  # OpenAI's words, which clients match
+                assert error["message"].startswith("This model's maximum context length is"), (name, error)
+            else:
+                assert param is None or error["message"].startswith(param), (name, error)
         for path, method, status in (("/nowhere", "GET", 404), ("/completions", "GET", 405)):
             resp = h.request(method, path)
             assert resp.status_code == status and "message" in resp.json()["error"]
@@ -422,6 +425,23 @@ def test_bad_input_is_400_naming_the_field_and_others_go_on(
         extra_body={"ignore_eos": True, "return_token_ids": True},
     )
     assert after.choices[0].model_extra["token_ids"] == grpc_greedy(cluster, greedy(PROMPT, 6)).token_ids
+
+
+def test_an_overlong_prompt_is_openai_s_context_length_exceeded(client: openai.OpenAI, model: str) -> None:
+    """The code litellm maps to ContextWindowExceededError, and OpenAI's (and vLLM's) message."""
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=model, prompt=[7] * 600, max_tokens=5)
+    error = info.value.body  # the error object (the SDK's .message prefixes "Error code: 400 - ")
+    assert isinstance(error, dict) and info.value.code == "context_length_exceeded" and info.value.param == "prompt"
+    assert error["message"] == (
+        "This model's maximum context length is 512 tokens. However, you requested 605 tokens "
+        "(600 in the messages, 5 in the completion). Please reduce the length of the messages or completion."
+    )
+    with pytest.raises(openai.BadRequestError) as info:  # too long once tokenized: the frontend's check
+        client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hello " * 2000}])
+    error = info.value.body
+    assert isinstance(error, dict) and info.value.code == "context_length_exceeded" and info.value.param == "messages"
+    assert error["message"].startswith("This model's maximum context length is 512 tokens. However, you requested")
 
 
 def test_over_max_pending_requests_is_429_with_retry_after(

@@ -15,6 +15,10 @@ class Status(StrEnum):
     FINISHED = "finished"
 
 
+# vLLM's (and OpenAI's completions) default when a request sets no max_tokens; the one place it is written.
+DEFAULT_MAX_TOKENS = 16
+
+
 class Finish(StrEnum):
     STOP = "stop"
     LENGTH = "length"
@@ -26,7 +30,7 @@ class Finish(StrEnum):
 class Params:
     """What decides how a request runs and ends (stop strings live in the frontend)."""
 
-    max_tokens: int = 16
+    max_tokens: int = DEFAULT_MAX_TOKENS
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0

@@ -9,26 +9,17 @@ over ``--max-request-bytes`` is refused before it is parsed at all.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from typing import NoReturn
 
 import grpc
 
 from pagedserve import handlers
 from pagedserve.v1 import generation_pb2 as pb
 from pagedserve.v1 import generation_pb2_grpc as pb_grpc
-from scheduler_svc.frontend.service import (
-    Frontend,
-    NotFound,
-    OutOfRange,
-    TooManyPending,
-)
-from scheduler_svc.frontend.streams import Chunk, QueueTimeout, StreamDetached
-from scheduler_svc.frontend.validate import (
-    MAX_REQUEST_BYTES,
-    InvalidArgument,
-    OverCapacity,
-    Unavailable,
-)
-from scheduler_svc.state.store import UNAVAILABLE, DuplicateRequest
+from scheduler_svc.frontend import refusals
+from scheduler_svc.frontend.refusals import InvalidArgument, Refusal, StreamDetached
+from scheduler_svc.frontend.service import Frontend
+from scheduler_svc.frontend.validate import MAX_REQUEST_BYTES
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
 
@@ -40,19 +31,23 @@ RESUME_ID, RESUME_OFFSET = "pagedserve-request-id", "pagedserve-offset"
 RETRY_AFTER = "retry-after"
 
 
-async def _stream(
-    chunks: AsyncIterator[Chunk], context: grpc.aio.ServicerContext
-) -> AsyncIterator[pb.GenerateResponse]:
-    """Chunks as responses; a drained stream ends UNAVAILABLE with where to resume."""
-    try:
-        async for chunk in chunks:
-            yield chunk.to_pb()
-    except StreamDetached as exc:
-        context.set_trailing_metadata(((RESUME_ID, exc.request_id), (RESUME_OFFSET, str(exc.offset))))
-        await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+async def _refuse(context: grpc.aio.ServicerContext, refusal: Refusal) -> NoReturn:
+    """End the call with the refusal's status code (``refusals.TABLE``) and message; a retry
+    hint, or where to resume a detached stream, goes in the trailing metadata."""
+    metadata: list[tuple[str, str]] = []
+    if refusal.retry_after is not None:
+        metadata.append((RETRY_AFTER, str(refusal.retry_after)))
+    if isinstance(refusal, StreamDetached):
+        metadata += [(RESUME_ID, refusal.request_id), (RESUME_OFFSET, str(refusal.offset))]
+    if metadata:
+        context.set_trailing_metadata(tuple(metadata))
+    await context.abort(refusal.answer.grpc_code, str(refusal))
 
 
 class GenerationServicer(pb_grpc.GenerationServicer):
+    """Each method answers the frontend's refusals (and the store's exceptions, through
+    ``refusals.of``) in one ``except``; anything else is a bug, which grpcio answers UNKNOWN."""
+
     def __init__(self, frontend: Frontend) -> None:
         self.frontend = frontend
 
@@ -61,52 +56,36 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     ) -> AsyncIterator[pb.GenerateResponse]:
         try:
             req, stop = self.frontend.prepare(request, context.time_remaining())
-        except InvalidArgument as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        except OverCapacity as exc:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
-        except Unavailable as exc:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-        try:
-            async for resp in _stream(self.frontend.generate(req, stop), context):
-                yield resp
-        except DuplicateRequest:
-            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id: {req.request_id!r} is already running")
-        except TooManyPending as exc:
-            context.set_trailing_metadata(((RETRY_AFTER, str(exc.retry_after)),))
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
-        except QueueTimeout as exc:
-            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(exc))
-        except UNAVAILABLE as exc:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"redis unavailable: {exc}")
+            async for chunk in self.frontend.generate(req, stop):
+                yield chunk.to_pb()
+        except Exception as exc:
+            if (refusal := refusals.of(exc)) is None:
+                raise
+            await _refuse(context, refusal)
 
     async def Resume(
         self, request: pb.ResumeRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
-        if not request.request_id:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id: must be set")
         try:
+            if not request.request_id:
+                raise InvalidArgument("request_id", "must be set")
             index = request.index if request.HasField("index") else None
-            async for resp in _stream(self.frontend.resume(request.request_id, request.offset, index), context):
-                yield resp
-        except NotFound as exc:
-            await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
-        except OutOfRange as exc:
-            await context.abort(grpc.StatusCode.OUT_OF_RANGE, str(exc))
-        except QueueTimeout as exc:
-            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(exc))
-        except Unavailable as exc:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-        except UNAVAILABLE as exc:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"redis unavailable: {exc}")
+            async for chunk in self.frontend.resume(request.request_id, request.offset, index):
+                yield chunk.to_pb()
+        except Exception as exc:
+            if (refusal := refusals.of(exc)) is None:
+                raise
+            await _refuse(context, refusal)
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
-        if not request.request_id:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id: must be set")
         try:
+            if not request.request_id:
+                raise InvalidArgument("request_id", "must be set")
             return pb.AbortResponse(found=await self.frontend.abort(request.request_id))
-        except UNAVAILABLE as exc:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"redis unavailable: {exc}")
+        except Exception as exc:
+            if (refusal := refusals.of(exc)) is None:
+                raise
+            await _refuse(context, refusal)
 
 
 def add_to_server(

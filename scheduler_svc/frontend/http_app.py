@@ -37,10 +37,10 @@ from pagedserve.auth import SecretFile, bearer
 from pagedserve.security import ReloadingSSLContext
 from scheduler_svc.frontend import openai_request as proto
 from scheduler_svc.frontend import openai_response as answer
-from scheduler_svc.frontend.openai_request import ApiError
+from scheduler_svc.frontend.openai_request import ApiError, refused
+from scheduler_svc.frontend.refusals import InvalidArgument, Kind
 from scheduler_svc.frontend.service import Frontend
-from scheduler_svc.frontend.streams import Chunk, StreamDetached
-from scheduler_svc.frontend.validate import InvalidArgument
+from scheduler_svc.frontend.streams import Chunk
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -80,12 +80,7 @@ class BearerAuth:
         if scope["type"] != "http" or scope["path"] in OPEN_PATHS or self.allowed(scope):
             await self.app(scope, receive, send)
             return
-        err = ApiError(
-            401,
-            "missing or invalid API key (header Authorization: Bearer <key>)",
-            code="invalid_api_key",
-            headers={"WWW-Authenticate": "Bearer"},
-        )
+        err = refused(Kind.UNAUTHENTICATED, "missing or invalid API key (header Authorization: Bearer <key>)")
         await error_response(err)(scope, receive, send)
 
 
@@ -133,21 +128,21 @@ async def _unless_gone(request: Request, work: Awaitable[T]) -> T:
 async def _read_json(request: Request, limit: int) -> dict[str, Any]:
     size = request.headers.get("content-length", "")
     if size.isdigit() and int(size) > limit:
-        raise ApiError(413, f"request: {size} bytes, over the limit of {limit}", code="request_too_large")
+        raise refused(Kind.REQUEST_TOO_LARGE, f"request: {size} bytes, over the limit of {limit}")
     data = bytearray()
     try:
         async for part in request.stream():
             data += part
             if len(data) > limit:
-                raise ApiError(413, f"request: over the limit of {limit} bytes", code="request_too_large")
+                raise refused(Kind.REQUEST_TOO_LARGE, f"request: over the limit of {limit} bytes")
     except ClientDisconnect:
         raise ClientGone from None
     try:
         body = json.loads(data)
     except (ValueError, RecursionError) as exc:
-        raise ApiError(400, f"the body is not valid JSON: {exc}") from None
+        raise refused(Kind.INVALID_ARGUMENT, f"the body is not valid JSON: {exc}") from None
     if not isinstance(body, dict):
-        raise ApiError(400, "the body must be a JSON object")
+        raise refused(Kind.INVALID_ARGUMENT, "the body must be a JSON object")
     return body
 
 
@@ -189,11 +184,8 @@ class Door:
         return JSONResponse({"status": "serving" if serving else "not serving"}, 200 if serving else 503)
 
     def _unknown_model(self, name: str) -> ApiError:
-        return ApiError(
-            404,
-            f"The model `{name}` does not exist (this server serves `{self.model}`).",
-            param="model",
-            code="model_not_found",
+        return refused(
+            Kind.MODEL_NOT_FOUND, f"The model `{name}` does not exist (this server serves `{self.model}`).", "model"
         )
 
     async def completions(self, request: Request) -> Response:
@@ -208,8 +200,8 @@ class Door:
         if self.model and parsed.model != self.model:
             raise self._unknown_model(parsed.model)
         if (size := parsed.request.ByteSize()) > self.max_request_bytes:
-            raise ApiError(
-                400,
+            raise refused(
+                Kind.INVALID_ARGUMENT,
                 f"request: {size} bytes as a pagedserve.v1 request, over the limit of "
                 f"{self.max_request_bytes} (--max-request-bytes)",
             )
@@ -256,12 +248,11 @@ class Door:
             async for chunk in chunks:
                 for event in shape.events(chunk):
                     yield sse(event)
-        except StreamDetached as exc:  # the replica drains; the request goes on
-            yield sse(proto.detached(exc).body())
-            return
-        except Exception:
-            log.exception("stream of %s failed", shape.request_id, extra={"request_id": shape.request_id})
-            yield sse(ApiError(500, "internal error", "server_error").body())
+        except Exception as exc:  # StreamDetached: the replica drains, the request goes on
+            if (err := proto.error_for(exc)) is None:
+                log.exception("stream of %s failed", shape.request_id, extra={"request_id": shape.request_id})
+                err = refused(Kind.INTERNAL, "internal error")
+            yield sse(err.body())
             return
         finally:
             await chunks.aclose()  # type: ignore[attr-defined]
@@ -293,7 +284,7 @@ async def _answered(work: Awaitable[Response]) -> Response:
 
 
 async def _internal_error(request: Request, exc: Exception) -> Response:
-    return error_response(ApiError(500, "internal error", "server_error"))
+    return error_response(refused(Kind.INTERNAL, "internal error"))
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:

@@ -2,34 +2,27 @@
 
 ``parse`` turns the body of ``/v1/completions`` or ``/v1/chat/completions`` into a
 ``pb.GenerateRequest`` (what the gRPC API takes, checked afterwards by the same
-``Frontend.prepare``); ``error_for`` maps the frontend's exceptions to an HTTP
-status and OpenAI's error object. The answers are built by ``openai_response``.
-docs/http.md has the tables.
+``Frontend.prepare``); ``error_for`` turns the frontend's refusals into an HTTP
+status and OpenAI's error object, through ``refusals.TABLE`` as the gRPC servicer.
+The answers are built by ``openai_response``. docs/http.md has the tables.
 
 Only the JSON types are checked here, and what pagedserve.v1 cannot represent
 (ranges of its integer types, float32, lone surrogates); the values themselves are
-checked by ``validate.check`` as for gRPC, and its messages are renamed to the
-OpenAI field (``sampling.max_tokens: ...`` becomes ``max_tokens: ...``).
+checked by ``validate.check`` as for gRPC, and a refusal's field is renamed to the
+OpenAI one (``sampling.max_tokens`` becomes ``max_tokens``: ``openai_field``).
 """
 
 from __future__ import annotations
 
 import json
 import math
-import re
 from dataclasses import dataclass
 from typing import Any
 
 from pagedserve.v1 import generation_pb2 as pb
-from scheduler_svc.frontend.service import TooManyPending
-from scheduler_svc.frontend.streams import QueueTimeout, StreamDetached
-from scheduler_svc.frontend.validate import (
-    InvalidArgument,
-    Limits,
-    OverCapacity,
-    Unavailable,
-)
-from scheduler_svc.state.store import UNAVAILABLE, DuplicateRequest
+from scheduler_svc.frontend import refusals
+from scheduler_svc.frontend.refusals import TABLE, Kind, Refusal, StreamDetached
+from scheduler_svc.frontend.validate import Limits
 
 U32, I32, U64 = (1 << 32) - 1, (1 << 31) - 1, (1 << 64) - 1
 FLOAT32_MAX = 3.4028234663852886e38
@@ -53,9 +46,8 @@ STRUCTURED_KEYS = {
 }
 GUIDED = {f"guided_{k}": v for k, v in STRUCTURED_KEYS.items() if k != "json_object"}
 STRUCTURED_FIELD = "sampling.structured_output."  # how validate/frontend name its fields
-# validate.check names pagedserve.v1 fields; these are their OpenAI names.
+# A refusal's field is pagedserve.v1's name; OpenAI's names for those that differ, by prefix.
 RENAMES = {"sampling.": "", "prompt_token_ids": "prompt", "request_id": "X-Request-Id"}
-PARAM = re.compile(r"^([A-Za-z_][\w.\[\]-]*): ")
 
 
 class ApiError(Exception):
@@ -82,67 +74,49 @@ class ApiError(Exception):
         }
 
 
+def refused(
+    kind: Kind,
+    message: str,
+    param: str | None = None,
+    headers: dict[str, str] | None = None,
+    extra: dict[str, Any] | None = None,
+) -> ApiError:
+    """The HTTP answer to a refusal of ``kind``: status, ``type``, ``code`` and headers from ``refusals.TABLE``."""
+    row = TABLE[kind]
+    return ApiError(row.http_status, message, row.type, param, row.code, dict(row.headers) | (headers or {}), extra)
+
+
 def bad(name: str, what: str) -> ApiError:
-    return ApiError(400, f"{name}: {what}", param=name)
+    return refused(Kind.INVALID_ARGUMENT, f"{name}: {what}", param=name)
 
 
-def rename(message: str) -> tuple[str, str | None]:
-    """A frontend message with its leading field in OpenAI's terms, and that field."""
-    m = PARAM.match(message)
-    if m is None:
-        return message, None
-    name = m.group(1)
+def openai_field(field: str | None) -> str | None:
+    """A pagedserve.v1 field as OpenAI's request names it (``sampling.stop[1]`` is ``stop[1]``)."""
+    if field is None:
+        return None
     for old, new in RENAMES.items():
-        if name.startswith(old):
-            name = new + name[len(old) :]
-            break
-    return name + message[m.end(1) :], name
+        if field.startswith(old):
+            return new + field[len(old) :]
+    return field
+
+
+def api_error(refusal: Refusal) -> ApiError:
+    """A refusal as OpenAI's error: its field as ``param``, its retry hint as ``Retry-After``, and
+    where to resume a detached stream (gRPC ``Resume``) beside the message."""
+    param = openai_field(refusal.field)
+    headers = {} if refusal.retry_after is None else {"Retry-After": str(refusal.retry_after)}
+    extra = None
+    if isinstance(refusal, StreamDetached):
+        extra = {"request_id": refusal.request_id, "offset": refusal.offset}
+    return refused(refusal.kind, refusal.openai_message(param), param, headers, extra)
 
 
 def error_for(exc: BaseException) -> ApiError | None:
     """The HTTP answer to an exception of ``Frontend.prepare``/``generate``; None: not one of theirs."""
     if isinstance(exc, ApiError):
         return exc
-    if isinstance(exc, InvalidArgument):
-        message, param = rename(str(exc))
-        code = "context_length_exceeded" if "the model's context is" in message else None
-        return ApiError(400, message, param=param, code=code)
-    if isinstance(exc, OverCapacity):  # could never fit any KV pool: OpenAI answers an overlong context 400
-        return ApiError(400, str(exc).replace("sampling.", ""), code="context_length_exceeded")
-    if isinstance(exc, TooManyPending):
-        return ApiError(
-            429, str(exc), "requests", code="rate_limit_exceeded", headers={"Retry-After": str(exc.retry_after)}
-        )
-    if isinstance(exc, QueueTimeout):
-        # The client's own queue_timeout passed: say so at once rather than let the SDK
-        # resubmit it (it retries 408 and 5xx), which would wait longer than it asked.
-        return ApiError(504, str(exc), "timeout", "queue_timeout", "queue_timeout", headers={"x-should-retry": "false"})
-    if isinstance(exc, DuplicateRequest):  # the SDK retries 409, which cannot help while it runs
-        return ApiError(
-            409,
-            "X-Request-Id: a live request already has this id",
-            param="X-Request-Id",
-            code="duplicate_request_id",
-            headers={"x-should-retry": "false"},
-        )
-    if isinstance(exc, Unavailable):
-        return ApiError(503, str(exc), "server_error", code="unavailable")
-    if isinstance(exc, StreamDetached):
-        return detached(exc)
-    if isinstance(exc, UNAVAILABLE):
-        return ApiError(503, f"redis unavailable: {exc}", "server_error", code="unavailable")
-    return None
-
-
-def detached(exc: StreamDetached) -> ApiError:
-    """The stream ended, its request goes on: where to resume it (gRPC ``Resume``)."""
-    return ApiError(
-        503,
-        str(exc),
-        "server_error",
-        code="stream_detached",
-        extra={"request_id": exc.request_id, "offset": exc.offset},
-    )
+    refusal = refusals.of(exc)
+    return None if refusal is None else api_error(refusal)
 
 
 # --- reading JSON ----------------------------------------------------------------
@@ -340,13 +314,11 @@ def _structured(body: dict[str, Any]) -> tuple[pb.StructuredOutput, str] | None:
     return found[0] if found else None
 
 
-def structured_error(exc: InvalidArgument, parsed: Parsed) -> ApiError | None:
+def structured_error(exc: Refusal, parsed: Parsed) -> ApiError | None:
     """A refused spec (it does not compile, or is too large), named as the request named it."""
-    message = str(exc)
-    if not parsed.structured_param or not message.startswith(STRUCTURED_FIELD):
+    if not parsed.structured_param or not (exc.field or "").startswith(STRUCTURED_FIELD):
         return None
-    rest = message.split(": ", 1)[1] if ": " in message else message
-    return bad(parsed.structured_param, rest)
+    return bad(parsed.structured_param, exc.reason)
 
 
 def _prompt(req: pb.GenerateRequest, v: Any) -> None:

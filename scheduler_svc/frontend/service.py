@@ -35,49 +35,23 @@ from scheduler_svc.frontend.attachments import Attachments
 from scheduler_svc.frontend.bus import DRAIN, EventBus, StreamQueue
 from scheduler_svc.frontend.detok import Detokenizer
 from scheduler_svc.frontend.expiry import Expiries
-from scheduler_svc.frontend.streams import (
-    Chunk,
-    QueueTimeout,
-    Stream,
-    StreamDetached,
-    follow,
-)
-from scheduler_svc.frontend.validate import (
-    DEFAULT_CAPS,
-    Caps,
-    Checked,
+from scheduler_svc.frontend.refusals import (
     InvalidArgument,
+    NotFound,
+    OutOfRange,
+    QueueTimeout,
+    StreamDetached,
+    TooManyPending,
     Unavailable,
-    check,
-    check_length,
 )
+from scheduler_svc.frontend.streams import Chunk, Stream, follow
+from scheduler_svc.frontend.validate import DEFAULT_CAPS, Caps, Checked, check, check_length
 from scheduler_svc.frontend.watch import ClusterWatch
 from scheduler_svc.metrics import FrontendMetrics
 from scheduler_svc.state import codec
 from scheduler_svc.state.store import UNAVAILABLE, Overloaded, RedisStore
 
 log = logging.getLogger(__name__)
-
-
-class NotFound(LookupError):
-    """Maps to NOT_FOUND: no live or recently finished request has this id."""
-
-
-class OutOfRange(ValueError):
-    """Maps to OUT_OF_RANGE: a resume offset past the tokens generated."""
-
-
-class TooManyPending(RuntimeError):
-    """Maps to RESOURCE_EXHAUSTED (HTTP: 429) with ``retry_after`` seconds as the retry hint
-    (gRPC trailing metadata ``retry-after``; HTTP ``Retry-After``): the namespace's queue is
-    at ``--max-pending-requests``."""
-
-    def __init__(self, queued: int, limit: int, retry_after_s: int) -> None:
-        super().__init__(
-            f"{queued} requests are waiting in this namespace, the limit is {limit} "
-            f"(--max-pending-requests); retry after {retry_after_s} s"
-        )
-        self.retry_after = retry_after_s
 
 
 @dataclass(slots=True)
@@ -139,7 +113,7 @@ class Frontend:
         try:
             text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         except Exception as exc:  # jinja errors: the template refused these messages
-            raise InvalidArgument(f"messages: the chat template rejected them: {exc}") from exc
+            raise InvalidArgument("messages", f"the chat template rejected them: {exc}") from exc
         return list(self.tokenizer(text, add_special_tokens=False).input_ids)
 
     def _compile(self, checked: Checked) -> None:
@@ -153,7 +127,7 @@ class Frontend:
         try:
             self._grammars.compile(checked.params.grammar)
         except GrammarError as exc:
-            raise InvalidArgument(f"{checked.grammar_field}: does not compile: {exc}") from exc
+            raise InvalidArgument(checked.grammar_field, f"does not compile: {exc}") from exc
 
     def _check_open(self) -> None:
         if self.draining:
@@ -162,7 +136,8 @@ class Frontend:
             raise Unavailable("no executor has registered in this namespace yet")
 
     def prepare(self, req: pb.GenerateRequest, time_remaining: float | None = None) -> tuple[Request, list[str]]:
-        """Validate and tokenize; raises InvalidArgument, OverCapacity or Unavailable.
+        """Validate and tokenize; raises a refusal (``refusals``: InvalidArgument, ContextLength,
+        OverCapacity, Unavailable).
 
         A sampled request without a seed gets one here, stored with it, so that a
         recompute after any failure produces the tokens it would have produced.
@@ -362,11 +337,11 @@ class Frontend:
         try:
             got = await self.store.request(request_id)
             if got is None:
-                raise NotFound(f"request_id: no live or recently finished request {request_id!r}")
+                raise NotFound("request_id", f"no live or recently finished request {request_id!r}")
             fields, out = got
             offset = min(offset, len(out)) if clamp else offset
             if offset > len(out):
-                raise OutOfRange(f"offset: {offset} is past the {len(out)} tokens generated so far")
+                raise OutOfRange("offset", f"{offset} is past the {len(out)} tokens generated so far")
             req = codec.request_from(request_id, fields, out)
             if req.status == Status.FINISHED and fields.get("finish_reason") == Finish.DEADLINE.value:
                 raise QueueTimeout(req.group or request_id)
@@ -402,9 +377,9 @@ class Frontend:
         self._check_open()
         n = await self.store.group_size(request_id)
         if n == 0 and index:
-            raise OutOfRange(f"index: {index}, but request {request_id!r} has one completion")
+            raise OutOfRange("index", f"{index}, but request {request_id!r} has one completion")
         if index is not None and n and index >= n:
-            raise OutOfRange(f"index: {index}, but request {request_id!r} has {n} completions")
+            raise OutOfRange("index", f"{index}, but request {request_id!r} has {n} completions")
         ids = (
             [request_id]
             if n == 0

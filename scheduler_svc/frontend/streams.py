@@ -18,31 +18,10 @@ from pagedserve.v1 import generation_pb2 as pb
 from scheduler_svc.core.request import Finish
 from scheduler_svc.frontend.bus import DRAIN, StreamQueue
 from scheduler_svc.frontend.detok import Detokenizer
+from scheduler_svc.frontend.refusals import QueueTimeout, StreamDetached
 from scheduler_svc.state.store import RedisStore
 
 log = logging.getLogger(__name__)
-
-
-class QueueTimeout(RuntimeError):
-    """Maps to DEADLINE_EXCEEDED: the request's queue deadline passed before it started; it
-    was removed and holds nothing."""
-
-    def __init__(self, request_id: str) -> None:
-        super().__init__(
-            f"queue_timeout: request {request_id} did not start before its deadline (queue_timeout "
-            f"or the call's deadline); it was removed from the queue"
-        )
-
-
-class StreamDetached(RuntimeError):
-    """The stream ends, its request goes on (the replica drains, or Redis is unreachable):
-    resume it from ``offset``."""
-
-    def __init__(self, request_id: str, offset: int, why: str = "this replica is draining") -> None:
-        super().__init__(f"{why}; resume {request_id} from offset {offset}")
-        self.request_id = request_id
-        self.offset = offset
-        self.why = why
 
 
 @dataclass(slots=True)

@@ -1,4 +1,4 @@
-"""Checking a GenerateRequest: pure functions, errors that name the field."""
+"""Checking a GenerateRequest: pure functions, refusals (``refusals``) that name the field."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ from dataclasses import dataclass
 from pagedserve.grammar import MAX_GRAMMAR_BYTES, choice_ebnf
 from pagedserve.v1 import generation_pb2 as pb
 from scheduler_svc.core.prefix import MAX_SALT
-from scheduler_svc.core.request import Params
+from scheduler_svc.core.request import DEFAULT_MAX_TOKENS, Params
+from scheduler_svc.frontend.refusals import ContextLength, InvalidArgument, OverCapacity
 
 MAX_REQUEST_ID = 256
 MAX_STOP_STRINGS = 16
@@ -19,18 +20,6 @@ MAX_LOGIT_BIAS = 100.0  # |bias| allowed, as OpenAI and vLLM
 MAX_CACHE_SALT = MAX_SALT  # characters of cache_salt
 MAX_N = 16  # completions per request (sampling.n): bounded, as vLLM had to after a CVE for an unbounded n
 MAX_REQUEST_BYTES = 1 << 20  # a serialized GenerateRequest (checked in server.py, before parsing)
-
-
-class InvalidArgument(ValueError):
-    """Maps to INVALID_ARGUMENT; the message names the offending field."""
-
-
-class OverCapacity(RuntimeError):
-    """Maps to RESOURCE_EXHAUSTED: the request can never fit in any executor's KV pool."""
-
-
-class Unavailable(RuntimeError):
-    """Maps to UNAVAILABLE: no executor has registered yet, so nothing can be checked or served."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,26 +67,27 @@ class Checked:
 
 def _check_caps(req: pb.GenerateRequest, caps: Caps) -> None:
     if req.prompt and (n := _utf8(req.prompt)) > caps.max_prompt_bytes:
-        raise InvalidArgument(f"prompt: {n} bytes, over the limit of {caps.max_prompt_bytes} (--max-prompt-bytes)")
+        raise InvalidArgument("prompt", f"{n} bytes, over the limit of {caps.max_prompt_bytes} (--max-prompt-bytes)")
     if req.messages and (n := sum(_utf8(m.role) + _utf8(m.content) for m in req.messages)) > caps.max_prompt_bytes:
         raise InvalidArgument(
-            f"messages: {n} bytes of roles and contents, over the limit of {caps.max_prompt_bytes} (--max-prompt-bytes)"
+            "messages",
+            f"{n} bytes of roles and contents, over the limit of {caps.max_prompt_bytes} (--max-prompt-bytes)",
         )
     stop = req.sampling.stop
     if len(stop) > caps.max_stop_strings:
         raise InvalidArgument(
-            f"sampling.stop: {len(stop)} strings, at most {caps.max_stop_strings} allowed (--max-stop-strings)"
+            "sampling.stop", f"{len(stop)} strings, at most {caps.max_stop_strings} allowed (--max-stop-strings)"
         )
     for i, x in enumerate(stop):
         if len(x) > caps.max_stop_string_length:
             raise InvalidArgument(
-                f"sampling.stop[{i}]: {len(x)} characters, at most {caps.max_stop_string_length} "
-                f"allowed (--max-stop-string-length)"
+                f"sampling.stop[{i}]",
+                f"{len(x)} characters, at most {caps.max_stop_string_length} allowed (--max-stop-string-length)",
             )
     if req.HasField("cache_salt") and len(req.cache_salt) > MAX_CACHE_SALT:
-        raise InvalidArgument(f"cache_salt: {len(req.cache_salt)} characters, at most {MAX_CACHE_SALT} allowed")
+        raise InvalidArgument("cache_salt", f"{len(req.cache_salt)} characters, at most {MAX_CACHE_SALT} allowed")
     if req.HasField("queue_timeout") and not (math.isfinite(req.queue_timeout) and req.queue_timeout > 0):
-        raise InvalidArgument(f"queue_timeout: must be a finite number of seconds > 0 (got {req.queue_timeout})")
+        raise InvalidArgument("queue_timeout", f"must be a finite number of seconds > 0 (got {req.queue_timeout})")
 
 
 def structured(s: pb.SamplingParams, caps: Caps = DEFAULT_CAPS) -> tuple[tuple[str, str] | None, str]:
@@ -109,28 +99,30 @@ def structured(s: pb.SamplingParams, caps: Caps = DEFAULT_CAPS) -> tuple[tuple[s
     kind = so.WhichOneof("kind")
     name = f"sampling.structured_output.{kind}"
     if kind is None:
-        raise InvalidArgument("sampling.structured_output: set one of json_schema, regex, choice, grammar, json_object")
+        raise InvalidArgument(
+            "sampling.structured_output", "set one of json_schema, regex, choice, grammar, json_object"
+        )
     if s.ignore_eos:
         raise InvalidArgument(
-            "sampling.ignore_eos: cannot be combined with sampling.structured_output (the "
-            "grammar ends the output with an EOS token)"
+            "sampling.ignore_eos",
+            "cannot be combined with sampling.structured_output (the grammar ends the output with an EOS token)",
         )
     if kind == "json_object":
         if not so.json_object:
-            raise InvalidArgument(f"{name}: must be true when set")
+            raise InvalidArgument(name, "must be true when set")
         return ("json_object", ""), name
     if kind == "choice":
         choices = list(so.choice.choices)
         if not choices or not all(choices):
-            raise InvalidArgument(f"{name}: give at least one choice, each non-empty")
+            raise InvalidArgument(name, "give at least one choice, each non-empty")
         spec = ("ebnf", choice_ebnf(choices))
     else:
         text = getattr(so, kind)
         if not text:
-            raise InvalidArgument(f"{name}: must not be empty")
+            raise InvalidArgument(name, "must not be empty")
         spec = ({"grammar": "ebnf"}.get(kind, kind), text)
     if (n := _utf8(spec[1])) > caps.max_grammar_bytes:
-        raise InvalidArgument(f"{name}: {n} bytes, over the limit of {caps.max_grammar_bytes} (--max-grammar-bytes)")
+        raise InvalidArgument(name, f"{n} bytes, over the limit of {caps.max_grammar_bytes} (--max-grammar-bytes)")
     return spec, name
 
 
@@ -142,41 +134,39 @@ def check(req: pb.GenerateRequest, limits: Limits, caps: Caps = DEFAULT_CAPS) ->
     ) if present]  # fmt: skip
     if len(given) != 1:
         found = ", ".join(given) or "none"
-        raise InvalidArgument(f"exactly one of prompt, prompt_token_ids, messages must be set (got: {found})")
+        raise InvalidArgument(None, f"exactly one of prompt, prompt_token_ids, messages must be set (got: {found})")
     if len(req.request_id) > MAX_REQUEST_ID:
-        raise InvalidArgument(f"request_id: longer than {MAX_REQUEST_ID} characters")
+        raise InvalidArgument("request_id", f"longer than {MAX_REQUEST_ID} characters")
     if not all(" " <= c <= "~" for c in req.request_id):
         # Ids go into Redis keys, queue entries built by Lua (whose string.format cut them at a
         # NUL: found by tests/test_fuzz.py) and gRPC metadata (printable ASCII only).
-        raise InvalidArgument("request_id: printable ASCII only (space to '~')")
+        raise InvalidArgument("request_id", "printable ASCII only (space to '~')")
     _check_caps(req, caps)
     s = req.sampling
     if s.HasField("max_tokens") and s.max_tokens <= 0:
-        raise InvalidArgument("sampling.max_tokens: must be positive")
+        raise InvalidArgument("sampling.max_tokens", "must be positive")
     if s.HasField("temperature") and not s.temperature >= 0:
-        raise InvalidArgument("sampling.temperature: must be >= 0")
+        raise InvalidArgument("sampling.temperature", "must be >= 0")
     if s.HasField("top_p") and not 0 < s.top_p <= 1:
-        raise InvalidArgument("sampling.top_p: must be in (0, 1]")
+        raise InvalidArgument("sampling.top_p", "must be in (0, 1]")
     if s.HasField("top_k") and s.top_k < 0:
-        raise InvalidArgument("sampling.top_k: must be >= 0 (0 disables it)")
+        raise InvalidArgument("sampling.top_k", "must be >= 0 (0 disables it)")
     if any(not x for x in s.stop):
-        raise InvalidArgument("sampling.stop: stop strings must be non-empty")
+        raise InvalidArgument("sampling.stop", "stop strings must be non-empty")
     if any(t >= limits.vocab_size for t in s.stop_token_ids):
-        raise InvalidArgument(f"sampling.stop_token_ids: ids must be below the vocabulary size {limits.vocab_size}")
+        raise InvalidArgument("sampling.stop_token_ids", f"ids must be below the vocabulary size {limits.vocab_size}")
     if len(req.prompt_token_ids) >= limits.max_model_len:  # before walking them
-        raise InvalidArgument(
-            f"prompt_token_ids: {len(req.prompt_token_ids)} tokens, but the model's context is "
-            f"{limits.max_model_len} tokens"
-        )
+        max_tokens = s.max_tokens if s.HasField("max_tokens") else DEFAULT_MAX_TOKENS
+        raise ContextLength("prompt_token_ids", limits.max_model_len, len(req.prompt_token_ids), max_tokens)
     if any(t >= limits.vocab_size for t in req.prompt_token_ids):
-        raise InvalidArgument(f"prompt_token_ids: ids must be below the vocabulary size {limits.vocab_size}")
+        raise InvalidArgument("prompt_token_ids", f"ids must be below the vocabulary size {limits.vocab_size}")
     for i, m in enumerate(req.messages):
         if not m.role:
-            raise InvalidArgument(f"messages[{i}].role: must be set")
+            raise InvalidArgument(f"messages[{i}].role", "must be set")
     _check_sampling(s, limits, caps)
     grammar, grammar_field = structured(s, caps)
     params = Params(
-        max_tokens=s.max_tokens if s.HasField("max_tokens") else 16,
+        max_tokens=s.max_tokens if s.HasField("max_tokens") else DEFAULT_MAX_TOKENS,
         temperature=s.temperature if s.HasField("temperature") else 1.0,
         top_p=s.top_p if s.HasField("top_p") else 1.0,
         top_k=s.top_k if s.HasField("top_k") else 0,
@@ -209,47 +199,46 @@ def check(req: pb.GenerateRequest, limits: Limits, caps: Caps = DEFAULT_CAPS) ->
 def _check_sampling(s: pb.SamplingParams, limits: Limits, caps: Caps) -> None:
     """The fields vLLM added to OpenAI's set, with vLLM's domains."""
     if s.HasField("min_p") and not 0 <= s.min_p <= 1:
-        raise InvalidArgument(f"sampling.min_p: must be in [0, 1] (got {s.min_p})")
+        raise InvalidArgument("sampling.min_p", f"must be in [0, 1] (got {s.min_p})")
     for name in ("presence_penalty", "frequency_penalty"):
         if s.HasField(name) and not -2 <= getattr(s, name) <= 2:
-            raise InvalidArgument(f"sampling.{name}: must be in [-2, 2] (got {getattr(s, name)})")
+            raise InvalidArgument(f"sampling.{name}", f"must be in [-2, 2] (got {getattr(s, name)})")
     if s.HasField("repetition_penalty") and not (math.isfinite(s.repetition_penalty) and s.repetition_penalty > 0):
-        raise InvalidArgument(f"sampling.repetition_penalty: must be a finite number > 0 (got {s.repetition_penalty})")
-    max_tokens = s.max_tokens if s.HasField("max_tokens") else 16
+        raise InvalidArgument(
+            "sampling.repetition_penalty", f"must be a finite number > 0 (got {s.repetition_penalty})"
+        )
+    max_tokens = s.max_tokens if s.HasField("max_tokens") else DEFAULT_MAX_TOKENS
     if s.HasField("min_tokens") and s.min_tokens > max_tokens:
-        raise InvalidArgument(f"sampling.min_tokens: {s.min_tokens} is more than max_tokens ({max_tokens})")
+        raise InvalidArgument("sampling.min_tokens", f"{s.min_tokens} is more than max_tokens ({max_tokens})")
     for t, b in s.logit_bias.items():
         if t >= limits.vocab_size:
             raise InvalidArgument(
-                f"sampling.logit_bias: token id {t} is not below the vocabulary size {limits.vocab_size}"
+                "sampling.logit_bias", f"token id {t} is not below the vocabulary size {limits.vocab_size}"
             )
         if not (math.isfinite(b) and -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS):
             raise InvalidArgument(
-                f"sampling.logit_bias: the bias of token {t} must be a number in "
-                f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}] (got {b})"
+                "sampling.logit_bias",
+                f"the bias of token {t} must be a number in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}] (got {b})",
             )
     if s.HasField("n") and not 1 <= s.n <= caps.max_n:
-        raise InvalidArgument(f"sampling.n: must be in [1, {caps.max_n}] (got {s.n}; --max-n)")
+        raise InvalidArgument("sampling.n", f"must be in [1, {caps.max_n}] (got {s.n}; --max-n)")
     for name in ("logprobs", "prompt_logprobs"):
         if s.HasField(name) and getattr(s, name) > caps.max_logprobs:
             raise InvalidArgument(
-                f"sampling.{name}: {getattr(s, name)} is more than the {caps.max_logprobs} allowed (--max-logprobs)"
+                f"sampling.{name}", f"{getattr(s, name)} is more than the {caps.max_logprobs} allowed (--max-logprobs)"
             )
 
 
 def check_length(kind: str, num_prompt: int, params: Params, limits: Limits) -> None:
     """The tokenized prompt must leave room for one token, and the whole request must fit the pool."""
     if num_prompt == 0:
-        raise InvalidArgument(f"{kind}: tokenizes to no tokens")
+        raise InvalidArgument(kind, "tokenizes to no tokens")
     if num_prompt >= limits.max_model_len:
-        raise InvalidArgument(f"{kind}: {num_prompt} tokens, but the model's context is {limits.max_model_len} tokens")
+        raise ContextLength(kind, limits.max_model_len, num_prompt, params.max_tokens)
 
     def need(max_len: int) -> int:
         return -(-min(num_prompt + params.max_tokens, max_len) // limits.block_size)
 
     if not any(need(max_len) <= blocks and num_prompt < max_len for blocks, max_len in limits.pools):
         largest = max(blocks for blocks, _ in limits.pools)
-        raise OverCapacity(
-            f"prompt + sampling.max_tokens need {need(limits.max_model_len)} KV blocks; the largest "
-            f"executor pool has {largest}"
-        )
+        raise OverCapacity(need(limits.max_model_len), largest)

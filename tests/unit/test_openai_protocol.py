@@ -13,9 +13,16 @@ import redis
 from pagedserve.v1 import generation_pb2 as pb
 from scheduler_svc.frontend import openai_request as proto
 from scheduler_svc.frontend import openai_response as answer
-from scheduler_svc.frontend.service import TooManyPending
-from scheduler_svc.frontend.streams import Chunk, QueueTimeout, StreamDetached
-from scheduler_svc.frontend.validate import InvalidArgument, OverCapacity, Unavailable
+from scheduler_svc.frontend.refusals import (
+    ContextLength,
+    InvalidArgument,
+    OverCapacity,
+    QueueTimeout,
+    StreamDetached,
+    TooManyPending,
+    Unavailable,
+)
+from scheduler_svc.frontend.streams import Chunk
 from scheduler_svc.state.store import DuplicateRequest
 
 M = "tiny"
@@ -238,12 +245,27 @@ def test_bad_values_are_400_naming_the_field(body: dict[str, Any], is_chat: bool
     }
 
 
-def test_frontend_messages_are_renamed_to_openai_fields() -> None:
-    assert proto.rename("sampling.max_tokens: must be positive") == ("max_tokens: must be positive", "max_tokens")
-    assert proto.rename("sampling.stop[1]: 9 characters") == ("stop[1]: 9 characters", "stop[1]")
-    assert proto.rename("prompt_token_ids: ids must be below") == ("prompt: ids must be below", "prompt")
-    assert proto.rename("request_id: printable ASCII only") == ("X-Request-Id: printable ASCII only", "X-Request-Id")
-    assert proto.rename("exactly one of prompt, messages must be set (got: none)")[1] is None
+def test_frontend_fields_are_renamed_to_openai_fields() -> None:
+    def answer_of(exc: InvalidArgument) -> tuple[str, str | None]:
+        err = proto.error_for(exc)
+        assert err is not None
+        return err.message, err.param
+
+    assert answer_of(InvalidArgument("sampling.max_tokens", "must be positive")) == (
+        "max_tokens: must be positive",
+        "max_tokens",
+    )
+    assert answer_of(InvalidArgument("sampling.stop[1]", "9 characters")) == ("stop[1]: 9 characters", "stop[1]")
+    assert answer_of(InvalidArgument("prompt_token_ids", "ids must be below")) == (
+        "prompt: ids must be below",
+        "prompt",
+    )
+    assert answer_of(InvalidArgument("request_id", "printable ASCII only")) == (
+        "X-Request-Id: printable ASCII only",
+        "X-Request-Id",
+    )
+    assert answer_of(InvalidArgument(None, "exactly one of prompt, messages must be set (got: none)"))[1] is None
+    assert proto.openai_field("messages[0].role") == "messages[0].role"
 
 
 def test_exceptions_map_to_statuses() -> None:
@@ -252,20 +274,25 @@ def test_exceptions_map_to_statuses() -> None:
         assert err is not None
         return err.status, err.type, err.param, err.code, err.headers
 
-    assert status(InvalidArgument("sampling.top_p: must be in (0, 1]")) == (
+    assert status(InvalidArgument("sampling.top_p", "must be in (0, 1]")) == (
         400,
         "invalid_request_error",
         "top_p",
         None,
         {},
     )
-    assert (
-        status(InvalidArgument("prompt: 600 tokens, but the model's context is 512 tokens"))[3]
-        == "context_length_exceeded"
+    assert status(ContextLength("prompt", 512, 600, 16))[:4] == (
+        400,
+        "invalid_request_error",
+        "prompt",
+        "context_length_exceeded",
     )
-    over = proto.error_for(OverCapacity("prompt + sampling.max_tokens need 40 KV blocks; the largest pool has 24"))
-    assert over is not None and (over.status, over.code) == (400, "context_length_exceeded")
-    assert "sampling." not in over.message
+    over = proto.error_for(OverCapacity(40, 24))
+    assert over is not None and (over.status, over.code, over.param) == (400, "context_length_exceeded", None)
+    assert over.message == "prompt + max_tokens need 40 KV blocks; the largest executor pool has 24"
+    assert (
+        str(OverCapacity(40, 24)) == "prompt + sampling.max_tokens need 40 KV blocks; the largest executor pool has 24"
+    )
     assert status(TooManyPending(2, 2, 3)) == (429, "requests", None, "rate_limit_exceeded", {"Retry-After": "3"})
     assert status(QueueTimeout("r"))[:4] == (504, "timeout", "queue_timeout", "queue_timeout")
     assert status(QueueTimeout("r"))[4] == {"x-should-retry": "false"}
@@ -514,11 +541,11 @@ def test_a_refused_spec_is_named_as_the_body_named_it() -> None:
     body = chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}})
     parsed = proto.parse(body, chat=True)
     err = proto.structured_error(
-        InvalidArgument("sampling.structured_output.json_schema: does not compile: bad"), parsed
+        InvalidArgument("sampling.structured_output.json_schema", "does not compile: bad"), parsed
     )
     assert err is not None and err.status == 400 and err.param == "response_format.json_schema.schema"
     assert err.message == "response_format.json_schema.schema: does not compile: bad"
-    assert proto.structured_error(InvalidArgument("sampling.top_p: bad"), parsed) is None
+    assert proto.structured_error(InvalidArgument("sampling.top_p", "bad"), parsed) is None
 
 
 def test_cache_salt_passes_through_and_usage_reports_cached_tokens() -> None:
