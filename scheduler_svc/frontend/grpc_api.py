@@ -42,6 +42,7 @@ async def _refuse(context: grpc.aio.ServicerContext, refusal: Refusal) -> NoRetu
     if metadata:
         context.set_trailing_metadata(tuple(metadata))
     await context.abort(refusal.answer.grpc_code, str(refusal))
+    raise AssertionError("unreachable: ServicerContext.abort raises")
 
 
 class GenerationServicer(pb_grpc.GenerationServicer):

@@ -22,6 +22,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from opentelemetry.trace import Span, Tracer
+from opentelemetry.util.types import AttributeValue
 
 from pagedserve import tracing
 from pagedserve.grammar import Compiler, GrammarError
@@ -237,11 +238,13 @@ class Frontend:
         if chunk.finish_reason:
             self.metrics.e2e.labels(m).observe(now - s.submitted)
 
-    def _span(self, name: str, rid: str, traceparent: str = "", **attrs: object) -> Span | None:
+    def _span(
+        self, name: str, rid: str, traceparent: str = "", attrs: dict[str, AttributeValue] | None = None
+    ) -> Span | None:
         if self.tracer is None:
             return None
         return self.tracer.start_span(
-            name, context=tracing.parent(traceparent), attributes={"pagedserve.request_id": rid, **attrs}
+            name, context=tracing.parent(traceparent), attributes={"pagedserve.request_id": rid, **(attrs or {})}
         )
 
     async def _submit(self, reqs: list[Request], stop: list[str], trace: str) -> None:
@@ -304,7 +307,7 @@ class Frontend:
         span = self._span(
             "pagedserve.request",
             rid,
-            **{"pagedserve.prompt_tokens": len(req.prompt_ids), "pagedserve.max_tokens": req.params.max_tokens},
+            attrs={"pagedserve.prompt_tokens": len(req.prompt_ids), "pagedserve.max_tokens": req.params.max_tokens},
         )
         reqs = parallel.completions(req)
         queues = [self.bus.subscribe(r.request_id) for r in reqs]
@@ -398,7 +401,7 @@ class Frontend:
         for o in live:
             self.attachments.hold(o.req, o.stop)
         timers = self.expiries.start([o.req for o in live])
-        span = self._span("pagedserve.resume", request_id, opened[0].traceparent, **{"pagedserve.offset": offset})
+        span = self._span("pagedserve.resume", request_id, opened[0].traceparent, {"pagedserve.offset": offset})
         try:
             async for chunk in self._views(streams, [o.queue for o in opened], [o.first for o in opened], touch=True):
                 yield chunk

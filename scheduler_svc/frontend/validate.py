@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from pagedserve.grammar import MAX_GRAMMAR_BYTES, choice_ebnf
 from pagedserve.v1 import generation_pb2 as pb
+from scheduler_svc.core.fit import blocks_for, fits_ever
 from scheduler_svc.core.prefix import MAX_SALT
 from scheduler_svc.core.request import DEFAULT_MAX_TOKENS, Params
 from scheduler_svc.frontend.refusals import ContextLength, InvalidArgument, OverCapacity
@@ -235,10 +236,9 @@ def check_length(kind: str, num_prompt: int, params: Params, limits: Limits) -> 
         raise InvalidArgument(kind, "tokenizes to no tokens")
     if num_prompt >= limits.max_model_len:
         raise ContextLength(kind, limits.max_model_len, num_prompt, params.max_tokens)
-
-    def need(max_len: int) -> int:
-        return -(-min(num_prompt + params.max_tokens, max_len) // limits.block_size)
-
-    if not any(need(max_len) <= blocks and num_prompt < max_len for blocks, max_len in limits.pools):
-        largest = max(blocks for blocks, _ in limits.pools)
-        raise OverCapacity(need(limits.max_model_len), largest)
+    if not any(
+        fits_ever(num_prompt, params.max_tokens, num_prompt, limits.block_size, blocks, max_len)
+        for blocks, max_len in limits.pools
+    ):
+        need = blocks_for(min(num_prompt + params.max_tokens, limits.max_model_len), limits.block_size)
+        raise OverCapacity(need, max(blocks for blocks, _ in limits.pools))
