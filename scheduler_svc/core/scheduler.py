@@ -38,9 +38,8 @@ admitted, or preempted for recompute) goes back to the shared queue
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from pagedserve.tiers import BlockMove
 from scheduler_svc.core import group
 from scheduler_svc.core.blocks import (
     DEVICE,
@@ -50,6 +49,7 @@ from scheduler_svc.core.blocks import (
 )
 from scheduler_svc.core.deadline import expired_among
 from scheduler_svc.core.fit import blocks_for, fits_ever
+from scheduler_svc.core.output import Scheduled, SchedulerOutput
 from scheduler_svc.core.placement import PoolView
 from scheduler_svc.core.queue import make_queue
 from scheduler_svc.core.record import Counters, StepRecord
@@ -74,39 +74,6 @@ class SchedulerConfig:
             raise ValueError(f"preemption mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
-
-
-@dataclass(slots=True)
-class Scheduled:
-    req: Request
-    start: int  # first position run this step
-    num_tokens: int
-    # Whether this chunk reaches the end of the request's tokens, so a token is sampled (fixed when
-    # scheduled: launching the step makes that token one more of the request's tokens).
-    samples: bool = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.samples = self.start + self.num_tokens == self.req.num_tokens
-
-
-@dataclass(slots=True)
-class SchedulerOutput:
-    """One step plan: what runs and what moves between tiers."""
-
-    scheduled: list[Scheduled] = field(default_factory=list)
-    swap_out: list[BlockMove] = field(default_factory=list)
-    swap_in: list[BlockMove] = field(default_factory=list)
-    copies: list[BlockMove] = field(default_factory=list)  # copy-on-write of forked group mates, before the forward
-    preempted: list[Request] = field(default_factory=list)
-    launched: bool = False  # ``Scheduler.launch`` ran
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(s.num_tokens for s in self.scheduled)
-
-    @property
-    def has_work(self) -> bool:
-        return bool(self.scheduled or self.swap_out or self.swap_in or self.copies)
 
 
 class Scheduler:

@@ -9,10 +9,12 @@ import asyncio
 import functools
 import logging
 import sys
+from dataclasses import dataclass
 
 import grpc
 import redis.asyncio as aioredis
 from grpc_health.v1 import health
+from opentelemetry.trace import Tracer
 from prometheus_client import CollectorRegistry
 
 from pagedserve import heap, metrics, rpc, tracing
@@ -116,6 +118,55 @@ async def serve(args: argparse.Namespace) -> None:
     The API answers at once; health says SERVING once an executor serves.
     """
     await require_redis(args.redis_url)  # wrong or missing credentials: one clear line, exit 2
+    registry = CollectorRegistry()
+    loop_metrics_port = rpc.free_port() if args.metrics_port and args.role == "all" else 0
+    if loop_metrics_port:
+        registry.register(metrics.ChildCollector(f"http://127.0.0.1:{loop_metrics_port}/metrics"))
+    metrics.serve(args.metrics_port, registry, args.metrics_host)
+    traces = tracing.setup("scheduler_svc", args.otlp_traces_endpoint)
+    parts = _frontend(args, registry, traces.tracer if traces else None)
+    frontend = parts.frontend
+    certificate = server_tls(args.tls, verify_clients=False)
+    server, health, port = _public_server(args, frontend, certificate)
+    https = ReloadingSSLContext(certificate.cert, certificate.key) if args.http_port and certificate else None
+    reload_on_sighup([certificate, https, args.api_keys, args.internal_token])
+    await rpc.set_serving(health, [SERVICE_NAME], False)
+    stop = await rpc.stop_on_signals()
+    http = await _http(args, frontend, https)
+    await server.start()
+    tasks = [
+        asyncio.create_task(parts.bus.run(stop)),
+        asyncio.create_task(parts.watch.run(stop, health, [SERVICE_NAME])),
+        asyncio.create_task(parts.attachments.run(stop)),
+    ]
+    if args.role == "all":
+        tasks.append(asyncio.create_task(_supervise(args, stop, loop_metrics_port)))
+    _log_ports(args, port, certificate is not None, http)
+    heap.settle()  # keep the collector's full passes off the streams
+    await stop.wait()
+    # Drain: open streams end UNAVAILABLE (HTTP: an error event) with where to resume; their
+    # requests go on, and this replica's loops hand their leases over as the loop process stops.
+    frontend.drain()
+    await health.enter_graceful_shutdown()
+    await asyncio.gather(server.stop(grace=5), *([http.stop()] if http is not None else []))
+    await asyncio.gather(*tasks, return_exceptions=True)
+    await parts.client.aclose()
+    if traces is not None:
+        traces.shutdown()
+
+
+@dataclass(slots=True)
+class _Parts:
+    """The API's pieces over one Redis client: what ``serve`` runs and stops."""
+
+    client: aioredis.Redis
+    frontend: Frontend
+    bus: EventBus
+    watch: ClusterWatch
+    attachments: Attachments
+
+
+def _frontend(args: argparse.Namespace, registry: CollectorRegistry, tracer: Tracer | None) -> _Parts:
     # Thousands of concurrent streams share a bounded pool and wait for a free
     # connection instead of failing with "Too many connections".
     pool = aioredis.BlockingConnectionPool.from_url(
@@ -126,12 +177,6 @@ async def serve(args: argparse.Namespace) -> None:
     watch = ClusterWatch(Registry(client, store.keys), args.max_model_len, dial=args.dialer.channel)
     bus = EventBus(store)
     attachments = Attachments(store, args.policy, args.detach_timeout)
-    registry = CollectorRegistry()
-    loop_metrics_port = rpc.free_port() if args.metrics_port and args.role == "all" else 0
-    if loop_metrics_port:
-        registry.register(metrics.ChildCollector(f"http://127.0.0.1:{loop_metrics_port}/metrics"))
-    metrics.serve(args.metrics_port, registry, args.metrics_host)
-    traces = tracing.setup("scheduler_svc", args.otlp_traces_endpoint)
     frontend = Frontend(
         store,
         bus,
@@ -139,39 +184,32 @@ async def serve(args: argparse.Namespace) -> None:
         args.policy,
         attachments,
         FrontendMetrics(registry),
-        traces.tracer if traces else None,
+        tracer,
         caps=_caps(args),
         max_pending=args.max_pending_requests,
     )
-    certificate = server_tls(args.tls, verify_clients=False)
-    server, health, port = _public_server(args, frontend, certificate)
-    https = ReloadingSSLContext(certificate.cert, certificate.key) if args.http_port and certificate else None
-    reload_on_sighup([certificate, https, args.api_keys, args.internal_token])
-    await rpc.set_serving(health, [SERVICE_NAME], False)
-    stop = await rpc.stop_on_signals()
+    return _Parts(client, frontend, bus, watch, attachments)
+
+
+async def _http(
+    args: argparse.Namespace, frontend: Frontend, https: ReloadingSSLContext | None
+) -> http_app.HttpServer | None:
+    if not args.http_port:
+        return None
     try:
-        http = (
-            await http_app.serve(
-                frontend,
-                args.http_host,
-                args.http_port,
-                api_keys=args.api_keys,
-                tls=https,
-                max_request_bytes=args.max_request_bytes,
-            )
-            if args.http_port
-            else None
+        return await http_app.serve(
+            frontend,
+            args.http_host,
+            args.http_port,
+            api_keys=args.api_keys,
+            tls=https,
+            max_request_bytes=args.max_request_bytes,
         )
     except OSError as exc:
         raise SystemExit(f"error: {exc}") from None  # one line, exit 1
-    await server.start()
-    tasks = [
-        asyncio.create_task(bus.run(stop)),
-        asyncio.create_task(watch.run(stop, health, [SERVICE_NAME])),
-        asyncio.create_task(attachments.run(stop)),
-    ]
-    if args.role == "all":
-        tasks.append(asyncio.create_task(_supervise(args, stop, loop_metrics_port)))
+
+
+def _log_ports(args: argparse.Namespace, port: int, tls: bool, http: http_app.HttpServer | None) -> None:
     log.info(
         "scheduler serving on port %d (role %s, namespace %s, %s, %s, executors: %s)",
         port,
@@ -183,7 +221,7 @@ async def serve(args: argparse.Namespace) -> None:
     )
     log.info(
         "public port: %s, %s; executors dialled %s%s",
-        "TLS" if certificate else "plaintext",
+        "TLS" if tls else "plaintext",
         "API key required" if args.api_keys else "no API key",
         "over TLS" if args.tls.ca else "in plaintext",
         " with the internal token" if args.internal_token else "",
@@ -195,14 +233,3 @@ async def serve(args: argparse.Namespace) -> None:
             "HTTPS" if http.tls else "plain HTTP",
             "API key required" if args.api_keys else "no API key",
         )
-    heap.settle()  # keep the collector's full passes off the streams
-    await stop.wait()
-    # Drain: open streams end UNAVAILABLE (HTTP: an error event) with where to resume; their
-    # requests go on, and this replica's loops hand their leases over as the loop process stops.
-    frontend.drain()
-    await health.enter_graceful_shutdown()
-    await asyncio.gather(server.stop(grace=5), *([http.stop()] if http is not None else []))
-    await asyncio.gather(*tasks, return_exceptions=True)
-    await client.aclose()
-    if traces is not None:
-        traces.shutdown()

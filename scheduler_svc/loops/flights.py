@@ -36,8 +36,8 @@ import grpc
 
 from pagedserve.executor.v1 import executor_pb2 as pb
 from pagedserve.executor.v1 import executor_pb2_grpc as pb_grpc
+from scheduler_svc.core.output import SchedulerOutput
 from scheduler_svc.core.request import Request
-from scheduler_svc.core.scheduler import SchedulerOutput
 
 STEPS_METHOD = "/pagedserve.executor.v1.Executor/Steps"
 

@@ -32,9 +32,10 @@ from pagedserve.executor.v1 import executor_pb2_grpc as pb_grpc
 from pagedserve.members import Member, now_ms
 from scheduler_svc.core import placement
 from scheduler_svc.core.blocks import DEVICE
+from scheduler_svc.core.output import SchedulerOutput
 from scheduler_svc.core.request import Finish, Request
 from scheduler_svc.core.restore import intake, restore
-from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig
 from scheduler_svc.loops import steplog
 from scheduler_svc.loops.flights import Flight, Pipeline, StreamChannel, UnaryChannel
 from scheduler_svc.loops.plan import PlanBuilder, outputs

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from pagedserve.executor.v1 import executor_pb2 as pb
 from pagedserve.tiers import BlockMove
+from scheduler_svc.core.output import Scheduled, SchedulerOutput
 from scheduler_svc.core.request import Params, Request
-from scheduler_svc.core.scheduler import Scheduled, SchedulerOutput
 
 
 def _grammar(p: Params) -> pb.Grammar | None:

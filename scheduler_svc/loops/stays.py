@@ -17,8 +17,8 @@ from opentelemetry.trace import Tracer
 from opentelemetry.util.types import AttributeValue
 
 from pagedserve.tracing import parent
+from scheduler_svc.core.output import SchedulerOutput
 from scheduler_svc.core.record import StepRecord
-from scheduler_svc.core.scheduler import SchedulerOutput
 from scheduler_svc.metrics import LoopMetrics
 from scheduler_svc.state.codec import Claimed
 

@@ -1,0 +1,42 @@
+"""What ``Scheduler.schedule()`` decides for one step: the chunks that run (``Scheduled``) and the
+blocks that move between tiers, as a ``SchedulerOutput`` the loop turns into a step plan."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pagedserve.tiers import BlockMove
+from scheduler_svc.core.request import Request
+
+
+@dataclass(slots=True)
+class Scheduled:
+    req: Request
+    start: int  # first position run this step
+    num_tokens: int
+    # Whether this chunk reaches the end of the request's tokens, so a token is sampled (fixed when
+    # scheduled: launching the step makes that token one more of the request's tokens).
+    samples: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.samples = self.start + self.num_tokens == self.req.num_tokens
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """One step plan: what runs and what moves between tiers."""
+
+    scheduled: list[Scheduled] = field(default_factory=list)
+    swap_out: list[BlockMove] = field(default_factory=list)
+    swap_in: list[BlockMove] = field(default_factory=list)
+    copies: list[BlockMove] = field(default_factory=list)  # copy-on-write of forked group mates, before the forward
+    preempted: list[Request] = field(default_factory=list)
+    launched: bool = False  # ``Scheduler.launch`` ran
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.scheduled or self.swap_out or self.swap_in or self.copies)
