@@ -10,7 +10,9 @@ namespace in one slot and a Lua script may touch any of its keys. Three kinds:
 - membership records (``{ns}:exec:<instance_id>``), each written only by its
   executor (or, for a statically configured executor, by the schedulers).
 
-``docs/architecture.md`` lists every key with its type and invariants.
+``docs/architecture.md`` lists every key with its type and invariants. The names
+are written here only: the scheduler's Lua scripts get them rendered in from
+these builders (``scheduler_svc/state/schema.py``).
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ from pagedserve.security import Dialer, TLSFiles
 from scheduler_svc.core.queue import POLICIES
 from scheduler_svc.core.scheduler import PREEMPTION_MODES
 from scheduler_svc.frontend import validate
-from scheduler_svc.state import codec
+from scheduler_svc.state import schema
 from scheduler_svc.state.store import DETACH_TIMEOUT_S
 
 
@@ -36,7 +36,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--result-ttl",
         type=int,
-        default=codec.RESULT_TTL_S,
+        default=schema.RESULT_TTL_S,
         help="seconds a finished request stays readable, and resumable",
     )
     p.add_argument(

@@ -1,16 +1,21 @@
-"""The store's Lua scripts on a real redis-server, checked against the pure codec they
-must agree with: queue entries, the events they emit, atomic claims, reaping, fencing."""
+"""The store's Lua scripts on a real redis-server, checked against the pure codec and the schema
+they must agree with: keys, queue entries, the events they emit, atomic claims, reaping, fencing."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
+from dataclasses import replace
 
 import pytest
 import redis.asyncio as aioredis
 
+from scheduler_svc.core.blocks import DEVICE, BlockManager, Pool
+from scheduler_svc.core.placement import PoolView
 from scheduler_svc.core.request import Finish, Params, Request
-from scheduler_svc.state import codec
+from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig
+from scheduler_svc.state import codec, schema
+from scheduler_svc.state.codec import CommitWriter
 from scheduler_svc.state.store import Fenced, RedisStore, Stale
 
 
@@ -109,3 +114,75 @@ def test_reaping_requeues_at_the_same_place_finishes_cancelled_and_fences(store:
     with pytest.raises(Fenced):
         run(store.apply("e", epoch, 1, [["SET", "x", "1"]]))
     assert run(store.acquire("e", "z", 60_000)) is None, "a reaped executor is never led again"
+
+
+# -- one schema: the Lua and the Python write the same keys and the same events -------
+
+
+def namespace_keys(store: RedisStore) -> set[str]:
+    pattern = store.keys.prefix.replace("{", "\\{").replace("}", "\\}") + "*"
+
+    async def scan() -> set[str]:
+        return {key async for key in store.r.scan_iter(match=pattern)}
+
+    return store.run(scan())  # type: ignore[attr-defined,no-any-return]
+
+
+def named_keys(store: RedisStore, requests: list[str], executors: list[str]) -> set[str]:
+    """Every key ``Keys`` and ``ExecutorKeys`` name for these requests and executors."""
+    k = store.keys
+    out = {key for name, key in vars(k).items() if name not in ("namespace", "prefix")}
+    out |= {f(rid) for rid in requests for f in (k.req, k.out, k.logprobs, k.prompt_logprobs)}
+    return out | {key for eid in executors for key in (k.member(eid), *k.executor(eid).all())}
+
+
+def test_the_lua_builds_the_keys_and_queue_members_python_builds(store: RedisStore) -> None:
+    k, x = store.keys, store.keys.executor("e:1")
+    names = [name for name in vars(k) if name not in ("namespace", "prefix")]
+    per_request = ["req", "out", "logprobs", "prompt_logprobs", "member"]
+    per_executor = ["live", "computed", "pool", "counters", "leader", "epoch", "seq", "cache", "lru", "hashes"]
+    items = [f"${{{n}}}" for n in names] + [f"${{{n}(ARGV[2])}}" for n in per_request]
+    items += [f"${{x_{n}(ARGV[3])}}" for n in per_executor] + ["${queue_member(ARGV[4], ARGV[2])}"]
+    script = schema.render("local p = ARGV[1]\nreturn {" + ", ".join(items) + ", ${queue_request_id(ARGV[5])}}")
+    member = codec.queue_entry(42, "r:é", 0, "fcfs")[1]
+    got = store.run(store.r.eval(script, 0, k.prefix, "r:é", "e:1", 42, member))  # type: ignore[attr-defined]
+    assert got == [
+        *(getattr(k, n) for n in names),
+        *(getattr(k, n)("r:é") for n in per_request),
+        *(getattr(x, n) for n in per_executor),
+        member,
+        "r:é",
+    ]
+
+
+def test_a_claim_a_commit_finishing_queued_and_reaping_touch_only_the_named_keys(store: RedisStore) -> None:
+    run = store.run  # type: ignore[attr-defined]
+    members = [codec.queue_entry(submit(store, rid), rid, 0, "fcfs")[1] for rid in ("a", "b", "c")]
+    epoch = run(store.acquire("e", "x", 60_000))
+    claimed = run(store.claim("e", epoch, 0, members[:2]))
+    sched = Scheduler(SchedulerConfig(max_model_len=64, watermark=0.0), BlockManager(4, *map(Pool.fresh, (8, 4, 0))))
+    for c in claimed:
+        sched.add(replace(c.req, params=replace(c.req.params, max_tokens=1 if c.req.request_id == "a" else 4)))
+    out = sched.schedule()
+    sched.update(out, {"a": 9, "b": 8})
+    rec = sched.take_record()
+    assert codec.event_of(rec) == codec.Event({"a": (0, [9]), "b": (0, [8])}, {"a": ("length", 1)})
+    writer = CommitWriter(store.keys, "e", "fcfs")
+    view = PoolView("e", True, 4, (8, 4, 0), (6, 4, 0), 1, 0, 64, 8)
+    seq = run(
+        store.apply("e", epoch, 1, writer.reset_ops((8, 4, 0), 4, 1) + writer.ops(rec, sched.blocks.is_free, view))
+    )
+    assert seq == 1 and run(store.load("e")).free[0] == [b for b in range(8) if sched.blocks.is_free(DEVICE, b)]
+    assert namespace_keys(store) <= named_keys(store, ["a", "b", "c"], ["e"])
+    assert run(store.cancel("c", Finish.ABORT))  # queued: finished by the script
+    assert run(store.cancel("b", Finish.STOP))  # placed: finished when its executor is reaped
+    assert run(store.reap("e")) == 0
+    events = [event for _, event in run(store.read_events("0-0", block_ms=0))]
+    assert events == [
+        codec.event_of(rec),
+        codec.Event(finished={"c": ("abort", 0)}),
+        codec.Event(finished={"b": ("stop", 1)}),
+    ]
+    left = namespace_keys(store)
+    assert left <= named_keys(store, ["a", "b", "c"], []), "nothing of the executor is left"
+    assert not any(key.startswith(store.keys.executor("e").prefix) for key in left)

@@ -3,14 +3,15 @@ queue's entries, one step's operations, the events frontends read, pool views.
 
 Nothing here talks to Redis: ``CommitWriter.ops`` returns the commands a step
 commits (``RedisStore.apply`` runs them in one fenced Lua call), and the Lua
-scripts in ``store.py`` that write the same fields follow the same shapes
-(tests check the two against each other on a real server).
+scripts in ``lua.py`` that write the same fields follow the same shapes
+(tests check the two against each other on a real server). Key names, the
+queue members' layout, stream lengths and the event format are ``schema``'s.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -19,11 +20,17 @@ from pagedserve.tiers import TIERS, Tier
 from scheduler_svc.core.placement import Candidate, PoolView
 from scheduler_svc.core.record import CacheDelta, StepRecord
 from scheduler_svc.core.request import Finish, Params, Request, Status
-
-RESULT_TTL_S = 600  # finished requests stay readable (and resumable) this long, by default
-EVENTS_MAXLEN = 100_000
-_ARGS = 4000  # Lua's unpack() limit is ~8000; stay well below
-
+from scheduler_svc.state.schema import (
+    BITS,
+    EVENTS_MAXLEN,
+    FILL,
+    INCOMING_MAXLEN,
+    MAX_OP_ARGS,
+    RESULT_TTL_S,
+    Event,
+    queue_member,
+    request_id_of,
+)
 
 # -- requests -------------------------------------------------------------------
 
@@ -113,13 +120,9 @@ def cancel_of(fields: dict[str, str]) -> Finish | None:
 
 
 def queue_entry(arrival: int, request_id: str, priority: int, policy: str) -> tuple[float, str]:
-    """(score, member) in the shared queue: members sort by arrival (as the submit
-    script formats them), scores by priority under the priority policy."""
-    return (float(priority) if policy == "priority" else 0.0), f"{arrival:016d}:{request_id}"
-
-
-def request_id_of(queue_key: str) -> str:
-    return queue_key[17:]
+    """(score, member) in the shared queue: members sort by arrival (schema.queue_member,
+    as the submit script writes them), scores by priority under the priority policy."""
+    return (float(priority) if policy == "priority" else 0.0), queue_member(arrival, request_id)
 
 
 def hashes_field(hashes: list[str]) -> str:
@@ -152,45 +155,6 @@ def candidate_from(row: list[str]) -> Candidate:
 
 
 # -- events ---------------------------------------------------------------------
-
-
-@dataclass(slots=True)
-class Event:
-    """One step's news for the frontends. ``tokens``: request -> (offset in the
-    completion of the first token, tokens); ``finished``: request -> (reason,
-    completion length). Offsets let a reader drop what it has and notice a gap."""
-
-    tokens: dict[str, tuple[int, list[int]]] = field(default_factory=dict)
-    finished: dict[str, tuple[str, int]] = field(default_factory=dict)
-    logprobs: dict[str, list[object]] = field(default_factory=dict)  # one entry per token, with sampling.logprobs
-    cached: dict[str, int] = field(default_factory=dict)  # finished request -> prompt tokens from the prefix cache
-
-    def encode(self) -> str:
-        d: dict[str, object] = {}
-        if self.tokens:
-            d["t"] = {rid: [off, *toks] for rid, (off, toks) in self.tokens.items()}
-        if self.logprobs:
-            d["l"] = self.logprobs
-        if self.finished:
-            d["f"] = {
-                rid: [reason, n, *([self.cached[rid]] if self.cached.get(rid) else [])]
-                for rid, (reason, n) in self.finished.items()
-            }
-        return json.dumps(d, separators=(",", ":"))
-
-    @classmethod
-    def decode(cls, data: str) -> Event:
-        d = json.loads(data)
-        finished = d.get("f", {})
-        return cls(
-            {rid: (v[0], v[1:]) for rid, v in d.get("t", {}).items()},
-            {rid: (v[0], int(v[1])) for rid, v in finished.items()},
-            d.get("l", {}),
-            {rid: int(v[2]) for rid, v in finished.items() if len(v) > 2},
-        )
-
-    def __bool__(self) -> bool:
-        return bool(self.tokens or self.finished)
 
 
 def event_of(rec: StepRecord) -> Event:
@@ -253,17 +217,8 @@ def view_from(executor: str, data: str) -> PoolView:
 # -- one step's commit ------------------------------------------------------------
 
 
-# Operations the apply script runs itself rather than as one Redis command (scripts.APPLY):
-FILL = "FILL"  # FILL key n: a bitmap of n one-bits (a tier's blocks, all free)
-BITS = "BITS"  # BITS key value b1 b2 ...: SETBIT key b value for each b
-
-
-def _split(values: list[str]) -> list[list[str]]:
-    return [values[i : i + _ARGS] for i in range(0, len(values), _ARGS)]
-
-
 def _chunks(cmd: str, key: str, values: list[str]) -> list[list[str]]:
-    return [[cmd, key, *c] for c in _split(values)]
+    return [[cmd, key, *values[i : i + MAX_OP_ARGS]] for i in range(0, len(values), MAX_OP_ARGS)]
 
 
 def free_blocks(bitmap: bytes, total: int) -> list[int]:
@@ -311,8 +266,8 @@ class CommitWriter:
         for tier, changed in zip(TIERS, rec.changed):
             freed = [str(b) for b in changed if is_free(tier, b)]  # type: ignore[operator]
             owned = [str(b) for b in changed if not is_free(tier, b)]  # type: ignore[operator]
-            ops += [[BITS, self.x.free(tier), "1", *c] for c in _split(freed)]
-            ops += [[BITS, self.x.free(tier), "0", *c] for c in _split(owned)]
+            ops += [[BITS, self.x.free(tier), "1", ",".join(freed)]] if freed else []
+            ops += [[BITS, self.x.free(tier), "0", ",".join(owned)]] if owned else []
         return ops + self._cache(rec.cache)
 
     def _cache(self, d: CacheDelta) -> list[list[str]]:
@@ -422,7 +377,7 @@ class CommitWriter:
                     self.k.incoming,
                     "MAXLEN",
                     "~",
-                    "10000",
+                    str(INCOMING_MAXLEN),
                     "*",
                     "op",
                     "requeue",

@@ -3,66 +3,77 @@
 Each runs atomically on the server: fenced writes of a loop's step, claims,
 submissions, cancellations, reaping, leases. The fields they write follow the
 shapes of the pure ``scheduler_svc.state.codec`` (tests check the two against each
-other on a real server); the key scheme is ``pagedserve.keys``.
+other on a real server).
+
+These are templates: every key, the queue members' layout, the streams' lengths and
+the events' JSON are ``${...}`` items of ``scheduler_svc.state.schema``, rendered in
+when a store loads the scripts (``schema.render``). Keys are Lua expressions of the
+script's ``p``, the namespace's prefix.
 """
 
 from __future__ import annotations
 
 # Every write of a loop: its epoch must lead, and the executor's state must be the
 # one the loop last wrote (a restart that lost writes is refused as STALE). The
-# write sequence goes up by one; ARGV[1] and ARGV[2] are the epoch and the sequence.
+# write sequence goes up by one. KEYS[1], KEYS[2]: the executor's epoch and seq;
+# ARGV[1] and ARGV[2]: the loop's epoch and the sequence it last wrote.
 FENCE = """
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then
   return redis.error_reply('FENCED stale epoch ' .. ARGV[1])
 end
-local seq_key = string.sub(KEYS[1], 1, -6) .. 'seq'
+local seq_key = KEYS[2]
 if (redis.call('GET', seq_key) or '0') ~= ARGV[2] then
   return redis.error_reply('STALE state at write ' .. (redis.call('GET', seq_key) or '0') .. ', not ' .. ARGV[2])
 end
 local seq = redis.call('INCR', seq_key)
 """
 
-# A step's commands (codec.CommitWriter), plus two bitmap operations of the codec's.
+# A step's commands (codec.CommitWriter), plus the schema's two bitmap operations. From
+# ARGV[3] on (schema.commit_args), each command is its length n, then its n words: the
+# command name at ARGV[i + 1], its key at ARGV[i + 2], its last word at ARGV[i + n].
 APPLY = (
     FENCE
     + """
-local ops = cjson.decode(ARGV[3])
-for i = 1, #ops do
-  local op = ops[i]
-  if op[1] == 'FILL' then
-    local n = tonumber(op[3])
-    local tail = n % 8
-    local bytes = string.rep(string.char(255), (n - tail) / 8)
+local i = 3
+while i <= #ARGV do
+  local n, cmd = tonumber(ARGV[i]), ARGV[i + 1]
+  if cmd == ${FILL} then
+    local bits = tonumber(ARGV[i + 3])
+    local tail = bits % 8
+    local bytes = string.rep(string.char(255), (bits - tail) / 8)
     if tail > 0 then
       bytes = bytes .. string.char(256 - 2 ^ (8 - tail))
     end
-    redis.call('SET', op[2], bytes)
-  elseif op[1] == 'BITS' then
-    for j = 4, #op do
-      redis.call('SETBIT', op[2], op[j], op[3])
+    redis.call('SET', ARGV[i + 2], bytes)
+  elseif cmd == ${BITS} then
+    for b in string.gmatch(ARGV[i + 4], '%d+') do
+      redis.call('SETBIT', ARGV[i + 2], b, ARGV[i + 3])
     end
   else
-    redis.call(unpack(op))
+    redis.call(unpack(ARGV, i + 1, i + n))
   end
+  i = i + n + 1
 end
 return redis.call('GET', seq_key)
 """
 )
 
-# One executor's pool as its last commit left it: pool hash, free bitmaps, live set,
-# computed counts, write sequence, prefix cache (block -> hash, evictable block -> LRU
-# rank). Bitmaps are binary: the caller reads the reply undecoded.
+# One executor's pool as its last commit left it: pool hash, live set, computed counts,
+# write sequence, prefix cache (block -> hash, evictable block -> LRU rank), then each
+# tier's free bitmap; KEYS name them in that order. Bitmaps are binary: the caller reads
+# the reply undecoded.
 LOAD = """
-local x = ARGV[1]
-return {redis.call('HGETALL', x .. 'pool'), redis.call('GET', x .. 'free:0') or '',
-        redis.call('GET', x .. 'free:1') or '', redis.call('GET', x .. 'free:2') or '',
-        redis.call('SMEMBERS', x .. 'live'), redis.call('HGETALL', x .. 'computed'),
-        redis.call('GET', x .. 'seq') or '0', redis.call('HGETALL', x .. 'cache'),
-        redis.call('ZRANGE', x .. 'lru', 0, -1, 'WITHSCORES')}
+local out = {redis.call('HGETALL', KEYS[1]), redis.call('SMEMBERS', KEYS[2]), redis.call('HGETALL', KEYS[3]),
+             redis.call('GET', KEYS[4]) or '0', redis.call('HGETALL', KEYS[5]),
+             redis.call('ZRANGE', KEYS[6], 0, -1, 'WITHSCORES')}
+for i = 7, #KEYS do
+  table.insert(out, redis.call('GET', KEYS[i]) or '')
+end
+return out
 """
 
 # Requests enter the shared queue: one, or the completions of a parallel-sampling
-# group (sampling.n), all or none. Queue members are "<arrival, 16 digits>:<id>"
+# group (sampling.n), all or none. Queue members are schema.queue_member's
 # (codec.queue_entry); the score is the priority under the priority policy.
 # Admission control lives here, not in a replica: with ARGV[2] > 0, requests are
 # refused while that many wait in the namespace's queue, whichever replicas queued
@@ -99,7 +110,7 @@ for i = 0, m - 1 do
   local rk, rid = KEYS[8 + 4 * i], ARGV[13 + 2 * i]
   local arrival = redis.call('INCR', KEYS[1])
   first = first or arrival
-  local qk = string.format('%016d:', arrival) .. rid
+  local qk = ${queue_member(arrival, rid)}
   redis.call('DEL', rk, KEYS[9 + 4 * i], KEYS[10 + 4 * i], KEYS[11 + 4 * i])
   redis.call('HSET', rk, 'spec', ARGV[14 + 2 * i], 'arrival', arrival, 'status', 'waiting', 'executor', '',
              'plen', ARGV[3], 'maxt', ARGV[4], 'prio', ARGV[5], 'qk', qk, 'qs', ARGV[6], 'ts', ARGV[7], 'tp', ARGV[8],
@@ -111,25 +122,24 @@ for i = 0, m - 1 do
   redis.call('SADD', KEYS[3], rid)
   redis.call('ZADD', KEYS[5], ARGV[7], rid)
 end
-redis.call('XADD', KEYS[4], 'MAXLEN', '~', '10000', '*', 'op', 'submit', 'id', ARGV[13])
+redis.call('XADD', KEYS[4], 'MAXLEN', '~', ${INCOMING_MAXLEN}, '*', 'op', 'submit', 'id', ARGV[13])
 return {first, queued + m, finished}
 """
 
-# Finishing a request that holds nothing (queued): the same fields and event
-# shape as codec.CommitWriter and codec.Event. Used by CANCEL and REAP.
+# Finishing a request that holds nothing (queued): the same fields as
+# codec.CommitWriter, and the event schema.Event encodes. Used by CANCEL, EXPIRE and REAP.
 FINISH_QUEUED = """
 local function finish_queued(p, rid, reason, ttl)
-  local rk, ok = p .. 'req:' .. rid, p .. 'out:' .. rid
+  local rk, ok = ${req(rid)}, ${out(rid)}
   redis.call('HSET', rk, 'status', 'finished', 'finish_reason', reason, 'executor', '', 'blocks', '', 'swap', '')
-  redis.call('SREM', p .. 'live', rid)
-  redis.call('ZREM', p .. 'attached', rid)
+  redis.call('SREM', ${live}, rid)
+  redis.call('ZREM', ${attached}, rid)
   redis.call('EXPIRE', rk, ttl)
   redis.call('EXPIRE', ok, ttl)
-  redis.call('EXPIRE', p .. 'lp:' .. rid, ttl)
-  redis.call('EXPIRE', p .. 'plp:' .. rid, ttl)
-  local ev = {f = {}}
-  ev.f[rid] = {reason, redis.call('LLEN', ok)}
-  redis.call('XADD', p .. 'events', 'MAXLEN', '~', '100000', '*', 'd', cjson.encode(ev))
+  redis.call('EXPIRE', ${logprobs(rid)}, ttl)
+  redis.call('EXPIRE', ${prompt_logprobs(rid)}, ttl)
+  local n = redis.call('LLEN', ok)
+  redis.call('XADD', ${events}, 'MAXLEN', '~', ${EVENTS_MAXLEN}, '*', 'd', ${finished_event(rid, reason, n)})
 end
 """
 
@@ -139,17 +149,17 @@ CANCEL = (
     FINISH_QUEUED
     + """
 local p, rid, reason = ARGV[1], ARGV[2], ARGV[3]
-local rk = p .. 'req:' .. rid
+local rk = ${req(rid)}
 local f = redis.call('HMGET', rk, 'status', 'qk')
 if not f[1] or f[1] == 'finished' then
   return 0
 end
 redis.call('HSET', rk, 'cancel', reason)
-redis.call('ZREM', p .. 'attached', rid)
-if redis.call('ZREM', p .. 'queue', f[2]) == 1 then
+redis.call('ZREM', ${attached}, rid)
+if redis.call('ZREM', ${queue}, f[2]) == 1 then
   finish_queued(p, rid, reason, ARGV[4])
 else
-  redis.call('XADD', p .. 'incoming', 'MAXLEN', '~', '10000', '*', 'op', 'cancel', 'id', rid, 'reason', reason)
+  redis.call('XADD', ${incoming}, 'MAXLEN', '~', ${INCOMING_MAXLEN}, '*', 'op', 'cancel', 'id', rid, 'reason', reason)
 end
 return 1
 """
@@ -164,17 +174,17 @@ EXPIRE = (
     FINISH_QUEUED
     + """
 local p, rid, now = ARGV[1], ARGV[2], tonumber(ARGV[3])
-local rk = p .. 'req:' .. rid
+local rk = ${req(rid)}
 local f = redis.call('HMGET', rk, 'status', 'qk', 'dl', 'executor')
 local dl = tonumber(f[3] or '0') or 0
-if not f[1] or f[1] == 'finished' or dl <= 0 or redis.call('LLEN', p .. 'out:' .. rid) > 0 then
+if not f[1] or f[1] == 'finished' or dl <= 0 or redis.call('LLEN', ${out(rid)}) > 0 then
   return 0
 end
 if now < dl then
   return 2
 end
-if f[1] == 'waiting' and (f[4] or '') == '' and redis.call('ZREM', p .. 'queue', f[2]) == 1 then
-  redis.call('HINCRBY', p .. 'counters', 'finished', 1)
+if f[1] == 'waiting' and (f[4] or '') == '' and redis.call('ZREM', ${queue}, f[2]) == 1 then
+  redis.call('HINCRBY', ${counters}, 'finished', 1)
   finish_queued(p, rid, 'deadline', ARGV[4])
   return 1
 end
@@ -189,11 +199,11 @@ ATTACH = """
 local p, now = ARGV[1], ARGV[2]
 local missing = {}
 for i = 3, #ARGV do
-  local status = redis.call('HGET', p .. 'req:' .. ARGV[i], 'status')
+  local status = redis.call('HGET', ${req(ARGV[i])}, 'status')
   if not status then
     table.insert(missing, ARGV[i])
   elseif status ~= 'finished' then
-    redis.call('ZADD', p .. 'attached', now, ARGV[i])
+    redis.call('ZADD', ${attached}, now, ARGV[i])
   end
 end
 return missing
@@ -205,15 +215,15 @@ return missing
 # first miss, so it costs about the hits it finds.
 PEEK = """
 local p = ARGV[1]
-local execs = redis.call('HKEYS', p .. 'usage')
+local execs = redis.call('HKEYS', ${usage})
 local out = {}
-for i, qk in ipairs(redis.call('ZRANGE', p .. 'queue', 0, tonumber(ARGV[2]) - 1)) do
-  local rid = string.sub(qk, 18)
-  local f = redis.call('HMGET', p .. 'req:' .. rid, 'plen', 'maxt', 'prio', 'bh')
+for i, qk in ipairs(redis.call('ZRANGE', ${queue}, 0, tonumber(ARGV[2]) - 1)) do
+  local rid = ${queue_request_id(qk)}
+  local f = redis.call('HMGET', ${req(rid)}, 'plen', 'maxt', 'prio', 'bh')
   local hits = {}
   if f[4] and f[4] ~= '' then
     for _, e in ipairs(execs) do
-      local set, n = p .. 'x:' .. e .. ':hashes', 0
+      local set, n = ${x_hashes(e)}, 0
       for h in string.gmatch(f[4], '[^,]+') do
         if redis.call('SISMEMBER', set, h) == 0 then
           break
@@ -225,7 +235,7 @@ for i, qk in ipairs(redis.call('ZRANGE', p .. 'queue', 0, tonumber(ARGV[2]) - 1)
       end
     end
   end
-  out[i] = {qk, f[1] or '0', f[2] or '0', f[3] or '0', redis.call('LLEN', p .. 'out:' .. rid),
+  out[i] = {qk, f[1] or '0', f[2] or '0', f[3] or '0', redis.call('LLEN', ${out(rid)}),
             table.concat(hits, ',')}
 end
 return out
@@ -239,26 +249,26 @@ CLAIM = (
     + """
 local p, eid = ARGV[3], ARGV[4]
 local out = {}
-if redis.call('HGET', p .. 'exec:' .. eid, 'state') == 'draining' then
+if redis.call('HGET', ${member(eid)}, 'state') == 'draining' then
   return out
 end
-local live = p .. 'x:' .. eid .. ':live'
+local live = ${x_live(eid)}
 local function take(rid)
-  local rk = p .. 'req:' .. rid
+  local rk = ${req(rid)}
   redis.call('HSET', rk, 'executor', eid)
   redis.call('SADD', live, rid)
-  table.insert(out, {rid, redis.call('HGETALL', rk), redis.call('LRANGE', p .. 'out:' .. rid, 0, -1)})
+  table.insert(out, {rid, redis.call('HGETALL', rk), redis.call('LRANGE', ${out(rid)}, 0, -1)})
   return redis.call('HMGET', rk, 'grp', 'gn')
 end
 for i = 5, #ARGV do
-  if redis.call('ZREM', p .. 'queue', ARGV[i]) == 1 then
-    local rid = string.sub(ARGV[i], 18)
+  if redis.call('ZREM', ${queue}, ARGV[i]) == 1 then
+    local rid = ${queue_request_id(ARGV[i])}
     local g = take(rid)
     if g[1] and g[1] ~= '' then
       for j = 0, tonumber(g[2]) - 1 do
         local mate = g[1] .. '#' .. j
-        local qk = redis.call('HGET', p .. 'req:' .. mate, 'qk')
-        if mate ~= rid and qk and redis.call('ZREM', p .. 'queue', qk) == 1 then
+        local qk = redis.call('HGET', ${req(mate)}, 'qk')
+        if mate ~= rid and qk and redis.call('ZREM', ${queue}, qk) == 1 then
           take(mate)
         end
       end
@@ -270,34 +280,33 @@ return out
 )
 
 # An executor is gone: fence its loop, send its requests back to the queue (or
-# finish the cancelled ones), forget its pool, and never lead it again.
+# finish the cancelled ones), forget its pool (KEYS: every key of it,
+# ExecutorKeys.all()), and never lead it again.
 REAP = (
     FINISH_QUEUED
     + """
 local p, eid, now = ARGV[1], ARGV[2], tonumber(ARGV[4])
-local x = p .. 'x:' .. eid .. ':'
 local requeued = 0
-for _, rid in ipairs(redis.call('SMEMBERS', x .. 'live')) do
-  local rk = p .. 'req:' .. rid
+for _, rid in ipairs(redis.call('SMEMBERS', ${x_live(eid)})) do
+  local rk = ${req(rid)}
   local f = redis.call('HMGET', rk, 'status', 'cancel', 'qk', 'qs')
   if f[1] and f[1] ~= 'finished' then
     if f[2] then
       finish_queued(p, rid, f[2], ARGV[3])
     else
       redis.call('HSET', rk, 'status', 'waiting', 'executor', '', 'blocks', '', 'swap', '')
-      redis.call('ZADD', p .. 'queue', f[4], f[3])
+      redis.call('ZADD', ${queue}, f[4], f[3])
       requeued = requeued + 1
     end
   end
 end
-redis.call('DEL', x .. 'live', x .. 'computed', x .. 'pool', x .. 'counters', x .. 'leader', x .. 'epoch',
-           x .. 'seq', x .. 'free:0', x .. 'free:1', x .. 'free:2', x .. 'cache', x .. 'lru', x .. 'hashes')
-redis.call('HDEL', p .. 'usage', eid)
-redis.call('ZADD', p .. 'evicted', now, eid)
-redis.call('ZREMRANGEBYSCORE', p .. 'evicted', '-inf', now - 86400000)
-redis.call('ZREM', p .. 'executors', eid)
+redis.call('DEL', unpack(KEYS))
+redis.call('HDEL', ${usage}, eid)
+redis.call('ZADD', ${evicted}, now, eid)
+redis.call('ZREMRANGEBYSCORE', ${evicted}, '-inf', now - ${EVICTED_KEEP_MS})
+redis.call('ZREM', ${members}, eid)
 if requeued > 0 then
-  redis.call('XADD', p .. 'incoming', 'MAXLEN', '~', '10000', '*', 'op', 'requeue', 'id', eid)
+  redis.call('XADD', ${incoming}, 'MAXLEN', '~', ${INCOMING_MAXLEN}, '*', 'op', 'requeue', 'id', eid)
 end
 return requeued
 """

@@ -1,6 +1,7 @@
-"""Scheduler state in Redis: leases, loads, commits, submissions (the Lua lives in ``scripts``).
+"""Scheduler state in Redis: leases, loads, commits, submissions (the Lua lives in ``lua``).
 
-The key scheme is ``pagedserve.keys``; what a step writes is built by the pure
+The key scheme is ``pagedserve.keys``, rendered into the Lua with the rest of the
+layout by ``schema``; what a step writes is built by the pure
 ``scheduler_svc.state.codec``. Loops write their executor's state once per step in
 one Lua call that first checks the loop's fencing epoch for that executor, so
 a loop killed at any point leaves the state of its last whole step and a
@@ -18,14 +19,16 @@ from enum import IntEnum
 import redis.asyncio as aioredis
 from redis import exceptions as redis_exceptions
 from redis.client import NEVER_DECODE
+from redis.commands.core import AsyncScript
 
 from pagedserve.keys import Keys
 from pagedserve.members import now_ms
+from pagedserve.tiers import TIERS
 from scheduler_svc.core import parallel
 from scheduler_svc.core.placement import Candidate, PoolView
 from scheduler_svc.core.request import Finish, Request
 from scheduler_svc.core.snapshot import Snapshot
-from scheduler_svc.state import codec, lua
+from scheduler_svc.state import codec, lua, schema
 
 # Redis unreachable or slow: worth retrying (redis-py's errors do not derive from the builtins).
 UNAVAILABLE = (redis_exceptions.ConnectionError, redis_exceptions.TimeoutError, OSError)
@@ -84,22 +87,26 @@ class Op:
 
 class RedisStore:
     def __init__(
-        self, client: aioredis.Redis, namespace: str = "pagedserve", result_ttl: int = codec.RESULT_TTL_S
+        self, client: aioredis.Redis, namespace: str = "pagedserve", result_ttl: int = schema.RESULT_TTL_S
     ) -> None:
         self.r = client
         self.keys = Keys(namespace)
         self.result_ttl = result_ttl
-        self._apply = client.register_script(lua.APPLY)
-        self._submit = client.register_script(lua.SUBMIT)
-        self._cancel = client.register_script(lua.CANCEL)
-        self._expire = client.register_script(lua.EXPIRE)
-        self._attach = client.register_script(lua.ATTACH)
-        self._peek = client.register_script(lua.PEEK)
-        self._claim = client.register_script(lua.CLAIM)
-        self._reap = client.register_script(lua.REAP)
-        self._acquire = client.register_script(lua.ACQUIRE)
-        self._renew = client.register_script(lua.RENEW)
-        self._release = client.register_script(lua.RELEASE)
+        self._apply = self._script(lua.APPLY)
+        self._submit = self._script(lua.SUBMIT)
+        self._cancel = self._script(lua.CANCEL)
+        self._expire = self._script(lua.EXPIRE)
+        self._attach = self._script(lua.ATTACH)
+        self._peek = self._script(lua.PEEK)
+        self._claim = self._script(lua.CLAIM)
+        self._reap = self._script(lua.REAP)
+        self._acquire = self._script(lua.ACQUIRE)
+        self._renew = self._script(lua.RENEW)
+        self._release = self._script(lua.RELEASE)
+
+    def _script(self, template: str) -> AsyncScript:
+        """A script of ``lua``, with the schema rendered in."""
+        return self.r.register_script(schema.render(template))
 
     # -- frontends ------------------------------------------------------------
 
@@ -257,12 +264,13 @@ class RedisStore:
 
     async def load(self, executor: str) -> Snapshot:
         x = self.keys.executor(executor)
-        raw = await self.r.execute_command("EVAL", lua.LOAD, 0, x.prefix, **{NEVER_DECODE: True})
+        keys = [x.pool, x.live, x.computed, x.seq, x.cache, x.lru, *(x.free(t) for t in TIERS)]
+        raw = await self.r.execute_command("EVAL", schema.render(lua.LOAD), len(keys), *keys, **{NEVER_DECODE: True})
         pool = _text_pairs(raw[0])
-        live = [rid.decode() for rid in raw[4]]
-        computed = _text_pairs(raw[5])
+        live = [rid.decode() for rid in raw[1]]
+        computed = _text_pairs(raw[2])
         totals = [int(n) for n in pool.get("blocks", "0,0,0").split(",")]
-        free = tuple(codec.free_blocks(bitmap, total) for bitmap, total in zip(raw[1:4], totals))
+        free = tuple(codec.free_blocks(bitmap, total) for bitmap, total in zip(raw[6:], totals))
         ids = sorted(live)
         pipe = self.r.pipeline(transaction=True)
         for rid in ids:
@@ -276,9 +284,9 @@ class RedisStore:
                 requests.append(
                     (codec.request_from(rid, fields, out, int(computed.get(rid, 0))), codec.cancel_of(fields))
                 )
-        cache = {int(b): bytes.fromhex(h.decode()) for b, h in zip(raw[7][::2], raw[7][1::2])}
-        ranks = {int(b): int(float(r)) for b, r in zip(raw[8][::2], raw[8][1::2])}
-        return Snapshot(pool, free, requests, int(raw[6]), cache, ranks)
+        cache = {int(b): bytes.fromhex(h.decode()) for b, h in zip(raw[4][::2], raw[4][1::2])}
+        ranks = {int(b): int(float(r)) for b, r in zip(raw[5][::2], raw[5][1::2])}
+        return Snapshot(pool, free, requests, int(raw[3]), cache, ranks)
 
     async def tail_incoming(self) -> str:
         last = await self.r.xrevrange(self.keys.incoming, count=1)
@@ -308,8 +316,7 @@ class RedisStore:
         """Take these queued requests for ``executor`` (a write: ``seq`` + 1); returns those it got."""
         try:
             rows = await self._claim(
-                keys=[self.keys.executor(executor).epoch],
-                args=[str(epoch), str(seq), self.keys.prefix, executor, *queue_keys],
+                keys=self._fence(executor), args=[str(epoch), str(seq), self.keys.prefix, executor, *queue_keys]
             )
         except redis_exceptions.ResponseError as exc:
             raise _fenced(exc) from exc
@@ -327,20 +334,24 @@ class RedisStore:
         return out
 
     async def apply(self, executor: str, epoch: int, seq: int, ops: list[list[str]]) -> int:
-        """Run one step's commands, fenced; returns the write sequence after it."""
+        """Run one step's commands, fenced, in one call; returns the write sequence after it."""
         try:
-            return int(
-                await self._apply(
-                    keys=[self.keys.executor(executor).epoch], args=[str(epoch), str(seq), json.dumps(ops)]
-                )
-            )
+            args = [str(epoch), str(seq), *schema.commit_args(ops)]
+            return int(await self._apply(keys=self._fence(executor), args=args))
         except redis_exceptions.ResponseError as exc:
             raise _fenced(exc) from exc
+
+    def _fence(self, executor: str) -> list[str]:
+        """The keys the fence of a loop's write checks: the executor's epoch and write sequence."""
+        x = self.keys.executor(executor)
+        return [x.epoch, x.seq]
 
     async def reap(self, executor: str) -> int:
         """Forget a dead executor; returns how many of its requests went back to the queue."""
         return int(
-            await self._reap(keys=[self.keys.evicted], args=[self.keys.prefix, executor, self.result_ttl, now_ms()])
+            await self._reap(
+                keys=self.keys.executor(executor).all(), args=[self.keys.prefix, executor, self.result_ttl, now_ms()]
+            )
         )
 
 
