@@ -8,8 +8,9 @@ from __future__ import annotations
 from collections import Counter
 
 from scheduler_svc.core.blocks import DEVICE, BlockManager, Pool
+from scheduler_svc.core.output import SchedulerOutput
 from scheduler_svc.core.request import Finish, Params, Request, Status
-from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig
 
 BS = 4
 EOS = 2

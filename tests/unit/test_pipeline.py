@@ -17,8 +17,9 @@ from pagedserve.keys import Keys
 from pagedserve.tiers import BlockMove
 from scheduler_svc.core.blocks import CPU, DEVICE
 from scheduler_svc.core.fit import blocks_for
+from scheduler_svc.core.output import SchedulerOutput
 from scheduler_svc.core.request import Finish, Params, Request, Status
-from scheduler_svc.core.scheduler import Scheduler, SchedulerOutput
+from scheduler_svc.core.scheduler import Scheduler
 from scheduler_svc.loops.flights import Flight, Pipeline
 from scheduler_svc.loops.plan import PlanBuilder
 from scheduler_svc.state.codec import CommitWriter

@@ -7,9 +7,10 @@ which isolates the decisions from the model.
 from __future__ import annotations
 
 from scheduler_svc.core.blocks import CPU, DEVICE, DISK, BlockManager, Pool
+from scheduler_svc.core.output import SchedulerOutput
 from scheduler_svc.core.queue import FCFSQueue, PriorityQueue
 from scheduler_svc.core.request import Finish, Params, Request, Status
-from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig
 
 EOS = 2
 
