@@ -193,6 +193,31 @@ def _engine(args: argparse.Namespace) -> Engine:
     )
 
 
+def _log_serving(args: argparse.Namespace, engine: Engine, port: int, *, tls: bool) -> None:
+    """How the port is protected, then what this executor serves and its pool's size per tier."""
+    pool = engine.pool
+    log.info(
+        "port %d: %s, %s",
+        port,
+        "mutual TLS" if args.tls.ca else "TLS" if tls else "plaintext",
+        "internal token required" if args.internal_token else "no internal token",
+    )
+    log.info(
+        "executor %s serving %s on port %d: %s, %s attention, blocks device=%d cpu=%d disk=%d (block %d tokens, "
+        "%d bytes)",
+        engine.instance_id,
+        args.model,
+        port,
+        engine.device,
+        engine.backend.name,
+        pool.count(0),
+        pool.count(1),
+        pool.count(2),
+        engine.geometry.block_size,
+        engine.geometry.block_bytes,
+    )
+
+
 async def serve(args: argparse.Namespace) -> None:
     await require_redis(args.redis_url)  # wrong or missing credentials: one clear line, exit 2
     engine = _engine(args)
@@ -212,27 +237,7 @@ async def serve(args: argparse.Namespace) -> None:
     await server.start()
     heap.settle()  # the model and every module are in: keep the collector off the steps
     await rpc.set_serving(health, [SERVICE_NAME], True)
-    pool = engine.pool
-    log.info(
-        "port %d: %s, %s",
-        port,
-        "mutual TLS" if args.tls.ca else "TLS" if certificate else "plaintext",
-        "internal token required" if args.internal_token else "no internal token",
-    )
-    log.info(
-        "executor %s serving %s on port %d: %s, %s attention, blocks device=%d cpu=%d disk=%d (block %d tokens, "
-        "%d bytes)",
-        engine.instance_id,
-        args.model,
-        port,
-        engine.device,
-        engine.backend.name,
-        pool.count(0),
-        pool.count(1),
-        pool.count(2),
-        engine.geometry.block_size,
-        engine.geometry.block_bytes,
-    )
+    _log_serving(args, engine, port, tls=certificate is not None)
     stop = await rpc.stop_on_signals()
     done = asyncio.Event()
     tasks = [asyncio.create_task(_health(servicer, health, done))]

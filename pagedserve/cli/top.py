@@ -1,4 +1,4 @@
-"""``pagedserve top``: the deployment as ``status.py`` reads it, drawn with rich and refreshed until Ctrl-C.
+"""``pagedserve top``: the deployment as ``snapshot.py`` reads it, drawn with rich and refreshed until Ctrl-C.
 
 pagedserve top --redis-url redis://host:6379/0 [--namespace NS] [--interval S] [--once]
 """
@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from pagedserve.cli.status import (
+from pagedserve.cli.snapshot import (
     DEAD,
     LEFT,
     REFUSED,
@@ -31,6 +31,7 @@ from pagedserve.tiers import Tier
 
 if TYPE_CHECKING:  # rich is imported when something is drawn
     from rich.console import Console, ConsoleOptions, RenderableType, RenderResult
+    from rich.table import Table
     from rich.text import Text
 
 
@@ -77,6 +78,23 @@ def _state(e: ExecutorStatus, at_ms: int) -> Text:
 
 WIDE = 110  # console columns from which ``top`` shows executor addresses and swap usage
 
+_EXECUTOR_COLUMNS = (
+    "executor",
+    "address",
+    "state",
+    "KV usage",
+    "blocks",
+    "swap",
+    "run",
+    "swp",
+    "placed",
+    "steps/s",
+    "tok/s",
+    "preempt",
+)
+_LEFT_ALIGNED = {"executor", "address", "state", "KV usage"}
+_MIN_WIDTH = {"executor": 8, "state": 7, "KV usage": 13}  # the others: their header's width
+
 
 def render(
     snap: Deployment, rate: tuple[dict[str, Rate], Rate] | None = None, error: str | None = None
@@ -94,12 +112,18 @@ class _Frame:
     error: str | None
 
     def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
-        from rich import box
-        from rich.table import Table
+        wide = options.max_width >= WIDE
+        yield self._header()
+        yield self._executors(wide)
+        yield self._replicas()
+        yield self._legend(wide)
+
+    def _header(self) -> Text:
+        """The namespace, model and time read; the queue; the namespace's counters, their rates once
+        read twice; the last read's error, if it failed."""
         from rich.text import Text
 
         snap, rate = self.snap, self.rate
-        wide = options.max_width >= WIDE
         t = snap.totals
         head = Text()
         head.append(f"pagedserve {snap.namespace}", style="bold")
@@ -122,75 +146,36 @@ class _Frame:
             )
         if self.error:
             head.append(f"\n{self.error}", style="bold red")
-        yield head
+        return head
 
-        ex = Table(
-            box=box.SIMPLE_HEAD,
-            padding=(0, 0),
-            show_edge=False,
-            title="executors",
-            title_justify="left",
-            title_style="bold",
-        )
-        cols = [
-            "executor",
-            "address",
-            "state",
-            "KV usage",
-            "blocks",
-            "swap",
-            "run",
-            "swp",
-            "placed",
-            "steps/s",
-            "tok/s",
-            "preempt",
-        ]
-        left = {"executor", "address", "state", "KV usage"}
-        least = {"executor": 8, "state": 7, "KV usage": 13}
-        keep = [c not in ("address", "swap") or wide for c in cols]
-        for name, k in zip(cols, keep):
+    def _executors(self, wide: bool) -> Table:
+        """One row per executor; narrower than ``WIDE``, without the address and swap columns and
+        with shorter ids."""
+        ex = _table("executors")
+        keep = [c not in ("address", "swap") or wide for c in _EXECUTOR_COLUMNS]
+        for name, k in zip(_EXECUTOR_COLUMNS, keep):
             if k:
                 ex.add_column(
                     name,
-                    justify="left" if name in left else "right",
+                    justify="left" if name in _LEFT_ALIGNED else "right",
                     no_wrap=True,
                     overflow="ellipsis",
-                    min_width=least.get(name, len(name)),
+                    min_width=_MIN_WIDTH.get(name, len(name)),
                 )
         short = SHORT_ID if wide else 8
-        for e in snap.executors:
-            er = rate[0].get(e.id) if rate is not None else None
-            swap_total = e.blocks[Tier.CPU] + e.blocks[Tier.DISK]
-            swap = None
-            if e.free is not None and swap_total:
-                swap = (swap_total - e.free[Tier.CPU] - e.free[Tier.DISK]) / swap_total
-            used = None if e.free is None else e.blocks[Tier.DEVICE] - e.free[Tier.DEVICE]
-            row: list[str | Text] = [
-                e.id[:short],
-                e.address or "-",
-                _state(e, snap.at_ms),
-                _bar(e.kv_usage),
-                f"{_num(used)}/{e.blocks[Tier.DEVICE]}",
-                _pct(swap),
-                _num(e.running),
-                _num(e.swapped),
-                str(e.placed),
-                _num(er.steps_per_s if er else None, "{:.1f}"),
-                _num(er.tokens_per_s if er else None, "{:.1f}"),
-                f"{e.counter('preemptions_swap')}/{e.counter('preemptions_recompute')}",
-            ]
+        for e in self.snap.executors:
+            er = self.rate[0].get(e.id) if self.rate is not None else None
+            row = _executor_row(e, self.snap.at_ms, er, short)
             ex.add_row(*(v for v, k in zip(row, keep) if k))
-        yield ex
+        return ex
 
-        rep = Table(
-            box=box.SIMPLE_HEAD,
-            padding=(0, 0),
-            show_edge=False,
-            title="scheduler replicas",
-            title_justify="left",
-            title_style="bold",
-        )
+    def _replicas(self) -> Table:
+        """Each scheduler replica, its heartbeat and the loops it leads; then ``(none)``: the
+        serving or draining executors whose loop nobody leads."""
+        from rich.text import Text
+
+        snap = self.snap
+        rep = _table("scheduler replicas")
         rep.add_column("replica", no_wrap=True)
         rep.add_column("heartbeat", no_wrap=True)
         rep.add_column("leads the loops of")
@@ -203,16 +188,57 @@ class _Frame:
         unled = [e.id[:SHORT_ID] for e in snap.executors if e.leader is None and e.state in (SERVING, DRAINING)]
         if unled:
             rep.add_row(Text("(none)", style="red"), "-", " ".join(unled))
-        yield rep
+        return rep
+
+    def _legend(self, wide: bool) -> Text:
+        from rich.text import Text
+
         legend = (
             "blocks: device blocks used/total; "
             + ("swap: CPU+disk swap used; " if wide else "")
             + "run/swp: running/swapped requests; placed: requests on it; preempt: preemptions by "
             "swap/recompute; rates between the last two reads"
         )
-        if not snap.counts_tokens:
+        if not self.snap.counts_tokens:
             legend += "; tok/s: these step commits do not count generated tokens"
-        yield Text(legend, style="dim")
+        return Text(legend, style="dim")
+
+
+def _table(title: str) -> Table:
+    from rich import box
+    from rich.table import Table
+
+    return Table(
+        box=box.SIMPLE_HEAD,
+        padding=(0, 0),
+        show_edge=False,
+        title=title,
+        title_justify="left",
+        title_style="bold",
+    )
+
+
+def _executor_row(e: ExecutorStatus, at_ms: int, er: Rate | None, short: int) -> list[str | Text]:
+    """Every column of ``_EXECUTOR_COLUMNS`` for ``e``; ``er``: its rates, None before a second read."""
+    swap_total = e.blocks[Tier.CPU] + e.blocks[Tier.DISK]
+    swap = None
+    if e.free is not None and swap_total:
+        swap = (swap_total - e.free[Tier.CPU] - e.free[Tier.DISK]) / swap_total
+    used = None if e.free is None else e.blocks[Tier.DEVICE] - e.free[Tier.DEVICE]
+    return [
+        e.id[:short],
+        e.address or "-",
+        _state(e, at_ms),
+        _bar(e.kv_usage),
+        f"{_num(used)}/{e.blocks[Tier.DEVICE]}",
+        _pct(swap),
+        _num(e.running),
+        _num(e.swapped),
+        str(e.placed),
+        _num(er.steps_per_s if er else None, "{:.1f}"),
+        _num(er.tokens_per_s if er else None, "{:.1f}"),
+        f"{e.counter('preemptions_swap')}/{e.counter('preemptions_recompute')}",
+    ]
 
 
 async def _top(url: str, namespace: str, interval: float, once: bool, console: Console) -> None:

@@ -87,26 +87,36 @@ class Cluster:
         if kv_cache_memory is not None:
             self._executor_args += ["--kv-cache-memory", str(kv_cache_memory)]
         try:
-            if redis_url is None:
-                self._redis = RedisServer()
-                redis_url = self._redis.url
-            self.redis_url = redis_url
-            http = ["--http-port", str(http_port)] if http_port else []
-            *self.executors, first = start_all(
-                [
-                    *(
-                        functools.partial(self._executor, i, [], executor_port if i == 0 else None)
-                        for i in range(executors)
-                    ),
-                    functools.partial(
-                        self._scheduler, 0, [*http, *(scheduler_args or [])], port, "" if executors else LIVENESS
-                    ),
-                ]
-            )
-            self.schedulers.append(first)
+            self._start(redis_url, executors, executor_port, port, scheduler_args or [])
         except BaseException:
             self.close()
             raise
+
+    def _start(
+        self,
+        redis_url: str | None,
+        executors: int,
+        executor_port: int | None,
+        port: int | None,
+        scheduler_args: list[str],
+    ) -> None:
+        """Redis (an embedded ``redis-server`` unless ``redis_url``), then the executors and the first
+        scheduler, all at once; ``__init__`` closes whatever started if one fails."""
+        if redis_url is None:
+            self._redis = RedisServer()
+            redis_url = self._redis.url
+        self.redis_url = redis_url
+        http = ["--http-port", str(self.http_port)] if self.http_port else []
+        *self.executors, first = start_all(
+            [
+                *(
+                    functools.partial(self._executor, i, [], executor_port if i == 0 else None)
+                    for i in range(executors)
+                ),
+                functools.partial(self._scheduler, 0, [*http, *scheduler_args], port, "" if executors else LIVENESS),
+            ]
+        )
+        self.schedulers.append(first)
 
     @property
     def credentials(self) -> grpc.ChannelCredentials | None:
@@ -299,7 +309,7 @@ def http_usage(base: str, model: str, tls: DevCerts | None) -> str:
     )
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m pagedserve.dev.launch", description=__doc__)
     p.add_argument("--model", default=None, help="local HF model directory (default: SmolLM2-135M-Instruct)")
     p.add_argument("--port", type=int, default=50051)
@@ -322,7 +332,11 @@ def main(argv: list[str] | None = None) -> int:
         help="TLS on every port, mutual TLS to executors, an API key and the internal token, from the "
         "development certificates in DIR (written by pagedserve.dev.devcerts if missing)",
     )
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
     tls = write_devcerts(args.secure, keep=True) if args.secure else None
     redis_url = os.environ.get("REDIS_URL")
     http_port = _port_or_free(args.http_port) if args.http_port else None
