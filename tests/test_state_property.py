@@ -42,7 +42,7 @@ from scheduler_svc.core.fit import blocks_for
 from scheduler_svc.core.request import Finish, Params, Request, Status
 from scheduler_svc.core.scheduler import SchedulerConfig
 from scheduler_svc.loops.loop import Loop
-from scheduler_svc.state import codec
+from scheduler_svc.state import schema
 from scheduler_svc.state.store import RedisStore
 
 BLOCK = 4
@@ -270,7 +270,7 @@ class ClusterState(RuleBasedStateMachine):
         self.run(self.store.reap(eid))
         del self.loops[eid], self.members[eid]
         self.reaped.append(eid)
-        queued = {codec.request_id_of(k) for k in self.run(self.client.zrange(self.keys.queue, 0, -1))}
+        queued = {schema.request_id_of(k) for k in self.run(self.client.zrange(self.keys.queue, 0, -1))}
         live = self.run(self.client.smembers(self.keys.live))
         assert held & live <= queued, "the lost executor's unfinished requests are back in the queue"
 
@@ -294,7 +294,7 @@ class ClusterState(RuleBasedStateMachine):
     def redis_state_is_consistent(self) -> None:
         if not hasattr(self, "config"):
             return
-        queued = {codec.request_id_of(k) for k in self.run(self.client.zrange(self.keys.queue, 0, -1))}
+        queued = {schema.request_id_of(k) for k in self.run(self.client.zrange(self.keys.queue, 0, -1))}
         placed: dict[str, str] = {}
         for eid, loop in self.loops.items():
             snap = self.run(self.store.load(eid))

@@ -15,7 +15,7 @@ from scheduler_svc.core.placement import PoolView
 from scheduler_svc.core.request import Finish, Params, Request
 from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig
 from scheduler_svc.state import codec, schema
-from scheduler_svc.state.codec import CommitWriter
+from scheduler_svc.state.commit import CommitWriter
 from scheduler_svc.state.store import Fenced, RedisStore, Stale
 
 
@@ -58,7 +58,7 @@ def test_cancelling_a_queued_request_emits_the_codecs_event(store: RedisStore) -
     assert run(store.cancel("q", Finish.ABORT))
     assert not run(store.cancel("q", Finish.ABORT)), "it is no longer live"
     ((_, event),) = run(store.read_events("0-0", block_ms=0))
-    assert event == codec.Event(finished={"q": ("abort", 0)})
+    assert event == schema.Event(finished={"q": ("abort", 0)})
     assert run(store.r.zcard(store.keys.queue)) == 0 and run(store.r.scard(store.keys.live)) == 0
 
 
@@ -166,7 +166,7 @@ def test_a_claim_a_commit_finishing_queued_and_reaping_touch_only_the_named_keys
     out = sched.schedule()
     sched.update(out, {"a": 9, "b": 8})
     rec = sched.take_record()
-    assert codec.event_of(rec) == codec.Event({"a": (0, [9]), "b": (0, [8])}, {"a": ("length", 1)})
+    assert codec.event_of(rec) == schema.Event({"a": (0, [9]), "b": (0, [8])}, {"a": ("length", 1)})
     writer = CommitWriter(store.keys, "e", "fcfs")
     view = PoolView("e", True, 4, (8, 4, 0), (6, 4, 0), 1, 0, 64, 8)
     seq = run(
@@ -180,8 +180,8 @@ def test_a_claim_a_commit_finishing_queued_and_reaping_touch_only_the_named_keys
     events = [event for _, event in run(store.read_events("0-0", block_ms=0))]
     assert events == [
         codec.event_of(rec),
-        codec.Event(finished={"c": ("abort", 0)}),
-        codec.Event(finished={"b": ("stop", 1)}),
+        schema.Event(finished={"c": ("abort", 0)}),
+        schema.Event(finished={"b": ("stop", 1)}),
     ]
     left = namespace_keys(store)
     assert left <= named_keys(store, ["a", "b", "c"], []), "nothing of the executor is left"

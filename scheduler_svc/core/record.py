@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
+from scheduler_svc.core.logprob import Logprob
 from scheduler_svc.core.request import Request
 
 
@@ -55,9 +56,9 @@ class StepRecord:
 
     touched: dict[str, Request] = field(default_factory=dict)  # status, blocks or num_computed changed
     new_tokens: dict[str, list[int]] = field(default_factory=dict)  # appended to output_ids this step
-    # With logprobs: one opaque entry per token of new_tokens (the codec encodes them).
-    logprobs: dict[str, list[object]] = field(default_factory=dict)
-    prompt_logprobs: dict[str, dict[int, object]] = field(default_factory=dict)  # prompt position -> entry
+    # With logprobs: one entry per token of new_tokens.
+    logprobs: dict[str, list[Logprob]] = field(default_factory=dict)
+    prompt_logprobs: dict[str, dict[int, Logprob]] = field(default_factory=dict)  # prompt position -> entry
     finished: list[Request] = field(default_factory=list)
     requeued: list[Request] = field(default_factory=list)  # back to the shared queue, holding nothing
     counters: Counters = field(default_factory=Counters)  # deltas

@@ -49,6 +49,7 @@ from scheduler_svc.core.blocks import (
 )
 from scheduler_svc.core.deadline import expired_among
 from scheduler_svc.core.fit import blocks_for, fits_ever
+from scheduler_svc.core.logprob import Logprob
 from scheduler_svc.core.output import Scheduled, SchedulerOutput
 from scheduler_svc.core.placement import PoolView
 from scheduler_svc.core.queue import make_queue
@@ -443,8 +444,8 @@ class Scheduler:
         self,
         out: SchedulerOutput,
         sampled: dict[str, int],
-        logprobs: dict[str, object] | None = None,
-        prompt_logprobs: dict[str, dict[int, object]] | None = None,
+        logprobs: dict[str, Logprob] | None = None,
+        prompt_logprobs: dict[str, dict[int, Logprob]] | None = None,
     ) -> list[Request]:
         """Apply the executor's report of a launched plan (launching it first if the caller did
         not): its swaps' sources come free, sampled tokens join their requests (with their

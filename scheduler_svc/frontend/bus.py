@@ -12,7 +12,7 @@ import asyncio
 import logging
 from typing import Any
 
-from scheduler_svc.state.codec import Event
+from scheduler_svc.state.schema import Event
 from scheduler_svc.state.store import UNAVAILABLE, RedisStore
 
 log = logging.getLogger(__name__)

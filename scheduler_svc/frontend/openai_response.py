@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from scheduler_svc.core.logprob import Logprob
 from scheduler_svc.frontend.openai_request import Parsed
 from scheduler_svc.frontend.streams import Chunk
 
@@ -35,8 +36,8 @@ class Collected:
     finish_reason: str = ""
     prompt_tokens: int = 0
     completion_tokens: int = 0
-    logprobs: list[Any] = field(default_factory=list)
-    prompt_logprobs: list[Any] | None = None
+    logprobs: list[Logprob] = field(default_factory=list)
+    prompt_logprobs: list[Logprob] | None = None
     cached_tokens: int = 0
 
     def add(self, chunk: Chunk) -> None:
@@ -55,8 +56,8 @@ class Collected:
 class _Choice:
     """What a stream keeps per choice (one per completion of ``n``)."""
 
-    pending: list[Any] = field(default_factory=list)  # logprobs of tokens not yet streamed (no text yet)
-    pending_prompt: list[Any] | None = None  # prompt logprobs that came with a chunk not yet streamed
+    pending: list[Logprob] = field(default_factory=list)  # logprobs of tokens not yet streamed (no text yet)
+    pending_prompt: list[Logprob] | None = None  # prompt logprobs that came with a chunk not yet streamed
     text_offset: int = 0  # completions' text_offset of the next token
     final: Chunk | None = None  # its last chunk, once seen (its token counts)
 
@@ -86,34 +87,37 @@ class Shape:
     def wants_logprobs(self) -> bool:
         return self.parsed.request.sampling.HasField("logprobs")
 
-    def _logprobs(self, entries: list[Any], state: _Choice) -> dict[str, Any] | None:
-        """OpenAI's logprobs object for these tokens' entries (``plan.entry``'s shape)."""
+    def _logprobs(self, entries: list[Logprob], state: _Choice) -> dict[str, Any] | None:
+        """OpenAI's logprobs object for these tokens' entries."""
         if not self.wants_logprobs:
             return None
         if self.parsed.chat:
             return {"content": [self._chat_entry(e) for e in entries]}
-        tokens = [self.decode(e[0]) for e in entries]
+        tokens = [self.decode(e.token_id) for e in entries]
         offsets = []
         for t in tokens:
             offsets.append(state.text_offset)
             state.text_offset += len(t)
         # As vLLM: the sampled token is among its position's top_logprobs, with the top k.
-        tops = [{self.decode(i): lp for i, lp in zip(e[3], e[4])} | {tok: e[1]} for e, tok in zip(entries, tokens)]
+        tops = [
+            {self.decode(i): lp for i, lp in zip(e.top_ids, e.top_logprobs)} | {tok: e.logprob}
+            for e, tok in zip(entries, tokens)
+        ]
         return {
             "tokens": tokens,
-            "token_logprobs": [e[1] for e in entries],
+            "token_logprobs": [e.logprob for e in entries],
             "top_logprobs": tops,
             "text_offset": offsets,
         }
 
-    def _chat_entry(self, e: Any) -> dict[str, Any]:
+    def _chat_entry(self, e: Logprob) -> dict[str, Any]:
         def one(token_id: int, logprob: float) -> dict[str, Any]:
             text = self.decode(token_id)
             return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8", "replace"))}
 
-        return one(e[0], e[1]) | {"top_logprobs": [one(i, lp) for i, lp in zip(e[3], e[4])]}
+        return one(e.token_id, e.logprob) | {"top_logprobs": [one(i, lp) for i, lp in zip(e.top_ids, e.top_logprobs)]}
 
-    def _prompt_logprobs(self, entries: list[Any]) -> list[Any]:
+    def _prompt_logprobs(self, entries: list[Logprob]) -> list[Any]:
         """vLLM's shape: None for the first prompt token, then {token id: {logprob, rank,
         decoded_token}} with the prompt token and its top alternatives."""
 
@@ -122,8 +126,8 @@ class Shape:
 
         out: list[Any] = [None]
         for e in entries:
-            alts = dict(one(i, lp, r + 1) for r, (i, lp) in enumerate(zip(e[3], e[4])))
-            out.append(alts | dict([one(e[0], e[1], e[2])]))
+            alts = dict(one(i, lp, r + 1) for r, (i, lp) in enumerate(zip(e.top_ids, e.top_logprobs)))
+            out.append(alts | dict([one(e.token_id, e.logprob, e.rank)]))
         return out
 
     @property

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagedserve.v1 import generation_pb2 as pb
+from scheduler_svc.core.logprob import Logprob
 from scheduler_svc.core.request import Finish
 from scheduler_svc.frontend.bus import DRAIN, StreamQueue
 from scheduler_svc.frontend.detok import Detokenizer
@@ -33,8 +34,8 @@ class Chunk:
     finish_reason: str = ""
     prompt_tokens: int = 0
     completion_tokens: int = 0
-    logprobs: list[Any] | None = None  # one stored entry per token of token_ids (plan.entry's shape)
-    prompt_logprobs: list[Any] | None = None  # one per prompt token from the second on
+    logprobs: list[Logprob] | None = None  # one per token of token_ids
+    prompt_logprobs: list[Logprob] | None = None  # one per prompt token from the second on
     cached_tokens: int = 0  # prompt tokens served from the prefix cache (last message)
     index: int = 0  # which completion of a request with sampling.n > 1
 
@@ -54,10 +55,9 @@ class Chunk:
         )
 
 
-def token_logprobs(entry: Any) -> pb.TokenLogprobs:
-    token, logprob, rank, top_ids, top_logprobs = entry
+def token_logprobs(e: Logprob) -> pb.TokenLogprobs:
     return pb.TokenLogprobs(
-        token_id=token, logprob=logprob, rank=rank, top_token_ids=top_ids, top_logprobs=top_logprobs
+        token_id=e.token_id, logprob=e.logprob, rank=e.rank, top_token_ids=e.top_ids, top_logprobs=e.top_logprobs
     )
 
 
@@ -82,7 +82,12 @@ class Stream:
     index: int = 0  # and which completion
 
     def chunk(
-        self, tokens: list[int], offset: int, final: bool = False, reason: str = "", logprobs: list[Any] | None = None
+        self,
+        tokens: list[int],
+        offset: int,
+        final: bool = False,
+        reason: str = "",
+        logprobs: list[Logprob] | None = None,
     ) -> Chunk:
         text = self.detok.take(final=final)
         lps = logprobs[: len(tokens)] if self.logprobs and logprobs is not None else None

@@ -41,7 +41,7 @@ from scheduler_svc.loops.flights import Flight, Pipeline, StreamChannel, UnaryCh
 from scheduler_svc.loops.plan import PlanBuilder, outputs
 from scheduler_svc.loops.stays import Placements
 from scheduler_svc.metrics import LoopMetrics
-from scheduler_svc.state.codec import CommitWriter
+from scheduler_svc.state.commit import CommitWriter
 from scheduler_svc.state.store import UNAVAILABLE, Fenced, RedisStore, Stale
 
 log = logging.getLogger(__name__)

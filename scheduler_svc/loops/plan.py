@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from pagedserve.executor.v1 import executor_pb2 as pb
 from pagedserve.tiers import BlockMove
+from scheduler_svc.core.logprob import Logprob
 from scheduler_svc.core.output import Scheduled, SchedulerOutput
 from scheduler_svc.core.request import Params, Request
 
@@ -72,18 +73,18 @@ def for_chunk(base: pb.Sampling, req: Request, s: Scheduled, generated: int) -> 
     return out
 
 
-def entry(lp: pb.Logprobs) -> list[object]:
-    """One position's logprobs as the scheduler stores them: [token, logprob, rank, top ids, top logprobs]."""
-    return [lp.token_id, lp.logprob, lp.rank, list(lp.top_ids), list(lp.top_logprobs)]
+def entry(lp: pb.Logprobs) -> Logprob:
+    """One position's logprobs, from the executor's reply."""
+    return Logprob(lp.token_id, lp.logprob, lp.rank, tuple(lp.top_ids), tuple(lp.top_logprobs))
 
 
-def outputs(result: pb.StepResult | None) -> tuple[dict[str, int], dict[str, object], dict[str, dict[int, object]]]:
+def outputs(result: pb.StepResult | None) -> tuple[dict[str, int], dict[str, Logprob], dict[str, dict[int, Logprob]]]:
     """A step's result for ``Scheduler.update``: sampled tokens, their logprobs, prompt logprobs by position."""
     if result is None:
         return {}, {}, {}
     sampled: dict[str, int] = {}
-    lps: dict[str, object] = {}
-    prompt: dict[str, dict[int, object]] = {}
+    lps: dict[str, Logprob] = {}
+    prompt: dict[str, dict[int, Logprob]] = {}
     for o in result.outputs:
         if not o.no_token:
             sampled[o.request_id] = o.token_id

@@ -28,7 +28,7 @@ end
 local seq = redis.call('INCR', seq_key)
 """
 
-# A step's commands (codec.CommitWriter), plus the schema's two bitmap operations. From
+# A step's commands (commit.CommitWriter), plus the schema's two bitmap operations. From
 # ARGV[3] on (schema.commit_args), each command is its length n, then its n words: the
 # command name at ARGV[i + 1], its key at ARGV[i + 2], its last word at ARGV[i + n].
 APPLY = (
@@ -127,7 +127,7 @@ return {first, queued + m, finished}
 """
 
 # Finishing a request that holds nothing (queued): the same fields as
-# codec.CommitWriter, and the event schema.Event encodes. Used by CANCEL, EXPIRE and REAP.
+# commit.CommitWriter, and the event schema.Event encodes. Used by CANCEL, EXPIRE and REAP.
 FINISH_QUEUED = """
 local function finish_queued(p, rid, reason, ttl)
   local rk, ok = ${req(rid)}, ${out(rid)}

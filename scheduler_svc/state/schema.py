@@ -27,6 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pagedserve.keys import ExecutorKeys, Keys
+from scheduler_svc.core.logprob import Logprob
 
 RESULT_TTL_S = 600  # finished requests stay readable (and resumable) this long, by default
 EVENTS_MAXLEN = 100_000  # the events stream is capped at about this many entries
@@ -38,7 +39,7 @@ EVICTED_KEEP_MS = 86_400_000  # an evicted executor is remembered (never led aga
 QUEUE_ARRIVAL = "%016d:"
 QUEUE_ID_AT = len(QUEUE_ARRIVAL % 0)  # where the request id starts
 
-# A step's commit is one list of commands (codec.CommitWriter); the apply script runs two
+# A step's commit is one list of commands (commit.CommitWriter); the apply script runs two
 # operations itself rather than as one Redis command:
 FILL = "FILL"  # FILL key n: a bitmap of n one-bits (a tier's blocks, all free)
 BITS = "BITS"  # BITS key value "b1,b2,...": SETBIT key b value for each b
@@ -70,7 +71,7 @@ class Event:
 
     tokens: dict[str, tuple[int, list[int]]] = field(default_factory=dict)
     finished: dict[str, tuple[str, int]] = field(default_factory=dict)
-    logprobs: dict[str, list[object]] = field(default_factory=dict)  # one entry per token, with sampling.logprobs
+    logprobs: dict[str, list[Logprob]] = field(default_factory=dict)  # one entry per token, with sampling.logprobs
     cached: dict[str, int] = field(default_factory=dict)  # finished request -> prompt tokens from the prefix cache
 
     def encode(self) -> str:
@@ -93,7 +94,7 @@ class Event:
         return cls(
             {rid: (v[0], v[1:]) for rid, v in d.get("t", {}).items()},
             {rid: (v[0], int(v[1])) for rid, v in finished.items()},
-            d.get("l", {}),
+            {rid: [Logprob.of(e) for e in entries] for rid, entries in d.get("l", {}).items()},
             {rid: int(v[2]) for rid, v in finished.items() if len(v) > 2},
         )
 

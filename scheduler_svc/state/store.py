@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from enum import IntEnum
+from typing import Any, cast
 
 import redis.asyncio as aioredis
 from redis import exceptions as redis_exceptions
@@ -25,6 +26,7 @@ from pagedserve.keys import Keys
 from pagedserve.members import now_ms
 from pagedserve.tiers import TIERS
 from scheduler_svc.core import parallel
+from scheduler_svc.core.logprob import Logprob
 from scheduler_svc.core.placement import Candidate, PoolView
 from scheduler_svc.core.request import Finish, Request
 from scheduler_svc.core.snapshot import Snapshot
@@ -147,7 +149,7 @@ class RedisStore:
         # The other name of the request: a group's own id, or the completion 0 a group of this id would have.
         other = k.req(group) if group else k.req(parallel.completion_id(head.request_id, 0))
         keys = [k.arrival, k.queue, k.live, k.incoming, k.attached, k.counters, other]
-        args: list[object] = [
+        args: list[str | int | float] = [
             len(reqs),
             max_pending,
             len(head.prompt_ids),
@@ -202,7 +204,8 @@ class RedisStore:
 
     async def detached(self, idle_ms: int, limit: int = 256) -> list[str]:
         """Unfinished requests no stream has held for ``idle_ms``."""
-        return list(await self.r.zrangebyscore(self.keys.attached, "-inf", now_ms() - idle_ms, start=0, num=limit))
+        found = await self.r.zrangebyscore(self.keys.attached, "-inf", now_ms() - idle_ms, start=0, num=limit)
+        return cast(list[str], found)
 
     async def request(self, request_id: str) -> tuple[dict[str, str], list[str]] | None:
         """A request's hash and generated tokens, read together; None if Redis does not know it."""
@@ -213,26 +216,26 @@ class RedisStore:
         return (fields, out) if fields else None
 
     async def events_tail(self) -> str:
-        last = await self.r.xrevrange(self.keys.events, count=1)
-        return last[0][0] if last else "0-0"
+        last: Any = await self.r.xrevrange(self.keys.events, count=1)  # decoded: [(id, fields)]
+        return str(last[0][0]) if last else "0-0"
 
-    async def read_events(self, after: str, block_ms: int) -> list[tuple[str, codec.Event]]:
-        got = await self.r.xread({self.keys.events: after}, block=block_ms, count=256)
-        return [(eid, codec.Event.decode(fields["d"])) for _, entries in got for eid, fields in entries]
+    async def read_events(self, after: str, block_ms: int) -> list[tuple[str, schema.Event]]:
+        got: Any = await self.r.xread({self.keys.events: after}, block=block_ms, count=256)  # [(stream, entries)]
+        return [(eid, schema.Event.decode(fields["d"])) for _, entries in got for eid, fields in entries]
 
     async def output(self, request_id: str, start: int, end: int) -> list[int]:
         """Generated tokens ``[start, end)`` of a request (to fill a gap in its events)."""
         return [int(t) for t in await self.r.lrange(self.keys.out(request_id), start, end - 1)]
 
-    async def logprobs(self, request_id: str, start: int, end: int | None = None) -> list[object]:
+    async def logprobs(self, request_id: str, start: int, end: int | None = None) -> list[Logprob]:
         """Logprobs entries of generated tokens ``[start, end)`` (``end`` None: all from ``start``)."""
         raw = await self.r.lrange(self.keys.logprobs(request_id), start, -1 if end is None else end - 1)
-        return [json.loads(x) for x in raw]
+        return [Logprob.of(json.loads(x)) for x in raw]
 
-    async def prompt_logprobs(self, request_id: str) -> list[object]:
+    async def prompt_logprobs(self, request_id: str) -> list[Logprob]:
         """Prompt logprobs entries by position, from the second prompt token on."""
         raw = await self.r.hgetall(self.keys.prompt_logprobs(request_id))
-        return [json.loads(v) for _, v in sorted((int(k), v) for k, v in raw.items())]
+        return [Logprob.of(json.loads(v)) for _, v in sorted((int(k), v) for k, v in raw.items())]
 
     # -- leases ---------------------------------------------------------------
 
@@ -249,7 +252,7 @@ class RedisStore:
         await self._release(keys=[self.keys.executor(executor).leader], args=[replica])
 
     async def leader(self, executor: str) -> str | None:
-        return await self.r.get(self.keys.executor(executor).leader)
+        return cast(str | None, await self.r.get(self.keys.executor(executor).leader))
 
     async def lead_metrics(self, replica: str, ttl_ms: int) -> bool:
         """Take or keep the namespace's metrics lease (only its holder exports namespace gauges)."""
@@ -289,8 +292,8 @@ class RedisStore:
         return Snapshot(pool, free, requests, int(raw[3]), cache, ranks)
 
     async def tail_incoming(self) -> str:
-        last = await self.r.xrevrange(self.keys.incoming, count=1)
-        return last[0][0] if last else "0-0"
+        last: Any = await self.r.xrevrange(self.keys.incoming, count=1)
+        return str(last[0][0]) if last else "0-0"
 
     async def read_incoming(self, after: str, block_ms: int | None) -> tuple[list[Op], int]:
         """Doorbell entries after ``after`` (waiting up to ``block_ms`` for one), and the queue's length."""

@@ -11,6 +11,7 @@ import pytest
 import redis
 
 from pagedserve.v1 import generation_pb2 as pb
+from scheduler_svc.core.logprob import Logprob
 from scheduler_svc.frontend import openai_request as proto
 from scheduler_svc.frontend import openai_response as answer
 from scheduler_svc.frontend.refusals import (
@@ -440,11 +441,11 @@ LP_CHUNKS = [
         [10],
         "Hel",
         0,
-        logprobs=[[10, -0.5, 1, [10, 11], [-0.5, -1.5]]],
-        prompt_logprobs=[[2, -3.0, 4, [9], [-0.1]], [3, -2.0, 1, [3], [-2.0]]],
+        logprobs=[Logprob.of([10, -0.5, 1, [10, 11], [-0.5, -1.5]])],
+        prompt_logprobs=[Logprob.of([2, -3.0, 4, [9], [-0.1]]), Logprob.of([3, -2.0, 1, [3], [-2.0]])],
     ),
-    Chunk("rid", [11], "", 1, logprobs=[[11, -0.25, 2, [12, 11], [-0.2, -0.25]]]),
-    Chunk("rid", [12], "lo", 2, "length", 3, 3, logprobs=[[12, -0.125, 1, [12, 10], [-0.125, -3.0]]]),
+    Chunk("rid", [11], "", 1, logprobs=[Logprob.of([11, -0.25, 2, [12, 11], [-0.2, -0.25]])]),
+    Chunk("rid", [12], "lo", 2, "length", 3, 3, logprobs=[Logprob.of([12, -0.125, 1, [12, 10], [-0.125, -3.0]])]),
 ]
 DECODE = {10: "Hel", 11: "", 12: "lo", 9: "x", 2: "a", 3: "b"}
 

@@ -22,7 +22,7 @@ from scheduler_svc.core.request import Finish, Params, Request, Status
 from scheduler_svc.core.scheduler import Scheduler
 from scheduler_svc.loops.flights import Flight, Pipeline
 from scheduler_svc.loops.plan import PlanBuilder
-from scheduler_svc.state.codec import CommitWriter
+from scheduler_svc.state.commit import CommitWriter
 from tests.unit.test_scheduler import EOS, check_blocks, make, req
 
 
