@@ -1,4 +1,4 @@
-"""``pagedserve status`` / ``pagedserve top`` (pagedserve/cli/snapshot.py, status.py, top.py): the
+"""``pagedserve status`` / ``pagedserve top`` (pagedserve/cli/deployment.py, status.py, top.py): the
 snapshot built from plain data, the reader against a real Redis seeded by hand, and both commands on a
 real deployment of two tiny-Llama executors: pool sizes and usage while requests run, ``draining``
 during a drain.
@@ -23,8 +23,8 @@ import pytest
 import redis
 from rich.console import Console
 
+from pagedserve.cli import deployment, status, top
 from pagedserve.cli import main as cli_main
-from pagedserve.cli import snapshot, status, top
 from pagedserve.keys import Keys
 from pagedserve.members import ClusterView, Member, Registry
 from pagedserve.tiers import Tier
@@ -48,7 +48,7 @@ def view(eid: str, free: tuple[int, int, int], running: int, swapped: int) -> st
     return view_json(PoolView(eid, True, 16, (32, 100, 0), free, running, swapped, 512, 8, 1, {0: 32 - free[0]}))
 
 
-def raw(now: int = 1_000_000, **over: object) -> snapshot.Raw:
+def raw(now: int = 1_000_000, **over: object) -> deployment.Raw:
     """Two executors led by two replicas (a third replica's heartbeat expired), one draining, one
     refused (another model), one record expired and one pool view nobody registered."""
     cv = ClusterView(
@@ -61,7 +61,7 @@ def raw(now: int = 1_000_000, **over: object) -> snapshot.Raw:
         identity=dict(IDENTITY),
         replicas=2,
     )
-    r = snapshot.Raw(
+    r = deployment.Raw(
         "ns",
         cv,
         usage={
@@ -94,7 +94,7 @@ def raw(now: int = 1_000_000, **over: object) -> snapshot.Raw:
 
 
 def test_snapshot_from_plain_data() -> None:
-    snap = snapshot.build(raw())
+    snap = deployment.build(raw())
     assert [e.id for e in snap.executors] == ["e1", "e2", "e3", "e4", "e5"], "membership order, then dead, then views"
     assert [e.state for e in snap.executors] == ["serving", "draining", "refused", "dead", "left"]
     e1, e2, e3, e4, _ = snap.executors
@@ -115,7 +115,7 @@ def test_snapshot_from_plain_data() -> None:
 
 
 def test_a_lease_held_by_a_replica_without_heartbeat_is_listed() -> None:
-    snap = snapshot.build(raw(replicas=[]))
+    snap = deployment.build(raw(replicas=[]))
     assert [(r.id, r.alive, r.leads) for r in snap.replicas] == [
         ("host-1-aa", False, ("e1",)),
         ("host-2-bb", False, ("e2",)),
@@ -123,7 +123,7 @@ def test_a_lease_held_by_a_replica_without_heartbeat_is_listed() -> None:
 
 
 def test_json_shape() -> None:
-    doc = status.to_json(snapshot.build(raw()))
+    doc = status.to_json(deployment.build(raw()))
     json.dumps(doc)  # plain JSON
     assert set(doc) == {"namespace", "model", "at_ms", "executors", "queue", "replicas", "totals"}
     e1 = doc["executors"][0]
@@ -157,7 +157,7 @@ def test_json_shape() -> None:
 
 
 def test_rates_between_two_snapshots() -> None:
-    before = snapshot.build(raw(now=1_000_000))
+    before = deployment.build(raw(now=1_000_000))
     later = raw(now=1_002_000)
     later.counters = {
         **later.counters,
@@ -167,12 +167,12 @@ def test_rates_between_two_snapshots() -> None:
     later.totals = {"steps": "150", "preemptions_swap": "4", "preemptions_recompute": "3"}
     later.usage = {k: v for k, v in later.usage.items() if k != "e5"}
     later.view.members["e6"] = member("e6")
-    after = snapshot.build(later)
-    per, total = snapshot.rates(before, after)
-    assert per["e1"] == snapshot.Rate(50.0, None, 2.0), "tokens/s unknown without a generated counter"
+    after = deployment.build(later)
+    per, total = deployment.rates(before, after)
+    assert per["e1"] == deployment.Rate(50.0, None, 2.0), "tokens/s unknown without a generated counter"
     assert per["e2"].steps_per_s is None
     assert "e6" not in per and "e5" not in per
-    assert total == snapshot.Rate(50.0, None, 2.0)
+    assert total == deployment.Rate(50.0, None, 2.0)
     doc = status.to_json(after, (per, total))
     assert doc["executors"][0]["rates"] == {"steps_per_s": 50.0, "tokens_per_s": None, "preemptions_per_s": 2.0}
     assert [e["rates"] for e in doc["executors"] if e["id"] == "e6"] == [None]
@@ -181,23 +181,23 @@ def test_rates_between_two_snapshots() -> None:
 
 def test_tokens_per_second_once_commits_count_them() -> None:
     before = raw(now=0)
-    before.totals = {**before.totals, snapshot.GENERATED: "100"}
-    before.counters = {**before.counters, "e1": {"steps": "40", snapshot.GENERATED: "100"}}
+    before.totals = {**before.totals, deployment.GENERATED: "100"}
+    before.counters = {**before.counters, "e1": {"steps": "40", deployment.GENERATED: "100"}}
     after = raw(now=500)
-    after.totals = {**after.totals, snapshot.GENERATED: "300"}
-    after.counters = {**after.counters, "e1": {"steps": "40", snapshot.GENERATED: "300"}}
-    a, b = snapshot.build(before), snapshot.build(after)
+    after.totals = {**after.totals, deployment.GENERATED: "300"}
+    after.counters = {**after.counters, "e1": {"steps": "40", deployment.GENERATED: "300"}}
+    a, b = deployment.build(before), deployment.build(after)
     assert b.counts_tokens
-    per, total = snapshot.rates(a, b)
+    per, total = deployment.rates(a, b)
     assert per["e1"].tokens_per_s == 400.0 and per["e2"].tokens_per_s == 0.0 and total.tokens_per_s == 400.0
     assert status.to_json(b)["executors"][0]["generated"] == 300
 
 
 def test_render_shows_every_executor_and_replica() -> None:
-    a = snapshot.build(raw(now=1_000_000))
-    b = snapshot.build(raw(now=1_001_000))
+    a = deployment.build(raw(now=1_000_000))
+    b = deployment.build(raw(now=1_001_000))
     wide = Console(record=True, width=160, color_system=None)
-    wide.print(top.render(b, snapshot.rates(a, b)))
+    wide.print(top.render(b, deployment.rates(a, b)))
     text = wide.export_text()
     for needle in (
         "e1",
@@ -227,7 +227,7 @@ def test_render_shows_every_executor_and_replica() -> None:
     assert max(map(len, text.splitlines())) <= 80 and "10.0.0.1" not in text, "no addresses on 80 columns"
     assert "preempt" in text and "e5" in text
     unled = Console(record=True, width=120, color_system=None)
-    unled.print(top.render(snapshot.build(raw(leaders={"e1": None, "e2": "host-2-bb"}))))
+    unled.print(top.render(deployment.build(raw(leaders={"e1": None, "e2": "host-2-bb"}))))
     assert [ln.split() for ln in unled.export_text().splitlines() if ln.startswith("(none)")] == [["(none)", "-", "e1"]]
 
 
@@ -240,7 +240,7 @@ def test_reader_reads_the_documented_keys(redis_url: str) -> None:
     sync = redis.Redis.from_url(redis_url, decode_responses=True)
     sync.delete(*(sync.keys("{" + ns + "}:*") or ["-"]))
 
-    async def go() -> snapshot.Deployment:
+    async def go() -> deployment.Deployment:
         import redis.asyncio as aioredis
 
         client = aioredis.Redis.from_url(redis_url, decode_responses=True)
@@ -249,7 +249,7 @@ def test_reader_reads_the_documented_keys(redis_url: str) -> None:
             await reg.register(member(eid, "draining" if eid == "a2" else "serving"), 10_000)
         await reg.fix_identity(member("a1"))
         await reg.beat_replica("rep-1", 10_000)
-        snap = await snapshot.read(client, keys)
+        snap = await deployment.read(client, keys)
         await client.aclose()
         return snap
 

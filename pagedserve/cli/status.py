@@ -4,7 +4,7 @@
     pagedserve top --redis-url redis://host:6379/0 [--namespace NS] [--interval S] [--once]
 
 The snapshot itself — how it is read from the namespace's keys, built, and turned into rates —
-is ``snapshot.py``; here ``to_json`` / ``_text`` print one for scripts / people, and the
+is ``deployment.py``; here ``to_json`` / ``_text`` print one for scripts / people, and the
 arguments both commands share. Rates need two reads, so ``status`` shows them only with
 ``--interval``; tokens per second are unknown (``null``) until step commits count generated tokens.
 """
@@ -19,7 +19,7 @@ import sys
 from collections.abc import Mapping
 from typing import Any, cast
 
-from pagedserve.cli.snapshot import GENERATED, Deployment, Rate, connect, rates, read
+from pagedserve.cli.deployment import GENERATED, Deployment, Rate, connect, rates, read
 from pagedserve.keys import Keys
 from pagedserve.tiers import TIERS
 

@@ -1,4 +1,4 @@
-"""``pagedserve top``: the deployment as ``snapshot.py`` reads it, drawn with rich and refreshed until Ctrl-C.
+"""``pagedserve top``: the deployment as ``deployment.py`` reads it, drawn with rich and refreshed until Ctrl-C.
 
 pagedserve top --redis-url redis://host:6379/0 [--namespace NS] [--interval S] [--once]
 """
@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from pagedserve.cli.snapshot import (
+from pagedserve.cli.deployment import (
     DEAD,
     LEFT,
     REFUSED,
