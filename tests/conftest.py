@@ -10,6 +10,7 @@ import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -23,6 +24,7 @@ import torch  # noqa: E402
 from executor_svc.model_store import resolve_model
 from pagedserve.dev.launch import Cluster
 from pagedserve.dev.procs import RedisServer
+from tests.helpers import GIB, block_bytes
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
@@ -118,16 +120,38 @@ def tiny_qwen2(tmp_path_factory: pytest.TempPathFactory, smol_dir: Path) -> Path
     return build_tiny("qwen2", tmp_path_factory.mktemp("tiny-qwen2"), smol_dir)
 
 
-def make_cluster(model: Path, redis_url: str, namespace: str, tmp: Path, **kw: object) -> Cluster:
-    """A real deployment on a shared redis-server, isolated by key namespace."""
-    return Cluster(str(model), redis_url=redis_url, namespace=namespace, log_dir=tmp, **kw)  # type: ignore[arg-type]
+def make_cluster(
+    model: Path,
+    redis_url: str,
+    namespace: str,
+    log_dir: Path,
+    *,
+    blocks: int | None = None,
+    swap_blocks: int | None = None,
+    disk_swap_blocks: int | None = None,
+    **flags: Any,
+) -> Cluster:
+    """The one cluster factory: a real deployment of ``model`` on ``redis_url``, isolated by key ``namespace``,
+    its logs in ``log_dir``. A module's (or a test's) fixture passes only what differs.
+
+    Sizes are counts of the model's KV blocks (``helpers.block_bytes``, read from its config.json): ``blocks`` in the
+    executor's device pool (``--kv-cache-memory``), ``swap_blocks`` in the CPU swap tier (``--swap-space``) and
+    ``disk_swap_blocks`` in the disk tier (``--disk-swap-space``, with a ``--swap-dir`` in ``executor_args``); unset,
+    the executor's defaults apply. Every other flag goes to ``Cluster`` as it is (``kv_cache_memory`` in bytes too,
+    for a pool sized in bytes)."""
+    sized_in_blocks = (blocks, swap_blocks, disk_swap_blocks) != (None, None, None)
+    one = block_bytes(model, flags.get("block_size", 16)) if sized_in_blocks else 0
+    if blocks is not None:
+        flags["kv_cache_memory"] = blocks * one
+    tiers = [("--swap-space", swap_blocks), ("--disk-swap-space", disk_swap_blocks)]
+    sized = [arg for flag, n in tiers if n is not None for arg in (flag, str(n * one / GIB))]
+    if sized:
+        flags["executor_args"] = [*(flags.get("executor_args") or []), *sized]
+    return Cluster(str(model), redis_url=redis_url, namespace=namespace, log_dir=log_dir, **flags)
 
 
 @pytest.fixture(scope="module")
 def tiny_cluster(tiny_llama: Path, redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     """Tiny Llama (512-token context) with a small pool: 24 blocks of 16 tokens."""
-    geo_bytes = 2 * 2 * 16 * 2 * 16 * 4  # K+V, layers, block, kv heads, head dim, fp32
-    with make_cluster(
-        tiny_llama, redis_url, "tiny", tmp_path_factory.mktemp("logs"), kv_cache_memory=24 * geo_bytes
-    ) as cluster:
+    with make_cluster(tiny_llama, redis_url, "tiny", tmp_path_factory.mktemp("logs"), blocks=24) as cluster:
         yield cluster
