@@ -49,6 +49,8 @@ prometheus:
 
 # Two pytest-xdist workers, a test module each at a time (its module-scoped deployment started once): the suite
 # is CPU-bound (process starts, models, the state machine), and one worker left a core idle half the time.
+# Modules start longest first: tests/conftest.py orders them by the seconds this target's last complete run
+# recorded in .cache/test-durations.json, or, for a module never measured, by the deployments its fixtures start.
 TEST_WORKERS ?= 2
 test: install prometheus
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadscope

@@ -6,10 +6,12 @@ they carry SmolLM2's real tokenizer so that text paths are exercised too.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -23,40 +25,102 @@ import torch  # noqa: E402
 from executor_svc.model_store import resolve_model
 from pagedserve.dev.launch import Cluster
 from pagedserve.dev.procs import RedisServer
+from tests.helpers import GIB, block_bytes
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
-# The longest modules first (wall seconds measured with two workers, 2026-12-01). ``make test``'s xdist workers take
-# whole modules (``--dist loadscope``) in collection order, so starting with the longest and ending with the short
-# ones (unit tests last) keeps both workers busy to the end instead of one finishing a long module alone.
-LONGEST_FIRST = (
-    "tests/test_scale_out.py",
-    "tests/test_streams.py",
-    "tests/test_bench_smoke.py",
-    "tests/test_structured_output.py",
-    "tests/test_preemption.py",
-    "tests/test_prefix_cache.py",
-    "tests/test_e2e_oracle.py",
-    "tests/test_parallel_sampling.py",
-    "tests/test_failover.py",
-    "tests/test_pipeline.py",
-    "tests/test_redis_auth.py",
-    "tests/test_gpu_check.py",
-    "tests/test_sampling.py",
-    "tests/test_security.py",
-    "tests/test_state_property.py",
-    "tests/test_prometheus.py",
-    "tests/test_http.py",
-    "tests/test_status.py",
-    "tests/test_health.py",
-)
+# The order of modules for ``make test`` (``pytest -n 2 --dist loadscope``): its two workers take whole modules in
+# collection order, one at a time, so the longest must start first and the short ones (unit tests) end the run;
+# a long module started last runs alone while the other worker idles. No list of names is kept by hand (one
+# rotted as modules grew, moved and appeared); the order is computed:
+# - from the last complete run on this machine: ``make test`` (the whole suite from testpaths, no -k/-m, not
+#   stopped early) records each module's seconds (setup, call and teardown of its tests, module-scoped
+#   deployments included) in .cache/test-durations.json, and the next run starts the longest first;
+# - for a module with no record (a clean clone, as in CI, or a new module), from its fixtures: a test that takes a
+#   real process or model (``REAL``: a redis-server, a model directory) itself starts its own deployment, and a
+#   module- or class-scoped fixture that reaches one, or builds files (``tmp_path_factory``: a model, certificates),
+#   is one setup for the whole module. Such modules run first, the most starts first (a module never measured is
+#   assumed long), then the measured ones, longest first; modules that start nothing (static checks) and the
+#   unit tests (tests/unit/, plain data by design) run last. Within a module the order is the file's.
+DURATIONS = Path(__file__).resolve().parent.parent / ".cache" / "test-durations.json"
+REAL = frozenset({"redis_url", "tiny_llama", "tiny_qwen2", "smol_dir"})
+BUILDS = REAL | {"tmp_path_factory"}
+
+
+def module_of(nodeid: str) -> str:
+    return nodeid.split("::")[0]
+
+
+def deployments(items: list[pytest.Item]) -> dict[str, int]:
+    """Per module, how many deployments (or other real processes, models and files) its tests start, from fixtures."""
+    own: dict[str, int] = {}
+    shared: dict[str, set[str]] = {}
+    for item in items:
+        module = module_of(item.nodeid)
+        info = getattr(item, "_fixtureinfo", None)
+        if info is None:
+            continue
+        own[module] = own.get(module, 0) + bool(REAL & set(info.argnames))
+        for name in item.fixturenames:
+            defs = info.name2fixturedefs.get(name, ())
+            if defs and defs[-1].scope in ("class", "module", "package") and reaches(name, info.name2fixturedefs):
+                shared.setdefault(module, set()).add(name)
+    return {m: own.get(m, 0) + len(shared.get(m, ())) for m in {*own, *shared}}
+
+
+def reaches(name: str, defs: dict[str, Sequence[Any]], seen: frozenset[str] = frozenset()) -> bool:
+    """Whether fixture ``name`` is, or depends on, one in ``BUILDS``."""
+    if name in BUILDS:
+        return True
+    fixture = defs.get(name)
+    seen = seen | {name}
+    return bool(fixture) and any(reaches(arg, defs, seen) for arg in fixture[-1].argnames if arg not in seen)
+
+
+def recorded() -> dict[str, float]:
+    try:
+        return {str(k): float(v) for k, v in json.loads(DURATIONS.read_text()).items()}
+    except (OSError, ValueError, AttributeError):
+        return {}
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
-    items.sort(
-        key=lambda item: (rank.get(item.nodeid.split("::")[0], len(rank)), item.nodeid.startswith("tests/unit/"))
-    )  # stable: a module keeps its order
+    seconds, starts = recorded(), deployments(items)
+
+    def rank(module: str) -> tuple[int, float]:
+        if module in seconds:
+            return (1, -seconds[module])
+        if starts.get(module) and not module.startswith("tests/unit/"):
+            return (0, -starts[module])
+        return (2, 0.0)
+
+    items.sort(key=lambda item: rank(module_of(item.nodeid)))  # stable: a module keeps its order
+
+
+SPENT: dict[str, float] = {}  # this run's seconds per module
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """Every phase's seconds, by module; xdist's controller gets its workers' reports here too."""
+    SPENT[module_of(report.nodeid)] = SPENT.get(module_of(report.nodeid), 0.0) + report.duration
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Record the modules' seconds after a complete run of the suite (not on xdist's workers, not for a part)."""
+    config = session.config
+    whole = (
+        config.args_source is pytest.Config.ArgsSource.TESTPATHS
+        and not config.option.keyword
+        and not config.option.markexpr
+        and not config.option.deselect
+        and not session.shouldstop
+        and not session.shouldfail
+        and not hasattr(config, "workerinput")
+        and exitstatus in (pytest.ExitCode.OK, pytest.ExitCode.TESTS_FAILED)
+    )
+    if whole and SPENT:
+        DURATIONS.parent.mkdir(exist_ok=True)
+        DURATIONS.write_text(json.dumps({m: round(s, 1) for m, s in sorted(SPENT.items())}, indent=1) + "\n")
 
 
 @pytest.fixture(scope="session")
@@ -118,16 +182,38 @@ def tiny_qwen2(tmp_path_factory: pytest.TempPathFactory, smol_dir: Path) -> Path
     return build_tiny("qwen2", tmp_path_factory.mktemp("tiny-qwen2"), smol_dir)
 
 
-def make_cluster(model: Path, redis_url: str, namespace: str, tmp: Path, **kw: object) -> Cluster:
-    """A real deployment on a shared redis-server, isolated by key namespace."""
-    return Cluster(str(model), redis_url=redis_url, namespace=namespace, log_dir=tmp, **kw)  # type: ignore[arg-type]
+def make_cluster(
+    model: Path,
+    redis_url: str,
+    namespace: str,
+    log_dir: Path,
+    *,
+    blocks: int | None = None,
+    swap_blocks: int | None = None,
+    disk_swap_blocks: int | None = None,
+    **flags: Any,
+) -> Cluster:
+    """The one cluster factory: a real deployment of ``model`` on ``redis_url``, isolated by key ``namespace``,
+    its logs in ``log_dir``. A module's (or a test's) fixture passes only what differs.
+
+    Sizes are counts of the model's KV blocks (``helpers.block_bytes``, read from its config.json): ``blocks`` in the
+    executor's device pool (``--kv-cache-memory``), ``swap_blocks`` in the CPU swap tier (``--swap-space``) and
+    ``disk_swap_blocks`` in the disk tier (``--disk-swap-space``, with a ``--swap-dir`` in ``executor_args``); unset,
+    the executor's defaults apply. Every other flag goes to ``Cluster`` as it is (``kv_cache_memory`` in bytes too,
+    for a pool sized in bytes)."""
+    sized_in_blocks = (blocks, swap_blocks, disk_swap_blocks) != (None, None, None)
+    one = block_bytes(model, flags.get("block_size", 16)) if sized_in_blocks else 0
+    if blocks is not None:
+        flags["kv_cache_memory"] = blocks * one
+    tiers = [("--swap-space", swap_blocks), ("--disk-swap-space", disk_swap_blocks)]
+    sized = [arg for flag, n in tiers if n is not None for arg in (flag, str(n * one / GIB))]
+    if sized:
+        flags["executor_args"] = [*(flags.get("executor_args") or []), *sized]
+    return Cluster(str(model), redis_url=redis_url, namespace=namespace, log_dir=log_dir, **flags)
 
 
 @pytest.fixture(scope="module")
 def tiny_cluster(tiny_llama: Path, redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     """Tiny Llama (512-token context) with a small pool: 24 blocks of 16 tokens."""
-    geo_bytes = 2 * 2 * 16 * 2 * 16 * 4  # K+V, layers, block, kv heads, head dim, fp32
-    with make_cluster(
-        tiny_llama, redis_url, "tiny", tmp_path_factory.mktemp("logs"), kv_cache_memory=24 * geo_bytes
-    ) as cluster:
+    with make_cluster(tiny_llama, redis_url, "tiny", tmp_path_factory.mktemp("logs"), blocks=24) as cluster:
         yield cluster

@@ -9,6 +9,7 @@ import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import grpc
 import psutil
@@ -19,6 +20,19 @@ from pagedserve.rpc import CHANNEL_OPTIONS
 from pagedserve.tiers import TIERS
 from pagedserve.v1 import generation_pb2 as pb
 from pagedserve.v1 import generation_pb2_grpc as pb_grpc
+
+GIB = 1 << 30
+
+
+def block_bytes(model_dir: Path | str, block_size: int = 16, dtype_bytes: int = 4) -> int:
+    """Bytes of one KV-cache block of the model in ``model_dir``, from its ``config.json``: K and V, for every layer,
+    ``block_size`` tokens of ``num_key_value_heads`` heads of ``head_dim`` values of ``dtype_bytes`` each (fp32, the
+    executor's default dtype). Pool and swap sizes in the tests are counts of these, never literal byte counts."""
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    heads = cfg["num_attention_heads"]
+    kv_heads = cfg.get("num_key_value_heads") or heads
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    return 2 * cfg["num_hidden_layers"] * block_size * kv_heads * head_dim * dtype_bytes
 
 
 @dataclass(slots=True)

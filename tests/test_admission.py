@@ -42,7 +42,6 @@ Code = grpc.StatusCode
 
 @pytest.fixture(scope="module")
 def cluster(tiny_llama: Path, redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    block_bytes = 2 * 2 * 16 * 2 * 16 * 4  # K+V, layers, block, kv heads, head dim, fp32
     args = [
         "--max-num-seqs",
         "1",
@@ -62,7 +61,7 @@ def cluster(tiny_llama: Path, redis_url: str, tmp_path_factory: pytest.TempPathF
         redis_url,
         NS,
         tmp_path_factory.mktemp("logs"),
-        kv_cache_memory=40 * block_bytes,
+        blocks=40,
         scheduler_args=args,
     ) as c:
         yield c

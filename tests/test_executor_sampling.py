@@ -14,13 +14,12 @@ import torch
 from executor_svc.engine import Engine, EngineConfig
 from executor_svc.plan import PlanError, SeqInput, StepInput
 from executor_svc.sampler import Sampling
-
-BLOCK_BYTES = 2 * 2 * 16 * 2 * 16 * 4
+from tests.helpers import block_bytes
 
 
 @pytest.fixture(scope="module")
 def engine(tiny_llama: Path) -> Engine:
-    return Engine(EngineConfig(model=tiny_llama, kv_cache_memory=32 * BLOCK_BYTES, device="cpu"))
+    return Engine(EngineConfig(model=tiny_llama, kv_cache_memory=32 * block_bytes(tiny_llama), device="cpu"))
 
 
 PEN = Sampling(repetition_penalty=1.5, presence_penalty=0.5)

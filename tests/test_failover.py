@@ -17,7 +17,7 @@ from pagedserve.keys import Keys
 from tests.conftest import make_cluster
 from tests.helpers import executors, greedy, kill_loop, run_all, wait_all_free
 from tests.test_e2e_oracle import hf_greedy
-from tests.test_preemption import BLOCK_BYTES, PROMPTS
+from tests.test_preemption import PROMPTS
 
 MAX_TOKENS = [60, 45, 70, 50]
 
@@ -46,9 +46,7 @@ def test_killed_loop_is_replaced_and_requests_complete(tiny_llama: Path, redis_u
     expected = hf_greedy(tiny_llama, prompts, MAX_TOKENS)
     ns = "failover-loop"
     client = redis.Redis.from_url(redis_url, decode_responses=True)
-    with make_cluster(
-        tiny_llama, redis_url, ns, tmp_path, kv_cache_memory=64 * BLOCK_BYTES, scheduler_args=["--lease-ms", "1500"]
-    ) as cluster:
+    with make_cluster(tiny_llama, redis_url, ns, tmp_path, blocks=64, scheduler_args=["--lease-ms", "1500"]) as cluster:
         worker, results = run_in_background(cluster.address, [greedy(p, n) for p, n in zip(prompts, MAX_TOKENS)])
         wait_progress(client, ns, 20)
         epoch_key, epoch = kill_loop(client, ns, cluster.scheduler.proc.pid)
@@ -65,7 +63,7 @@ def test_executor_restart_recomputes_live_requests(tiny_llama: Path, redis_url: 
     ns = "failover-executor"
     keys = Keys(ns)
     client = redis.Redis.from_url(redis_url, decode_responses=True)
-    with make_cluster(tiny_llama, redis_url, ns, tmp_path, kv_cache_memory=64 * BLOCK_BYTES) as cluster:
+    with make_cluster(tiny_llama, redis_url, ns, tmp_path, blocks=64) as cluster:
         worker, results = run_in_background(cluster.address, [greedy(p, n) for p, n in zip(prompts, MAX_TOKENS)])
         wait_progress(client, ns, 20)
         (old,) = executors(client, ns)
@@ -100,7 +98,7 @@ def test_a_hung_executor_times_out_and_comes_back_as_a_new_instance(
         redis_url,
         ns,
         tmp_path,
-        kv_cache_memory=16 * BLOCK_BYTES,
+        blocks=16,
         executors=2,
         executor_args=fast,
         scheduler_args=[*fast, "--executor-timeout", "2"],

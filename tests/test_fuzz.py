@@ -96,10 +96,7 @@ def fuzz_model(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Pa
 
 @pytest.fixture(scope="module")
 def cluster(fuzz_model: Path, redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    geo_bytes = 2 * 2 * 16 * 2 * 16 * 4  # K+V, layers, block, kv heads, head dim, fp32
-    with make_cluster(
-        fuzz_model, redis_url, NS, tmp_path_factory.mktemp("fuzz-logs"), kv_cache_memory=64 * geo_bytes
-    ) as c:
+    with make_cluster(fuzz_model, redis_url, NS, tmp_path_factory.mktemp("fuzz-logs"), blocks=64) as c:
         yield c
 
 

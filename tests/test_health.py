@@ -15,21 +15,21 @@ import grpc
 import pytest
 import redis
 
-from pagedserve.dev.launch import Cluster
 from pagedserve.dev.procs import Service, free_port, grpc_healthy, wait_until
 from pagedserve.keys import Keys
 from pagedserve.rpc import LIVENESS
+from tests.conftest import make_cluster
 from tests.helpers import executors, greedy, run_all
 
 
 def test_scheduler_health_follows_its_executors(tiny_llama: Path, redis_url: str, tmp_path: Path) -> None:
     ns = "health"
     client = redis.Redis.from_url(redis_url, decode_responses=True)
-    with Cluster(
-        str(tiny_llama),
-        redis_url=redis_url,
-        namespace=ns,
-        log_dir=tmp_path,
+    with make_cluster(
+        tiny_llama,
+        redis_url,
+        ns,
+        tmp_path,
         executors=0,
         executor_args=["--lease-ms", "3000", "--drain-timeout", "5"],
         scheduler_args=["--lease-ms", "3000"],

@@ -53,14 +53,13 @@ HANG_GUARD_S = 120  # only against a hang: nothing here is timed
 def cluster(tiny_llama: Path, redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     """One sequence at a time (``--max-num-seqs 1``), so that a long request ahead keeps the
     others queued for the admission tests; every other test sends one request at a time."""
-    block_bytes = 2 * 2 * 16 * 2 * 16 * 4  # K+V, layers, block, kv heads, head dim, fp32
     args = ["--max-num-seqs", "1", "--max-pending-requests", str(MAX_PENDING)]
     with make_cluster(
         tiny_llama,
         redis_url,
         NS,
         tmp_path_factory.mktemp("logs"),
-        kv_cache_memory=40 * block_bytes,
+        blocks=40,
         scheduler_args=args,
         http_port=free_port(),
     ) as c:

@@ -25,7 +25,6 @@ from tests import helpers
 from tests.conftest import make_cluster
 from tests.helpers import greedy, kill_loop, until, wait_all_free
 from tests.test_e2e_oracle import hf_greedy
-from tests.test_preemption import BLOCK_BYTES, GIB
 
 rng = random.Random(23)
 PROMPT = [rng.randrange(3, 49152) for _ in range(40)]  # 2 full blocks + 8 tokens
@@ -69,7 +68,7 @@ def cluster(tiny_llama: Path, redis_url: str, tmp_path_factory: pytest.TempPathF
         redis_url,
         "parallel",
         tmp_path_factory.mktemp("parallel"),
-        kv_cache_memory=64 * BLOCK_BYTES,
+        blocks=64,
         scheduler_args=["--max-n", "8"],
     ) as c:
         yield c
@@ -214,16 +213,15 @@ def test_groups_under_preemption_stay_transformers_greedy(
     mode: str, tiny_llama: Path, redis_url: str, expected: list[list[int]], tmp_path: Path
 ) -> None:
     ns = f"parallel-{mode}"
-    eargs = ["--swap-space", str(64 * BLOCK_BYTES / GIB)] if mode == "swap" else []
     # 12 blocks: a group of 3 (3 + 2 x 1 blocks to start, 4 each at the end) and two others cannot all fit.
     with make_cluster(
         tiny_llama,
         redis_url,
         ns,
         tmp_path,
-        kv_cache_memory=12 * BLOCK_BYTES,
+        blocks=12,
+        swap_blocks=64 if mode == "swap" else None,
         scheduler_args=["--preemption-mode", mode, "--max-num-batched-tokens", "48"],
-        executor_args=eargs,
     ) as c:
         got = _run(c.address, [greedy(PROMPT, 48, n=3), greedy(OTHER, 40), greedy(PROMPT, 48, n=2)])
         client = redis.Redis.from_url(redis_url, decode_responses=True)
@@ -245,9 +243,7 @@ def test_a_loop_killed_while_a_group_runs_loses_and_duplicates_nothing(
     ns = "parallel-kill"
     keys = Keys(ns)
     client = redis.Redis.from_url(redis_url, decode_responses=True)
-    with make_cluster(
-        tiny_llama, redis_url, ns, tmp_path, kv_cache_memory=64 * BLOCK_BYTES, scheduler_args=["--lease-ms", "1500"]
-    ) as c:
+    with make_cluster(tiny_llama, redis_url, ns, tmp_path, blocks=64, scheduler_args=["--lease-ms", "1500"]) as c:
 
         async def go() -> dict[int, list[pb.GenerateResponse]]:
             async with grpc.aio.insecure_channel(c.address, options=CHANNEL_OPTIONS) as ch:

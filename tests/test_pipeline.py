@@ -20,7 +20,7 @@ from tests.conftest import make_cluster
 from tests.helpers import collect, executors, greedy, kill_loop, run_all, wait_all_free
 from tests.test_e2e_oracle import hf_greedy
 from tests.test_failover import run_in_background, wait_progress
-from tests.test_preemption import BLOCK_BYTES, PROMPTS
+from tests.test_preemption import PROMPTS
 
 
 def steps(log: Path) -> list[dict]:
@@ -40,7 +40,7 @@ def test_late_finishes_never_stream_or_store_the_extra_token(tiny_llama: Path, r
     log = tmp_path / "steps.jsonl"
     client = redis.Redis.from_url(redis_url, decode_responses=True)
     with make_cluster(
-        tiny_llama, redis_url, ns, tmp_path, kv_cache_memory=64 * BLOCK_BYTES, scheduler_args=["--step-log", str(log)]
+        tiny_llama, redis_url, ns, tmp_path, blocks=64, scheduler_args=["--step-log", str(log)]
     ) as cluster:
         by_length = run_all(cluster.address, [greedy(p, n) for p, n in zip(prompts, max_tokens)])
         # A stop token that greedy decoding reaches mid-way: the request ends on it, nothing after.
@@ -69,7 +69,7 @@ def test_abort_with_two_plans_in_flight_frees_every_block(tiny_llama: Path, redi
     ns = "pipe-abort"
     client = redis.Redis.from_url(redis_url, decode_responses=True)
     keys = Keys(ns)
-    with make_cluster(tiny_llama, redis_url, ns, tmp_path, kv_cache_memory=64 * BLOCK_BYTES) as cluster:
+    with make_cluster(tiny_llama, redis_url, ns, tmp_path, blocks=64) as cluster:
 
         async def go() -> None:
             async with grpc.aio.insecure_channel(cluster.address, options=CHANNEL_OPTIONS) as ch:
@@ -107,7 +107,7 @@ def test_loop_killed_with_two_plans_in_flight_loses_and_duplicates_nothing(
         redis_url,
         ns,
         tmp_path,
-        kv_cache_memory=64 * BLOCK_BYTES,
+        blocks=64,
         scheduler_args=["--lease-ms", "1500", "--step-log", str(log)],
     ) as cluster:
         worker, results = run_in_background(cluster.address, [greedy(p, n) for p, n in zip(prompts, max_tokens)])

@@ -24,8 +24,6 @@ from tests.conftest import make_cluster
 from tests.helpers import collect, greedy, run_all, wait_all_free
 from tests.test_e2e_oracle import hf_greedy
 
-BLOCK_BYTES = 2 * 2 * 16 * 2 * 16 * 4  # tiny Llama: K+V x 2 layers x 16 tokens x 2 heads x 16 dims x fp32
-GIB = 1 << 30
 rng = random.Random(42)
 PROMPTS = [[rng.randrange(3, 49152) for _ in range(rng.randrange(5, 60))] for _ in range(16)]
 MAX_TOKENS = [rng.randrange(16, 50) for _ in range(16)]
@@ -40,11 +38,12 @@ def counters(url: str, ns: str) -> dict[str, int]:
     return helpers.counters(redis.Redis.from_url(url, decode_responses=True), ns)
 
 
+# Each mode: the scheduler's flags and the CPU swap tier in blocks (None: the executor's default).
 MODES = {
-    "swap": (["--preemption-mode", "swap"], ["--swap-space", str(64 * BLOCK_BYTES / GIB)]),
-    "recompute": (["--preemption-mode", "recompute"], []),
+    "swap": (["--preemption-mode", "swap"], 64),
+    "recompute": (["--preemption-mode", "recompute"], None),
     # Two CPU blocks only: swaps fill the CPU tier, then spill to the disk tier.
-    "disk": (["--preemption-mode", "swap"], ["--swap-space", str(2 * BLOCK_BYTES / GIB)]),
+    "disk": (["--preemption-mode", "swap"], 2),
 }
 
 
@@ -52,16 +51,17 @@ MODES = {
 def test_outputs_identical_under_preemption(
     mode: str, tiny_llama: Path, expected: list[list[int]], redis_url: str, tmp_path: Path
 ) -> None:
-    sargs, eargs = MODES[mode]
-    if mode == "disk":
-        eargs = [*eargs, "--swap-dir", str(tmp_path / "swap"), "--disk-swap-space", str(64 * BLOCK_BYTES / GIB)]
+    sargs, swap_blocks = MODES[mode]
+    eargs, disk_blocks = (["--swap-dir", str(tmp_path / "swap")], 64) if mode == "disk" else ([], None)
     ns = f"preempt-{mode}"
     with make_cluster(
         tiny_llama,
         redis_url,
         ns,
         tmp_path,
-        kv_cache_memory=12 * BLOCK_BYTES,
+        blocks=12,
+        swap_blocks=swap_blocks,
+        disk_swap_blocks=disk_blocks,
         scheduler_args=[*sargs, "--max-num-batched-tokens", "48"],
         executor_args=eargs,
     ) as cluster:
@@ -129,7 +129,7 @@ def test_priority_request_jumps_a_full_pool(tiny_llama: Path, redis_url: str, tm
         redis_url,
         ns,
         tmp_path,
-        kv_cache_memory=16 * BLOCK_BYTES,
+        blocks=16,
         scheduler_args=["--policy", "priority", "--preemption-mode", "recompute"],
     ) as cluster:
         lows, urgent_done, before = asyncio.run(go(cluster.address))
@@ -173,7 +173,7 @@ def test_long_prompt_is_chunked_between_decode_steps(tiny_llama: Path, redis_url
         redis_url,
         "chunked",
         tmp_path,
-        kv_cache_memory=128 * BLOCK_BYTES,
+        blocks=128,
         scheduler_args=["--max-num-batched-tokens", str(budget)],
     ) as cluster:
         counts, first = asyncio.run(go(cluster.address))

@@ -26,7 +26,6 @@ from tests import helpers
 from tests.conftest import make_cluster
 from tests.helpers import greedy, run_all, until, wait_all_free
 from tests.test_e2e_oracle import hf_greedy
-from tests.test_preemption import BLOCK_BYTES
 
 rng = random.Random(11)
 SHARED = [rng.randrange(3, 49152) for _ in range(40)]  # 2 full blocks + 8 tokens
@@ -73,10 +72,11 @@ def final(address: str, req: pb.GenerateRequest) -> pb.GenerateResponse:
     return asyncio.run(_stream(address, [req]))[0][-1]
 
 
+# Each mode: the scheduler's flags and the CPU swap tier in blocks (None: the executor's default).
 MODES = {
-    "swap": (["--preemption-mode", "swap"], ["--swap-space", str(64 * BLOCK_BYTES / (1 << 30))]),
-    "recompute": (["--preemption-mode", "recompute"], []),
-    "off": (["--no-enable-prefix-caching"], []),
+    "swap": (["--preemption-mode", "swap"], 64),
+    "recompute": (["--preemption-mode", "recompute"], None),
+    "off": (["--no-enable-prefix-caching"], None),
 }
 
 
@@ -84,7 +84,7 @@ MODES = {
 def test_outputs_identical_with_shared_prefixes_under_eviction_and_preemption(
     mode: str, tiny_llama: Path, expected: list[list[int]], redis_url: str, tmp_path: Path
 ) -> None:
-    sargs, eargs = MODES[mode]
+    sargs, swap_blocks = MODES[mode]
     ns = f"prefix-{mode}"
     # 10 blocks: the burst cannot all fit, so cached blocks are evicted and requests preempted.
     with make_cluster(
@@ -92,9 +92,9 @@ def test_outputs_identical_with_shared_prefixes_under_eviction_and_preemption(
         redis_url,
         ns,
         tmp_path,
-        kv_cache_memory=10 * BLOCK_BYTES,
+        blocks=10,
+        swap_blocks=swap_blocks,
         scheduler_args=[*sargs, "--max-num-batched-tokens", "48"],
-        executor_args=eargs,
     ) as cluster:
         first = final(cluster.address, greedy(PROMPTS[0], MAX_TOKENS[0]))  # SHARED is cached from here on
         results = run_all(cluster.address, [greedy(p, n) for p, n in zip(PROMPTS[1:], MAX_TOKENS[1:])])
@@ -154,9 +154,7 @@ def test_a_shared_system_prompt_is_computed_once_and_held_once(
 ) -> None:
     ns = f"prefix-system-{caching}"
     flag = [] if caching else ["--no-enable-prefix-caching"]
-    with make_cluster(
-        tiny_llama, redis_url, ns, tmp_path, kv_cache_memory=256 * BLOCK_BYTES, scheduler_args=flag
-    ) as cluster:
+    with make_cluster(tiny_llama, redis_url, ns, tmp_path, blocks=256, scheduler_args=flag) as cluster:
         client = redis.Redis.from_url(redis_url, decode_responses=True)
         warm = final(cluster.address, greedy(SYSTEM + [5, 6, 7], 4))
         before = helpers.counters(client, ns)
@@ -200,7 +198,7 @@ def test_a_request_follows_its_cached_prefix_to_the_executor_holding_it(
     ns = "prefix-placement"
     keys = Keys(ns)
     # 256 blocks each: the busy request (at most 34 blocks) keeps its executor within the load bound.
-    with make_cluster(tiny_llama, redis_url, ns, tmp_path, kv_cache_memory=256 * BLOCK_BYTES, executors=2) as cluster:
+    with make_cluster(tiny_llama, redis_url, ns, tmp_path, blocks=256, executors=2) as cluster:
         client = redis.Redis.from_url(redis_url, decode_responses=True)
         asyncio.run(until(lambda: len(helpers.executors(client, ns)) == 2, "both executors publish"))
 

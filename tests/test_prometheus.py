@@ -28,7 +28,6 @@ from tests import prometheus
 from tests.conftest import make_cluster
 from tests.helpers import Result, executors, greedy, pool_state, run_all, wait_all_free
 from tests.prometheus import PrometheusServer, http_get, promtool_check
-from tests.test_preemption import BLOCK_BYTES
 from tests.test_scale_out import wait_for
 
 pytestmark = pytest.mark.skipif(
@@ -42,7 +41,7 @@ PROMPTS = [[rng.randrange(3, 49152) for _ in range(rng.randrange(5, 40))] for _ 
 MAX_TOKENS = [rng.randrange(16, 48) for _ in range(N)]
 REQS = [greedy(p, n) for p, n in zip(PROMPTS, MAX_TOKENS)]
 # 48 blocks each: the burst spreads over both pools, and each holds its share at once.
-POOL = 48 * BLOCK_BYTES
+POOL = 48  # blocks
 FAST = ["--lease-ms", "3000"]
 M = "pagedserve:"  # the names as docs/metrics.md gives them, and as PromQL must find them
 SETTLE_S = 10  # a generous poll deadline once every target was scraped after the run
@@ -104,7 +103,7 @@ def run(tiny_llama: Path, redis_url: str, tmp_path_factory: pytest.TempPathFacto
         redis_url,
         ns,
         tmp / "logs",
-        kv_cache_memory=POOL,
+        blocks=POOL,
         executors=0,
         executor_args=FAST,
         scheduler_args=[*FAST, *metrics_args(sched_ports[0])],

@@ -23,8 +23,6 @@ from pagedserve.v1 import generation_pb2_grpc as pb_grpc
 from tests import helpers
 from tests.conftest import make_cluster
 
-BLOCK_BYTES = 2 * 2 * 16 * 2 * 16 * 4  # tiny Llama: K+V x 2 layers x 16 tokens x 2 heads x 16 dims x fp32
-GIB = 1 << 30
 rng = random.Random(7)
 PROMPTS = [[rng.randrange(3, 49152) for _ in range(n)] for n in (5, 23, 40, 17)]
 ATOL = 1e-4
@@ -39,7 +37,7 @@ def cluster(tiny_llama: Path, redis_url: str, tmp_path_factory: pytest.TempPathF
         redis_url,
         "sampling",
         tmp_path_factory.mktemp("logs"),
-        kv_cache_memory=64 * BLOCK_BYTES,
+        blocks=64,
         scheduler_args=["--max-num-batched-tokens", "16"],
     ) as c:
         yield c
@@ -143,9 +141,10 @@ def _every_option(i: int, prompt: list[int]) -> pb.GenerateRequest:
     )
 
 
+# Each mode: the scheduler's flags and the CPU swap tier in blocks (None: the executor's default).
 PREEMPT = {
-    "recompute": (["--preemption-mode", "recompute"], []),
-    "swap": (["--preemption-mode", "swap"], ["--swap-space", str(64 * BLOCK_BYTES / GIB)]),
+    "recompute": (["--preemption-mode", "recompute"], None),
+    "swap": (["--preemption-mode", "swap"], 64),
 }
 
 
@@ -155,16 +154,16 @@ def test_seeded_sampling_with_every_option_survives_preemption(
 ) -> None:
     prompts = [[rng.randrange(3, 49152) for _ in range(rng.randrange(20, 50))] for _ in range(10)]
     reqs = [_every_option(i, p) for i, p in enumerate(prompts)]
-    sargs, eargs = PREEMPT[mode]
+    sargs, swap_blocks = PREEMPT[mode]
     ns = f"sampling-{mode}"
     with make_cluster(
         tiny_llama,
         redis_url,
         ns,
         tmp_path,
-        kv_cache_memory=12 * BLOCK_BYTES,
+        blocks=12,
+        swap_blocks=swap_blocks,
         scheduler_args=[*sargs, "--max-num-batched-tokens", "48"],
-        executor_args=eargs,
     ) as c:
         client = redis.Redis.from_url(redis_url, decode_responses=True)
         alone = [_gather(c.address, [r])[0] for r in reqs[:4]]

@@ -27,7 +27,6 @@ from tests.conftest import make_cluster
 from tests.helpers import executors, greedy, pool_state, wait_all_free
 from tests.test_e2e_oracle import hf_greedy
 from tests.test_failover import run_in_background
-from tests.test_preemption import BLOCK_BYTES
 
 rng = random.Random(8)
 PROMPTS = [[rng.randrange(3, 49152) for _ in range(rng.randrange(5, 48))] for _ in range(24)]
@@ -37,9 +36,9 @@ REQS = [greedy(p, n) for p, n in zip(PROMPTS, MAX_TOKENS)]
 # executor started mid-run has loaded its model and joined.
 LONG_MAX = [rng.randrange(150, 200) for _ in range(24)]
 LONG = [greedy(p, n) for p, n in zip(PROMPTS, LONG_MAX)]
-SMALL_POOL = 16 * BLOCK_BYTES
+SMALL_POOL = 16  # blocks
 # Each executor holds ~5 of these requests at once: the rest queue, so work spreads and moves.
-POOL = 32 * BLOCK_BYTES
+POOL = 32  # blocks
 FAST = ["--lease-ms", "3000"]
 
 
@@ -103,7 +102,7 @@ def test_three_executors_serve_in_parallel_and_survive_a_sigkill(
     ns = "scale-three"
     client = redis.Redis.from_url(redis_url, decode_responses=True)
     with make_cluster(
-        tiny_llama, redis_url, ns, tmp_path, kv_cache_memory=POOL, executors=3, executor_args=FAST, scheduler_args=FAST
+        tiny_llama, redis_url, ns, tmp_path, blocks=POOL, executors=3, executor_args=FAST, scheduler_args=FAST
     ) as cluster:
         cluster.start_scheduler(FAST)
         wait_for(lambda: len(executors(client, ns)) == 3, what="three loops")
@@ -140,7 +139,7 @@ def test_an_executor_joins_mid_run_and_another_drains(
         redis_url,
         ns,
         tmp_path,
-        kv_cache_memory=SMALL_POOL,
+        blocks=SMALL_POOL,
         executors=2,
         executor_args=[*FAST, "--drain-timeout", str(drain_s)],
         scheduler_args=FAST,
@@ -177,7 +176,7 @@ def test_a_dead_replicas_loops_move_to_the_other(
     client = redis.Redis.from_url(redis_url, decode_responses=True)
     keys = Keys(ns)
     with make_cluster(
-        tiny_llama, redis_url, ns, tmp_path, kv_cache_memory=POOL, executors=2, executor_args=FAST, scheduler_args=FAST
+        tiny_llama, redis_url, ns, tmp_path, blocks=POOL, executors=2, executor_args=FAST, scheduler_args=FAST
     ) as cluster:
         survivor = cluster.start_scheduler(FAST)
         leaders = lambda: {e: client.get(keys.executor(e).leader) for e in executors(client, ns)}  # noqa: E731

@@ -33,7 +33,6 @@ from scheduler_svc.state.codec import view_json
 from tests.conftest import make_cluster
 from tests.helpers import greedy
 from tests.test_failover import run_in_background
-from tests.test_preemption import BLOCK_BYTES
 
 IDENTITY = {"model_digest": "d1", "block_size": "16", "dtype": "float32", "model": "tiny"}
 
@@ -378,7 +377,7 @@ def test_status_and_top_on_a_live_deployment_and_a_drain(
         redis_url,
         ns,
         tmp_path,
-        kv_cache_memory=32 * BLOCK_BYTES,
+        blocks=32,
         executors=2,
         executor_args=["--lease-ms", "3000", "--drain-timeout", "10"],
         scheduler_args=["--lease-ms", "3000"],

@@ -23,7 +23,6 @@ import pytest
 import redis
 
 from pagedserve import client as lib
-from pagedserve.dev.launch import Cluster
 from pagedserve.dev.procs import RedisServer, Service
 from pagedserve.keys import Keys
 from pagedserve.rpc import CHANNEL_OPTIONS
@@ -32,7 +31,6 @@ from pagedserve.v1 import generation_pb2_grpc as pb_grpc
 from tests.conftest import make_cluster
 from tests.helpers import greedy, wait_all_free
 from tests.test_e2e_oracle import hf_greedy
-from tests.test_preemption import BLOCK_BYTES
 
 rng = random.Random(9)
 PROMPTS = [[rng.randrange(3, 49152) for _ in range(rng.randrange(5, 40))] for _ in range(8)]
@@ -117,9 +115,7 @@ def test_clients_finish_on_the_other_replica_when_theirs_is_killed(
 ) -> None:
     ns = "streams-kill"
     client = redis.Redis.from_url(redis_url, decode_responses=True)
-    with make_cluster(
-        tiny_llama, redis_url, ns, tmp_path, kv_cache_memory=64 * BLOCK_BYTES, scheduler_args=FAST
-    ) as cluster:
+    with make_cluster(tiny_llama, redis_url, ns, tmp_path, blocks=64, scheduler_args=FAST) as cluster:
         a, b = cluster.scheduler, cluster.start_scheduler(FAST)
         reqs = [greedy(p, 100) for p in PROMPTS[:3]] + [sampled(p, 100) for p in PROMPTS[3:6]]
         streams = Streams([[a.address, b.address]] * 6, reqs)
@@ -139,9 +135,7 @@ def test_a_rolling_restart_of_every_replica_loses_nothing(
     ns = "streams-roll"
     client = redis.Redis.from_url(redis_url, decode_responses=True)
     slow = [*FAST, "--max-num-seqs", "2"]  # the run outlasts two restarts
-    with make_cluster(
-        tiny_llama, redis_url, ns, tmp_path, kv_cache_memory=64 * BLOCK_BYTES, scheduler_args=slow
-    ) as cluster:
+    with make_cluster(tiny_llama, redis_url, ns, tmp_path, blocks=64, scheduler_args=slow) as cluster:
         cluster.start_scheduler(slow)
         addrs = [s.address for s in cluster.schedulers]
         # One raw stream shows what the library does for us: a drained stream says where to resume.
@@ -184,14 +178,7 @@ def test_streams_survive_a_redis_outage(
     server = RedisServer(appendfsync=outage.removeprefix("aof-") if outage.startswith("aof") else None)
     ns = "streams-redis"
     try:
-        with Cluster(
-            str(tiny_llama),
-            redis_url=server.url,
-            namespace=ns,
-            log_dir=tmp_path,
-            kv_cache_memory=64 * BLOCK_BYTES,
-            scheduler_args=FAST,
-        ) as cluster:
+        with make_cluster(tiny_llama, server.url, ns, tmp_path, blocks=64, scheduler_args=FAST) as cluster:
             client = redis.Redis.from_url(server.url, decode_responses=True)
             streams = Streams([[cluster.address]] * 6, [greedy(p, 200) for p in PROMPTS[:6]])
             progress(client, ns, streams.ids(), 20)
@@ -220,14 +207,7 @@ def test_streams_survive_redis_losing_its_last_seconds(
     ns = "streams-rollback"
     aof = Path(server.dir) / "appendonly.aof"
     try:
-        with Cluster(
-            str(tiny_llama),
-            redis_url=server.url,
-            namespace=ns,
-            log_dir=tmp_path,
-            kv_cache_memory=32 * BLOCK_BYTES,
-            scheduler_args=FAST,
-        ) as cluster:
+        with make_cluster(tiny_llama, server.url, ns, tmp_path, blocks=32, scheduler_args=FAST) as cluster:
             client = redis.Redis.from_url(server.url, decode_responses=True)
             first = Streams(
                 [[cluster.address]] * 4, [greedy(p, 200) for p in PROMPTS[:2]] + [sampled(p, 200) for p in PROMPTS[2:4]]
@@ -261,9 +241,7 @@ def test_a_vanished_clients_request_is_aborted_a_resumed_one_completes(
     ns = "streams-detach"
     client = redis.Redis.from_url(redis_url, decode_responses=True)
     args = [*FAST, "--detach-timeout", "2", "--max-num-seqs", "2"]
-    with make_cluster(
-        tiny_llama, redis_url, ns, tmp_path, kv_cache_memory=64 * BLOCK_BYTES, scheduler_args=args
-    ) as cluster:
+    with make_cluster(tiny_llama, redis_url, ns, tmp_path, blocks=64, scheduler_args=args) as cluster:
         a, b = cluster.scheduler, cluster.start_scheduler(args)
         channel = grpc.insecure_channel(a.address, options=CHANNEL_OPTIONS)
         stub = pb_grpc.GenerationStub(channel)

@@ -227,8 +227,6 @@ def test_openai_client_response_format_json_schema(smol: Cluster, smol_dir: Path
 
 # -- preemption (tiny Llama: random weights, so the grammar does all the work) ------------------
 
-BLOCK_BYTES = 2 * 2 * 16 * 2 * 16 * 4  # tiny Llama: K+V x 2 layers x 16 tokens x 2 heads x 16 dims x fp32
-GIB = 1 << 30
 rng = random.Random(12)
 PROMPTS = [[rng.randrange(3, 49152) for _ in range(rng.randrange(5, 60))] for _ in range(8)]
 SPECS = [
@@ -267,9 +265,7 @@ def check(results: list[Result]) -> None:
 
 @pytest.fixture(scope="module")
 def unpreempted(tiny_llama: Path, redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> list[Result]:
-    with make_cluster(
-        tiny_llama, redis_url, "structured-ref", tmp_path_factory.mktemp("logs"), kv_cache_memory=400 * BLOCK_BYTES
-    ) as cluster:
+    with make_cluster(tiny_llama, redis_url, "structured-ref", tmp_path_factory.mktemp("logs"), blocks=400) as cluster:
         results = run_all(cluster.address, structured_reqs())
     check(results)
     return results
@@ -280,15 +276,14 @@ def test_structured_requests_survive_preemption(
     mode: str, tiny_llama: Path, redis_url: str, tmp_path: Path, unpreempted: list[Result]
 ) -> None:
     ns = f"structured-{mode}"
-    eargs = ["--swap-space", str(64 * BLOCK_BYTES / GIB)] if mode == "swap" else []
     with make_cluster(
         tiny_llama,
         redis_url,
         ns,
         tmp_path,
-        kv_cache_memory=12 * BLOCK_BYTES,
+        blocks=12,
+        swap_blocks=64 if mode == "swap" else None,
         scheduler_args=["--preemption-mode", mode, "--max-num-batched-tokens", "48"],
-        executor_args=eargs,
     ) as cluster:
         results = run_all(cluster.address, structured_reqs())
         client = redis.Redis.from_url(redis_url, decode_responses=True)
@@ -310,7 +305,7 @@ def test_structured_requests_survive_a_new_leader(
     ns = "structured-failover"
     client = redis.Redis.from_url(redis_url, decode_responses=True)
     with make_cluster(
-        tiny_llama, redis_url, ns, tmp_path, kv_cache_memory=400 * BLOCK_BYTES, scheduler_args=["--lease-ms", "1500"]
+        tiny_llama, redis_url, ns, tmp_path, blocks=400, scheduler_args=["--lease-ms", "1500"]
     ) as cluster:
         worker, results = run_in_background(cluster.address, structured_reqs())
         wait_progress(client, ns, 40)

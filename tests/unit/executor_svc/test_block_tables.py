@@ -6,7 +6,7 @@ import pytest
 
 from executor_svc.block_tables import BlockTables, UnknownTable
 from scheduler_svc.loops.plan import PlanBuilder
-from tests.unit.test_scheduler import make, req
+from tests.unit.scheduler_svc.core.test_scheduler import make, req
 
 
 def test_executor_tables_follow_the_scheduler_through_diffs_and_preemptions() -> None:

@@ -23,7 +23,7 @@ from scheduler_svc.core.scheduler import Scheduler
 from scheduler_svc.loops.flights import Flight, Pipeline
 from scheduler_svc.loops.plan import PlanBuilder
 from scheduler_svc.state.commit import CommitWriter
-from tests.unit.test_scheduler import EOS, check_blocks, make, req
+from tests.unit.scheduler_svc.core.test_scheduler import EOS, check_blocks, make, req
 
 
 class Markov:

@@ -18,7 +18,7 @@ from scheduler_svc.core.request import Params, Request
 from scheduler_svc.frontend.validate import Caps, InvalidArgument, structured
 from scheduler_svc.loops.plan import PlanBuilder
 from scheduler_svc.state import codec
-from tests.unit.test_scheduler import make, req
+from tests.unit.scheduler_svc.core.test_scheduler import make, req
 
 VOCAB, EOS = 49152, 2
 
