@@ -89,8 +89,9 @@ class Streams:
         return [r.request_id for r in self.reqs]
 
 
-def progress(client: redis.Redis, ns: str, ids: list[str], tokens: int, timeout: float = 60) -> None:
-    """Wait until every request has generated at least ``tokens``."""
+def progress(client: redis.Redis, ns: str, ids: list[str], tokens: int, timeout: float = 120) -> None:
+    """Wait until every request has generated at least ``tokens`` (a bound, not a speed: generous, as two
+    busy test workers share two cores)."""
     keys = Keys(ns)
     deadline = time.monotonic() + timeout
     while min(client.llen(keys.out(rid)) for rid in ids) < tokens:
