@@ -45,6 +45,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=DETACH_TIMEOUT_S,
         help="seconds a request may go without any stream attached before it is aborted",
     )
+    _observability_arguments(p)
+    p.add_argument("--log-level", default="INFO")
+    p.add_argument(
+        "--log-format",
+        choices=logs.FORMATS,
+        default="text",
+        help="json: one object per line, with request_id and executor fields",
+    )
+    _scheduling_arguments(p)
+    _security_arguments(p)
+    _admission_arguments(p)
+    args = p.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
+    _check_security(p, args)
+    _check_limits(p, args)
+    return args
+
+
+def _observability_arguments(p: argparse.ArgumentParser) -> None:
+    """The ports and sinks: metrics, the HTTP API, traces, the step log, and which process this is."""
     p.add_argument(
         "--metrics-port",
         type=int,
@@ -75,21 +95,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="all",
         help="all: the API here and the scheduling loops in a child process; or either one alone",
     )
-    p.add_argument("--log-level", default="INFO")
-    p.add_argument(
-        "--log-format",
-        choices=logs.FORMATS,
-        default="text",
-        help="json: one object per line, with request_id and executor fields",
-    )
-    _scheduling_arguments(p)
-    _security_arguments(p)
-    _admission_arguments(p)
-    args = p.parse_args(argv)
-    args.argv = list(sys.argv[1:] if argv is None else argv)
-    _check_security(p, args)
-    _check_limits(p, args)
-    return args
 
 
 def _scheduling_arguments(p: argparse.ArgumentParser) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from pagedserve.grammar import MAX_GRAMMAR_BYTES, choice_ebnf
+from pagedserve.grammar import MAX_GRAMMAR_BYTES, Spec, choice_ebnf
 from pagedserve.v1 import generation_pb2 as pb
 from scheduler_svc.core.fit import blocks_for, fits_ever
 from scheduler_svc.core.prefix import MAX_SALT
@@ -136,12 +136,7 @@ def check(req: pb.GenerateRequest, limits: Limits, caps: Caps = DEFAULT_CAPS) ->
     if len(given) != 1:
         found = ", ".join(given) or "none"
         raise InvalidArgument(None, f"exactly one of prompt, prompt_token_ids, messages must be set (got: {found})")
-    if len(req.request_id) > MAX_REQUEST_ID:
-        raise InvalidArgument("request_id", f"longer than {MAX_REQUEST_ID} characters")
-    if not all(" " <= c <= "~" for c in req.request_id):
-        # Ids go into Redis keys, queue entries built by Lua (whose string.format cut them at a
-        # NUL: found by tests/test_fuzz.py) and gRPC metadata (printable ASCII only).
-        raise InvalidArgument("request_id", "printable ASCII only (space to '~')")
+    _check_request_id(req.request_id)
     _check_caps(req, caps)
     s = req.sampling
     if s.HasField("max_tokens") and s.max_tokens <= 0:
@@ -166,7 +161,23 @@ def check(req: pb.GenerateRequest, limits: Limits, caps: Caps = DEFAULT_CAPS) ->
             raise InvalidArgument(f"messages[{i}].role", "must be set")
     _check_sampling(s, limits, caps)
     grammar, grammar_field = structured(s, caps)
-    params = Params(
+    params = params_of(s, grammar)
+    return Checked(
+        req.request_id,
+        given[0],
+        params,
+        list(s.stop),
+        req.priority,
+        req.queue_timeout if req.HasField("queue_timeout") else None,
+        grammar_field,
+        cache_salt=req.cache_salt or None,
+    )
+
+
+def params_of(s: pb.SamplingParams, grammar: Spec | None) -> Params:
+    """The checked public sampling parameters as the scheduler's ``Params``: an unset field takes its
+    default here, once (``max_tokens``: ``DEFAULT_MAX_TOKENS``)."""
+    return Params(
         max_tokens=s.max_tokens if s.HasField("max_tokens") else DEFAULT_MAX_TOKENS,
         temperature=s.temperature if s.HasField("temperature") else 1.0,
         top_p=s.top_p if s.HasField("top_p") else 1.0,
@@ -185,16 +196,15 @@ def check(req: pb.GenerateRequest, limits: Limits, caps: Caps = DEFAULT_CAPS) ->
         grammar=grammar,
         n=s.n if s.HasField("n") else 1,
     )
-    return Checked(
-        req.request_id,
-        given[0],
-        params,
-        list(s.stop),
-        req.priority,
-        req.queue_timeout if req.HasField("queue_timeout") else None,
-        grammar_field,
-        cache_salt=req.cache_salt or None,
-    )
+
+
+def _check_request_id(request_id: str) -> None:
+    if len(request_id) > MAX_REQUEST_ID:
+        raise InvalidArgument("request_id", f"longer than {MAX_REQUEST_ID} characters")
+    if not all(" " <= c <= "~" for c in request_id):
+        # Ids go into Redis keys, queue entries built by Lua (whose string.format cut them at a
+        # NUL: found by tests/test_fuzz.py) and gRPC metadata (printable ASCII only).
+        raise InvalidArgument("request_id", "printable ASCII only (space to '~')")
 
 
 def _check_sampling(s: pb.SamplingParams, limits: Limits, caps: Caps) -> None:

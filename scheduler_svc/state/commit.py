@@ -112,76 +112,53 @@ class CommitWriter:
         return ops
 
     def _leaving(self, rec: StepRecord) -> list[list[str]]:
+        """Requests that leave this executor: back to the shared queue, or finished."""
         ops: list[list[str]] = []
         for req in rec.requeued:
-            rid = req.request_id
-            self._saved.pop(rid, None)
-            score, member = queue_entry(req.arrival, rid, req.priority, self.policy)
-            ops += [
-                [
-                    "HSET",
-                    self.k.req(rid),
-                    "status",
-                    Status.WAITING.value,
-                    "executor",
-                    "",
-                    "blocks",
-                    "",
-                    "swap",
-                    "",
-                    "preemptions",
-                    str(req.num_preemptions),
-                ],
-                ["SREM", self.x.live, rid],
-                ["HDEL", self.x.computed, rid],
-                ["ZADD", self.k.queue, repr(score), member],
-            ]
+            self._saved.pop(req.request_id, None)
+            ops += self._requeue(req)
         for req in rec.finished:
-            rid = req.request_id
-            self._saved.pop(rid, None)
-            ops += [
-                [
-                    "HSET",
-                    self.k.req(rid),
-                    "status",
-                    Status.FINISHED.value,
-                    "executor",
-                    self.executor,
-                    "finish_reason",
-                    (req.finish_reason or Finish.ABORT).value,
-                    "blocks",
-                    "",
-                    "swap",
-                    "",
-                    "cached",
-                    str(req.num_cached),
-                ],
-                ["SREM", self.x.live, rid],
-                ["SREM", self.k.live, rid],
-                ["HDEL", self.x.computed, rid],
-                ["ZREM", self.k.attached, rid],
-                ["EXPIRE", self.k.req(rid), self.result_ttl],
-                ["EXPIRE", self.k.out(rid), self.result_ttl],
-            ]
-            if req.params.logprobs is not None:
-                ops.append(["EXPIRE", self.k.logprobs(rid), self.result_ttl])
-            if req.params.prompt_logprobs is not None:
-                ops.append(["EXPIRE", self.k.prompt_logprobs(rid), self.result_ttl])
-        if rec.requeued:
-            ops.append(
-                [
-                    "XADD",
-                    self.k.incoming,
-                    "MAXLEN",
-                    "~",
-                    str(INCOMING_MAXLEN),
-                    "*",
-                    "op",
-                    "requeue",
-                    "id",
-                    rec.requeued[0].request_id,
-                ]
-            )
+            self._saved.pop(req.request_id, None)
+            ops += self._finish(req)
+        if rec.requeued:  # one doorbell for every loop: work is queued
+            ring = ["XADD", self.k.incoming, "MAXLEN", "~", str(INCOMING_MAXLEN), "*"]
+            ops.append([*ring, "op", "requeue", "id", rec.requeued[0].request_id])
+        return ops
+
+    def _requeue(self, req: Request) -> list[list[str]]:
+        rid = req.request_id
+        score, member = queue_entry(req.arrival, rid, req.priority, self.policy)
+        fields = {"status": Status.WAITING.value, "executor": "", "blocks": "", "swap": ""}
+        return [
+            ["HSET", self.k.req(rid), *_flat(fields), "preemptions", str(req.num_preemptions)],
+            ["SREM", self.x.live, rid],
+            ["HDEL", self.x.computed, rid],
+            ["ZADD", self.k.queue, repr(score), member],
+        ]
+
+    def _finish(self, req: Request) -> list[list[str]]:
+        rid = req.request_id
+        fields = {
+            "status": Status.FINISHED.value,
+            "executor": self.executor,
+            "finish_reason": (req.finish_reason or Finish.ABORT).value,
+            "blocks": "",
+            "swap": "",
+            "cached": str(req.num_cached),
+        }
+        ops = [
+            ["HSET", self.k.req(rid), *_flat(fields)],
+            ["SREM", self.x.live, rid],
+            ["SREM", self.k.live, rid],
+            ["HDEL", self.x.computed, rid],
+            ["ZREM", self.k.attached, rid],
+            ["EXPIRE", self.k.req(rid), self.result_ttl],
+            ["EXPIRE", self.k.out(rid), self.result_ttl],
+        ]
+        if req.params.logprobs is not None:
+            ops.append(["EXPIRE", self.k.logprobs(rid), self.result_ttl])
+        if req.params.prompt_logprobs is not None:
+            ops.append(["EXPIRE", self.k.prompt_logprobs(rid), self.result_ttl])
         return ops
 
     def ops(
@@ -211,3 +188,8 @@ class CommitWriter:
         if view is not None:
             ops.append(["HSET", self.k.usage, self.executor, view_json(view)])
         return ops
+
+
+def _flat(fields: dict[str, str]) -> list[str]:
+    """A hash's fields as HSET's arguments, in order."""
+    return [word for item in fields.items() for word in item]
