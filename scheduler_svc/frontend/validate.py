@@ -174,27 +174,34 @@ def check(req: pb.GenerateRequest, limits: Limits, caps: Caps = DEFAULT_CAPS) ->
     )
 
 
+# The public SamplingParams' optional fields that Params holds under the same name.
+OPTIONAL_SAMPLING = (
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "min_tokens",
+    "logprobs",
+    "prompt_logprobs",
+    "n",
+)
+
+
 def params_of(s: pb.SamplingParams, grammar: Spec | None) -> Params:
-    """The checked public sampling parameters as the scheduler's ``Params``: an unset field takes its
-    default here, once (``max_tokens``: ``DEFAULT_MAX_TOKENS``)."""
+    """The checked public sampling parameters as the scheduler's ``Params``: a field the request
+    left unset takes ``Params``' default, the one place each default is written."""
+    given = {name: getattr(s, name) for name in OPTIONAL_SAMPLING if s.HasField(name)}
     return Params(
-        max_tokens=s.max_tokens if s.HasField("max_tokens") else DEFAULT_MAX_TOKENS,
-        temperature=s.temperature if s.HasField("temperature") else 1.0,
-        top_p=s.top_p if s.HasField("top_p") else 1.0,
-        top_k=s.top_k if s.HasField("top_k") else 0,
-        seed=s.seed if s.HasField("seed") else None,
+        **given,
         stop_token_ids=tuple(s.stop_token_ids),
         ignore_eos=s.ignore_eos,
-        min_p=s.min_p if s.HasField("min_p") else 0.0,
-        presence_penalty=s.presence_penalty if s.HasField("presence_penalty") else 0.0,
-        frequency_penalty=s.frequency_penalty if s.HasField("frequency_penalty") else 0.0,
-        repetition_penalty=s.repetition_penalty if s.HasField("repetition_penalty") else 1.0,
-        min_tokens=s.min_tokens if s.HasField("min_tokens") else 0,
         logit_bias=tuple(sorted((int(t), float(b)) for t, b in s.logit_bias.items())),
-        logprobs=s.logprobs if s.HasField("logprobs") else None,
-        prompt_logprobs=s.prompt_logprobs if s.HasField("prompt_logprobs") else None,
         grammar=grammar,
-        n=s.n if s.HasField("n") else 1,
     )
 
 
