@@ -33,55 +33,28 @@ def _usage(view: PoolView, tier: Tier) -> float:
 class LoopMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         ex = ["model_name", "executor"]
-        self.running = Gauge(name("num_requests_running"), "Requests running on the executor", ex, registry=registry)
-        self.swapped = Gauge(
-            name("num_requests_swapped"),
-            "Requests swapped out to the executor's CPU or disk tier",
-            ex,
-            registry=registry,
-        )
-        self.kv = Gauge(
-            name("kv_cache_usage_perc"),
-            "Fraction of the executor's device KV blocks in use (0-1)",
-            ex,
-            registry=registry,
-        )
-        self.cpu_swap = Gauge(
-            name("cpu_swap_usage_perc"),
-            "Fraction of the executor's CPU swap blocks in use (0-1)",
-            ex,
-            registry=registry,
-        )
-        self.disk_swap = Gauge(
-            name("disk_swap_usage_perc"),
-            "Fraction of the executor's disk swap blocks in use (0-1)",
-            ex,
-            registry=registry,
-        )
-        self.preemptions = Counter(
-            name("num_preemptions"), "Requests preempted, by mode", [*ex, "mode"], registry=registry
-        )
-        self.prompt_tokens = Counter(name("prompt_tokens"), "Prompt tokens of finished requests", ex, registry=registry)
-        self.generation_tokens = Counter(
-            name("generation_tokens"), "Tokens generated (committed steps)", ex, registry=registry
-        )
-        self.success = Counter(
-            name("request_success"), "Finished requests, by finish reason", [*ex, "finished_reason"], registry=registry
-        )
-        self.swapped_blocks = Counter(
-            name("swapped_blocks"), "KV blocks moved between tiers", [*ex, "direction", "tier"], registry=registry
-        )
-        self.prefix_queries = Counter(
-            name("prefix_cache_queries"), "Prompt tokens looked up in the prefix cache", ex, registry=registry
-        )
-        self.prefix_hits = Counter(
-            name("prefix_cache_hits"), "Prompt tokens found in the prefix cache", ex, registry=registry
-        )
-        self.forked_tokens = Counter(
-            name("parallel_sampling_shared_tokens"),
+
+        def gauge(metric: str, doc: str) -> Gauge:
+            return Gauge(name(metric), doc, ex, registry=registry)
+
+        def counter(metric: str, doc: str, *labels: str) -> Counter:
+            return Counter(name(metric), doc, [*ex, *labels], registry=registry)
+
+        self.running = gauge("num_requests_running", "Requests running on the executor")
+        self.swapped = gauge("num_requests_swapped", "Requests swapped out to the executor's CPU or disk tier")
+        self.kv = gauge("kv_cache_usage_perc", "Fraction of the executor's device KV blocks in use (0-1)")
+        self.cpu_swap = gauge("cpu_swap_usage_perc", "Fraction of the executor's CPU swap blocks in use (0-1)")
+        self.disk_swap = gauge("disk_swap_usage_perc", "Fraction of the executor's disk swap blocks in use (0-1)")
+        self.preemptions = counter("num_preemptions", "Requests preempted, by mode", "mode")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests")
+        self.generation_tokens = counter("generation_tokens", "Tokens generated (committed steps)")
+        self.success = counter("request_success", "Finished requests, by finish reason", "finished_reason")
+        self.swapped_blocks = counter("swapped_blocks", "KV blocks moved between tiers", "direction", "tier")
+        self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
+        self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache")
+        self.forked_tokens = counter(
+            "parallel_sampling_shared_tokens",
             "Prompt tokens a completion of a sampling.n request shared instead of computing",
-            ex,
-            registry=registry,
         )
         self.iteration_tokens = Histogram(
             name("iteration_tokens_total"), "Tokens scheduled per step", ex, buckets=TOKEN_BUCKETS, registry=registry
