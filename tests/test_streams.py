@@ -280,3 +280,60 @@ def test_a_vanished_clients_request_is_aborted_a_resumed_one_completes(
         assert client.llen(keys.out("vanished")) < 400
         free, totals = wait_all_free(client, ns)
         assert free == totals
+
+
+def by_completion(responses: list[pb.GenerateResponse]) -> tuple[dict[int, list[int]], set[int]]:
+    """Each completion's tokens, checking each arrived exactly once and in order, and nothing after its end."""
+    tokens: dict[int, list[int]] = {}
+    ended: set[int] = set()
+    for r in responses:
+        mine = tokens.setdefault(r.index, [])
+        assert r.index not in ended, f"completion {r.index}: a message after its finish_reason"
+        assert r.offset == len(mine), f"completion {r.index}: each token exactly once, in order"
+        mine += r.token_ids
+        if r.finish_reason:
+            ended.add(r.index)
+    return tokens, ended
+
+
+def grouped(prompt: list[int], max_tokens: int, seed: int, n: int, request_id: str) -> pb.GenerateRequest:
+    req = sampled(prompt, max_tokens, seed)
+    req.sampling.n, req.request_id = n, request_id
+    return req
+
+
+def test_the_client_streams_every_completion_of_a_group_whole_through_a_replica_kill(
+    tiny_llama: Path, redis_url: str, tmp_path: Path
+) -> None:
+    """``sampling.n``: the client keeps an offset per completion, ends when all have, and resumes each
+    unfinished one from its own offset (Resume.index). Completion i samples with seed + i, so it must
+    equal the same request alone with that seed."""
+    ns = "streams-group"
+    client = redis.Redis.from_url(redis_url, decode_responses=True)
+    with make_cluster(tiny_llama, redis_url, ns, tmp_path, blocks=64, scheduler_args=FAST) as cluster:
+        a, b = cluster.scheduler, cluster.start_scheduler(FAST)
+        calm, ended = by_completion(list(lib.generate(b.address, grouped(PROMPTS[7], 30, 99, 2, "calm"))))
+        assert ended == {0, 1}, "on a calm stack too, the stream ends only when every completion has"
+        responses: list[pb.GenerateResponse] = []
+        errors: list[BaseException] = []
+
+        def stream() -> None:
+            try:
+                responses.extend(lib.generate([a.address, b.address], grouped(PROMPTS[6], 100, 1234, 3, "group")))
+            except BaseException as exc:  # noqa: BLE001 - reported below
+                errors.append(exc)
+
+        thread = threading.Thread(target=stream)
+        thread.start()
+        progress(client, ns, [f"group#{i}" for i in range(3)], 10)
+        kill_replica(a)
+        thread.join(240)
+        assert not thread.is_alive() and not errors, errors
+        got, ended = by_completion(responses)
+        assert ended == {0, 1, 2}
+        alone = Streams([[b.address]] * 5, [sampled(PROMPTS[6], 100, 1234 + i) for i in range(3)]
+                        + [sampled(PROMPTS[7], 30, 99 + i) for i in range(2)]).join()  # fmt: skip
+        assert [got[i] for i in range(3)] == alone[:3], "each completion as its own request alone"
+        assert [calm[i] for i in range(2)] == alone[3:]
+        free, totals = wait_all_free(client, ns)
+        assert free == totals

@@ -17,6 +17,7 @@ def _as_json(resp: pb.GenerateResponse) -> str:
     return json.dumps(
         {
             "request_id": resp.request_id,
+            "index": resp.index,
             "offset": resp.offset,
             "token_ids": list(resp.token_ids),
             "text": resp.text,
@@ -38,7 +39,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument(
         "--json",
         action="store_true",
-        help="one JSON object per response: request_id, offset, token_ids, text, finish_reason",
+        help="one JSON object per response: request_id, index, offset, token_ids, text, finish_reason",
     )
     g.add_argument("--request-id", default="", help="default: a random one (needed to resume)")
     g.add_argument("-n", "--max-tokens", type=int, default=128)
@@ -46,6 +47,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--top-p", type=float, default=None)
     g.add_argument("--top-k", type=int, default=None)
     g.add_argument("--seed", type=int, default=None)
+    g.add_argument(
+        "--n",
+        type=int,
+        default=None,
+        dest="completions",
+        help="completions of the prompt (sampling.n); with more than one, each is printed when it ends",
+    )
     g.add_argument("--stop", action="append", default=[])
     g.add_argument("--priority", type=int, default=0)
     g.add_argument(
@@ -66,6 +74,8 @@ def request_of(args: argparse.Namespace) -> pb.GenerateRequest:
     for name in ("top_p", "top_k", "seed"):
         if getattr(args, name) is not None:
             setattr(sampling, name, getattr(args, name))
+    if args.completions is not None:
+        sampling.n = args.completions
     req = pb.GenerateRequest(request_id=args.request_id, sampling=sampling, priority=args.priority)
     if args.raw:
         req.prompt = args.prompt
@@ -75,6 +85,7 @@ def request_of(args: argparse.Namespace) -> pb.GenerateRequest:
 
 
 def run(args: argparse.Namespace) -> int:
+    texts: dict[int, str] = {}  # with --n above 1: each completion's text, printed when it ends
     try:
         for resp in generate(
             args.address or ["localhost:50051"], request_of(args), api_key=args.api_key, tls_ca=args.tls_ca
@@ -82,15 +93,25 @@ def run(args: argparse.Namespace) -> int:
             if args.json:
                 print(_as_json(resp), flush=True)
                 continue
+            if (args.completions or 1) > 1:
+                texts[resp.index] = texts.get(resp.index, "") + resp.text
+                if resp.finish_reason:
+                    sys.stdout.write(f"[{resp.index}] {texts.pop(resp.index)}\n")
+                    _usage(resp)
+                continue
             sys.stdout.write(resp.text)
             sys.stdout.flush()
             if resp.finish_reason:
                 sys.stdout.write("\n")
-                sys.stderr.write(
-                    f"[{resp.finish_reason}: {resp.prompt_tokens} prompt + "
-                    f"{resp.completion_tokens} completion tokens]\n"
-                )
+                _usage(resp)
     except grpc.RpcError as exc:
         sys.stderr.write(f"error: {exc.code().name}: {exc.details()}\n")
         return 1
     return 0
+
+
+def _usage(resp: pb.GenerateResponse) -> None:
+    sys.stdout.flush()
+    sys.stderr.write(
+        f"[{resp.finish_reason}: {resp.prompt_tokens} prompt + {resp.completion_tokens} completion tokens]\n"
+    )
