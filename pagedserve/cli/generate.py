@@ -52,6 +52,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         type=int,
         default=None,
         dest="completions",
+        metavar="N",
         help="completions of the prompt (sampling.n); with more than one, each is printed when it ends",
     )
     g.add_argument("--stop", action="append", default=[])
