@@ -23,6 +23,7 @@ import pytest
 import redis
 
 from pagedserve import client as lib
+from pagedserve.cli import main as cli_main
 from pagedserve.dev.procs import RedisServer, Service
 from pagedserve.keys import Keys
 from pagedserve.rpc import CHANNEL_OPTIONS
@@ -303,7 +304,7 @@ def grouped(prompt: list[int], max_tokens: int, seed: int, n: int, request_id: s
 
 
 def test_the_client_streams_every_completion_of_a_group_whole_through_a_replica_kill(
-    tiny_llama: Path, redis_url: str, tmp_path: Path
+    tiny_llama: Path, redis_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """``sampling.n``: the client keeps an offset per completion, ends when all have, and resumes each
     unfinished one from its own offset (Resume.index). Completion i samples with seed + i, so it must
@@ -314,6 +315,12 @@ def test_the_client_streams_every_completion_of_a_group_whole_through_a_replica_
         a, b = cluster.scheduler, cluster.start_scheduler(FAST)
         calm, ended = by_completion(list(lib.generate(b.address, grouped(PROMPTS[7], 30, 99, 2, "calm"))))
         assert ended == {0, 1}, "on a calm stack too, the stream ends only when every completion has"
+        capsys.readouterr()
+        argv = ["generate", "--address", b.address, "--raw", "--json", "--n", "2", "-n", "8", "-t", "1", "Hello"]
+        assert cli_main(argv) == 0
+        lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+        cli_tokens, cli_ended = by_completion([pb.GenerateResponse(**line) for line in lines])
+        assert cli_ended == {0, 1} and all(cli_tokens[i] for i in (0, 1)), "the CLI streams both completions whole"
         responses: list[pb.GenerateResponse] = []
         errors: list[BaseException] = []
 
