@@ -34,6 +34,16 @@ NOT_YET: dict[str, tuple[Any, ...]] = {
     "suffix": ("",),
     "tools": ([],),
     "functions": ([],),
+    # vLLM's extensions, accepted and silently ignored before (issue #22): refused until honoured.
+    "include_stop_str_in_output": (False,),
+    "allowed_token_ids": ([],),
+    "bad_words": ([],),
+    "add_generation_prompt": (True,),
+    "continue_final_message": (False,),
+    "use_beam_search": (False,),
+    "truncate_prompt_tokens": (),
+    "request_id": ("",),  # the id comes from the X-Request-Id header
+    "chat_template_kwargs": ({},),
 }
 # vLLM's structured-output keys (``structured_outputs: {...}``, and the older top-level
 # ``guided_*``) -> the StructuredOutput field they set.

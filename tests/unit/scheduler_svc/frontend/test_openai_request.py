@@ -133,6 +133,15 @@ def test_off_values_of_unsupported_fields_are_accepted() -> None:
         echo=False,
         tools=[],
         top_logprobs=0,
+        include_stop_str_in_output=False,
+        allowed_token_ids=[],
+        bad_words=[],
+        add_generation_prompt=True,
+        continue_final_message=False,
+        use_beam_search=False,
+        truncate_prompt_tokens=None,
+        request_id="",
+        chat_template_kwargs={},
     )
     proto.parse(completion(**off), chat=False)
     proto.parse(chat(logprobs=False, **off), chat=True)
@@ -203,6 +212,16 @@ BAD: list[tuple[str, dict[str, Any], bool, str]] = [
     ),
     ("two constraints", chat(response_format={"type": "json_object"}, guided_regex="a+"), True, "guided_regex"),
     ("tools", chat(tools=[{"type": "function", "function": {"name": "f"}}]), True, "tools"),
+    # vLLM's fields that were accepted and silently ignored (issue #22): each is refused by name until honoured.
+    ("include_stop_str_in_output", completion(include_stop_str_in_output=True), False, "include_stop_str_in_output"),
+    ("allowed_token_ids", completion(allowed_token_ids=[260]), False, "allowed_token_ids"),
+    ("bad_words", completion(bad_words=["Paris."]), False, "bad_words"),
+    ("add_generation_prompt false", chat(add_generation_prompt=False), True, "add_generation_prompt"),
+    ("continue_final_message", chat(continue_final_message=True), True, "continue_final_message"),
+    ("use_beam_search", completion(use_beam_search=True), False, "use_beam_search"),
+    ("truncate_prompt_tokens", completion(truncate_prompt_tokens=8), False, "truncate_prompt_tokens"),
+    ("request_id in the body", completion(request_id="mine"), False, "request_id"),
+    ("chat_template_kwargs", chat(chat_template_kwargs={"enable_thinking": False}), True, "chat_template_kwargs"),
     ("echo", completion(echo=True), False, "echo"),
     ("several prompts", completion(prompt=["a", "b"]), False, "prompt"),
     ("empty prompt", completion(prompt=""), False, "prompt"),
