@@ -380,6 +380,8 @@ class Frontend:
         self._check_open()
         n = await self.store.group_size(request_id)
         if n == 0 and index:
+            if await self.store.request(request_id) is None:  # nothing got in (the resuming client submits it)
+                raise NotFound("request_id", f"no live or recently finished request {request_id!r}")
             raise OutOfRange("index", f"{index}, but request {request_id!r} has one completion")
         if index is not None and n and index >= n:
             raise OutOfRange("index", f"{index}, but request {request_id!r} has {n} completions")
