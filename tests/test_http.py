@@ -44,8 +44,10 @@ from pagedserve.rpc import CHANNEL_OPTIONS
 from pagedserve.security import ReloadingSSLContext
 from pagedserve.v1 import generation_pb2 as pb
 from pagedserve.v1 import generation_pb2_grpc as pb_grpc
+from tests import prometheus
 from tests.conftest import make_cluster
 from tests.helpers import Result, block_bytes, greedy, run_all, until, wait_all_free
+from tests.test_prometheus import VLLM_NAMING
 
 NS, SECURE_NS = "http", "http-secure"
 MAX_PENDING = 2
@@ -495,6 +497,9 @@ def test_a_replica_with_served_names_and_vllm_metric_names(cluster: Cluster, mod
         ):
             assert series in names, series
         assert not any(n.startswith("pagedserve:time_to_first") for n in names)
+        if prometheus.available():  # the renamed exposition parses, with no finding but vLLM's own naming
+            rc, said = prometheus.promtool_check(text)
+            assert rc in (0, 3) and all(any(n in line for n in VLLM_NAMING) for line in said.splitlines()), said
     finally:
         cluster.schedulers.remove(replica)
         replica.stop()
