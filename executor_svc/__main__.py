@@ -12,6 +12,7 @@ from pathlib import Path
 import redis.asyncio as aioredis
 from prometheus_client import CollectorRegistry
 
+from executor_svc.context import ContextTooLong
 from executor_svc.engine import Engine, EngineConfig
 from executor_svc.lifecycle import Lifecycle, Registration, quiet
 from executor_svc.metrics import ExecutorMetrics
@@ -65,7 +66,13 @@ def _engine_arguments(p: argparse.ArgumentParser) -> None:
         "--max-num-batched-tokens", type=int, default=2048, help="largest step; profiled on CUDA to size the pool"
     )
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    p.add_argument("--max-model-len", type=int, default=None, help="context length limit (default: the model's)")
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="context length limit (default: the model's); refused at start if the KV pool cannot hold one "
+        "request this long",
+    )
     p.add_argument("--swap-space", type=float, default=4.0, help="GiB of CPU memory for swapped-out blocks")
     p.add_argument("--swap-dir", type=Path, default=None, help="directory for the disk swap tier (off when unset)")
     p.add_argument("--disk-swap-space", type=float, default=4.0, help="GiB of the disk swap tier")
@@ -220,7 +227,10 @@ def _log_serving(args: argparse.Namespace, engine: Engine, port: int, *, tls: bo
 
 async def serve(args: argparse.Namespace) -> None:
     await require_redis(args.redis_url)  # wrong or missing credentials: one clear line, exit 2
-    engine = _engine(args)
+    try:
+        engine = _engine(args)
+    except ContextTooLong as exc:
+        raise SystemExit(f"error: {exc}") from None  # one line, exit 1
     registry = CollectorRegistry()
     executor_metrics = ExecutorMetrics(registry, engine.cfg.model.name)
     executor_metrics.pools({t: engine.pool.count(t) for t in Tier})

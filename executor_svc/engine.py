@@ -20,6 +20,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from executor_svc import attention, logprobs, model
 from executor_svc.block_tables import BlockTables
+from executor_svc.context import check_max_model_len
 from executor_svc.grammar import Grammars, Row
 from executor_svc.history import Histories
 from executor_svc.kv_pool import (
@@ -90,6 +91,7 @@ class Engine:
             if cfg.swap_dir is not None and cfg.disk_swap_space > 0
             else None,
         )
+        check_max_model_len(cfg.max_model_len, self.pool.device.num_blocks, cfg.block_size)
         self.tables = BlockTables(self.pool.device.num_blocks)
         self.histories = Histories()  # token histories of requests whose sampling needs them
         self.grammars = Grammars(self._grammar_compiler, self.vocab_size, self.eos_token_ids)

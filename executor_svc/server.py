@@ -140,6 +140,7 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
         e, life = self.engine, self.lifecycle
         return pb.InfoResponse(
             model=str(e.cfg.model.name),
+            model_path=str(e.cfg.model.absolute()),
             block_size=e.geometry.block_size,
             num_gpu_blocks=e.pool.count(0),
             num_cpu_blocks=e.pool.count(1),

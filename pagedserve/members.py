@@ -61,6 +61,7 @@ class Member:
     state: str = SERVING
     evacuate_at_ms: int = 0  # draining: from then on its loop moves what is left elsewhere
     static: bool = False  # configured with the scheduler's --executor, registered by schedulers
+    model_path: str = ""  # the model directory the executor loaded ("" from an executor that predates it)
 
     @property
     def identity(self) -> dict[str, str]:
@@ -91,6 +92,7 @@ class Member:
             "state": self.state,
             "evacuate_at_ms": str(self.evacuate_at_ms),
             "static": "1" if self.static else "0",
+            "model_path": self.model_path,
         }
 
     @classmethod
@@ -108,6 +110,7 @@ class Member:
             f["state"],
             int(f.get("evacuate_at_ms", 0)),
             f.get("static") == "1",
+            f.get("model_path", ""),
         )
 
     @classmethod
@@ -124,6 +127,7 @@ class Member:
             info.state or SERVING,
             info.evacuate_at_ms,
             static,
+            info.model_path,
         )
 
 

@@ -21,9 +21,33 @@ from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
+from prometheus_client.samples import Sample
 
 log = logging.getLogger(__name__)
 PREFIX = "pagedserve:"
+PREFIXES = ("pagedserve", "vllm")  # --metrics-prefix
+# ``--metrics-prefix vllm``: our series that vLLM has, by their vLLM names (docs/metrics.md, "Under vLLM's
+# names"); the others keep ``pagedserve:``. V1 observed every inter-token latency in
+# time_per_output_token_seconds as well; gpu_cache_usage_perc and cpu_cache_usage_perc are V0's names, which
+# older dashboards and autoscalers still query.
+VLLM_NAMES: dict[str, tuple[str, ...]] = {
+    "num_requests_running": ("num_requests_running",),
+    "num_requests_waiting": ("num_requests_waiting",),
+    "num_requests_swapped": ("num_requests_swapped",),
+    "kv_cache_usage_perc": ("kv_cache_usage_perc", "gpu_cache_usage_perc"),
+    "cpu_swap_usage_perc": ("cpu_cache_usage_perc",),
+    "num_preemptions": ("num_preemptions",),
+    "prompt_tokens": ("prompt_tokens",),
+    "generation_tokens": ("generation_tokens",),
+    "request_success": ("request_success",),
+    "prefix_cache_queries": ("prefix_cache_queries",),
+    "prefix_cache_hits": ("prefix_cache_hits",),
+    "iteration_tokens_total": ("iteration_tokens_total",),
+    "request_queue_time_seconds": ("request_queue_time_seconds",),
+    "time_to_first_token_seconds": ("time_to_first_token_seconds",),
+    "inter_token_latency_seconds": ("inter_token_latency_seconds", "time_per_output_token_seconds"),
+    "e2e_request_latency_seconds": ("e2e_request_latency_seconds",),
+}
 # Seconds: from a millisecond to minutes (CPU prefills of long prompts take seconds).
 LATENCY_BUCKETS = (
     0.001,
@@ -94,3 +118,41 @@ class ChildCollector(Collector):
             log.debug("child metrics at %s unavailable: %s", self.url, exc)
             return
         yield from text_string_to_metric_families(text)
+
+
+def _renamed(family: Metric, name: str) -> Metric:
+    out = Metric(name, family.documentation, family.type, family.unit)
+    out.samples = [
+        Sample(name + s.name[len(family.name) :], s.labels, s.value, s.timestamp, s.exemplar) for s in family.samples
+    ]
+    return out
+
+
+class AsVllm(Collector):
+    """``source``'s metrics with the series vLLM has under its names (``VLLM_NAMES``); every other
+    name (and one already renamed, as a loop process's) passes as it is."""
+
+    def __init__(self, source: CollectorRegistry) -> None:
+        self.source = source
+
+    def describe(self) -> list[Metric]:
+        return []  # nothing collected at registration
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self.source.collect():
+            names = VLLM_NAMES.get(family.name.removeprefix(PREFIX), ()) if family.name.startswith(PREFIX) else ()
+            if not names:
+                yield family
+            for vllm in names:
+                yield _renamed(family, "vllm:" + vllm)
+
+
+def view(registry: CollectorRegistry, prefix: str = PREFIXES[0]) -> CollectorRegistry:
+    """What an endpoint exposes of ``registry`` under ``--metrics-prefix``."""
+    if prefix == PREFIXES[0]:
+        return registry
+    if prefix != "vllm":
+        raise ValueError(f"metrics prefix {prefix!r}: one of {', '.join(PREFIXES)}")
+    out = CollectorRegistry(auto_describe=False)
+    out.register(AsVllm(registry))
+    return out

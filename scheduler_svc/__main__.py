@@ -12,6 +12,7 @@ from pathlib import Path
 
 from pagedserve import logs, rpc
 from pagedserve.auth import SecretFile
+from pagedserve.metrics import PREFIXES
 from pagedserve.security import Dialer, TLSFiles
 from scheduler_svc.core.queue import POLICIES
 from scheduler_svc.core.scheduler import PREEMPTION_MODES
@@ -74,14 +75,30 @@ def _observability_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--metrics-host", default="0.0.0.0", help="address the metrics port binds")
     p.add_argument(
+        "--metrics-prefix",
+        choices=PREFIXES,
+        default=PREFIXES[0],
+        help="the prefix of exported metric names: vllm exports the same series under vLLM's names "
+        "(vllm:num_requests_running...) for dashboards and autoscalers written for vLLM (docs/metrics.md)",
+    )
+    p.add_argument(
         "--http-port",
         type=int,
         default=0,
         help="serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models, "
-        "/health) on this port (0: off; vLLM's is 8000); HTTPS with --tls-cert, API keys with "
+        "/health, /tokenize, /metrics...) on this port (0: off; vLLM's is 8000); HTTPS with --tls-cert, API keys with "
         "--api-key-file, as the gRPC port (docs/http.md)",
     )
     p.add_argument("--http-host", default="0.0.0.0", help="address the HTTP port binds")
+    p.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="the names the HTTP API serves the model under (vLLM's flag): the first is the id in "
+        "/v1/models and in answers, a request's model may be any (or the model directory); "
+        "default: the model directory, as the executor loaded it",
+    )
     p.add_argument(
         "--otlp-traces-endpoint",
         default=None,
@@ -131,7 +148,13 @@ def _scheduling_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--max-num-seqs", type=int, default=256, help="running sequences per executor at most")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens per executor step at most")
-    p.add_argument("--max-model-len", type=int, default=0, help="context limit (default: each executor's)")
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        default=0,
+        help="context limit (default: each executor's); what a request may take is also capped by the largest "
+        "executor pool (/v1/models' max_model_len)",
+    )
     p.add_argument("--watermark", type=float, default=0.01, help="fraction of KV blocks kept free when admitting")
 
 

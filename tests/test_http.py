@@ -20,7 +20,10 @@ import os
 import signal
 import socket
 import ssl
+import subprocess
+import sys
 from collections.abc import Iterator
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +33,8 @@ import openai
 import pytest
 import redis
 from cryptography import x509
+from prometheus_client.parser import text_string_to_metric_families
+from transformers import AutoTokenizer
 
 from pagedserve.dev import devcerts
 from pagedserve.dev.launch import Cluster
@@ -39,8 +44,10 @@ from pagedserve.rpc import CHANNEL_OPTIONS
 from pagedserve.security import ReloadingSSLContext
 from pagedserve.v1 import generation_pb2 as pb
 from pagedserve.v1 import generation_pb2_grpc as pb_grpc
+from tests import prometheus
 from tests.conftest import make_cluster
-from tests.helpers import Result, greedy, run_all, until, wait_all_free
+from tests.helpers import Result, block_bytes, greedy, run_all, until, wait_all_free
+from tests.test_prometheus import VLLM_NAMING
 
 NS, SECURE_NS = "http", "http-secure"
 MAX_PENDING = 2
@@ -75,7 +82,7 @@ def client(cluster: Cluster) -> Iterator[openai.OpenAI]:
 
 @pytest.fixture(scope="module")
 def model(tiny_llama: Path) -> str:
-    return tiny_llama.name  # what the executor reports, and /v1/models lists
+    return str(tiny_llama.absolute())  # the model directory as the executor loaded it: /v1/models' id
 
 
 @pytest.fixture()
@@ -352,14 +359,204 @@ def test_logprobs_over_http_equal_the_grpc_ones(
     assert streamed_lps == pytest.approx([e.logprob for e in c_lps], abs=1e-6)
 
 
-def test_models_and_health(cluster: Cluster, client: openai.OpenAI, model: str) -> None:
+def test_models_and_health(cluster: Cluster, client: openai.OpenAI, model: str, tiny_llama: Path) -> None:
+    """The id is the model directory (a tokenizer path for tools), ``root`` too; ``max_model_len`` is the
+    model's 512-token context (the 40-block pool holds 640); the directory's name is still accepted."""
     listed = client.models.list()
     assert [m.id for m in listed.data] == [model] and listed.data[0].owned_by == "pagedserve"
+    card = listed.data[0].model_extra
+    assert card["root"] == model and card["max_model_len"] == 512 and card["parent"] is None
     assert client.models.retrieve(model).id == model
+    assert client.models.retrieve(tiny_llama.name).id == tiny_llama.name
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("not-" + model)
+    got = client.completions.create(model=tiny_llama.name, prompt="Hi", max_tokens=2)
+    assert got.model == model, "answers report the id, whichever accepted name the request used"
+    for method in ("GET", "POST"):
+        health = httpx.request(method, f"{cluster.http_url}/ping", timeout=10)
+        assert health.status_code == 200 and health.json() == {"status": "serving"}
     health = httpx.get(f"{cluster.http_url}/health", timeout=10)
     assert health.status_code == 200 and health.json() == {"status": "serving"}
+    assert httpx.get(f"{cluster.http_url}/version", timeout=10).json() == {"version": version("pagedserve")}
+
+
+def test_tokenize_and_detokenize_as_the_completions_endpoints_do(
+    cluster: Cluster, client: openai.OpenAI, model: str, tiny_llama: Path
+) -> None:
+    """vLLM's shapes; the ids are those a completion's prompt gets (``return_token_ids``)."""
+    tok = AutoTokenizer.from_pretrained(tiny_llama)
+    messages = [{"role": "user", "content": "What is a KV cache?"}]
+    with httpx.Client(base_url=cluster.http_url, timeout=HANG_GUARD_S) as h:
+        got = h.post("/tokenize", json={"model": model, "prompt": "Hello there, how are"}).json()
+        assert got == {
+            "count": len(got["tokens"]),
+            "max_model_len": 512,
+            "tokens": tok("Hello there, how are").input_ids,
+            "token_strs": None,
+        }
+        chat = client.chat.completions.create(
+            model=model,
+            messages=messages,
+            max_tokens=2,
+            extra_body={"return_token_ids": True},  # type: ignore[arg-type]
+        )
+        templated = h.post("/tokenize", json={"messages": messages, "return_token_strs": True}).json()
+        assert templated["tokens"] == chat.model_extra["prompt_token_ids"]
+        assert templated["token_strs"] == tok.convert_ids_to_tokens(templated["tokens"])
+        bare = h.post("/tokenize", json={"messages": messages, "add_generation_prompt": False}).json()
+        assert bare["count"] < templated["count"] and templated["tokens"][: bare["count"]] == bare["tokens"]
+        back = h.post("/detokenize", json={"model": model, "tokens": got["tokens"]})
+        assert back.json() == {"prompt": "Hello there, how are"}
+        for path, body, param in (
+            ("/tokenize", {}, "prompt"),
+            ("/tokenize", {"prompt": 7}, "prompt"),
+            ("/tokenize", {"prompt": "a", "messages": messages}, "prompt"),
+            (
+                "/tokenize",
+                {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+                "messages[0].content[0]",
+            ),
+            ("/tokenize", {"prompt": "a", "add_special_tokens": "yes"}, "add_special_tokens"),
+            ("/detokenize", {"tokens": "abc"}, "tokens"),
+            ("/detokenize", {"tokens": [1, 49152]}, "tokens[1]"),
+            ("/detokenize", {"tokens": [1, True]}, "tokens[1]"),
+        ):
+            resp = h.post(path, json=body)
+            assert resp.status_code == 400 and resp.json()["error"]["param"] == param, (path, body, resp.text)
+        resp = h.post("/tokenize", json={"model": "gpt-4o", "prompt": "a"})
+        assert resp.status_code == 404 and resp.json()["error"]["code"] == "model_not_found"
+
+
+def test_load_counts_the_completions_in_flight(cluster: Cluster, model: str) -> None:
+    """vLLM's ``/load``: a completion counts from its arrival (queued behind a gRPC blocker holding the
+    only seat: gRPC calls are not counted) until it is answered; a stream until it ends."""
+
+    async def go() -> list[int]:
+        async with (
+            grpc.aio.insecure_channel(cluster.address, options=CHANNEL_OPTIONS) as ch,
+            httpx.AsyncClient(base_url=cluster.http_url, timeout=HANG_GUARD_S) as h,
+        ):
+            load = lambda: h.get("/load")  # noqa: E731
+            seen = [(await load()).json()["server_load"]]
+            blocker = greedy(PROMPT, 400, ignore_eos=True)
+            blocker.request_id = "load-blocker"
+            call = pb_grpc.GenerationStub(ch).Generate(blocker, timeout=HANG_GUARD_S)
+            await call.read()  # it runs
+            body = {"model": model, "prompt": "Hi", "max_tokens": 2, "stream": True}
+            waiting = asyncio.create_task(h.post("/v1/completions", json=body))
+            while (n := (await load()).json()["server_load"]) == 0:
+                await asyncio.sleep(0.02)
+            seen.append(n)
+            await pb_grpc.GenerationStub(ch).Abort(pb.AbortRequest(request_id="load-blocker"))
+            assert (await waiting).status_code == 200
+            while (await load()).json()["server_load"] != 0:  # the stream's end is counted once it is sent
+                await asyncio.sleep(0.02)
+            call.cancel()
+            return seen
+
+    assert asyncio.run(asyncio.wait_for(go(), HANG_GUARD_S)) == [0, 1]
+
+
+def test_metrics_on_the_api_port(cluster: Cluster, client: openai.OpenAI, model: str) -> None:
+    """The scrape of ``--metrics-port``, loop process included, on the HTTP port (no --metrics-port here)."""
+    client.completions.create(model=model, prompt="Hi", max_tokens=3)
+    resp = httpx.get(f"{cluster.http_url}/metrics", timeout=10)
+    assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/plain; version=0.0.4")
+    names = {s.name for f in text_string_to_metric_families(resp.text) for s in f.samples}
+    assert {"pagedserve:time_to_first_token_seconds_count", "pagedserve:prompt_tokens_total"} <= names
+    assert not any(n.startswith("vllm:") for n in names)
+
+
+def test_a_replica_with_served_names_and_vllm_metric_names(cluster: Cluster, model: str) -> None:
+    """``--served-model-name``: the first is the id, any is accepted, the directory still is, others
+    404; ``--metrics-prefix vllm``: the frontend's series under vLLM's names on the API port. A second
+    replica of the namespace (API only), as the flags must differ."""
+    port = free_port()
+    args = ["--role", "frontend", "--http-port", str(port), "--served-model-name", "tiny-chat", "tiny-alias"]
+    replica = cluster.start_scheduler([*args, "--metrics-prefix", "vllm"])
+    try:
+        url = f"http://127.0.0.1:{port}"
+        with openai.OpenAI(base_url=f"{url}/v1", api_key="EMPTY", max_retries=0, timeout=HANG_GUARD_S) as c:
+            listed = c.models.list().data
+            assert [m.id for m in listed] == ["tiny-chat", "tiny-alias"]
+            assert {m.model_extra["root"] for m in listed} == {model}
+            for name in ("tiny-alias", model):
+                got = c.completions.create(model=name, prompt="Hi", max_tokens=3, stream=True)
+                assert {chunk.model for chunk in got} == {"tiny-chat"}
+            with pytest.raises(openai.NotFoundError) as info:
+                c.completions.create(model="gpt-4o", prompt="hi", max_tokens=1)
+            assert info.value.code == "model_not_found"
+        text = httpx.get(f"{url}/metrics", timeout=10).text
+        names = {s.name for f in text_string_to_metric_families(text) for s in f.samples}
+        for series in (
+            "vllm:time_to_first_token_seconds_count",
+            "vllm:inter_token_latency_seconds_count",
+            "vllm:time_per_output_token_seconds_count",
+            "vllm:e2e_request_latency_seconds_count",
+            "pagedserve:num_streams",  # no vLLM counterpart: its own name
+        ):
+            assert series in names, series
+        assert not any(n.startswith("pagedserve:time_to_first") for n in names)
+        if prometheus.available():  # the renamed exposition parses, with no finding but vLLM's own naming
+            rc, said = prometheus.promtool_check(text)
+            assert rc in (0, 3) and all(any(n in line for n in VLLM_NAMING) for line in said.splitlines()), said
+    finally:
+        cluster.schedulers.remove(replica)
+        replica.stop()
+
+
+def test_litellm_maps_an_overlong_prompt_to_context_window_exceeded(cluster: Cluster, model: str) -> None:
+    """litellm keys on the message text (vLLM's shape), as for a vLLM server."""
+    os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no fetch of its price list
+    import litellm
+
+    with pytest.raises(litellm.ContextWindowExceededError):
+        litellm.completion(
+            model=f"openai/{model}",
+            api_base=f"{cluster.http_url}/v1",
+            api_key="EMPTY",
+            messages=[{"role": "user", "content": "hello " * 600}],
+            max_tokens=5,
+            num_retries=0,
+        )
+
+
+def test_guidellm_benchmarks_without_a_tokenizer_argument(cluster: Cluster, tmp_path: Path) -> None:
+    """guidellm takes the tokenizer from /v1/models' id (the model directory), as from vLLM."""
+    report = tmp_path / "guidellm.json"
+    argv = [
+        str(Path(sys.executable).parent / "guidellm"),
+        "run",
+        "--backend",
+        f"kind=openai_http,target={cluster.http_url}",
+        "--profile",
+        "kind=synchronous",
+        "--constraint",
+        "kind=max_requests,count=3",
+        "--data",
+        "kind=synthetic_text,prompt_tokens=16,output_tokens=8",
+        "--output",
+        f"kind=json,path={report}",
+        "--disable-console-interactive",
+    ]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=600, check=False)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    bench = json.loads(report.read_text())["benchmarks"][0]
+    assert bench["scheduler_metrics"]["requests_made"] == {"successful": 3, "errored": 0, "incomplete": 0, "total": 3}
+
+
+def test_an_executor_refuses_a_max_model_len_its_pool_cannot_hold(tiny_llama: Path) -> None:
+    """At start, with the number that fits: 40 blocks of 16 tokens hold 640."""
+    argv = [sys.executable, "-m", "executor_svc", "--model", str(tiny_llama), "--port", str(free_port())]
+    pool = ["--kv-cache-memory", str(40 * block_bytes(tiny_llama)), "--max-model-len", "1000"]
+    done = subprocess.run([*argv, *pool], capture_output=True, text=True, timeout=HANG_GUARD_S, check=False)
+    assert done.returncode == 1
+    assert done.stderr.strip().splitlines()[-1] == (
+        "error: --max-model-len 1000: the KV pool holds 640 tokens (40 blocks of 16), so no request of 1000 "
+        "tokens could ever run; use --max-model-len 640 or less, or give the pool more memory "
+        "(--kv-cache-memory, --gpu-memory-utilization)"
+    )
 
 
 # --- refusals ---------------------------------------------------------------------

@@ -26,6 +26,8 @@ from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 import uvicorn
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
@@ -37,14 +39,17 @@ from pagedserve.auth import SecretFile, bearer
 from pagedserve.security import ReloadingSSLContext
 from scheduler_svc.frontend import openai_request as proto
 from scheduler_svc.frontend import openai_response as answer
+from scheduler_svc.frontend import tokenize
+from scheduler_svc.frontend.models import Models
 from scheduler_svc.frontend.openai_request import ApiError, refused
 from scheduler_svc.frontend.refusals import InvalidArgument, Kind
 from scheduler_svc.frontend.service import Frontend
 from scheduler_svc.frontend.streams import Chunk
+from scheduler_svc.frontend.validate import Limits
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-OPEN_PATHS = frozenset({"/health"})  # for probes: no API key
+OPEN_PATHS = frozenset({"/health", "/ping"})  # for probes: no API key
 DONE = b"data: [DONE]\n\n"
 SHUTDOWN_GRACE_S = 5  # as the gRPC server's grace on drain
 
@@ -95,12 +100,15 @@ class EventStream(StreamingResponse):
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers},
         )
         self.events = events
+        self.on_close: Callable[[], None] | None = None  # the door's in-flight count
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
             await self.events.aclose()  # type: ignore[attr-defined]
+            if self.on_close is not None:
+                self.on_close()
 
 
 async def _disconnected(receive: Receive) -> None:
@@ -149,56 +157,117 @@ async def _read_json(request: Request, limit: int) -> dict[str, Any]:
 @dataclass(slots=True)
 class Door:
     """The endpoints; ``max_request_bytes`` (``--max-request-bytes``) bounds the translated
-    request as on gRPC, and four times it the JSON body (token ids take more room in JSON)."""
+    request as on gRPC, and four times it the JSON body (token ids take more room in JSON).
+    ``metrics``: what ``/metrics`` serves (the replica's registry, under ``--metrics-prefix``)."""
 
     frontend: Frontend
     max_request_bytes: int
-    started: int  # the models' ``created``
+    models: Models
+    metrics: CollectorRegistry | None = None
+    version: str = ""
+    in_flight: int = 0  # completions being answered here, streams until they end: /load
 
     @property
     def model(self) -> str:
-        return self.frontend.watch.model
+        """The id answers report: the first served name, else the model directory."""
+        return self.models.id
 
-    def _card(self) -> dict[str, Any]:
-        limits = self.frontend.watch.limits
-        return {
-            "id": self.model,
-            "object": "model",
-            "created": self.started,
-            "owned_by": "pagedserve",
-            "max_model_len": limits.max_model_len if limits else None,
-        }
-
-    async def models(self, request: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [self._card()] if self.model else []})
+    async def list_models(self, request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": self.models.cards()})
 
     async def model_card(self, request: Request) -> Response:
-        if not self.model or request.path_params["model"] != self.model:
-            return error_response(self._unknown_model(request.path_params["model"]))
-        return JSONResponse(self._card())
+        name = request.path_params["model"]
+        if not self.models.known or not self.models.accepts(name):
+            return error_response(self._unknown_model(name))
+        return JSONResponse(self.models.card(name))
+
+    def _serving(self) -> bool:
+        return not self.frontend.draining and self.frontend.watch.serving
 
     async def health(self, request: Request) -> Response:
         """200 while this replica can serve (not draining, an executor serving), else 503: what
-        its gRPC health says (the cluster watch's last look, refreshed every second)."""
-        serving = not self.frontend.draining and self.frontend.watch.serving
+        its gRPC health says (the cluster watch's last look, refreshed every second). ``/ping``
+        (SageMaker's probe, as vLLM serves it) answers the same."""
+        serving = self._serving()
         return JSONResponse({"status": "serving" if serving else "not serving"}, 200 if serving else 503)
+
+    async def load(self, request: Request) -> Response:
+        """vLLM's load report: the completions this replica's HTTP door is answering now."""
+        return JSONResponse({"server_load": self.in_flight})
+
+    async def server_version(self, request: Request) -> Response:
+        return JSONResponse({"version": self.version})
+
+    async def prometheus(self, request: Request) -> Response:
+        """The same exposition as ``--metrics-port`` (the loop process's included), on the API port."""
+        if self.metrics is None:
+            return error_response(ApiError(404, "Not Found"))
+        text = await asyncio.to_thread(generate_latest, self.metrics)  # the loops' part is fetched over loopback
+        return Response(text, media_type=CONTENT_TYPE_PLAIN_0_0_4)
 
     def _unknown_model(self, name: str) -> ApiError:
         return refused(
             Kind.MODEL_NOT_FOUND, f"The model `{name}` does not exist (this server serves `{self.model}`).", "model"
         )
 
+    def _check_model(self, name: str | None) -> None:
+        if name is not None and self.models.known and not self.models.accepts(name):
+            raise self._unknown_model(name)
+
+    async def tokenize(self, request: Request) -> Response:
+        return await _answered(self._tokenize(request))
+
+    async def detokenize(self, request: Request) -> Response:
+        return await _answered(self._detokenize(request))
+
+    async def _tokenize(self, request: Request) -> Response:
+        body = await _read_json(request, 4 * self.max_request_bytes)
+        t = tokenize.parse_tokenize(body, self.frontend.caps.max_prompt_bytes)
+        self._check_model(t.model)
+        limits = self._open()
+        return JSONResponse(tokenize.answer(self.frontend.tokenizer, t, limits.max_model_len))
+
+    async def _detokenize(self, request: Request) -> Response:
+        body = await _read_json(request, 4 * self.max_request_bytes)
+        self._check_model(tokenize.model_of(body))
+        limits = self._open()
+        tokens = tokenize.parse_detokenize(body, limits.vocab_size)
+        return JSONResponse({"prompt": self.frontend.tokenizer.decode(tokens)})
+
+    def _open(self) -> Limits:
+        """The limits, once an executor has told them (else 503, as for a completion)."""
+        limits = self.frontend.watch.limits
+        if limits is None or self.frontend.tokenizer is None:
+            raise refused(Kind.UNAVAILABLE, "no executor has registered in this namespace yet")
+        return limits
+
     async def completions(self, request: Request) -> Response:
-        return await _answered(self._generate(request, chat=False))
+        return await self._counted(self._generate(request, chat=False))
 
     async def chat_completions(self, request: Request) -> Response:
-        return await _answered(self._generate(request, chat=True))
+        return await self._counted(self._generate(request, chat=True))
+
+    async def _counted(self, work: Awaitable[Response]) -> Response:
+        """``work``'s answer, counted in ``in_flight`` until it is sent (a stream: until it ends)."""
+        self.in_flight += 1
+        try:
+            response = await _answered(work)
+        except BaseException:
+            self.in_flight -= 1
+            raise
+        if isinstance(response, EventStream):
+            response.on_close = self._release
+        else:
+            self._release()
+        return response
+
+    def _release(self) -> None:
+        self.in_flight -= 1
 
     async def _generate(self, request: Request, chat: bool) -> Response:
         body = await _read_json(request, 4 * self.max_request_bytes)
         parsed = proto.parse(body, chat, request.headers.get("x-request-id", ""))
-        if self.model and parsed.model != self.model:
-            raise self._unknown_model(parsed.model)
+        self._check_model(parsed.model)
         if (size := parsed.request.ByteSize()) > self.max_request_bytes:
             raise refused(
                 Kind.INVALID_ARGUMENT,
@@ -297,9 +366,15 @@ def build_app(door: Door, api_keys: SecretFile | None = None) -> Starlette:
     routes = [
         Route("/v1/completions", door.completions, methods=["POST"]),
         Route("/v1/chat/completions", door.chat_completions, methods=["POST"]),
-        Route("/v1/models", door.models, methods=["GET"]),
+        Route("/v1/models", door.list_models, methods=["GET"]),
         Route("/v1/models/{model:path}", door.model_card, methods=["GET"]),
         Route("/health", door.health, methods=["GET"]),
+        Route("/ping", door.health, methods=["GET", "POST"]),
+        Route("/tokenize", door.tokenize, methods=["POST"]),
+        Route("/detokenize", door.detokenize, methods=["POST"]),
+        Route("/version", door.server_version, methods=["GET"]),
+        Route("/load", door.load, methods=["GET"]),
+        Route("/metrics", door.prometheus, methods=["GET"]),
     ]
     handlers: dict[Any, Callable[[Request, Exception], Awaitable[Response]]] = {
         HTTPException: _http_error,
@@ -344,17 +419,16 @@ class HttpServer:
 
 
 async def serve(
-    frontend: Frontend,
+    door: Door,
     host: str,
     port: int,
     *,
     api_keys: SecretFile | None = None,
     tls: ReloadingSSLContext | None = None,
-    max_request_bytes: int,
 ) -> HttpServer:
     """Serve the door on ``host:port`` as a task of the running loop; returns once it listens."""
     sock = bind(host, port)
-    app = build_app(Door(frontend, max_request_bytes, int(time.time())), api_keys)
+    app = build_app(door, api_keys)
     config = uvicorn.Config(
         app,
         http="h11",

@@ -9,7 +9,9 @@ import asyncio
 import functools
 import logging
 import sys
+import time
 from dataclasses import dataclass
+from importlib.metadata import version
 
 import grpc
 import redis.asyncio as aioredis
@@ -35,6 +37,7 @@ from scheduler_svc.frontend.grpc_api import (
     GenerationServicer,
     add_to_server,
 )
+from scheduler_svc.frontend.models import Models
 from scheduler_svc.frontend.service import Frontend
 from scheduler_svc.frontend.watch import ClusterWatch
 from scheduler_svc.metrics import FrontendMetrics
@@ -119,10 +122,12 @@ async def serve(args: argparse.Namespace) -> None:
     """
     await require_redis(args.redis_url)  # wrong or missing credentials: one clear line, exit 2
     registry = CollectorRegistry()
-    loop_metrics_port = rpc.free_port() if args.metrics_port and args.role == "all" else 0
+    exported = args.metrics_port or args.http_port  # the HTTP door serves /metrics too
+    loop_metrics_port = rpc.free_port() if exported and args.role == "all" else 0
     if loop_metrics_port:
         registry.register(metrics.ChildCollector(f"http://127.0.0.1:{loop_metrics_port}/metrics"))
-    metrics.serve(args.metrics_port, registry, args.metrics_host)
+    exposed = metrics.view(registry, args.metrics_prefix)
+    metrics.serve(args.metrics_port, exposed, args.metrics_host)
     traces = tracing.setup("scheduler_svc", args.otlp_traces_endpoint)
     parts = _frontend(args, registry, traces.tracer if traces else None)
     frontend = parts.frontend
@@ -132,7 +137,7 @@ async def serve(args: argparse.Namespace) -> None:
     reload_on_sighup([certificate, https, args.api_keys, args.internal_token])
     await rpc.set_serving(health, [SERVICE_NAME], False)
     stop = await rpc.stop_on_signals()
-    http = await _http(args, frontend, https)
+    http = await _http(args, frontend, https, exposed)
     await server.start()
     tasks = [
         asyncio.create_task(parts.bus.run(stop)),
@@ -192,19 +197,19 @@ def _frontend(args: argparse.Namespace, registry: CollectorRegistry, tracer: Tra
 
 
 async def _http(
-    args: argparse.Namespace, frontend: Frontend, https: ReloadingSSLContext | None
+    args: argparse.Namespace, frontend: Frontend, https: ReloadingSSLContext | None, exposed: CollectorRegistry
 ) -> http_app.HttpServer | None:
     if not args.http_port:
         return None
+    door = http_app.Door(
+        frontend,
+        args.max_request_bytes,
+        Models(frontend.watch, tuple(args.served_model_name or ()), int(time.time())),
+        exposed,
+        version("pagedserve"),
+    )
     try:
-        return await http_app.serve(
-            frontend,
-            args.http_host,
-            args.http_port,
-            api_keys=args.api_keys,
-            tls=https,
-            max_request_bytes=args.max_request_bytes,
-        )
+        return await http_app.serve(door, args.http_host, args.http_port, api_keys=args.api_keys, tls=https)
     except OSError as exc:
         raise SystemExit(f"error: {exc}") from None  # one line, exit 1
 

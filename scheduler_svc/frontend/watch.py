@@ -53,10 +53,14 @@ def load_tokenizer(files: dict[str, bytes]) -> Any:
 
 
 def limits_of(members: list[Member], vocab_size: int, max_model_len: int = 0) -> Limits:
-    """``max_model_len``: the scheduler's own cap (0: none)."""
+    """``max_model_len``: the scheduler's own cap (0: none). The limit stated (``Limits.max_model_len``,
+    ``/v1/models``) is the longest request one pool can hold: per executor its context capped by its whole
+    device pool (``executor_svc/context.py``: nothing is reserved for a request running alone), the largest
+    over the executors."""
     cap = lambda n: min(max_model_len or n, n)  # noqa: E731
     pools = tuple((m.blocks[0], cap(m.max_model_len)) for m in members)
-    return Limits(max(n for _, n in pools), vocab_size, members[0].block_size, pools)
+    block = members[0].block_size
+    return Limits(max(min(n, b * block) for b, n in pools), vocab_size, block, pools)
 
 
 class ClusterWatch:
@@ -67,6 +71,7 @@ class ClusterWatch:
         self.limits: Limits | None = None
         self.tokenizer: Any = None
         self.model = ""
+        self.model_path = ""  # the model directory as the executor loaded it ("" from an older executor)
         self._vocab = 0
         self._serving: bool | None = None
 
@@ -85,7 +90,7 @@ class ClusterWatch:
                 log.info("executor %s at %s: %s; trying another", m.instance_id, m.address, exc.code().name)
                 continue
             self.tokenizer = await asyncio.to_thread(load_tokenizer, dict(info.tokenizer_files))
-            self._vocab, self.model = info.vocab_size, info.model
+            self._vocab, self.model, self.model_path = info.vocab_size, info.model, info.model_path
             log.info("tokenizer of %s loaded from executor %s", info.model, m.address)
             return
 

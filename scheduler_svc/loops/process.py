@@ -50,7 +50,7 @@ async def run_loops(args: argparse.Namespace) -> None:
     step_log = open(args.step_log, "a") if args.step_log else None  # noqa: SIM115 - lives as long as the loops
     replica = args.replica_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
     registry = CollectorRegistry()
-    metrics.serve(args.metrics_port, registry, args.metrics_host)
+    metrics.serve(args.metrics_port, metrics.view(registry, args.metrics_prefix), args.metrics_host)
     traces = tracing.setup("scheduler_svc", args.otlp_traces_endpoint)
     manager = Manager(
         RedisStore(client, args.namespace, args.result_ttl),

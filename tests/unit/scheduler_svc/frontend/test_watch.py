@@ -1,5 +1,6 @@
 """``watch.load_tokenizer`` loads what ``AutoTokenizer`` loads from the same files, without importing torch
-when the files name ``TokenizersBackend`` (real tokenizer files; no scheduler, no network)."""
+when the files name ``TokenizersBackend`` (real tokenizer files; no scheduler, no network); ``watch.limits_of``
+on plain members."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from pathlib import Path
 from transformers import AutoTokenizer
 
 from executor_svc.model_store import resolve_model
-from scheduler_svc.frontend.watch import load_tokenizer
+from pagedserve.members import Member
+from scheduler_svc.frontend.watch import limits_of, load_tokenizer
 
 TEXTS = ["Hello world, this is ünïcode 日本 and \t tabs", " leading space", "<|im_start|>user\nhi<|im_end|>"]
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+2?"}]
@@ -62,3 +64,15 @@ def test_the_fast_path_imports_no_torch() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip().splitlines()[-1] == "False"
+
+
+def _member(blocks: int, max_model_len: int) -> Member:
+    return Member(f"e{blocks}", "h:1", "m", "d", "float32", 16, (blocks, 0, 0), max_model_len)
+
+
+def test_max_model_len_is_what_the_largest_pool_holds_for_one_request_capped_by_the_context() -> None:
+    assert limits_of([_member(24, 512)], 100).max_model_len == 24 * 16  # the pool is smaller
+    assert limits_of([_member(40, 512)], 100).max_model_len == 512  # the context is
+    assert limits_of([_member(40, 512)], 100, max_model_len=300).max_model_len == 300  # the scheduler's cap
+    two = limits_of([_member(8, 512), _member(24, 256)], 100)
+    assert two.max_model_len == 256 and two.pools == ((8, 512), (24, 256))  # each pool checked on its own
