@@ -530,6 +530,27 @@ def test_a_client_that_hangs_up_mid_stream_aborts_its_request(
     assert free == totals
 
 
+def test_a_batch_whose_later_prompt_is_refused_aborts_those_queued(
+    cluster: Cluster, model: str, rclient: redis.Redis
+) -> None:
+    """A batch is admitted all or none: prompt 1's id (``<id>-1``) is a live request's, so the
+    answer is 409 and prompt 0, queued already, is aborted."""
+    body = {"model": model, "prompt": PROMPT, "max_tokens": 400, "temperature": 0, "ignore_eos": True, "stream": True}
+    url = f"{cluster.http_url}/v1/completions"
+    with (
+        httpx.Client(timeout=HANG_GUARD_S) as h,
+        h.stream("POST", url, json=body, headers={"X-Request-Id": "batch-1"}) as resp,
+    ):
+        next(sse_events(resp.iter_lines()))
+        batch = {"model": model, "prompt": ["a", "b"], "max_tokens": 2}
+        refused = h.post(url, json=batch, headers={"X-Request-Id": "batch"})
+        assert refused.status_code == 409 and refused.json()["error"]["code"] == "duplicate_request_id"
+        wait_until(lambda: rclient.hget(Keys(NS).req("batch-0"), "finish_reason") is not None, 30, "the abort")
+        assert rclient.hget(Keys(NS).req("batch-0"), "finish_reason") == "abort"
+    free, totals = wait_all_free(rclient, NS)
+    assert free == totals
+
+
 def test_a_draining_replica_ends_its_streams_with_where_to_resume(cluster: Cluster, model: str) -> None:
     """SIGTERM on a second replica mid-stream: an error event names the request and offset,
     no ``[DONE]``; gRPC Resume on the first replica delivers the rest, every token once."""
