@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP door of a scheduler replica (``--http-port``): Starlette on uvicorn.
 
 A thin layer over the same ``Frontend`` as the gRPC servicer: each request becomes
-a ``pb.GenerateRequest`` (``openai_protocol.parse``), then ``Frontend.prepare`` and
+a ``pb.GenerateRequest`` (``openai_request.parse``; a batch of prompts one per prompt,
+``batch``; ``echo`` read first), then ``Frontend.prepare`` and
 ``Frontend.generate`` exactly as ``GenerationServicer.Generate`` calls them. No
 second scheduling path; the tokens, stop strings, caps and admission control are
 the gRPC API's. docs/http.md describes the endpoints, the field mapping, the
