@@ -576,7 +576,9 @@ BAD_JSON: list[tuple[str, bytes, str | None]] = [
     ("logit_bias out of vocabulary", b'{"prompt": "hi", "logit_bias": {"49152": 1}}', "logit_bias"),
     ("logprobs over --max-logprobs", b'{"prompt": "hi", "logprobs": 21}', "logprobs"),
     ("min_tokens over max_tokens", b'{"prompt": "hi", "max_tokens": 4, "min_tokens": 5}', "min_tokens"),
-    ("two prompts", b'{"prompt": ["a", "b"]}', "prompt"),
+    ("a batch with an empty prompt", b'{"prompt": ["a", ""]}', "prompt[1]"),
+    ("echo a string", b'{"prompt": "a", "echo": "yes"}', "echo"),
+    ("max_tokens 0 without echo", b'{"prompt": "a", "max_tokens": 0}', "max_tokens"),
     ("not JSON", b'{"prompt": ', None),
     ("not an object", b'["prompt"]', None),
     ("nested too deep", b"[" * 100_000, None),
@@ -721,6 +723,27 @@ def test_a_client_that_hangs_up_mid_stream_aborts_its_request(
     wait_until(lambda: rclient.hget(Keys(NS).req("hangs-up"), "finish_reason") is not None, 30, "the abort")
     assert rclient.hget(Keys(NS).req("hangs-up"), "finish_reason") == "abort"
     assert rclient.llen(Keys(NS).out("hangs-up")) < 400
+    free, totals = wait_all_free(rclient, NS)
+    assert free == totals
+
+
+def test_a_batch_whose_later_prompt_is_refused_aborts_those_queued(
+    cluster: Cluster, model: str, rclient: redis.Redis
+) -> None:
+    """A batch is admitted all or none: prompt 1's id (``<id>-1``) is a live request's, so the
+    answer is 409 and prompt 0, queued already, is aborted."""
+    body = {"model": model, "prompt": PROMPT, "max_tokens": 400, "temperature": 0, "ignore_eos": True, "stream": True}
+    url = f"{cluster.http_url}/v1/completions"
+    with (
+        httpx.Client(timeout=HANG_GUARD_S) as h,
+        h.stream("POST", url, json=body, headers={"X-Request-Id": "batch-1"}) as resp,
+    ):
+        next(sse_events(resp.iter_lines()))
+        batch = {"model": model, "prompt": ["a", "b"], "max_tokens": 2}
+        refused = h.post(url, json=batch, headers={"X-Request-Id": "batch"})
+        assert refused.status_code == 409 and refused.json()["error"]["code"] == "duplicate_request_id"
+        wait_until(lambda: rclient.hget(Keys(NS).req("batch-0"), "finish_reason") is not None, 30, "the abort")
+        assert rclient.hget(Keys(NS).req("batch-0"), "finish_reason") == "abort"
     free, totals = wait_all_free(rclient, NS)
     assert free == totals
 

@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP door of a scheduler replica (``--http-port``): Starlette on uvicorn.
 
 A thin layer over the same ``Frontend`` as the gRPC servicer: each request becomes
-a ``pb.GenerateRequest`` (``openai_protocol.parse``), then ``Frontend.prepare`` and
+a ``pb.GenerateRequest`` (``openai_request.parse``; a batch of prompts one per prompt,
+``batch``; ``echo`` read first), then ``Frontend.prepare`` and
 ``Frontend.generate`` exactly as ``GenerationServicer.Generate`` calls them. No
 second scheduling path; the tokens, stop strings, caps and admission control are
 the gRPC API's. docs/http.md describes the endpoints, the field mapping, the
@@ -21,6 +22,7 @@ import json
 import logging
 import socket
 import time
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
@@ -37,11 +39,12 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pagedserve.auth import SecretFile, bearer
 from pagedserve.security import ReloadingSSLContext
+from scheduler_svc.core.request import Request as Req
+from scheduler_svc.frontend import batch, echo, tokenize
 from scheduler_svc.frontend import openai_request as proto
 from scheduler_svc.frontend import openai_response as answer
-from scheduler_svc.frontend import tokenize
 from scheduler_svc.frontend.models import Models
-from scheduler_svc.frontend.openai_request import ApiError, refused
+from scheduler_svc.frontend.openai_request import ApiError, Parsed, refused
 from scheduler_svc.frontend.refusals import InvalidArgument, Kind
 from scheduler_svc.frontend.service import Frontend
 from scheduler_svc.frontend.streams import Chunk
@@ -264,9 +267,22 @@ class Door:
     def _release(self) -> None:
         self.in_flight -= 1
 
-    async def _generate(self, request: Request, chat: bool) -> Response:
-        body = await _read_json(request, 4 * self.max_request_bytes)
-        parsed = proto.parse(body, chat, request.headers.get("x-request-id", ""))
+    def _parsed(self, body: dict[str, Any], chat: bool, rid: str) -> tuple[str, list[Parsed]]:
+        """The request id the answer carries, and the request of each prompt (one unless a batch)."""
+        prompts = None if chat else batch.prompts(body.get("prompt"))
+        if prompts is None:
+            return rid, [proto.parse(body, chat, rid)]
+        base = rid or uuid.uuid4().hex
+        out = []
+        for i, prompt in enumerate(prompts):
+            try:
+                out.append(proto.parse(body | {"prompt": prompt}, chat, batch.request_id(base, i)))
+            except ApiError as exc:
+                raise batch.renamed(exc, i) from exc
+        return base, out
+
+    def _prepare(self, parsed: Parsed) -> tuple[Req, list[str]]:
+        """``Frontend.prepare`` of one request, as the gRPC servicer calls it."""
         self._check_model(parsed.model)
         if (size := parsed.request.ByteSize()) > self.max_request_bytes:
             raise refused(
@@ -281,26 +297,56 @@ class Door:
                 raise
             raise renamed from exc
         limits = self.frontend.watch.limits
-        if chat and not parsed.request.sampling.HasField("max_tokens") and limits is not None:
+        if parsed.chat and not parsed.request.sampling.HasField("max_tokens") and limits is not None:
             req.params = replace(req.params, max_tokens=proto.context_room(limits, len(req.prompt_ids)))
-        tokenizer = self.frontend.tokenizer
+        return req, stop
+
+    def _prepare_all(self, all_parsed: list[Parsed]) -> tuple[list[Req], list[str]]:
+        """Each prompt's request (a refusal names the prompt of a batch), and the stop strings."""
+        if len(all_parsed) == 1:
+            req, stop = self._prepare(all_parsed[0])
+            return [req], stop
+        reqs = []
+        for i, parsed in enumerate(all_parsed):
+            try:
+                req, stop = self._prepare(parsed)
+            except Exception as exc:
+                if (err := proto.error_for(exc)) is None:
+                    raise
+                raise batch.renamed(err, i) from exc
+            reqs.append(req)
+        return reqs, stop
+
+    async def _generate(self, request: Request, chat: bool) -> Response:
+        body, echoing = echo.read(await _read_json(request, 4 * self.max_request_bytes), chat)
+        rid, all_parsed = self._parsed(body, chat, request.headers.get("x-request-id", ""))
+        reqs, stop = self._prepare_all(all_parsed)
+        parsed, tokenizer = all_parsed[0], self.frontend.tokenizer
+        if echoing is not None:
+            texts = [p.request.prompt or tokenizer.decode(r.prompt_ids) for p, r in zip(all_parsed, reqs)]
+            echoing = replace(echoing, texts=tuple(texts))
         shape = answer.Shape(
             parsed,
-            req.request_id,
+            rid or reqs[0].request_id,
             int(time.time()),
             self.model,
-            list(req.prompt_ids),
+            [list(r.prompt_ids) for r in reqs],
             decode=lambda t: tokenizer.decode([t]),
+            echo=echoing,
         )
-        chunks = self.frontend.generate(req, stop)
-        headers = {"X-Request-Id": req.request_id}
+        if len(reqs) == 1:
+            chunks = self.frontend.generate(reqs[0], stop)
+        else:
+            order = {r.request_id: i for i, r in enumerate(reqs)}
+            chunks = batch.numbered(self.frontend.generate(reqs, stop), order, shape.n)
+        headers = {"X-Request-Id": shape.request_id}
         streaming = False
         try:
             first = await _unless_gone(request, anext(chunks))
             if parsed.stream:
                 streaming = True  # the stream closes the generator from now on
                 return EventStream(self._events(shape, first, chunks), headers)
-            done = await _unless_gone(request, _collect(first, chunks, shape.n))
+            done = await _unless_gone(request, _collect(first, chunks, shape.n * len(reqs)))
         finally:
             if not streaming:
                 await chunks.aclose()  # type: ignore[attr-defined]

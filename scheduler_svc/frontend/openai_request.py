@@ -30,7 +30,6 @@ FLOAT32_MAX = 3.4028234663852886e38
 # them, never ignored. Each maps to the value that means "off", which is accepted.
 NOT_YET: dict[str, tuple[Any, ...]] = {
     "best_of": (1,),
-    "echo": (False,),
     "suffix": ("",),
     "tools": ([],),
     "functions": ([],),
@@ -332,12 +331,11 @@ def structured_error(exc: Refusal, parsed: Parsed) -> ApiError | None:
 
 
 def _prompt(req: pb.GenerateRequest, v: Any) -> None:
-    """A string, token ids, or a list of exactly one of either."""
+    """A string, token ids, or a list of exactly one of either (the door splits a batch into its
+    prompts first: ``batch.prompts``)."""
     if isinstance(v, list) and v and all(isinstance(x, str | list) for x in v):
         if len(v) != 1:
-            raise bad(
-                "prompt", f"{len(v)} prompts in one request: send one per request (batches are not supported yet)"
-            )
+            raise bad("prompt", f"{len(v)} prompts: parse takes one (batch.prompts splits a batch)")
         v = v[0]
     if isinstance(v, str):
         if not v:

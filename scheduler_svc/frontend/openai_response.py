@@ -3,7 +3,8 @@
 ``Shape`` builds one request's response object (``body``, from the ``Collected``
 completions) or its stream chunks (``opening``, ``events`` per frontend ``Chunk``,
 ``closing``), in the shapes of ``/v1/completions`` and ``/v1/chat/completions``,
-logprobs and vLLM's extensions included. docs/http.md has the tables.
+logprobs and vLLM's extensions included; a batch of prompts (``batch``) is one answer,
+and ``echo`` puts each prompt in front of its choices. docs/http.md has the tables.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from scheduler_svc.core.logprob import Logprob
+from scheduler_svc.frontend.echo import Echo, Entry, entries, prefixed
 from scheduler_svc.frontend.openai_request import Parsed
 from scheduler_svc.frontend.streams import Chunk
 
@@ -60,21 +62,27 @@ class _Choice:
     pending_prompt: list[Logprob] | None = None  # prompt logprobs that came with a chunk not yet streamed
     text_offset: int = 0  # completions' text_offset of the next token
     final: Chunk | None = None  # its last chunk, once seen (its token counts)
+    echoed: bool = False  # echo: the prompt has been streamed in front of it
+    held: list[Chunk] = field(default_factory=list)  # echo with logprobs: waiting for its prompt's logprobs
 
 
 @dataclass(slots=True)
 class Shape:
     """OpenAI's objects for one request. Finish reasons pass through: ``stop``, ``length``,
     and ``abort`` (as vLLM reports a request stopped by an abort). With ``n`` > 1 there is a
-    choice per completion (its ``index``); usage counts the prompt once and every completion."""
+    choice per completion (its ``index``); usage counts the prompt once and every completion.
+    A batch has ``prompts`` (each sampled with ``parsed``'s parameters): choice ``index`` is
+    prompt index × n + completion index, and usage adds up over the prompts."""
 
     parsed: Parsed
     request_id: str
     created: int
     model: str
-    prompt_ids: list[int] = field(default_factory=list)
+    prompts: list[list[int]] = field(default_factory=list)  # each prompt's token ids
     decode: Callable[[int], str] = str  # one token's text (the tokenizer's), for logprobs
+    echo: Echo | None = None
     _choices: dict[int, _Choice] = field(default_factory=dict)
+    _prompt_lps: dict[int, list[Logprob]] = field(default_factory=dict)  # by prompt, once seen (streams)
 
     @property
     def n(self) -> int:
@@ -87,25 +95,28 @@ class Shape:
     def wants_logprobs(self) -> bool:
         return self.parsed.request.sampling.HasField("logprobs")
 
-    def _logprobs(self, entries: list[Logprob], state: _Choice) -> dict[str, Any] | None:
-        """OpenAI's logprobs object for these tokens' entries."""
+    def _logprobs(self, entries: list[Entry], state: _Choice) -> dict[str, Any] | None:
+        """OpenAI's logprobs object for these tokens' entries (a bare id: a token without any,
+        echo's first prompt token: null logprob and top_logprobs, as vLLM)."""
         if not self.wants_logprobs:
             return None
         if self.parsed.chat:
-            return {"content": [self._chat_entry(e) for e in entries]}
-        tokens = [self.decode(e.token_id) for e in entries]
+            return {"content": [self._chat_entry(e) for e in entries if not isinstance(e, int)]}
+        tokens = [self.decode(e if isinstance(e, int) else e.token_id) for e in entries]
         offsets = []
         for t in tokens:
             offsets.append(state.text_offset)
             state.text_offset += len(t)
         # As vLLM: the sampled token is among its position's top_logprobs, with the top k.
         tops = [
-            {self.decode(i): lp for i, lp in zip(e.top_ids, e.top_logprobs)} | {tok: e.logprob}
+            None
+            if isinstance(e, int)
+            else {self.decode(i): lp for i, lp in zip(e.top_ids, e.top_logprobs)} | {tok: e.logprob}
             for e, tok in zip(entries, tokens)
         ]
         return {
             "tokens": tokens,
-            "token_logprobs": [e.logprob for e in entries],
+            "token_logprobs": [None if isinstance(e, int) else e.logprob for e in entries],
             "top_logprobs": tops,
             "text_offset": offsets,
         }
@@ -144,7 +155,7 @@ class Shape:
         finish: str | None,
         token_ids: list[int],
         delta: bool,
-        logprobs: list[Any] | None = None,
+        logprobs: list[Entry] | None = None,
         prompt_logprobs: list[Any] | None = None,
     ) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": index}
@@ -160,30 +171,41 @@ class Shape:
         if self.parsed.return_token_ids:
             choice["token_ids"] = token_ids
             if not self.parsed.chat and not delta:
-                choice["prompt_token_ids"] = self.prompt_ids
+                choice["prompt_token_ids"] = self.prompts[index // self.n]
         return choice
+
+    def _echoed(self, index: int, text: str, logprobs: list[Entry], prompt_lps: list[Logprob] | None) -> Any:
+        """Echo: the choice's text and logprobs entries with its prompt's in front."""
+        assert self.echo is not None
+        p = index // self.n
+        head = entries(self.prompts[p], prompt_lps) if self.wants_logprobs else []
+        return prefixed(self.echo, text, logprobs, self.echo.texts[p], head)
+
+    def _usage(self, heads: list[Any], completions: list[Any]) -> dict[str, Any]:
+        """Each prompt once (its completion 0: ``heads``) and every completion's tokens."""
+        generated = 0 if self.echo is not None and self.echo.only else sum(c.completion_tokens for c in completions)
+        return usage(sum(h.prompt_tokens for h in heads), generated, sum(h.cached_tokens for h in heads))
 
     def body(self, done: list[Collected]) -> dict[str, Any]:
         """The non-streaming answer, from each completion gathered (by index)."""
         out = self._head("chat.completion" if self.parsed.chat else "text_completion")
-        out["choices"] = [
-            self._choice(
-                i,
-                "".join(d.texts),
-                d.finish_reason,
-                d.token_ids,
-                delta=False,
-                logprobs=d.logprobs,
-                prompt_logprobs=d.prompt_logprobs,
+        out["choices"] = []
+        for i, d in enumerate(done):
+            text, ids, finish = "".join(d.texts), d.token_ids, d.finish_reason
+            lps: list[Entry] = list(d.logprobs)
+            if self.echo is not None:
+                text, lps = self._echoed(i, text, lps, done[i - i % self.n].prompt_logprobs)
+                if self.echo.only:
+                    ids, finish = [], "length"
+            out["choices"].append(
+                self._choice(i, text, finish, ids, delta=False, logprobs=lps, prompt_logprobs=d.prompt_logprobs)
             )
-            for i, d in enumerate(done)
-        ]
         prompt = done[0].prompt_logprobs
         if self.parsed.chat and prompt is not None:
             out["prompt_logprobs"] = self._prompt_logprobs(prompt)  # vLLM: beside the choices
-        out["usage"] = usage(done[0].prompt_tokens, sum(d.completion_tokens for d in done), done[0].cached_tokens)
+        out["usage"] = self._usage(done[:: self.n], done)
         if self.parsed.chat and self.parsed.return_token_ids:
-            out["prompt_token_ids"] = self.prompt_ids
+            out["prompt_token_ids"] = self.prompts[0]
         return out
 
     def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
@@ -204,24 +226,50 @@ class Shape:
         ]
 
     def events(self, chunk: Chunk) -> list[dict[str, Any]]:
-        """The stream chunks for one frontend chunk (none for tokens that are no text yet)."""
+        """The stream chunks for one frontend chunk (none for tokens that are no text yet). With
+        echo and logprobs, a choice waits for its prompt's logprobs (completion 0 brings them)."""
+        p = chunk.index // self.n
+        if chunk.prompt_logprobs is not None:
+            self._prompt_lps[p] = chunk.prompt_logprobs
+        out = self._events(chunk)
+        if chunk.prompt_logprobs is not None:
+            for i in range(p * self.n, (p + 1) * self.n):
+                held, self._state(i).held = self._state(i).held, []
+                for h in held:
+                    out += self._events(h)
+        return out
+
+    def _events(self, chunk: Chunk) -> list[dict[str, Any]]:
         state = self._state(chunk.index)
+        echo = self.echo
+        if echo is not None and self.wants_logprobs and chunk.index // self.n not in self._prompt_lps:
+            state.held.append(chunk)
+            return []
         state.pending += chunk.logprobs or []
         if chunk.prompt_logprobs is not None:
             state.pending_prompt = chunk.prompt_logprobs
+        text, token_ids, finish = chunk.text, chunk.token_ids, chunk.finish_reason
         if chunk.finish_reason:
             state.final = chunk
+        elif echo is not None and echo.only:
+            return []  # the prompt alone goes with the last chunk
         elif not chunk.text and not (self.parsed.return_token_ids and chunk.token_ids):
             return []  # its logprobs go with the next chunk that has text
-        pending, state.pending = state.pending, []
+        pending: list[Entry] = list(state.pending)
+        state.pending = []
         prompt, state.pending_prompt = state.pending_prompt, None
+        if echo is not None and not state.echoed:
+            state.echoed = True
+            text, pending = self._echoed(chunk.index, text, pending, self._prompt_lps.get(chunk.index // self.n))
+        if echo is not None and echo.only:
+            token_ids, finish = [], "length"
         out = self._chunk(
             [
                 self._choice(
                     chunk.index,
-                    chunk.text,
-                    chunk.finish_reason,
-                    chunk.token_ids,
+                    text,
+                    finish,
+                    token_ids,
                     delta=True,
                     logprobs=pending,
                     prompt_logprobs=prompt,
@@ -234,16 +282,9 @@ class Shape:
 
     def closing(self) -> list[dict[str, Any]]:
         """After the last chunk: the usage chunk, when ``stream_options.include_usage`` asked for it."""
-        finals = [c.final for c in self._choices.values() if c.final is not None]
+        finals = {i: c.final for i, c in self._choices.items() if c.final is not None}
         if not self.parsed.include_usage or not finals:
             return []
         out = self._head("chat.completion.chunk" if self.parsed.chat else "text_completion")
-        return [
-            out
-            | {
-                "choices": [],
-                "usage": usage(
-                    finals[0].prompt_tokens, sum(f.completion_tokens for f in finals), finals[0].cached_tokens
-                ),
-            }
-        ]
+        heads = [f for i, f in finals.items() if i % self.n == 0]
+        return [out | {"choices": [], "usage": self._usage(heads, list(finals.values()))}]

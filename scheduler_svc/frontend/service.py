@@ -247,14 +247,15 @@ class Frontend:
             name, context=tracing.parent(traceparent), attributes={"pagedserve.request_id": rid, **(attrs or {})}
         )
 
-    async def _submit(self, reqs: list[Request], stop: list[str], trace: str) -> None:
-        """Submit a request (or a group's completions, together) under admission control; raises
-        TooManyPending with a retry hint."""
+    async def _submit(self, reqs: list[Request], stop: list[str], trace: str, check: bool = True) -> None:
+        """Submit a request (or a group's completions, together) under admission control (``check``
+        False: none, for a batch's prompts after the first); raises TooManyPending with a retry hint."""
         req = reqs[0]
         try:
             limits = self.watch.limits
             hashes = prefix.prompt_hashes(req.prompt_ids, req.cache_salt, limits.block_size) if limits else []
-            seen = await self.store.admit_group(reqs, stop, self.policy, trace, self.max_pending, hashes=hashes)
+            most = self.max_pending if check else 0
+            seen = await self.store.admit_group(reqs, stop, self.policy, trace, most, hashes=hashes)
         except Overloaded as exc:
             self.finish_rate.add(time.monotonic(), exc.seen.finished)
             hint = retry_after(exc.seen.queued, self.max_pending, self.finish_rate.per_s())
@@ -284,7 +285,8 @@ class Frontend:
 
     async def _merged(self, streams: list[Stream], views: list[AsyncIterator[Chunk]]) -> AsyncIterator[Chunk]:
         """A drain or a Redis outage ends every completion's stream, leaving them all running: the
-        client resumes the group from the least offset of the completions that had not ended."""
+        client resumes the group from the least offset of the completions that had not ended (a
+        batch of prompts: the error names its first request; each request of it goes on)."""
         detached: list[int] = []
 
         def keep_running(exc: BaseException) -> None:
@@ -297,31 +299,47 @@ class Frontend:
             async for chunk in parallel.merge(views, keep_running):
                 yield chunk
         except StreamDetached as exc:
-            raise StreamDetached(streams[0].group, detached[0], exc.why) from None
+            raise StreamDetached(streams[0].group or streams[0].request_id, detached[0], exc.why) from None
         except QueueTimeout:
-            raise QueueTimeout(streams[0].group) from None
+            raise QueueTimeout(streams[0].group or streams[0].request_id) from None
 
-    async def generate(self, req: Request, stop: list[str]) -> AsyncIterator[Chunk]:
-        """Submit ``req`` and stream it; with sampling.n > 1, its completions (``parallel``), merged."""
-        rid = req.request_id
+    async def generate(self, req: Request | list[Request], stop: list[str]) -> AsyncIterator[Chunk]:
+        """Submit ``req`` and stream it; with sampling.n > 1, its completions (``parallel``), merged.
+        A list is a batch of prompts (the HTTP door's ``prompt: [...]``), each its own request:
+        submitted in order and admitted as one group of completions is (``--max-pending-requests``
+        checked once, for the first), all or none, and streamed merged; chunks carry their
+        request's id."""
+        batch = req if isinstance(req, list) else [req]
+        rid = batch[0].request_id
         span = self._span(
             "pagedserve.request",
             rid,
-            attrs={"pagedserve.prompt_tokens": len(req.prompt_ids), "pagedserve.max_tokens": req.params.max_tokens},
+            attrs={
+                "pagedserve.prompt_tokens": sum(len(r.prompt_ids) for r in batch),
+                "pagedserve.max_tokens": batch[0].params.max_tokens,
+            },
         )
-        reqs = parallel.completions(req)
+        groups = [parallel.completions(r) for r in batch]
+        reqs = [c for g in groups for c in g]
         queues = [self.bus.subscribe(r.request_id) for r in reqs]
         submitted = time.time()
         streams = [self._stream(r, stop, submitted, prompt_pending=r.params.prompt_logprobs is not None) for r in reqs]
         timers: list[asyncio.Task[None]] = []
         try:
+            landed = 0  # groups queued
             try:
-                await self._submit(reqs, stop, tracing.traceparent(span) if span else "")
+                trace = tracing.traceparent(span) if span else ""
+                for i, group in enumerate(groups):
+                    await self._submit(group, stop, trace, check=i == 0)
+                    landed += 1
             except BaseException as exc:
                 for r, q in zip(reqs, queues):
                     self.bus.unsubscribe(r.request_id, q)
-                    if isinstance(exc, asyncio.CancelledError):
-                        self._cancel_later(r.request_id, Finish.ABORT)  # it may have landed
+                if isinstance(exc, asyncio.CancelledError):
+                    landed += 1  # the one being submitted may have landed
+                for g in groups[:landed]:
+                    for r in g:
+                        self._cancel_later(r.request_id, Finish.ABORT)
                 raise
             for r in reqs:
                 self.attachments.hold(r, stop)

@@ -222,7 +222,6 @@ BAD: list[tuple[str, dict[str, Any], bool, str]] = [
     ("truncate_prompt_tokens", completion(truncate_prompt_tokens=8), False, "truncate_prompt_tokens"),
     ("request_id in the body", completion(request_id="mine"), False, "request_id"),
     ("chat_template_kwargs", chat(chat_template_kwargs={"enable_thinking": False}), True, "chat_template_kwargs"),
-    ("echo", completion(echo=True), False, "echo"),
     ("several prompts", completion(prompt=["a", "b"]), False, "prompt"),
     ("empty prompt", completion(prompt=""), False, "prompt"),
     ("empty prompt list", completion(prompt=[]), False, "prompt"),

@@ -13,7 +13,7 @@ from tests.unit.scheduler_svc.frontend.test_openai_request import M, chat, compl
 
 
 def _shape(body: dict[str, Any], is_chat: bool) -> answer.Shape:
-    return answer.Shape(proto.parse(body, chat=is_chat), "rid", 1700, M, [1, 2, 3])
+    return answer.Shape(proto.parse(body, chat=is_chat), "rid", 1700, M, [[1, 2, 3]])
 
 
 CHUNKS = [Chunk("rid", [10], "Hel", 0), Chunk("rid", [11], "", 1), Chunk("rid", [12], "lo", 2, "length", 3, 3)]
@@ -117,7 +117,7 @@ def test_completion_logprobs_in_openai_shape_streamed_or_not() -> None:
         "rid",
         1700,
         M,
-        [1, 2, 3],
+        [[1, 2, 3]],
         decode=DECODE.__getitem__,
     )
     done = answer.Collected()
@@ -138,13 +138,13 @@ def test_completion_logprobs_in_openai_shape_streamed_or_not() -> None:
         },
         {"3": {"logprob": -2.0, "rank": 1, "decoded_token": "b"}},
     ]
-    streamed = answer.Shape(shape.parsed, "rid", 1700, M, [1, 2, 3], decode=DECODE.__getitem__)
+    streamed = answer.Shape(shape.parsed, "rid", 1700, M, [[1, 2, 3]], decode=DECODE.__getitem__)
     events = [e for c in LP_CHUNKS for e in streamed.events(c)]
     assert len(events) == 2, "the token with no text yet travels with the next chunk"
     tokens = [t for e in events for t in e["choices"][0]["logprobs"]["tokens"]]
     assert tokens == ["Hel", "", "lo"]
     assert [o for e in events for o in e["choices"][0]["logprobs"]["text_offset"]] == [0, 3, 3]
-    late = answer.Shape(shape.parsed, "rid", 1700, M, [1, 2, 3], decode=DECODE.__getitem__)
+    late = answer.Shape(shape.parsed, "rid", 1700, M, [[1, 2, 3]], decode=DECODE.__getitem__)
     first_no_text = [
         Chunk("rid", [11], "", 0, logprobs=LP_CHUNKS[1].logprobs, prompt_logprobs=LP_CHUNKS[0].prompt_logprobs),
         *LP_CHUNKS[2:],
@@ -159,7 +159,7 @@ def test_chat_logprobs_in_openai_shape() -> None:
         "rid",
         1700,
         M,
-        [1, 2, 3],
+        [[1, 2, 3]],
         decode=DECODE.__getitem__,
     )
     done = answer.Collected()

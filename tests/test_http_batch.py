@@ -1,0 +1,232 @@
+"""Batched prompts and ``echo`` on ``/v1/completions``, on one real deployment of SmolLM2 (real
+Redis, the scheduler's uvicorn) through the official ``openai`` client, LangChain's ``OpenAI``
+and lm-evaluation-harness's ``local-completions`` model.
+
+Each prompt of a batch answers as it does alone on the gRPC API (greedy: token for token;
+seeded: choice prompt × n + i samples with seed + i); usage adds up over the prompts. Echo
+puts the prompt, and with ``logprobs`` the prompt tokens' logprobs, in front: those equal
+transformers' ``log_softmax`` of the model's logits (the first prompt token's is null), and
+``max_tokens: 0`` answers the prompt alone (lm-eval's loglikelihood path).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from pagedserve.dev.launch import Cluster
+from pagedserve.dev.procs import free_port
+from pagedserve.v1 import generation_pb2 as pb
+from tests.conftest import make_cluster
+from tests.helpers import Result, run_all
+
+SENTENCES = [
+    "The capital of France is Paris, and the capital of Italy is",
+    "A key-value cache keeps the attention keys and values of every token",
+    "Once upon a time there was a small robot who",
+]
+ATOL = 1e-4
+HANG_GUARD_S = 300  # only against a hang: nothing here is timed
+
+
+@pytest.fixture(scope="module")
+def cluster(smol_dir: Path, redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    with make_cluster(
+        smol_dir,
+        redis_url,
+        "http-batch",
+        tmp_path_factory.mktemp("logs"),
+        kv_cache_memory=64 << 20,
+        http_port=free_port(),
+    ) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def client(cluster: Cluster) -> Iterator[openai.OpenAI]:
+    assert cluster.http_url is not None
+    with openai.OpenAI(base_url=cluster.http_url + "/v1", api_key="EMPTY", max_retries=0, timeout=HANG_GUARD_S) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def model(smol_dir: Path) -> str:
+    return smol_dir.name
+
+
+@pytest.fixture(scope="module")
+def tok(smol_dir: Path) -> Any:
+    return AutoTokenizer.from_pretrained(smol_dir)
+
+
+@pytest.fixture(scope="module")
+def hf(smol_dir: Path) -> AutoModelForCausalLM:
+    return AutoModelForCausalLM.from_pretrained(smol_dir, dtype=torch.float32).eval()
+
+
+def request(prompt: str, max_tokens: int, **sampling: Any) -> pb.GenerateRequest:
+    return pb.GenerateRequest(prompt=prompt, sampling=pb.SamplingParams(max_tokens=max_tokens, **sampling))
+
+
+@pytest.fixture(scope="module")
+def greedy(cluster: Cluster) -> list[Result]:
+    """Each sentence, 10 greedy tokens, as a request of its own on the gRPC API."""
+    return run_all(cluster.address, [request(s, 10, temperature=0) for s in SENTENCES])
+
+
+def log_softmax(hf: AutoModelForCausalLM, ids: list[int]) -> torch.Tensor:
+    """transformers' log-probabilities of each token of ``ids`` from the second on."""
+    with torch.inference_mode():
+        rows = torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), dim=-1)
+    return rows[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+
+
+# --- batched prompts ----------------------------------------------------------------
+
+
+def test_a_batch_answers_each_prompt_as_the_grpc_api_does_alone(
+    client: openai.OpenAI, model: str, tok: Any, greedy: list[Result]
+) -> None:
+    want = greedy
+    got = client.completions.create(
+        model=model, prompt=SENTENCES, max_tokens=10, temperature=0, extra_body={"return_token_ids": True}
+    )
+    assert [c.index for c in got.choices] == [0, 1, 2]
+    assert [c.model_extra["token_ids"] for c in got.choices] == [w.token_ids for w in want]
+    assert [c.text for c in got.choices] == [w.text for w in want]
+    assert [c.finish_reason for c in got.choices] == [w.finish_reason for w in want]
+    assert got.usage.prompt_tokens == sum(w.prompt_tokens for w in want)
+    assert got.usage.completion_tokens == sum(w.completion_tokens for w in want)
+
+    ids = [tok(s).input_ids for s in SENTENCES]
+    by_ids = client.completions.create(
+        model=model, prompt=ids, max_tokens=10, temperature=0, extra_body={"return_token_ids": True}
+    )
+    assert [c.model_extra["token_ids"] for c in by_ids.choices] == [w.token_ids for w in want]
+    assert [c.model_extra["prompt_token_ids"] for c in by_ids.choices] == ids
+
+    texts: dict[int, str] = {}
+    finished: dict[int, str] = {}
+    chunks = list(
+        client.completions.create(
+            model=model,
+            prompt=SENTENCES,
+            max_tokens=10,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    for chunk in chunks:
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+            if c.finish_reason:
+                finished[c.index] = c.finish_reason
+    assert texts == {i: w.text for i, w in enumerate(want)}
+    assert finished == {i: w.finish_reason for i, w in enumerate(want)}
+    assert chunks[-1].usage.total_tokens == got.usage.total_tokens
+
+
+def test_n_with_a_batch_numbers_choices_prompt_by_prompt(cluster: Cluster, client: openai.OpenAI, model: str) -> None:
+    """vLLM's numbering: choice prompt × n + i, which samples with seed + i as a request alone does."""
+    prompts = SENTENCES[:2]
+    got = client.completions.create(
+        model=model,
+        prompt=prompts,
+        n=2,
+        max_tokens=6,
+        temperature=0.9,
+        seed=11,
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )
+    assert [c.index for c in got.choices] == [0, 1, 2, 3]
+    want = run_all(
+        cluster.address, [request(p, 6, temperature=0.9, seed=11 + i, ignore_eos=True) for p in prompts for i in (0, 1)]
+    )
+    assert [c.model_extra["token_ids"] for c in got.choices] == [w.token_ids for w in want]
+    prompt_tokens = want[0].prompt_tokens + want[2].prompt_tokens
+    assert (got.usage.prompt_tokens, got.usage.completion_tokens) == (prompt_tokens, 4 * 6)
+
+
+def test_a_bad_prompt_of_a_batch_is_a_400_naming_it(client: openai.OpenAI, model: str) -> None:
+    for prompt, param in [(["fine", ""], "prompt[1]"), ([[1, 2], [3, -1]], "prompt[1][1]")]:
+        with pytest.raises(openai.BadRequestError) as info:
+            client.completions.create(model=model, prompt=prompt, max_tokens=2)
+        assert info.value.body["param"] == param, info.value.body
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=model, prompt=[[1, 2], [3, 10**9]], max_tokens=2)
+    assert info.value.body["param"] == "prompt[1]", info.value.body  # the vocabulary check, after parsing
+
+
+# --- echo ---------------------------------------------------------------------------
+
+
+def test_echo_with_max_tokens_0_gives_the_prompt_logprobs_of_transformers(
+    client: openai.OpenAI, model: str, tok: Any, hf: AutoModelForCausalLM
+) -> None:
+    got = client.completions.create(model=model, prompt=SENTENCES, echo=True, logprobs=1, max_tokens=0)
+    assert got.usage.completion_tokens == 0
+    for sentence, choice in zip(SENTENCES, got.choices):
+        ids = tok(sentence).input_ids
+        assert choice.text == sentence and choice.finish_reason == "length"
+        lp = choice.logprobs
+        assert lp.tokens == [tok.decode([t]) for t in ids]
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        assert lp.token_logprobs[1:] == pytest.approx(log_softmax(hf, ids).tolist(), abs=ATOL)
+        assert lp.text_offset == [len("".join(lp.tokens[:i])) for i in range(len(ids))]
+
+
+def test_echo_puts_the_prompt_in_front_streamed_or_not(client: openai.OpenAI, model: str, greedy: list[Result]) -> None:
+    want = greedy[0]
+    got = client.completions.create(model=model, prompt=SENTENCES[0], echo=True, max_tokens=10, temperature=0)
+    assert got.choices[0].text == SENTENCES[0] + want.text
+    assert got.usage.completion_tokens == want.completion_tokens
+    streamed = client.completions.create(
+        model=model, prompt=SENTENCES[0], echo=True, logprobs=0, max_tokens=10, temperature=0, stream=True
+    )
+    chunks = [c.choices[0] for c in streamed if c.choices]
+    assert chunks[0].text.startswith(SENTENCES[0]) and "".join(c.text for c in chunks) == got.choices[0].text
+    lps = [x for c in chunks for x in c.logprobs.token_logprobs]
+    assert lps[0] is None and len(lps) == want.prompt_tokens + want.completion_tokens
+
+
+# --- clients ------------------------------------------------------------------------
+
+
+def test_langchain_openai_batch(cluster: Cluster, model: str, greedy: list[Result]) -> None:
+    from langchain_openai import OpenAI
+
+    assert cluster.http_url is not None
+    llm = OpenAI(base_url=cluster.http_url + "/v1", api_key="EMPTY", model=model, temperature=0, max_tokens=10)
+    assert llm.batch(SENTENCES) == [w.text for w in greedy]
+
+
+def test_lm_eval_local_completions_loglikelihood(
+    cluster: Cluster, model: str, smol_dir: Path, hf: AutoModelForCausalLM
+) -> None:
+    """lm-eval sends the pairs as one batch of token ids with echo, logprobs 1 and max_tokens 1,
+    and sums the continuation's logprobs."""
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.openai_completions import LocalCompletionsAPI
+
+    assert cluster.http_url is not None
+    lm = LocalCompletionsAPI(
+        base_url=cluster.http_url + "/v1/completions",
+        model=model,
+        tokenizer=str(smol_dir),
+        tokenizer_backend="huggingface",
+        batch_size=3,
+        max_retries=1,
+    )
+    pairs = [(s.rsplit(" ", 1)[0], " " + s.rsplit(" ", 1)[1]) for s in SENTENCES]
+    got = lm.loglikelihood([Instance("loglikelihood", {}, pair, i) for i, pair in enumerate(pairs)], disable_tqdm=True)
+    for (ctx, cont), (logprob, _) in zip(pairs, got):
+        ctx_ids, cont_ids = lm._encode_pair(ctx, cont)
+        want = log_softmax(hf, ctx_ids + cont_ids)[len(ctx_ids) - 1 :].sum().item()
+        assert logprob == pytest.approx(want, abs=ATOL * len(cont_ids))
