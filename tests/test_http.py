@@ -1001,6 +1001,11 @@ def test_truncate_prompt_tokens_keeps_the_last_k(cluster: Cluster, client: opena
         req.truncate_prompt_tokens = keep
         assert grpc_greedy(cluster, req).token_ids == want.token_ids
     assert want.token_ids != grpc_greedy(cluster, greedy(PROMPT[-10:], 8, ignore_eos=True)).token_ids
+    longer = list(range(300, 900))  # 600 tokens, past the 512-token context: only truncated do they fit
+    got = client.completions.create(
+        model=model, prompt=longer, max_tokens=8, temperature=0, extra_body={**body, "truncate_prompt_tokens": 20}
+    )
+    assert _tokens(got) == grpc_greedy(cluster, greedy(longer[-20:], 8, ignore_eos=True)).token_ids
     chat = client.chat.completions.create(
         model=model,
         messages=[{"role": "user", "content": "hi"}],

@@ -30,6 +30,7 @@ RESERVED = frozenset(
         "return_tensors",
         "return_dict",
         "return_assistant_tokens_mask",
+        "sanitize_control_tokens",
         "tokenizer_kwargs",
         "chat_template",
         "tools",
@@ -59,10 +60,13 @@ def _integral(v: Any) -> Any:
 def settings(req: pb.GenerateRequest) -> Settings:
     """The request's template settings; refuses them without messages, both ``add_generation_prompt``
     and ``continue_final_message`` true, and a template variable that is one of ``RESERVED``."""
-    kwargs = (
-        _integral(json_format.MessageToDict(req.chat_template_kwargs)) if req.HasField("chat_template_kwargs") else {}
-    )
-    given = req.HasField("add_generation_prompt") or req.continue_final_message or kwargs
+    kwargs: dict[str, Any] = {}
+    if req.HasField("chat_template_kwargs"):
+        try:
+            kwargs = _integral(json_format.MessageToDict(req.chat_template_kwargs))
+        except ValueError as exc:  # NaN and infinities have no JSON form
+            raise InvalidArgument("chat_template_kwargs", str(exc)) from None
+    given = req.HasField("add_generation_prompt") or req.continue_final_message or req.HasField("chat_template_kwargs")
     if given and not req.messages:
         name = next(
             n

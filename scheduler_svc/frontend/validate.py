@@ -157,7 +157,8 @@ def check(req: pb.GenerateRequest, limits: Limits, caps: Caps = DEFAULT_CAPS) ->
         raise InvalidArgument("sampling.stop", "stop strings must be non-empty")
     if any(t >= limits.vocab_size for t in s.stop_token_ids):
         raise InvalidArgument("sampling.stop_token_ids", f"ids must be below the vocabulary size {limits.vocab_size}")
-    if len(req.prompt_token_ids) >= limits.max_model_len:  # before walking them
+    truncating = req.HasField("truncate_prompt_tokens")
+    if len(req.prompt_token_ids) >= limits.max_model_len and not truncating:  # before walking them
         max_tokens = s.max_tokens if s.HasField("max_tokens") else DEFAULT_MAX_TOKENS
         raise ContextLength("prompt_token_ids", limits.max_model_len, len(req.prompt_token_ids), max_tokens)
     if any(t >= limits.vocab_size for t in req.prompt_token_ids):

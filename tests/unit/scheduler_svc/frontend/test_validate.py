@@ -79,6 +79,8 @@ def test_token_masks_and_truncation_checks() -> None:
     )
     _refused(pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParams(bad_words=["w"] * 65)), "sampling.bad_words")
     _refused(pb.GenerateRequest(prompt="hi", truncate_prompt_tokens=0), "truncate_prompt_tokens")
+    _refused(pb.GenerateRequest(prompt_token_ids=[1] * 100), "prompt_token_ids")
+    check(pb.GenerateRequest(prompt_token_ids=[1] * 100, truncate_prompt_tokens=10), LIMITS)  # truncated later
     prompt = list(range(120))
     assert truncated(prompt, None, Params(), LIMITS) == prompt
     assert truncated(prompt, 5, Params(), LIMITS) == prompt[-5:]
