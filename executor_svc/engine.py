@@ -290,8 +290,8 @@ class Engine:
             last = last.float()
             self.grammars.apply(last, masks.result(), grammar_rows)
         histories = None
-        if any(s.sampling.penalized for s in picked):
-            histories = [self.histories.get(s.request_id) if s.sampling.penalized else None for s in picked]
+        if any(s.sampling.needs_history for s in picked):
+            histories = [self.histories.get(s.request_id) if s.sampling.needs_history else None for s in picked]
         chosen = sample(last, [s.sampling for s in picked], [s.num_generated for s in picked], histories)
         self.grammars.accept(grammar_rows, chosen)
         tokens = [(s.request_id, t) for s, t in zip(picked, chosen)]

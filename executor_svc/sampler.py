@@ -1,11 +1,12 @@
 """Token sampling, vectorised across the batch, reproducible per request.
 
-vLLM v1's order: on the raw logits ``logit_bias``, the ``min_tokens`` mask, then the
-penalties (repetition over prompt and output tokens, frequency and presence over
-output tokens); greedy rows take the argmax of that; sampled rows then divide by
-their temperature, drop what ``min_p``, ``top_k`` and ``top_p`` exclude, and draw.
-Each processor touches only the rows that asked for it, gathered with index tensors
-built once per step: a batch that asks for none costs what it cost before.
+vLLM v1's order: on the raw logits the ``allowed_token_ids`` and ``bad_words`` masks
+(``token_masks``), ``logit_bias``, the ``min_tokens`` mask, then the penalties
+(repetition over prompt and output tokens, frequency and presence over output tokens);
+greedy rows take the argmax of that; sampled rows then divide by their temperature,
+drop what ``min_p``, ``top_k`` and ``top_p`` exclude, and draw. Each processor touches
+only the rows that asked for it, gathered with index tensors built once per step: a
+batch that asks for none costs what it cost before.
 
 A sampled row draws by an exponential race, ``argmax(p / E)`` with ``E ~ Exp(1)``,
 its noise determined by ``(seed, num_generated)``: the token at a given output
@@ -25,6 +26,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
+from executor_svc import token_masks
 
 PROBE = 1024  # tokens a top-p-only cut is first looked for in
 PROBE_MARGIN = 1e-4
@@ -84,6 +87,8 @@ class Sampling:
     min_tokens_ids: tuple[int, ...] = ()  # masked while fewer than min_tokens outputs exist (stop ids, EOS)
     logit_bias: tuple[tuple[int, float], ...] = ()
     logprobs: int | None = None  # alternatives returned with the sampled token's logprob; None: no logprobs
+    allowed_token_ids: tuple[int, ...] = ()  # only these can be sampled; (): any
+    bad_words: tuple[tuple[int, ...], ...] = ()  # vLLM's bad words as token sequences (token_masks.py)
 
     @property
     def greedy(self) -> bool:
@@ -96,11 +101,17 @@ class Sampling:
     @property
     def needs_history(self) -> bool:
         """Whether the executor must keep this request's tokens (``executor_svc.history``)."""
-        return self.penalized
+        return self.penalized or any(len(w) > 1 for w in self.bad_words)
+
+    @property
+    def masked(self) -> bool:
+        """Whether ``token_masks`` has work on this row."""
+        return bool(self.allowed_token_ids or self.bad_words)
 
     def token_ids(self) -> list[int]:
         """Every token id these parameters name (checked against the vocabulary)."""
-        return [t for t, _ in self.logit_bias] + list(self.min_tokens_ids)
+        named = [t for t, _ in self.logit_bias] + list(self.min_tokens_ids) + list(self.allowed_token_ids)
+        return named + [t for w in self.bad_words for t in w]
 
 
 def _candidates(
@@ -239,11 +250,12 @@ def process(
     num_generated: Sequence[int],
     histories: Sequence[Sequence[int] | None] | None = None,
 ) -> torch.Tensor:
-    """The raw-logit processors (logit_bias, min_tokens, penalties); returns ``logits``
-    itself when no row asks for one, else a processed fp32 copy."""
-    if not any(p.logit_bias or p.min_tokens > n or p.penalized for p, n in zip(params, num_generated)):
+    """The raw-logit processors (token masks, logit_bias, min_tokens, penalties); returns
+    ``logits`` itself when no row asks for one, else a processed fp32 copy."""
+    if not any(p.masked or p.logit_bias or p.min_tokens > n or p.penalized for p, n in zip(params, num_generated)):
         return logits
     out = logits.float().clone()
+    token_masks.apply(out, params, num_generated, histories)
     _bias(out, params, num_generated)
     if histories is not None:
         _penalize(out, params, num_generated, histories)

@@ -50,6 +50,8 @@ def sampling_from_pb(s: pb.Sampling, eos: list[int]) -> Sampling:
         min_tokens_ids=tuple(m.stop_token_ids) + (tuple(eos) if m.include_eos else ()) if m.count else (),
         logit_bias=tuple(sorted(s.logit_bias.items())),
         logprobs=s.logprobs if s.HasField("logprobs") else None,
+        allowed_token_ids=tuple(s.allowed_token_ids),
+        bad_words=tuple(tuple(w.token_ids) for w in s.bad_words),
     )
 
 

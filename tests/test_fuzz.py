@@ -198,7 +198,18 @@ def sampling(draw: st.DrawFn) -> pb.SamplingParams:
     kw["ignore_eos"] = draw(st.booleans())
     if draw(st.booleans()):
         kw["structured_output"] = draw(structured)
+    kw["include_stop_str_in_output"] = draw(st.booleans())
+    kw["allowed_token_ids"] = draw(st.lists(u32, max_size=10) | huge(u32, (1_000, 200_000)))
+    kw["bad_words"] = draw(st.lists(text, max_size=5) | huge(st.just("w"), (65, 10_000)))
     return pb.SamplingParams(**kw)
+
+
+# JSON-like values for chat_template_kwargs (a Struct: NaN and infinities included).
+json_values = st.recursive(
+    st.none() | st.booleans() | f64 | text,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(text, inner, max_size=3),
+    max_leaves=8,
+)
 
 
 @st.composite
@@ -220,6 +231,14 @@ def requests(draw: st.DrawFn) -> pb.GenerateRequest:
         req.priority = draw(i32)
     if draw(st.booleans()):
         req.queue_timeout = draw(f64)
+    if draw(st.booleans()):
+        req.add_generation_prompt = draw(st.booleans())
+    req.continue_final_message = draw(st.booleans())
+    if draw(st.booleans()):
+        keys = text | st.sampled_from(["tokenize", "messages", "enable_thinking", "add_generation_prompt"])
+        req.chat_template_kwargs.update(draw(st.dictionaries(keys, json_values, max_size=4)))
+    if draw(st.booleans()):
+        req.truncate_prompt_tokens = draw(i32)
     return req
 
 
@@ -261,6 +280,11 @@ def servable(draw: st.DrawFn) -> pb.GenerateRequest:
         s.structured_output.CopyFrom(draw(st.sampled_from(SPECS)))
     if draw(st.booleans()):  # issue 11's parallel sampling
         s.n = draw(st.integers(1, 4) | st.just(16))
+    if draw(st.booleans()):  # issue 22's vLLM fields: token masks, kept stop strings, truncation
+        s.include_stop_str_in_output = draw(st.booleans())
+        s.allowed_token_ids.extend(draw(st.lists(st.integers(0, 49151), max_size=8)))
+        s.bad_words.extend(draw(st.lists(st.text(min_size=1, max_size=12).filter(str.strip), max_size=4)))
+        req.truncate_prompt_tokens = draw(st.integers(1, 400) | st.just(-1))
     req.priority = draw(i32)
     if draw(st.booleans()):
         req.queue_timeout = draw(st.floats(1e-300, 1e300) | st.sampled_from([1e-300, 1e-9, 30.0, 1e300]))

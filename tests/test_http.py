@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import signal
 import socket
 import ssl
@@ -56,13 +57,27 @@ KEYS = ("http-key-one-aaaaaaaaaaaaaaaaaaaaaa", "http-key-two-bbbbbbbbbbbbbbbbbbb
 HANG_GUARD_S = 120  # only against a hang: nothing here is timed
 
 
+# A template variable of our own, so that chat_template_kwargs can be seen reaching the template.
+HOUSE_STYLE = "{% if house_style is defined %}{{ '<|im_start|>system\\n' + house_style + '<|im_end|>\\n' }}{% endif %}"
+
+
 @pytest.fixture(scope="module")
-def cluster(tiny_llama: Path, redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+def templated(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Tiny Llama (same name) whose chat template first renders the ``house_style`` variable when given."""
+    dst = tmp_path_factory.mktemp("templated") / tiny_llama.name
+    shutil.copytree(tiny_llama, dst)
+    template = dst / "chat_template.jinja"
+    template.write_text(HOUSE_STYLE + template.read_text())
+    return dst
+
+
+@pytest.fixture(scope="module")
+def cluster(templated: Path, redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     """One sequence at a time (``--max-num-seqs 1``), so that a long request ahead keeps the
     others queued for the admission tests; every other test sends one request at a time."""
     args = ["--max-num-seqs", "1", "--max-pending-requests", str(MAX_PENDING)]
     with make_cluster(
-        tiny_llama,
+        templated,
         redis_url,
         NS,
         tmp_path_factory.mktemp("logs"),
@@ -912,3 +927,332 @@ def test_the_ssl_context_keeps_a_mismatched_pair_out(tmp_path: Path) -> None:
     assert tls.current() is not second
     with pytest.raises(ValueError, match="--tls-key"):
         ReloadingSSLContext(out.scheduler_cert, out.executor_key)
+
+
+# --- vLLM's fields (issue #22): each honoured (a behavioural test) or refused by name -------------
+
+# From vLLM's source, vllm-project/vllm at commit 002032ee2b18e1f7bd924ec47b62504ba3866063:
+# ChatCompletionRequest in vllm/entrypoints/openai/chat_completion/protocol.py,
+# CompletionRequest in vllm/entrypoints/openai/completion/protocol.py, in their order.
+VLLM_CHAT_FIELDS = [
+    "messages", "model", "frequency_penalty", "logit_bias", "logprobs", "top_logprobs", "max_tokens",
+    "max_completion_tokens", "n", "presence_penalty", "response_format", "seed", "stop", "stream",
+    "stream_options", "temperature", "top_p", "tools", "tool_choice", "reasoning_effort", "thinking_token_budget",
+    "include_reasoning", "parallel_tool_calls", "user", "use_beam_search", "top_k", "min_p", "repetition_penalty",
+    "watermarking", "length_penalty", "stop_token_ids", "include_stop_str_in_output", "ignore_eos", "min_tokens",
+    "skip_special_tokens", "spaces_between_special_tokens", "truncate_prompt_tokens", "truncation_side",
+    "prompt_logprobs", "logprob_token_ids", "allowed_token_ids", "bad_words", "echo", "add_generation_prompt",
+    "continue_final_message", "add_special_tokens", "documents", "chat_template", "chat_template_kwargs",
+    "media_io_kwargs", "mm_processor_kwargs", "structured_outputs", "priority", "request_id", "session_id",
+    "return_tokens_as_token_ids", "return_token_ids", "routed_experts_prompt_start", "return_token_offsets",
+    "return_prompt_text", "return_mm_kwargs", "cache_salt", "kv_transfer_params", "ec_transfer_params",
+    "vllm_xargs", "repetition_detection", "stream_interval",
+]  # fmt: skip
+VLLM_COMPLETION_FIELDS = [
+    "model", "prompt", "echo", "frequency_penalty", "logit_bias", "logprobs", "max_tokens", "n", "presence_penalty",
+    "seed", "stop", "stream", "stream_options", "suffix", "temperature", "top_p", "user", "use_beam_search", "top_k",
+    "min_p", "repetition_penalty", "watermarking", "length_penalty", "stop_token_ids", "include_stop_str_in_output",
+    "ignore_eos", "min_tokens", "skip_special_tokens", "spaces_between_special_tokens", "truncate_prompt_tokens",
+    "truncation_side", "allowed_token_ids", "prompt_logprobs", "logprob_token_ids", "bad_words", "prompt_embeds",
+    "add_special_tokens", "response_format", "structured_outputs", "priority", "request_id", "session_id",
+    "return_tokens_as_token_ids", "return_token_ids", "routed_experts_prompt_start", "return_token_offsets",
+    "return_mm_kwargs", "cache_salt", "kv_transfer_params", "ec_transfer_params", "vllm_xargs",
+    "repetition_detection", "thinking_token_budget", "stream_interval",
+]  # fmt: skip
+# Earlier vLLM versions' (vllm/entrypoints/openai/protocol.py) and OpenAI's that the lists above dropped.
+OLDER_FIELDS = ["best_of", "logits_processors", "functions"]
+
+# Honoured: the test that shows each one's effect ("module::test").
+HONOURED = {
+    "messages": "test_http::test_chat_completions_match_the_grpc_api",
+    "prompt": "test_http::test_completions_match_the_grpc_api_token_for_token",
+    "model": "test_http::test_bad_input_is_400_naming_the_field_and_others_go_on",
+    "max_tokens": "test_http::test_completions_match_the_grpc_api_token_for_token",
+    "max_completion_tokens": "test_http::test_chat_completions_match_the_grpc_api",
+    "ignore_eos": "test_http::test_completions_match_the_grpc_api_token_for_token",
+    "return_token_ids": "test_http::test_completions_match_the_grpc_api_token_for_token",
+    "stream": "test_http::test_completions_match_the_grpc_api_token_for_token",
+    "stream_options": "test_http::test_completions_match_the_grpc_api_token_for_token",
+    "seed": "test_http::test_stop_strings_and_seeds_behave_as_on_grpc",
+    "stop": "test_http::test_stop_strings_and_seeds_behave_as_on_grpc",
+    "temperature": "test_http::test_stop_strings_and_seeds_behave_as_on_grpc",
+    "n": "test_http::test_n_choices_through_the_openai_client",
+    "logprobs": "test_http::test_logprobs_over_http_equal_the_grpc_ones",
+    "top_logprobs": "test_http::test_logprobs_over_http_equal_the_grpc_ones",
+    "prompt_logprobs": "test_http::test_logprobs_over_http_equal_the_grpc_ones",
+    "cache_salt": "test_http::test_cache_salt_and_cached_tokens",
+    "response_format": "test_structured_output::test_openai_client_response_format_json_schema",
+    "structured_outputs": "test_structured_output::test_openai_client_response_format_json_schema",
+    "stop_token_ids": "test_api::test_stop_strings_and_stop_token_ids",
+    "priority": "test_preemption::test_priority_request_jumps_a_full_pool",
+    **dict.fromkeys(
+        [
+            "frequency_penalty",
+            "presence_penalty",
+            "repetition_penalty",
+            "min_p",
+            "top_k",
+            "top_p",
+            "logit_bias",
+            "min_tokens",
+        ],
+        "test_sampling::test_seeded_sampling_with_every_option_survives_preemption",
+    ),
+    "include_stop_str_in_output": "test_http::test_include_stop_str_in_output_keeps_the_stop_string",
+    "allowed_token_ids": "test_http::test_allowed_token_ids_and_bad_words_mask_the_output",
+    "bad_words": "test_http::test_allowed_token_ids_and_bad_words_mask_the_output",
+    "add_generation_prompt": "test_http::test_chat_template_fields_render_the_prompt",
+    "continue_final_message": "test_http::test_chat_template_fields_render_the_prompt",
+    "chat_template_kwargs": "test_http::test_chat_template_fields_render_the_prompt",
+    "truncate_prompt_tokens": "test_http::test_truncate_prompt_tokens_keeps_the_last_k",
+    "request_id": "test_http::test_a_body_request_id_names_the_request",
+    # /v1/completions (a 400 naming it on chat, where vLLM's echo repeats the last message: not honoured yet)
+    "echo": "test_http_batch::test_echo_puts_the_prompt_in_front_streamed_or_not",
+}
+# Accepted with any value: it changes nothing about generation by definition.
+NO_EFFECT = {"user": "an end user's id for the provider's abuse monitoring (vLLM ignores it too)"}
+# Refused (400 naming it) at these values; their off values are accepted (openai_request.NOT_YET).
+REFUSED: dict[str, Any] = {
+    "tools": [{"type": "function", "function": {"name": "f"}}],
+    "functions": [{"name": "f"}],
+    "tool_choice": "required",
+    "parallel_tool_calls": False,
+    "reasoning_effort": "low",
+    "thinking_token_budget": 10,
+    "include_reasoning": False,
+    "use_beam_search": True,
+    "best_of": 2,
+    "watermarking": True,
+    "length_penalty": 0.5,
+    "skip_special_tokens": False,
+    "spaces_between_special_tokens": False,
+    "truncation_side": "right",
+    "logprob_token_ids": [1],
+    "add_special_tokens": None,  # the other value than each endpoint's default (below)
+    "documents": [{"title": "a", "text": "b"}],
+    "chat_template": "{{ messages }}",
+    "media_io_kwargs": {"image": {"a": 1}},
+    "mm_processor_kwargs": {"a": 1},
+    "session_id": "s",
+    "return_tokens_as_token_ids": True,
+    "routed_experts_prompt_start": 1,
+    "return_token_offsets": True,
+    "return_prompt_text": True,
+    "return_mm_kwargs": False,
+    "kv_transfer_params": {"a": 1},
+    "ec_transfer_params": {"a": 1},
+    "vllm_xargs": {"a": 1},
+    "repetition_detection": {"max_pattern_size": 4},
+    "stream_interval": 4,
+    "suffix": "end",
+    "prompt_embeds": "AAAA",
+    "logits_processors": ["my.Processor"],
+}
+
+
+def test_every_vllm_field_is_honoured_or_refused_by_name(cluster: Cluster, model: str) -> None:
+    """The field walk: each of vLLM's request fields is honoured (a test shows its effect), or sent
+    at a value that is not its off value is a 400 naming it; never a 200 that ignored it."""
+    tables = (HONOURED, NO_EFFECT, REFUSED)
+    assert all(a.keys().isdisjoint(b.keys()) for i, a in enumerate(tables) for b in tables[i + 1 :])
+    sources = {
+        m: (Path(__file__).parent / f"{m}.py").read_text() for m in {w.split("::")[0] for w in HONOURED.values()}
+    }
+    for field, where in HONOURED.items():
+        module, test = where.split("::")
+        assert f"def {test}(" in sources[module], (field, where)
+    bases = {
+        True: ("/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}, VLLM_CHAT_FIELDS),
+        False: ("/completions", {"prompt": PROMPT}, VLLM_COMPLETION_FIELDS),
+    }
+    with httpx.Client(base_url=f"{cluster.http_url}/v1", timeout=HANG_GUARD_S) as h:
+        for chat, (path, base, fields) in bases.items():
+            base = {"model": model, "max_tokens": 1, "temperature": 0, **base}
+            for field in [*fields, *OLDER_FIELDS]:
+                assert field in HONOURED or field in NO_EFFECT or field in REFUSED, (
+                    f"{field}: neither honoured nor refused"
+                )
+                if field in NO_EFFECT:
+                    assert h.post(path, json={**base, field: "x"}).status_code == 200, field
+                if field not in REFUSED:
+                    continue
+                value = chat if field == "add_special_tokens" else REFUSED[field]
+                resp = h.post(path, json={**base, field: value})
+                assert resp.status_code == 400, (path, field, resp.text)
+                error = resp.json()["error"]
+                assert error["param"] == field and error["message"].startswith(field + ":"), (path, field, error)
+
+
+def _tokens(got: Any) -> list[int]:
+    return got.choices[0].model_extra["token_ids"]
+
+
+def test_include_stop_str_in_output_keeps_the_stop_string(cluster: Cluster, client: openai.OpenAI, model: str) -> None:
+    body = {"ignore_eos": True}
+    free = client.completions.create(model=model, prompt=PROMPT, max_tokens=30, temperature=0, extra_body=body)
+    text = free.choices[0].text
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    want = text[: text.index(stop) + len(stop)]
+    kept = {**body, "include_stop_str_in_output": True}
+    got = client.completions.create(
+        model=model, prompt=PROMPT, max_tokens=30, temperature=0, stop=[stop], extra_body=kept
+    ).choices[0]
+    assert got.finish_reason == "stop" and got.text == want and got.text.endswith(stop)
+    streamed = client.completions.create(
+        model=model, prompt=PROMPT, max_tokens=30, temperature=0, stop=[stop], stream=True, extra_body=kept
+    )
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == want
+    grpc_req = greedy(PROMPT, 30, ignore_eos=True, stop=[stop], include_stop_str_in_output=True)
+    assert grpc_greedy(cluster, grpc_req).text == want
+
+
+def _vllm_bad_words(tokenizer: Any, word: str) -> list[list[int]]:
+    """vLLM's rule, written out here: the word as written and with a leading space (if that is another
+    first token of the same length)."""
+    bare = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+    spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+    return [bare] + ([spaced] if spaced[0] != bare[0] and len(spaced) == len(bare) else [])
+
+
+def _has(tokens: list[int], seq: list[int]) -> bool:
+    return any(tokens[i : i + len(seq)] == seq for i in range(len(tokens) - len(seq) + 1))
+
+
+def test_allowed_token_ids_and_bad_words_mask_the_output(
+    cluster: Cluster, client: openai.OpenAI, model: str, templated: Path
+) -> None:
+    """Greedy and seeded sampling, over HTTP and gRPC alike: only allowed ids come out, and no bad word."""
+    free = grpc_greedy(cluster, greedy(PROMPT, 16, ignore_eos=True)).token_ids
+    allowed = sorted({free[3], free[7], 1000, 2000, 3000} - {free[0]})
+    body = {"ignore_eos": True, "return_token_ids": True, "allowed_token_ids": allowed}
+    for temperature, seed in ((0.0, None), (1.0, 11)):
+        got = _tokens(
+            client.completions.create(
+                model=model, prompt=PROMPT, max_tokens=16, temperature=temperature, seed=seed, extra_body=body
+            )
+        )
+        sampling = pb.SamplingParams(
+            max_tokens=16, temperature=temperature, seed=seed, ignore_eos=True, allowed_token_ids=allowed
+        )
+        assert set(got) <= set(allowed) and got != free
+        assert got == grpc_greedy(cluster, pb.GenerateRequest(prompt_token_ids=PROMPT, sampling=sampling)).token_ids
+
+    tokenizer = AutoTokenizer.from_pretrained(templated)
+    words = [w for t in free if (w := tokenizer.decode([t]).strip()).isalpha()]
+    word = next(w for w in words if any(_has(free, s) for s in _vllm_bad_words(tokenizer, w)))
+    banned = _vllm_bad_words(tokenizer, word)
+    body = {"ignore_eos": True, "return_token_ids": True, "bad_words": [word]}
+    for temperature, seed in ((0.0, None), (1.0, 11)):
+        got = _tokens(
+            client.completions.create(
+                model=model, prompt=PROMPT, max_tokens=16, temperature=temperature, seed=seed, extra_body=body
+            )
+        )
+        sampling = pb.SamplingParams(
+            max_tokens=16, temperature=temperature, seed=seed, ignore_eos=True, bad_words=[word]
+        )
+        assert not any(_has(got, s) for s in banned), (word, banned, got)
+        assert got == grpc_greedy(cluster, pb.GenerateRequest(prompt_token_ids=PROMPT, sampling=sampling)).token_ids
+    assert got != free
+
+
+def test_chat_template_fields_render_the_prompt(
+    cluster: Cluster, client: openai.OpenAI, model: str, templated: Path
+) -> None:
+    """Each setting renders another prompt (the template run here says which), which the request's
+    prompt tokens and its greedy output, over HTTP and over gRPC, follow."""
+    tokenizer = AutoTokenizer.from_pretrained(templated)
+    messages = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "The colour is"}]
+    cases: list[dict[str, Any]] = [
+        {},
+        {"add_generation_prompt": False},
+        {"continue_final_message": True},
+        {"chat_template_kwargs": {"house_style": "Be terse."}},
+    ]
+    prompts = []
+    for fields in cases:
+        rendered = tokenizer.apply_chat_template(
+            messages,
+            add_generation_prompt=fields.get("add_generation_prompt", not fields.get("continue_final_message")),
+            continue_final_message=fields.get("continue_final_message", False),
+            tokenize=False,
+            **fields.get("chat_template_kwargs", {}),
+        )
+        ids = tokenizer(rendered, add_special_tokens=False).input_ids
+        prompts.append(ids)
+        got = client.chat.completions.create(
+            model=model,
+            messages=messages,
+            max_tokens=8,
+            temperature=0,
+            extra_body={"ignore_eos": True, "return_token_ids": True, **fields},
+        )
+        assert got.usage is not None and got.usage.prompt_tokens == len(ids), fields
+        want = grpc_greedy(cluster, greedy(ids, 8, ignore_eos=True)).token_ids
+        assert _tokens(got) == want, fields
+        req = pb.GenerateRequest(
+            messages=[pb.ChatMessage(**m) for m in messages],
+            sampling=pb.SamplingParams(max_tokens=8, temperature=0, ignore_eos=True),
+        )
+        req.MergeFrom(pb.GenerateRequest(**{k: v for k, v in fields.items() if k != "chat_template_kwargs"}))
+        req.chat_template_kwargs.update(fields.get("chat_template_kwargs", {}))
+        assert grpc_greedy(cluster, req).token_ids == want, fields
+    assert len({tuple(p) for p in prompts}) == len(cases), "each setting renders another prompt"
+    assert tokenizer.decode(prompts[2]).endswith("The colour is"), "continued: no end of turn"
+    for fields, param in (
+        ({"add_generation_prompt": True, "continue_final_message": True}, "continue_final_message"),
+        ({"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs.tokenize"),
+    ):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(model=model, messages=messages, max_tokens=2, extra_body=fields)
+        assert info.value.param == param
+
+
+def test_truncate_prompt_tokens_keeps_the_last_k(cluster: Cluster, client: openai.OpenAI, model: str) -> None:
+    body = {"ignore_eos": True, "return_token_ids": True}
+    for keep, kept in ((10, PROMPT[-10:]), (-1, PROMPT)):  # -1: as many as max_model_len - max_tokens (all 40)
+        got = client.completions.create(
+            model=model, prompt=PROMPT, max_tokens=8, temperature=0, extra_body={**body, "truncate_prompt_tokens": keep}
+        )
+        want = grpc_greedy(cluster, greedy(kept, 8, ignore_eos=True))
+        assert got.usage is not None and got.usage.prompt_tokens == len(kept)
+        assert _tokens(got) == want.token_ids
+        req = greedy(PROMPT, 8, ignore_eos=True)
+        req.truncate_prompt_tokens = keep
+        assert grpc_greedy(cluster, req).token_ids == want.token_ids
+    assert want.token_ids != grpc_greedy(cluster, greedy(PROMPT[-10:], 8, ignore_eos=True)).token_ids
+    longer = list(range(300, 900))  # 600 tokens, past the 512-token context: only truncated do they fit
+    got = client.completions.create(
+        model=model, prompt=longer, max_tokens=8, temperature=0, extra_body={**body, "truncate_prompt_tokens": 20}
+    )
+    assert _tokens(got) == grpc_greedy(cluster, greedy(longer[-20:], 8, ignore_eos=True)).token_ids
+    chat = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=2,
+        extra_body={"truncate_prompt_tokens": 3},
+    )
+    assert chat.usage is not None and chat.usage.prompt_tokens == 3
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=model, prompt=PROMPT, max_tokens=8, extra_body={"truncate_prompt_tokens": 600})
+    assert info.value.param == "truncate_prompt_tokens"
+
+
+def test_a_body_request_id_names_the_request(client: openai.OpenAI, model: str) -> None:
+    """vLLM's body request_id follows X-Request-Id's rules; with both, they must agree."""
+    raw = client.completions.with_raw_response.create(
+        model=model, prompt=PROMPT, max_tokens=2, extra_body={"request_id": "from-the-body"}
+    )
+    assert raw.headers["X-Request-Id"] == "from-the-body" and raw.parse().id == "cmpl-from-the-body"
+    same = client.completions.create(
+        model=model,
+        prompt=PROMPT,
+        max_tokens=2,
+        extra_body={"request_id": "same-in-both"},
+        extra_headers={"X-Request-Id": "same-in-both"},
+    )
+    assert same.id == "cmpl-same-in-both"
+    for extra, headers in (({"request_id": "a"}, {"X-Request-Id": "b"}), ({"request_id": "bad\tid"}, {})):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.completions.create(model=model, prompt=PROMPT, max_tokens=2, extra_body=extra, extra_headers=headers)
+        assert info.value.param == "request_id"

@@ -47,10 +47,18 @@ class Params:
     logprobs: int | None = None  # top alternatives per generated token; None: no logprobs
     prompt_logprobs: int | None = None  # top alternatives per prompt token; None: no prompt logprobs
     n: int = 1  # completions of the prompt (parallel sampling): the group this request belongs to has n mates
+    include_stop_str_in_output: bool = False  # a matched stop string stays in the text (the frontend's)
+    allowed_token_ids: tuple[int, ...] = ()  # only these can be sampled; (): any
+    bad_words: tuple[tuple[int, ...], ...] = ()  # token sequences whose last token is masked after the rest
 
     @property
     def penalized(self) -> bool:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    @property
+    def bad_word_prefixes(self) -> bool:
+        """Some bad word has tokens before its last: masking it depends on the output so far."""
+        return any(len(w) > 1 for w in self.bad_words)
 
 
 @dataclass(slots=True, eq=False)

@@ -7,7 +7,9 @@ two Python-side decodes TGI and vLLM used before it) emits text only once it
 no longer ends inside a character. When stop strings are set, the last
 ``max(len(stop)) - 1`` characters are held back so that a stop string split
 across steps is never streamed before it is seen. The final message's text is
-checked against one whole decode (``take(final=True)``).
+checked against one whole decode (``take(final=True)``). With ``include_stop`` (vLLM's
+include_stop_str_in_output) the text ends after the stop string instead of before it,
+and nothing is held back: what could be a stop string's start is text to send either way.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from tokenizers.decoders import DecodeStream
 class Detokenizer:
     tokenizer: Any  # a fast (Rust-backed) transformers tokenizer
     stop: list[str] = field(default_factory=list)
+    include_stop: bool = False  # the matched stop string stays at the end of the text
     ids: list[int] = field(default_factory=list)
     text: str = ""  # decoded so far (cut at a stop string once one is found)
     emitted: int = 0  # characters of ``text`` already returned
@@ -48,9 +51,10 @@ class Detokenizer:
             return
         longest = max(len(s) for s in self.stop)
         start = max(0, len(self.text) - added - longest + 1)
-        hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
+        hits = [(i, len(s)) for s in self.stop if (i := self.text.find(s, start)) >= 0]
         if hits:
-            self.text = self.text[: min(hits)]
+            at, length = min(hits)
+            self.text = self.text[: at + length if self.include_stop else at]
             self.stopped = True
 
     def take(self, final: bool) -> str:
@@ -61,7 +65,7 @@ class Detokenizer:
             if full.startswith(self.text):
                 self.text = full
         end = len(self.text)
-        if not final and not self.stopped and self.stop:
+        if not final and not self.stopped and self.stop and not self.include_stop:
             end = max(self.emitted, end - (max(len(s) for s in self.stop) - 1))
         chunk = self.text[self.emitted : end]
         self.emitted = end

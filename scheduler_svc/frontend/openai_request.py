@@ -19,31 +19,54 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from google.protobuf import json_format
+
 from pagedserve.v1 import generation_pb2 as pb
 from scheduler_svc.frontend import refusals
-from scheduler_svc.frontend.refusals import TABLE, Kind, Refusal, StreamDetached
-from scheduler_svc.frontend.validate import Limits
+from scheduler_svc.frontend.refusals import TABLE, InvalidArgument, Kind, Refusal, StreamDetached
+from scheduler_svc.frontend.validate import Limits, check_request_id
 
 U32, I32, U64 = (1 << 32) - 1, (1 << 31) - 1, (1 << 64) - 1
 FLOAT32_MAX = 3.4028234663852886e38
 # Fields OpenAI or vLLM define that pagedserve does not honour: refused with a 400 naming
-# them, never ignored. Each maps to the value that means "off", which is accepted.
+# them, never ignored. Each maps to the values that mean "off", which are accepted (null is
+# always off). tests/test_http.py walks vLLM's request fields against this table.
 NOT_YET: dict[str, tuple[Any, ...]] = {
-    "best_of": (1,),
     "suffix": ("",),
     "tools": ([],),
     "functions": ([],),
-    # vLLM's extensions, accepted and silently ignored before (issue #22): refused until honoured.
-    "include_stop_str_in_output": (False,),
-    "allowed_token_ids": ([],),
-    "bad_words": ([],),
-    "add_generation_prompt": (True,),
-    "continue_final_message": (False,),
+    "tool_choice": ("none", "auto"),  # without tools, "auto" calls none either
+    "parallel_tool_calls": (True,),
     "use_beam_search": (False,),
-    "truncate_prompt_tokens": (),
-    "request_id": ("",),  # the id comes from the X-Request-Id header
-    "chat_template_kwargs": ({},),
+    "length_penalty": (1.0,),  # beam search's
+    "watermarking": (False,),
+    "reasoning_effort": (),
+    "thinking_token_budget": (-1,),
+    "include_reasoning": (True,),
+    "skip_special_tokens": (True,),
+    "spaces_between_special_tokens": (True,),
+    "truncation_side": ("left",),  # vLLM's tokenizers truncate on the left: truncate_prompt_tokens keeps the last
+    "logprob_token_ids": (),
+    "documents": ([],),
+    "chat_template": (),
+    "media_io_kwargs": ({},),
+    "mm_processor_kwargs": ({},),
+    "prompt_embeds": (),
+    "session_id": (),
+    "return_tokens_as_token_ids": (False,),
+    "routed_experts_prompt_start": (0,),
+    "return_token_offsets": (False,),
+    "return_prompt_text": (False,),
+    "return_mm_kwargs": (True,),
+    "kv_transfer_params": ({},),
+    "ec_transfer_params": ({},),
+    "vllm_xargs": ({},),
+    "repetition_detection": (),
+    "stream_interval": (1,),  # every step's tokens are streamed as they come
+    "logits_processors": ([],),
 }
+# add_special_tokens: each endpoint's default is what pagedserve does (chat: the template adds them).
+ADD_SPECIAL_TOKENS = {True: False, False: True}  # chat -> the value honoured
 # vLLM's structured-output keys (``structured_outputs: {...}``, and the older top-level
 # ``guided_*``) -> the StructuredOutput field they set.
 STRUCTURED_KEYS = {
@@ -180,10 +203,17 @@ def _stops(v: Any) -> list[str]:
     return [_text(f"stop[{i}]", x) for i, x in enumerate(v)]
 
 
-def _refuse_unsupported(body: dict[str, Any]) -> None:
+def _refuse_unsupported(body: dict[str, Any], chat: bool) -> None:
     for name, off in NOT_YET.items():
-        if body.get(name) is not None and body[name] not in off:
+        v = body.get(name)
+        if v is not None and not any(v == o and isinstance(v, bool) == isinstance(o, bool) for o in off):
             raise bad(name, "not supported yet")
+    if body.get("add_special_tokens") not in (None, ADD_SPECIAL_TOKENS[chat]):
+        raise bad("add_special_tokens", f"only {str(ADD_SPECIAL_TOKENS[chat]).lower()} is supported on this endpoint")
+    if (best_of := body.get("best_of")) is not None:
+        n = body.get("n") if body.get("n") is not None else 1
+        if _integer("best_of", best_of, 1, U32) != n:
+            raise bad("best_of", f"only best_of equal to n ({n}) is supported: no ranking of extra completions")
 
 
 def _sampling(body: dict[str, Any], chat: bool) -> pb.SamplingParams:
@@ -214,6 +244,17 @@ def _sampling(body: dict[str, Any], chat: bool) -> pb.SamplingParams:
         s.min_tokens = _integer("min_tokens", get("min_tokens"), 0, U32)
     if get("logit_bias") is not None:
         s.logit_bias.update(_logit_bias(get("logit_bias")))
+    if get("include_stop_str_in_output") is not None:
+        s.include_stop_str_in_output = _flag("include_stop_str_in_output", get("include_stop_str_in_output"))
+    if get("allowed_token_ids") is not None:
+        if not (allowed := _ints("allowed_token_ids", get("allowed_token_ids"), U32)):
+            raise bad("allowed_token_ids", "must not be empty (leave it out to allow every token)")
+        s.allowed_token_ids.extend(allowed)
+    if get("bad_words") is not None:
+        words = get("bad_words")
+        if not isinstance(words, list):
+            raise bad("bad_words", "must be a list of strings")
+        s.bad_words.extend(_text(f"bad_words[{i}]", w) for i, w in enumerate(words))
     _logprobs(s, body, chat)
     return s
 
@@ -399,18 +440,50 @@ def _stream_options(body: dict[str, Any], stream: bool) -> bool:
     return opts.get("include_usage") is not None and _flag("stream_options.include_usage", opts["include_usage"])
 
 
+def _request_id(body: dict[str, Any], header: str) -> str:
+    """The body's request_id (vLLM's) or the X-Request-Id header; both: they must agree."""
+    header = _text("X-Request-Id", header)
+    if body.get("request_id") is None:
+        return header
+    rid = _text("request_id", body["request_id"])
+    if header and rid != header:
+        raise bad("request_id", f"differs from the X-Request-Id header ({header!r}); send one, or the same in both")
+    try:
+        check_request_id(rid)
+    except InvalidArgument as exc:
+        raise bad("request_id", exc.reason) from None
+    return rid
+
+
+def _chat_template(req: pb.GenerateRequest, body: dict[str, Any]) -> None:
+    """vLLM's chat-template fields (checked together by ``chat_template.settings``)."""
+    if body.get("add_generation_prompt") is not None:
+        req.add_generation_prompt = _flag("add_generation_prompt", body["add_generation_prompt"])
+    if body.get("continue_final_message") is not None:
+        req.continue_final_message = _flag("continue_final_message", body["continue_final_message"])
+    if (kwargs := body.get("chat_template_kwargs")) is not None:
+        if not isinstance(kwargs, dict):
+            raise bad("chat_template_kwargs", "must be an object")
+        try:
+            json_format.ParseDict(kwargs, req.chat_template_kwargs)
+        except (json_format.ParseError, ValueError, TypeError, RecursionError) as exc:
+            raise bad("chat_template_kwargs", f"not representable: {exc}") from None
+
+
 def parse(body: dict[str, Any], chat: bool, request_id: str = "") -> Parsed:
-    """The request of a completion (``chat`` False) or chat completion body; raises ApiError."""
+    """The request of a completion (``chat`` False) or chat completion body; raises ApiError.
+    ``request_id``: the X-Request-Id header."""
     if body.get("model") is None:
         raise bad("model", "required")
     model = _text("model", body["model"])
-    _refuse_unsupported(body)
-    req = pb.GenerateRequest(request_id=_text("X-Request-Id", request_id), sampling=_sampling(body, chat))
+    _refuse_unsupported(body, chat)
+    req = pb.GenerateRequest(request_id=_request_id(body, request_id), sampling=_sampling(body, chat))
     structured = _structured(body)
     if structured is not None:
         req.sampling.structured_output.CopyFrom(structured[0])
     if chat:
         _messages(req, body.get("messages"))
+        _chat_template(req, body)
     else:
         _prompt(req, body.get("prompt"))
     if body.get("priority") is not None:
@@ -419,6 +492,8 @@ def parse(body: dict[str, Any], chat: bool, request_id: str = "") -> Parsed:
         req.queue_timeout = _number("queue_timeout", body["queue_timeout"])
     if body.get("cache_salt") is not None:  # vLLM's extra body field: prefix-cache isolation
         req.cache_salt = _text("cache_salt", body["cache_salt"])
+    if body.get("truncate_prompt_tokens") is not None:
+        req.truncate_prompt_tokens = _integer("truncate_prompt_tokens", body["truncate_prompt_tokens"], -I32 - 1, I32)
     stream = body.get("stream") is not None and _flag("stream", body["stream"])
     ids = body.get("return_token_ids") is not None and _flag("return_token_ids", body["return_token_ids"])
     return Parsed(

@@ -32,6 +32,7 @@ from scheduler_svc.core import parallel, prefix
 from scheduler_svc.core.admission import FinishRate, retry_after
 from scheduler_svc.core.deadline import deadline_ms
 from scheduler_svc.core.request import Finish, Request, Status
+from scheduler_svc.frontend import bad_words, chat_template
 from scheduler_svc.frontend.attachments import Attachments
 from scheduler_svc.frontend.bus import DRAIN, EventBus, StreamQueue
 from scheduler_svc.frontend.detok import Detokenizer
@@ -46,7 +47,7 @@ from scheduler_svc.frontend.refusals import (
     Unavailable,
 )
 from scheduler_svc.frontend.streams import Chunk, Stream, follow
-from scheduler_svc.frontend.validate import DEFAULT_CAPS, Caps, Checked, check, check_length
+from scheduler_svc.frontend.validate import DEFAULT_CAPS, Caps, Checked, check, check_length, truncated
 from scheduler_svc.frontend.watch import ClusterWatch
 from scheduler_svc.metrics import FrontendMetrics
 from scheduler_svc.state import codec
@@ -111,11 +112,7 @@ class Frontend:
         if checked.kind == "prompt":
             return list(self.tokenizer(req.prompt).input_ids)
         messages = [{"role": m.role, "content": m.content} for m in req.messages]
-        try:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        except Exception as exc:  # jinja errors: the template refused these messages
-            raise InvalidArgument("messages", f"the chat template rejected them: {exc}") from exc
-        return list(self.tokenizer(text, add_special_tokens=False).input_ids)
+        return chat_template.render(self.tokenizer, messages, checked.template)
 
     def _compile(self, checked: Checked) -> None:
         """A structured-output spec must compile here (xgrammar, this model's tokenizer), so that a
@@ -150,9 +147,13 @@ class Frontend:
         assert limits is not None
         checked = check(req, limits, self.caps)
         self._compile(checked)
-        prompt = self._tokenize(req, checked)
-        check_length(checked.kind, len(prompt), checked.params, limits)
         params = checked.params
+        prompt = truncated(self._tokenize(req, checked), checked.truncate_prompt_tokens, params, limits)
+        check_length(checked.kind, len(prompt), params, limits)
+        if checked.bad_words:
+            params = replace(
+                params, bad_words=bad_words.sequences(self.tokenizer, list(checked.bad_words), limits.vocab_size)
+            )
         if params.temperature > 0 and params.seed is None:
             params = replace(params, seed=secrets.randbits(63))
         rid = checked.request_id or uuid.uuid4().hex
@@ -266,7 +267,7 @@ class Frontend:
         return Stream(
             req.request_id,
             len(req.prompt_ids),
-            Detokenizer(self.tokenizer, stop),
+            Detokenizer(self.tokenizer, stop, include_stop=req.params.include_stop_str_in_output),
             submitted,
             functools.partial(self._cancel_later, reason=Finish.STOP),
             logprobs=req.params.logprobs is not None,

@@ -10,6 +10,7 @@ from pagedserve.v1 import generation_pb2 as pb
 from scheduler_svc.core.fit import blocks_for, fits_ever
 from scheduler_svc.core.prefix import MAX_SALT
 from scheduler_svc.core.request import DEFAULT_MAX_TOKENS, Params
+from scheduler_svc.frontend import chat_template
 from scheduler_svc.frontend.refusals import ContextLength, InvalidArgument, OverCapacity
 
 MAX_REQUEST_ID = 256
@@ -20,6 +21,8 @@ MAX_LOGPROBS = 20  # vLLM's default --max-logprobs
 MAX_LOGIT_BIAS = 100.0  # |bias| allowed, as OpenAI and vLLM
 MAX_CACHE_SALT = MAX_SALT  # characters of cache_salt
 MAX_N = 16  # completions per request (sampling.n): bounded, as vLLM had to after a CVE for an unbounded n
+MAX_BAD_WORDS = 64  # sampling.bad_words per request
+MAX_BAD_WORD_LENGTH = 256  # characters of one bad word
 MAX_REQUEST_BYTES = 1 << 20  # a serialized GenerateRequest (checked in server.py, before parsing)
 
 
@@ -64,6 +67,9 @@ class Checked:
     queue_timeout: float | None = None  # seconds; None: no limit
     grammar_field: str = ""  # the structured-output field that params.grammar came from
     cache_salt: str | None = None  # isolates its prefix-cache blocks (core/prefix.py)
+    template: chat_template.Settings = chat_template.Settings()  # how messages are rendered
+    truncate_prompt_tokens: int | None = None  # keep the last k prompt tokens; -1: as many as fit; None: all
+    bad_words: tuple[str, ...] = ()  # tokenized by the frontend into params.bad_words
 
 
 def _check_caps(req: pb.GenerateRequest, caps: Caps) -> None:
@@ -136,7 +142,7 @@ def check(req: pb.GenerateRequest, limits: Limits, caps: Caps = DEFAULT_CAPS) ->
     if len(given) != 1:
         found = ", ".join(given) or "none"
         raise InvalidArgument(None, f"exactly one of prompt, prompt_token_ids, messages must be set (got: {found})")
-    _check_request_id(req.request_id)
+    check_request_id(req.request_id)
     _check_caps(req, caps)
     s = req.sampling
     if s.HasField("max_tokens") and s.max_tokens <= 0:
@@ -151,7 +157,8 @@ def check(req: pb.GenerateRequest, limits: Limits, caps: Caps = DEFAULT_CAPS) ->
         raise InvalidArgument("sampling.stop", "stop strings must be non-empty")
     if any(t >= limits.vocab_size for t in s.stop_token_ids):
         raise InvalidArgument("sampling.stop_token_ids", f"ids must be below the vocabulary size {limits.vocab_size}")
-    if len(req.prompt_token_ids) >= limits.max_model_len:  # before walking them
+    truncating = req.HasField("truncate_prompt_tokens")
+    if len(req.prompt_token_ids) >= limits.max_model_len and not truncating:  # before walking them
         max_tokens = s.max_tokens if s.HasField("max_tokens") else DEFAULT_MAX_TOKENS
         raise ContextLength("prompt_token_ids", limits.max_model_len, len(req.prompt_token_ids), max_tokens)
     if any(t >= limits.vocab_size for t in req.prompt_token_ids):
@@ -160,6 +167,11 @@ def check(req: pb.GenerateRequest, limits: Limits, caps: Caps = DEFAULT_CAPS) ->
         if not m.role:
             raise InvalidArgument(f"messages[{i}].role", "must be set")
     _check_sampling(s, limits, caps)
+    _check_masks(s, limits)
+    template = chat_template.settings(req)
+    truncate = req.truncate_prompt_tokens if req.HasField("truncate_prompt_tokens") else None
+    if truncate is not None and truncate < 1 and truncate != -1:
+        raise InvalidArgument("truncate_prompt_tokens", f"must be >= 1, or -1 (got {truncate})")
     grammar, grammar_field = structured(s, caps)
     params = params_of(s, grammar)
     return Checked(
@@ -171,6 +183,9 @@ def check(req: pb.GenerateRequest, limits: Limits, caps: Caps = DEFAULT_CAPS) ->
         req.queue_timeout if req.HasField("queue_timeout") else None,
         grammar_field,
         cache_salt=req.cache_salt or None,
+        template=template,
+        truncate_prompt_tokens=truncate,
+        bad_words=tuple(s.bad_words),
     )
 
 
@@ -202,10 +217,45 @@ def params_of(s: pb.SamplingParams, grammar: Spec | None) -> Params:
         ignore_eos=s.ignore_eos,
         logit_bias=tuple(sorted((int(t), float(b)) for t, b in s.logit_bias.items())),
         grammar=grammar,
+        include_stop_str_in_output=s.include_stop_str_in_output,
+        allowed_token_ids=tuple(sorted(set(s.allowed_token_ids))),
     )
 
 
-def _check_request_id(request_id: str) -> None:
+def _check_masks(s: pb.SamplingParams, limits: Limits) -> None:
+    """allowed_token_ids and bad_words (the executor's token masks)."""
+    if any(t >= limits.vocab_size for t in s.allowed_token_ids):
+        raise InvalidArgument(
+            "sampling.allowed_token_ids", f"ids must be below the vocabulary size {limits.vocab_size}"
+        )
+    if len(s.bad_words) > MAX_BAD_WORDS:
+        raise InvalidArgument("sampling.bad_words", f"{len(s.bad_words)} words, at most {MAX_BAD_WORDS} allowed")
+    for i, w in enumerate(s.bad_words):
+        if not w.strip():
+            raise InvalidArgument(f"sampling.bad_words[{i}]", "must not be empty or only spaces")
+        if len(w) > MAX_BAD_WORD_LENGTH:
+            raise InvalidArgument(
+                f"sampling.bad_words[{i}]", f"{len(w)} characters, at most {MAX_BAD_WORD_LENGTH} allowed"
+            )
+
+
+def truncated(prompt: list[int], keep: int | None, params: Params, limits: Limits) -> list[int]:
+    """vLLM's truncate_prompt_tokens: the last ``keep`` tokens; -1: the last max_model_len - max_tokens."""
+    if keep is None:
+        return prompt
+    room = limits.max_model_len - params.max_tokens
+    keep = room if keep == -1 else keep
+    if not 1 <= keep <= room:
+        raise InvalidArgument(
+            "truncate_prompt_tokens",
+            f"{keep} tokens to keep, but max_model_len - max_tokens = {limits.max_model_len} - {params.max_tokens}"
+            f" = {room}",
+        )
+    return prompt[-keep:]
+
+
+def check_request_id(request_id: str) -> None:
+    """A client's request id (gRPC request_id, HTTP X-Request-Id or the body's request_id)."""
     if len(request_id) > MAX_REQUEST_ID:
         raise InvalidArgument("request_id", f"longer than {MAX_REQUEST_ID} characters")
     if not all(" " <= c <= "~" for c in request_id):

@@ -28,9 +28,9 @@ def _moves(moves: list[BlockMove]) -> list[pb.BlockMove]:
 
 def needs_history(params: Params) -> bool:
     """Whether the executor must hold the request's tokens to sample it (penalties count them; a
-    grammar matcher is rebuilt from them): then a full table with start_pos > 0 carries them
-    (SeqPlan.history)."""
-    return params.penalized or params.grammar is not None
+    grammar matcher is rebuilt from them; a bad word's prefix is matched against them): then a full
+    table with start_pos > 0 carries them (SeqPlan.history)."""
+    return params.penalized or params.grammar is not None or params.bad_word_prefixes
 
 
 def sampling_of(p: Params) -> pb.Sampling:
@@ -46,6 +46,10 @@ def sampling_of(p: Params) -> pb.Sampling:
         out.grammar.CopyFrom(_grammar(p))
     if p.logprobs is not None:
         out.logprobs = p.logprobs
+    if p.allowed_token_ids:
+        out.allowed_token_ids.extend(p.allowed_token_ids)
+    if p.bad_words:
+        out.bad_words.extend(pb.TokenSequence(token_ids=w) for w in p.bad_words)
     return out
 
 

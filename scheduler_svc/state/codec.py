@@ -45,6 +45,10 @@ def spec_json(req: Request, stop: list[str]) -> str:
         params["logit_bias"] = [list(x) for x in p.logit_bias]
     if p.grammar:
         params["grammar"] = list(p.grammar)
+    if p.allowed_token_ids:
+        params["allowed_token_ids"] = list(p.allowed_token_ids)
+    if p.bad_words:
+        params["bad_words"] = [list(w) for w in p.bad_words]
     extra: dict[str, object] = {"salt": req.cache_salt} if req.cache_salt else {}
     if req.group:
         extra["group"] = [req.group, req.index]
@@ -60,6 +64,7 @@ _EXTRA_DEFAULTS: dict[str, object] = {
     "logprobs": None,
     "prompt_logprobs": None,
     "n": 1,
+    "include_stop_str_in_output": False,
 }
 
 
@@ -70,6 +75,8 @@ def request_from(request_id: str, fields: dict[str, str], output: list[str], com
     params["logit_bias"] = tuple((int(t), float(b)) for t, b in params.get("logit_bias", ()))
     if params.get("grammar"):
         params["grammar"] = tuple(params["grammar"])
+    params["allowed_token_ids"] = tuple(params.get("allowed_token_ids", ()))
+    params["bad_words"] = tuple(tuple(w) for w in params.get("bad_words", ()))
     group, index = spec.get("group", ("", 0))
     return Request(
         request_id=request_id,

@@ -49,3 +49,15 @@ def test_stop_string_is_trimmed_and_never_streamed(tok) -> None:  # noqa: ANN001
     assert text == " The quick brown "
     assert "fox" not in "".join(streamed[:-1])
     assert d.add([5]) == [], "nothing is accepted after the stop"
+
+
+def test_include_stop_keeps_the_stop_string_and_cuts_after_it(tok) -> None:  # noqa: ANN001
+    ids = tok(" The quick brown fox jumps over the lazy dog").input_ids
+    d = Detokenizer(tok, stop=["jumps", "fox ju"], include_stop=True)
+    streamed = []
+    for t in ids:
+        d.add([t])
+        streamed.append(d.take(final=d.stopped))
+        if d.stopped:
+            break
+    assert d.stopped and "".join(streamed) == " The quick brown fox ju", "the earliest match, included"

@@ -134,7 +134,6 @@ def test_off_values_of_unsupported_fields_are_accepted() -> None:
         tools=[],
         top_logprobs=0,
         include_stop_str_in_output=False,
-        allowed_token_ids=[],
         bad_words=[],
         add_generation_prompt=True,
         continue_final_message=False,
@@ -142,9 +141,42 @@ def test_off_values_of_unsupported_fields_are_accepted() -> None:
         truncate_prompt_tokens=None,
         request_id="",
         chat_template_kwargs={},
+        skip_special_tokens=True,
+        tool_choice="none",
+        length_penalty=1,
+        truncation_side="left",
+        stream_interval=1,
     )
-    proto.parse(completion(**off), chat=False)
-    proto.parse(chat(logprobs=False, **off), chat=True)
+    proto.parse(completion(**off, add_special_tokens=True), chat=False)
+    proto.parse(chat(logprobs=False, **off, add_special_tokens=False), chat=True)
+    assert proto.parse(completion(n=3, best_of=3), chat=False).request.sampling.n == 3
+
+
+def test_vllm_s_fields_become_the_request_s() -> None:
+    p = proto.parse(
+        chat(
+            include_stop_str_in_output=True,
+            allowed_token_ids=[5, 9],
+            bad_words=["Paris", " big cat"],
+            add_generation_prompt=False,
+            continue_final_message=True,
+            chat_template_kwargs={"enable_thinking": False, "depth": 2},
+            truncate_prompt_tokens=-1,
+            request_id="body-id",
+        ),
+        chat=True,
+        request_id="body-id",
+    )
+    r = p.request
+    assert r.sampling.include_stop_str_in_output and list(r.sampling.allowed_token_ids) == [5, 9]
+    assert list(r.sampling.bad_words) == ["Paris", " big cat"]
+    assert r.HasField("add_generation_prompt") and not r.add_generation_prompt and r.continue_final_message
+    assert dict(r.chat_template_kwargs) == {"enable_thinking": False, "depth": 2}
+    assert r.truncate_prompt_tokens == -1 and r.request_id == "body-id"
+    assert proto.parse(completion(request_id="only-body"), chat=False).request.request_id == "only-body"
+    with pytest.raises(proto.ApiError) as info:
+        proto.parse(completion(request_id="a"), chat=False, request_id="b")
+    assert info.value.status == 400 and info.value.param == "request_id"
 
 
 BAD: list[tuple[str, dict[str, Any], bool, str]] = [
@@ -212,16 +244,30 @@ BAD: list[tuple[str, dict[str, Any], bool, str]] = [
     ),
     ("two constraints", chat(response_format={"type": "json_object"}, guided_regex="a+"), True, "guided_regex"),
     ("tools", chat(tools=[{"type": "function", "function": {"name": "f"}}]), True, "tools"),
-    # vLLM's fields that were accepted and silently ignored (issue #22): each is refused by name until honoured.
-    ("include_stop_str_in_output", completion(include_stop_str_in_output=True), False, "include_stop_str_in_output"),
-    ("allowed_token_ids", completion(allowed_token_ids=[260]), False, "allowed_token_ids"),
-    ("bad_words", completion(bad_words=["Paris."]), False, "bad_words"),
-    ("add_generation_prompt false", chat(add_generation_prompt=False), True, "add_generation_prompt"),
-    ("continue_final_message", chat(continue_final_message=True), True, "continue_final_message"),
+    # vLLM's fields (issue #22): honoured ones with bad values, and those refused by name.
+    (
+        "include_stop_str_in_output a string",
+        completion(include_stop_str_in_output="y"),
+        False,
+        "include_stop_str_in_output",
+    ),
+    ("allowed_token_ids empty", completion(allowed_token_ids=[]), False, "allowed_token_ids"),
+    ("allowed_token_ids negative", completion(allowed_token_ids=[3, -1]), False, "allowed_token_ids[1]"),
+    ("bad_words a string", completion(bad_words="Paris"), False, "bad_words"),
+    ("bad_words item a number", completion(bad_words=["a", 3]), False, "bad_words[1]"),
+    ("add_generation_prompt a string", chat(add_generation_prompt="no"), True, "add_generation_prompt"),
+    ("continue_final_message a number", chat(continue_final_message=1), True, "continue_final_message"),
+    ("chat_template_kwargs a list", chat(chat_template_kwargs=[1]), True, "chat_template_kwargs"),
+    ("truncate_prompt_tokens a string", completion(truncate_prompt_tokens="8"), False, "truncate_prompt_tokens"),
+    ("request_id not ASCII", completion(request_id="é"), False, "request_id"),
+    ("request_id a number", completion(request_id=5), False, "request_id"),
     ("use_beam_search", completion(use_beam_search=True), False, "use_beam_search"),
-    ("truncate_prompt_tokens", completion(truncate_prompt_tokens=8), False, "truncate_prompt_tokens"),
-    ("request_id in the body", completion(request_id="mine"), False, "request_id"),
-    ("chat_template_kwargs", chat(chat_template_kwargs={"enable_thinking": False}), True, "chat_template_kwargs"),
+    ("best_of over n", completion(best_of=2), False, "best_of"),
+    ("best_of under n", completion(n=3, best_of=1), False, "best_of"),
+    ("skip_special_tokens false", completion(skip_special_tokens=False), False, "skip_special_tokens"),
+    ("add_special_tokens on a chat", chat(add_special_tokens=True), True, "add_special_tokens"),
+    ("truncation_side right", completion(truncation_side="right"), False, "truncation_side"),
+    ("length_penalty a bool", completion(length_penalty=True), False, "length_penalty"),
     ("several prompts", completion(prompt=["a", "b"]), False, "prompt"),
     ("empty prompt", completion(prompt=""), False, "prompt"),
     ("empty prompt list", completion(prompt=[]), False, "prompt"),

@@ -12,6 +12,7 @@ from scheduler_svc.frontend.validate import (
     OverCapacity,
     check,
     check_length,
+    truncated,
 )
 
 LIMITS = Limits(max_model_len=100, vocab_size=1000, block_size=16, pools=((4, 100),))
@@ -39,3 +40,50 @@ def test_a_request_must_fit_one_executor_whole() -> None:
     check_length("prompt", 120, Params(max_tokens=4), two)  # 124 tokens: 8 blocks, only the second's context
     with pytest.raises(OverCapacity, match="largest executor pool has 10"):
         check_length("prompt", 150, Params(max_tokens=30), two)  # too long for the first, too big for the second
+
+
+def _refused(req: pb.GenerateRequest, field: str) -> None:
+    with pytest.raises(InvalidArgument) as info:
+        check(req, LIMITS)
+    assert info.value.field == field, info.value
+
+
+def test_vllm_s_chat_template_fields_and_their_refusals() -> None:
+    msgs = [pb.ChatMessage(role="user", content="hi")]
+    assert check(pb.GenerateRequest(messages=msgs), LIMITS).template.add_generation_prompt
+    c = check(pb.GenerateRequest(messages=msgs, continue_final_message=True), LIMITS)
+    assert (c.template.add_generation_prompt, c.template.continue_final_message) == (False, True)
+    req = pb.GenerateRequest(messages=msgs)
+    req.chat_template_kwargs.update({"enable_thinking": False, "n": 2.0, "x": [1.5]})
+    assert check(req, LIMITS).template.kwargs == {"enable_thinking": False, "n": 2, "x": [1.5]}
+    _refused(
+        pb.GenerateRequest(messages=msgs, add_generation_prompt=True, continue_final_message=True),
+        "continue_final_message",
+    )
+    _refused(pb.GenerateRequest(prompt="hi", add_generation_prompt=False), "add_generation_prompt")
+    req = pb.GenerateRequest(messages=msgs)
+    req.chat_template_kwargs.update({"tokenize": True})
+    _refused(req, "chat_template_kwargs.tokenize")
+
+
+def test_token_masks_and_truncation_checks() -> None:
+    s = pb.SamplingParams(allowed_token_ids=[5, 3, 5], include_stop_str_in_output=True)
+    c = check(pb.GenerateRequest(prompt="hi", sampling=s), LIMITS)
+    assert c.params.allowed_token_ids == (3, 5) and c.params.include_stop_str_in_output
+    _refused(
+        pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParams(allowed_token_ids=[1000])),
+        "sampling.allowed_token_ids",
+    )
+    _refused(
+        pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParams(bad_words=["ok", " "])), "sampling.bad_words[1]"
+    )
+    _refused(pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParams(bad_words=["w"] * 65)), "sampling.bad_words")
+    _refused(pb.GenerateRequest(prompt="hi", truncate_prompt_tokens=0), "truncate_prompt_tokens")
+    _refused(pb.GenerateRequest(prompt_token_ids=[1] * 100), "prompt_token_ids")
+    check(pb.GenerateRequest(prompt_token_ids=[1] * 100, truncate_prompt_tokens=10), LIMITS)  # truncated later
+    prompt = list(range(120))
+    assert truncated(prompt, None, Params(), LIMITS) == prompt
+    assert truncated(prompt, 5, Params(), LIMITS) == prompt[-5:]
+    assert truncated(prompt, -1, Params(max_tokens=10), LIMITS) == prompt[-90:], "-1: max_model_len - max_tokens"
+    with pytest.raises(InvalidArgument, match="truncate_prompt_tokens"):
+        truncated(prompt, 95, Params(max_tokens=10), LIMITS)
