@@ -89,15 +89,14 @@ class Progress:
     def started(self) -> bool:
         return any(self.have) or bool(self.done)
 
-    def resumes(self, request_id: str) -> list[pb.ResumeRequest]:
-        """One ``Resume`` per unfinished completion, from its own offset (no index without ``n``)."""
+    def unfinished(self) -> list[int]:
+        return [i for i in range(self.n) if i not in self.done]
+
+    def resume(self, request_id: str, index: int) -> pb.ResumeRequest:
+        """The ``Resume`` of completion ``index`` from what the caller has of it (no index without ``n``)."""
         if self.n == 1:
-            return [pb.ResumeRequest(request_id=request_id, offset=self.have[0])]
-        return [
-            pb.ResumeRequest(request_id=request_id, offset=self.have[i], index=i)
-            for i in range(self.n)
-            if i not in self.done
-        ]
+            return pb.ResumeRequest(request_id=request_id, offset=self.have[0])
+        return pb.ResumeRequest(request_id=request_id, offset=self.have[index], index=index)
 
 
 def open_channel(address: str, tls_ca: str | Path | None = None) -> grpc.Channel:
@@ -109,6 +108,46 @@ def open_channel(address: str, tls_ca: str | Path | None = None) -> grpc.Channel
 
 def auth_metadata(api_key: str | None) -> list[tuple[str, str]]:
     return [(AUTHORIZATION, f"Bearer {api_key}")] if api_key else []
+
+
+class _Resubmit(Exception):
+    """NOT_FOUND before any token: the request never got in, so it is sent again."""
+
+
+@dataclass(slots=True)
+class _Attempts:
+    """One caller's reconnection state: the address it is on, consecutive failures, the backoff."""
+
+    addresses: list[str]
+    retries: int
+    i: int = 0
+    failures: int = 0
+
+    @property
+    def address(self) -> str:
+        return self.addresses[self.i % len(self.addresses)]
+
+    def ok(self) -> None:
+        self.failures = 0
+
+    def failed(self, exc: grpc.RpcError) -> None:
+        """After UNAVAILABLE: wait, then try the same address once more (a restart), then the next;
+        any other error, or ``retries`` failures in a row, is raised."""
+        if exc.code() != grpc.StatusCode.UNAVAILABLE or self.failures >= self.retries:
+            raise exc
+        self.failures += 1
+        if self.failures > 1:
+            self.i += 1
+        time.sleep(min(2.0, BACKOFF_S * 2 ** (self.failures - 1)))
+
+
+@dataclass(slots=True)
+class _Call:
+    """What one stream of the request needs: where, with what credentials, until when."""
+
+    tls_ca: str | Path | None
+    metadata: list[tuple[str, str]]
+    timeout: float | None
 
 
 def generate(
@@ -124,87 +163,124 @@ def generate(
     and drains; it ends when every completion (``sampling.n`` of them) has sent its finish_reason.
 
     On UNAVAILABLE it reconnects (the same address first, then the next one) and resumes each
-    unfinished completion from the last offset it delivered of it; other errors are raised
-    (UNAUTHENTICATED: no or a wrong ``api_key``). ``tls_ca``: speak TLS, trusting this CA bundle.
+    unfinished completion from the last offset it delivered of it, each on a stream of its own, so
+    that one completion's failure never touches another's stream (cancelling a stream aborts its
+    completion on the server); other errors are raised (UNAUTHENTICATED: no or a wrong ``api_key``).
+    ``tls_ca``: speak TLS, trusting this CA bundle.
     """
-    metadata = auth_metadata(api_key)
+    call = _Call(tls_ca, auth_metadata(api_key), timeout)
     addrs = [addresses] if isinstance(addresses, str) else list(addresses)
     req = pb.GenerateRequest()
     req.CopyFrom(request)
     req.request_id = req.request_id or uuid.uuid4().hex
     got = Progress(req.sampling.n if req.sampling.HasField("n") else 1)
-    resume, failures, i = False, 0, 0
-    while True:
+    attempts = _Attempts(addrs, retries)
+    resume = False
+    while not got.finished:
+        if resume:
+            try:
+                yield from _resume_all(req.request_id, got, call, attempts)  # raises what it cannot recover from
+            except _Resubmit:
+                resume = False
+            continue
         try:
-            with open_channel(addrs[i % len(addrs)], tls_ca) as channel:
-                stub = pb_grpc.GenerationStub(channel)
-                calls = (
-                    [stub.Resume(r, timeout=timeout, metadata=metadata) for r in got.resumes(req.request_id)]
-                    if resume
-                    else [stub.Generate(req, timeout=timeout, metadata=metadata)]
-                )
-                for resp in _merged(calls):
-                    failures = 0
-                    fresh = got.take(resp)
-                    if fresh is not None:
-                        yield fresh
-                    if got.finished:
-                        return
-                resume = True  # the streams ended before every completion did: ask for the rest
+            yield from _submit(req, got, call, attempts)
         except grpc.RpcError as exc:
-            code = exc.code()
-            if code == grpc.StatusCode.NOT_FOUND and resume and not got.started:
-                resume = False  # it never got in: submit it
-                continue
-            if code == grpc.StatusCode.ALREADY_EXISTS and not resume:
-                resume = True  # an earlier attempt got in after all
-                continue
-            if code != grpc.StatusCode.UNAVAILABLE or failures >= retries:
-                raise
-            failures += 1
-            resume = True
-            if failures > 1:
-                i += 1  # the same address once more (a restart), then the next
-            time.sleep(min(2.0, BACKOFF_S * 2 ** (failures - 1)))
+            if exc.code() != grpc.StatusCode.ALREADY_EXISTS:  # else an earlier attempt got in after all
+                attempts.failed(exc)
+        resume = True  # the stream ended (a drain) or failed before every completion did: it may have got in
+
+
+def _submit(req: pb.GenerateRequest, got: Progress, call: _Call, attempts: _Attempts) -> Iterator[pb.GenerateResponse]:
+    """One ``Generate`` stream, until every completion has ended or the stream does."""
+    with open_channel(attempts.address, call.tls_ca) as channel:
+        stub = pb_grpc.GenerationStub(channel)
+        for resp in stub.Generate(req, timeout=call.timeout, metadata=call.metadata):
+            attempts.ok()
+            if (fresh := got.take(resp)) is not None:
+                yield fresh
+            if got.finished:
+                return
+
+
+def _follow(
+    request_id: str, i: int, got: Progress, call: _Call, attempts: _Attempts, live: _Live
+) -> Iterator[pb.GenerateResponse]:
+    """Resume completion ``i`` from what the caller has of it, again after each failure, until it has ended;
+    raises _Resubmit on NOT_FOUND before any token."""
+    while i not in got.done and not live.stopped:
+        try:
+            with open_channel(attempts.address, call.tls_ca) as channel:
+                resume = got.resume(request_id, i)
+                stream = pb_grpc.GenerationStub(channel).Resume(resume, timeout=call.timeout, metadata=call.metadata)
+                live.calls[i] = stream
+                for resp in stream:
+                    attempts.ok()
+                    yield resp
+                    if resp.finish_reason:
+                        return
+        except grpc.RpcError as exc:
+            if live.stopped:
+                return
+            if exc.code() == grpc.StatusCode.NOT_FOUND and not got.started:
+                raise _Resubmit() from exc
+            attempts.failed(exc)
+        finally:
+            live.calls.pop(i, None)
+
+
+@dataclass(slots=True)
+class _Live:
+    """The Resume streams open at once (one per completion), to cancel when the caller is done."""
+
+    calls: dict[int, grpc.Call] = field(default_factory=dict)
+    stopped: bool = False
+
+    def stop(self) -> None:
+        self.stopped = True
+        for c in list(self.calls.values()):
+            c.cancel()
 
 
 _END = object()
 
 
-def _merged(calls: list[grpc.Call]) -> Iterator[pb.GenerateResponse]:
-    """The responses of several server streams as they come (one ``Resume`` per completion), each
-    read on a thread of its own; the first error ends them all and is raised. One call is read
-    here directly."""
-    if len(calls) == 1:
-        yield from calls[0]
+def _resume_all(request_id: str, got: Progress, call: _Call, attempts: _Attempts) -> Iterator[pb.GenerateResponse]:
+    """Every unfinished completion resumed on a stream of its own (one without ``n``), each read on a thread of its
+    own with its own reconnections; the first error that is not recovered ends them all and is raised."""
+    live = _Live()
+    if got.n == 1:
+        for resp in _follow(request_id, 0, got, call, attempts, live):
+            if (fresh := got.take(resp)) is not None:
+                yield fresh
         return
     out: queue.Queue[object] = queue.Queue()
 
-    def pump(call: grpc.Call) -> None:
+    def pump(index: int) -> None:
+        own = _Attempts(attempts.addresses, attempts.retries, attempts.i)
         try:
-            for resp in call:
+            for resp in _follow(request_id, index, got, call, own, live):
                 out.put(resp)
-        except grpc.RpcError as exc:
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
             out.put(exc)
         finally:
             out.put(_END)
 
-    threads = [threading.Thread(target=pump, args=(c,), daemon=True) for c in calls]
+    threads = [threading.Thread(target=pump, args=(i,), daemon=True) for i in range(got.n) if i not in got.done]
     for t in threads:
         t.start()
     try:
         ended = 0
-        while ended < len(calls):
+        while ended < len(threads):
             item = out.get()
             if item is _END:
                 ended += 1
-            elif isinstance(item, grpc.RpcError):
+            elif isinstance(item, BaseException):
                 raise item
-            else:
-                yield item  # type: ignore[misc]
+            elif (fresh := got.take(item)) is not None:  # type: ignore[arg-type]
+                yield fresh
     finally:
-        for c in calls:
-            c.cancel()
+        live.stop()
         for t in threads:
             t.join(timeout=5)
 

@@ -31,12 +31,12 @@ def test_resumes_ask_each_unfinished_completion_from_its_own_offset() -> None:
     got = Progress(n=3)
     got.take(msg(0, 0, [1, 2, 3], "stop"))
     got.take(msg(2, 0, [5]))
-    asks = got.resumes("g")
+    asks = [got.resume("g", i) for i in got.unfinished()]
     assert [(r.index, r.offset) for r in asks] == [(1, 0), (2, 1)]
     assert all(r.HasField("index") and r.request_id == "g" for r in asks)
     single = Progress()
     single.take(msg(0, 0, [4, 4]))
-    (only,) = single.resumes("r")
+    (only,) = [single.resume("r", i) for i in single.unfinished()]
     assert only.offset == 2 and not only.HasField("index"), "without n, a plain Resume as before"
 
 
