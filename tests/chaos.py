@@ -368,7 +368,8 @@ class Load:
             if unfinished:
                 t.incomplete.append(f"{rid}: {unfinished} completion(s) without a finish_reason")
             if got != want:
-                t.mismatches.append(f"{rid} ({spec.kind}): got {got} want {want}")
+                ends = {r.index: r.finish_reason for r in responses if r.finish_reason}
+                t.mismatches.append(f"{rid} ({spec.kind}): got {got} want {want} finish {ends}")
 
     def join(self, timeout: float) -> None:
         """Stop drawing; wait for the requests in flight, recording those that never end."""
