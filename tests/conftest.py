@@ -61,6 +61,8 @@ def deployments(items: list[pytest.Item]) -> dict[str, int]:
         if info is None:
             continue
         own[module] = own.get(module, 0) + bool(REAL & set(info.argnames))
+        if (marker := item.get_closest_marker("deployments")) is not None:  # starts its own, fixtures can't show
+            own[module] += int(marker.args[0]) - 1
         for name in item.fixturenames:
             defs = info.name2fixturedefs.get(name, ())
             if defs and defs[-1].scope in ("class", "module", "package") and reaches(name, info.name2fixturedefs):

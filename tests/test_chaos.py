@@ -8,6 +8,8 @@ import json
 import os
 from pathlib import Path
 
+import pytest
+
 from tests.chaos import KINDS, chaos, schedule
 
 SEED = int(os.environ.get("PAGEDSERVE_CHAOS_SEED", "27"))
@@ -20,6 +22,7 @@ def test_each_round_has_every_fault_once_and_a_seed_gives_one_schedule() -> None
     assert rounds != list(itertools.islice(schedule(6), 4))
 
 
+@pytest.mark.deployments(8)  # 3 executors, 2 replicas, Redis, then replacements: it starts first on a clean clone
 def test_every_fault_at_once_under_load_loses_nothing(tiny_llama: Path, tmp_path: Path) -> None:
     """One round: every kind of fault once while six clients stream greedy, shared-prefix, seeded, n=2 and
     structured requests through the resuming client. Set PAGEDSERVE_CHAOS_SEED to replay another schedule."""

@@ -23,6 +23,7 @@ import asyncio
 from collections import deque
 from dataclasses import replace
 
+import pytest
 import redis.asyncio as aioredis
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -418,7 +419,45 @@ def test_redis_state_machine(redis_url: str) -> None:
     assert min(walked.values()) > 0, walked
     run = ClusterState.TestCase
     run.settings = settings(
-        max_examples=60, stateful_step_count=40, deadline=None, suppress_health_check=list(HealthCheck)
+        max_examples=60,
+        stateful_step_count=40,
+        deadline=None,
+        suppress_health_check=list(HealthCheck),
+        derandomize=True,  # the same exploration on every machine and run: a red suite is never a lucky draw
     )
     run().runTest()
     assert min(ClusterState.seen.values()) > 0, ClusterState.seen
+
+
+class _Drawn:
+    """What ``data.draw`` returned, in order, in an example Hypothesis found."""
+
+    def __init__(self, *values: object) -> None:
+        self.values = list(values)
+
+    def draw(self, strategy: object) -> object:
+        return self.values.pop(0)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason="open bug, found 2026-12-02 by a random exploration of this machine (the suite's is derandomized): "
+    "a pipelined loop restarted with nothing in flight restores a request that hit the prefix cache with "
+    "fewer computed tokens (4) than its predecessor held (10)",
+)
+def test_a_restarted_pipelined_loop_restores_a_resent_prompts_computed_tokens(redis_url: str) -> None:
+    """Hypothesis's shrunk example, replayed step by step."""
+    ClusterState.redis_url = redis_url
+    machine = ClusterState()
+    try:
+        machine.start(policy="fcfs", mode="swap", budget=5, pipelined=True)
+        machine.redis_state_is_consistent()
+        machine.submit_group(max_tokens=12, n=2, prompt=1)
+        machine.resend(data=_Drawn("exec-0"), prompt=13)
+        machine.join()
+        machine.resend(data=_Drawn("exec-1"), prompt=9)
+        machine.redis_state_is_consistent()
+        machine.loop_restarts(data=_Drawn("exec-1"))
+    finally:
+        machine.teardown()
