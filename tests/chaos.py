@@ -206,7 +206,8 @@ class Tally:
 class Stack:
     """The deployment under test and the faults applied to it, one at a time (from one thread)."""
 
-    def __init__(self, model: Path, log_dir: Path, namespace: str = "chaos") -> None:
+    def __init__(self, model: Path, log_dir: Path, namespace: str = "chaos", keep: int = EXECUTORS) -> None:
+        self.keep = keep  # executors kept running after a kill or drain (replacements join)
         self.redis = RedisServer(appendfsync="always")
         self.namespace = namespace
         self.scheduler_args = [*LEASE, "--executor-timeout", "4"]
@@ -241,8 +242,8 @@ class Stack:
         tally.note(fault.kind, time.monotonic() - t0)
 
     def _replace(self) -> None:
-        """Keep EXECUTORS running after one left (a join beyond them is the ``executor_join`` fault's)."""
-        if len(self._executors()) < EXECUTORS:
+        """Keep ``keep`` executors running after one left (a join beyond them is the ``executor_join`` fault's)."""
+        if len(self._executors()) < self.keep:
             self.cluster.add_executor()
 
     def executor_kill(self, victim: int, tally: Tally) -> None:
@@ -407,14 +408,15 @@ def calm_answers(addresses: list[str]) -> dict[Spec, dict[int, list[int]]]:
     return out
 
 
-def chaos(model: Path, seed: int, duration_s: float, log_dir: Path, clients: int = 6) -> Tally:
-    """Run the load and rounds of faults until ``duration_s`` has passed (at least one whole round), then check."""
+def chaos(model: Path, seed: int, duration_s: float, log_dir: Path, clients: int = 6, keep: int = EXECUTORS) -> Tally:
+    """Run the load and rounds of faults until ``duration_s`` has passed (at least one whole round), then check.
+    ``keep``: executors kept running after a kill or a drain (1: no replacements, the suite's short round)."""
     from tests.test_e2e_oracle import hf_greedy
 
     print(f"chaos: seed {seed}, {duration_s:.0f} s, logs in {log_dir}", flush=True)
     oracle = dict(zip(map(tuple, ORACLE_PROMPTS), hf_greedy(model, ORACLE_PROMPTS, [MAX_OUT] * len(ORACLE_PROMPTS))))
     tally = Tally(seed)
-    stack = Stack(model, log_dir)
+    stack = Stack(model, log_dir, keep=keep)
     try:
         calm = calm_answers(stack.addresses)
         tally.started = time.monotonic()

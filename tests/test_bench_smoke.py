@@ -77,6 +77,7 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return dst
 
 
+@pytest.mark.deployments(20)  # every arm's deployments and stub executors: one of the longest, so it goes first
 def test_harness_writes_report(tiny_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "results"
     rc = run.main(
