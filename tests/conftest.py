@@ -13,6 +13,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import openai
 import pytest
 
 # One torch (OpenMP) thread per process, inherited by every executor the suite starts: make test runs two workers on
@@ -212,6 +213,15 @@ def make_cluster(
     if sized:
         flags["executor_args"] = [*(flags.get("executor_args") or []), *sized]
     return Cluster(str(model), redis_url=redis_url, namespace=namespace, log_dir=log_dir, **flags)
+
+
+@pytest.fixture(scope="module")
+def client(cluster: Cluster) -> Iterator[openai.OpenAI]:
+    """The official ``openai`` client on the module's ``cluster`` (started with ``http_port``); its timeout only
+    guards against a hang."""
+    assert cluster.http_url is not None
+    with openai.OpenAI(base_url=cluster.http_url + "/v1", api_key="EMPTY", max_retries=0, timeout=300) as c:
+        yield c
 
 
 @pytest.fixture(scope="module")

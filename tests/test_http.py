@@ -89,13 +89,6 @@ def cluster(templated: Path, redis_url: str, tmp_path_factory: pytest.TempPathFa
 
 
 @pytest.fixture(scope="module")
-def client(cluster: Cluster) -> Iterator[openai.OpenAI]:
-    assert cluster.http_url is not None
-    with openai.OpenAI(base_url=cluster.http_url + "/v1", api_key="EMPTY", max_retries=0, timeout=HANG_GUARD_S) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
 def model(templated: Path) -> str:
     return str(templated.absolute())  # the model directory as the executor loaded it: /v1/models' id
 

@@ -49,13 +49,6 @@ def cluster(tiny_llama: Path, redis_url: str, tmp_path_factory: pytest.TempPathF
 
 
 @pytest.fixture(scope="module")
-def client(cluster: Cluster) -> Iterator[openai.OpenAI]:
-    assert cluster.http_url is not None
-    with openai.OpenAI(base_url=cluster.http_url + "/v1", api_key="EMPTY", max_retries=0, timeout=HANG_GUARD_S) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
 def model(tiny_llama: Path) -> str:
     return tiny_llama.name
 
