@@ -463,8 +463,9 @@ class Scheduler:
             req = s.req
             rid = req.request_id
             live = self.requests.get(rid) is req
-            if live:  # the KV this step wrote is in: name its full blocks for others (core/prefix.py)
+            if live:  # the KV this step wrote is in: name its full blocks for others (core/prefix.py),
                 self.blocks.cache(req, s.start + s.num_tokens)
+                touched[rid] = req  # and commit what it computed (a pipelined commit wrote only its start)
             if prompt_logprobs and rid in prompt_logprobs and live:
                 self.record.prompt_logprobs.setdefault(rid, {}).update(prompt_logprobs[rid])
             if not s.samples:
@@ -474,7 +475,6 @@ class Scheduler:
             if token is None or not live:
                 continue
             req.output_ids.append(token)
-            touched[rid] = req
             new_tokens.setdefault(rid, []).append(token)
             if logprobs and rid in logprobs:
                 self.record.logprobs.setdefault(rid, []).append(logprobs[rid])

@@ -224,3 +224,18 @@ def test_swapped_requests_return_before_new_work() -> None:
         out = run_step(s)
         order += [x.req.request_id for x in out.scheduled if x.req.request_id not in order]
     assert order.index(swapped.request_id) < order.index("late")
+
+
+def test_a_reported_prefill_chunk_records_what_its_request_computed() -> None:
+    """The pipelined loop commits a plan's requests at their start while it is in flight; the
+    report of a chunk that samples nothing must record its request again, or the commit after
+    it keeps the start (a restarted loop would reload fewer computed tokens than were written)."""
+    s = make(blocks=64, max_num_batched_tokens=4)
+    s.add(req("long", 10))
+    out = s.schedule()
+    s.launch(out)
+    s.take_record()  # the commit made while the chunk is in flight
+    s.update(out, {})
+    rec = s.take_record()
+    assert rec.touched == {"long": s.requests["long"]}
+    assert rec.touched["long"].num_computed == 4
