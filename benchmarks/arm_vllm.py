@@ -220,3 +220,50 @@ def bench_serve(venv: Path, base_url: str, model: str, tokenizer: Path, b: Bench
     res = json.loads(out.read_text())
     keys = ("output_throughput", "median_ttft_ms", "median_itl_ms", "median_tpot_ms", "completed", "duration")
     return {k: res[k] for k in keys if k in res}
+
+
+@dataclass(frozen=True, slots=True)
+class StepProbe:
+    """``benchmarks/vllm_steps.py``'s shapes: ``batches`` rows of ``context`` cached tokens, ``steps`` decode
+    steps per timed run, ``reps`` timed pairs per batch."""
+
+    batches: tuple[int, ...]
+    context: int
+    steps: int = 16
+    reps: int = 3
+
+
+def decode_steps(cfg: VllmConfig, probe: StepProbe, timeout: float = 900) -> dict[str, object]:
+    """vLLM's engine step (scheduler, model runner, output processing) per batch size, in its own venv with the
+    server's environment (threads bound to ``cfg.bind``); ``{"step_ms": {batch: ms}, "startup_s": s}``."""
+    kv = VllmConfig(
+        cfg.model_dir,
+        max(cfg.kv_tokens, max(probe.batches) * (probe.context + probe.steps + cfg.block_size)),
+        cfg.per_token,
+        cfg.block_size,
+        venv=cfg.venv,
+        cores=cfg.cores,
+        enforce_eager=cfg.enforce_eager,
+    )
+    args = {
+        "model_dir": str(cfg.model_dir),
+        "block_size": cfg.block_size,
+        "kv_bytes": kv.kv_bytes,
+        "max_model_len": cfg.max_model_len,
+        "batches": list(probe.batches),
+        "context": probe.context,
+        "steps": probe.steps,
+        "reps": probe.reps,
+        "enforce_eager": cfg.enforce_eager,
+    }
+    script = Path(__file__).with_name("vllm_steps.py")
+    out = subprocess.run(
+        [str(cfg.venv / "bin" / "python"), str(script), json.dumps(args)],
+        capture_output=True,
+        text=True,
+        env=cfg.env(),
+        timeout=timeout,
+    )
+    if out.returncode != 0:
+        raise RuntimeError(f"vllm_steps exited {out.returncode}: {out.stderr[-2000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])

@@ -589,6 +589,22 @@ def _machine_lines(summary: dict) -> list[str]:
         f"| {p['batch']} | {_f(p['executor_ms'])} | {_f(p['transformers_ms'])} | {_f(p['ratio'], 3)} |"
         for p in summary.get("model_runner") or []
     ]
+    vs = summary.get("runner_vs_vllm") or {}
+    lines += [
+        "",
+        "**Against vLLM's engine step** on the same shapes (`benchmarks/vllm_steps.py`: vLLM's offline `LLM` in its "
+        "own venv, threads bound as its server's; a decode step = (time of 1 + 16 tokens - time of 1 token) / 16, "
+        "median of 3: its scheduler, model runner and output processing; ours is the executor's `Engine.step` "
+        f"above, forward and sampling). vLLM's start: {_f(vs.get('vllm_startup_s'))} s."
+        + (f" Not measured: {vs['skipped']}." if vs.get("skipped") else ""),
+        "",
+        "| batch | executor ms | vLLM step ms | executor / vLLM |",
+        "|---|---|---|---|",
+    ]
+    lines += [
+        f"| {p['batch']} | {_f(p['executor_ms'])} | {_f(p['vllm_step_ms'])} | {_f(p['ratio'], 3)} |"
+        for p in vs.get("points") or []
+    ]
     fractions = summary.get("roofline_fraction_by_arm") or {}
     per_arm = ", ".join(f"{a} {_f(v, 3)}" for a, v in fractions.items()) or "–"
     lines += [
@@ -608,7 +624,7 @@ def _machine_lines(summary: dict) -> list[str]:
         f"![duty cycle]({(summary.get('plots') or {}).get('duty_cycle', '')})",
         "",
     ]
-    lines += [f"- error: {e}" for e in summary.get("errors") or [] if e.startswith("machine:")]
+    lines += [f"- error: {e}" for e in summary.get("errors") or [] if e.startswith(("machine:", "vllm steps:"))]
     return lines
 
 

@@ -283,10 +283,37 @@ def against_machine(args: argparse.Namespace, cfg: Config, out: Path, summary: d
     ran = "pagedserve" in summary["arms"] and log.exists()
     steps = [json.loads(line) for line in log.read_text().splitlines() if line.strip()] if ran else []
     summary.update(machine.summary_keys(result, summary["output_tokens_per_s"], steps))
+    summary.update(runner_vs_vllm(args, cfg, result, summary))
     summary["plots"]["duty_cycle"] = report.plot_duty(summary["duty_by_running"], out)
     summary["wall_time_s"] = time.monotonic() - started
     report.write_summary(summary, out)
     report.append_machine_section(summary, out)
+
+
+def runner_vs_vllm(args: argparse.Namespace, cfg: Config, result: MachineResult | None, summary: dict) -> dict:
+    """vLLM's engine step on the machine arm's shapes, when both the machine and the vllm arms run."""
+    from benchmarks import arm_vllm, vllm_peer
+    from benchmarks.config import kv_bytes_per_token
+    from benchmarks.machine import MachineConfig
+
+    if result is None or "vllm" not in cfg.arms:
+        return vllm_peer.runner_keys({}, None, "the machine or the vllm arm did not run")
+    ours = {p.batch: p.executor_ms for p in result.runner}
+    skipped = arm_vllm.unavailable(args.vllm_venv)
+    if skipped:
+        return vllm_peer.runner_keys(ours, None, skipped)
+    t = time.monotonic()
+    print("[bench] vLLM's engine step on the machine arm's shapes ...", flush=True)
+    model_dir = Path(summary["model"])
+    vcfg = arm_vllm.VllmConfig(model_dir, 0, kv_bytes_per_token(model_dir), venv=args.vllm_venv)
+    probe = arm_vllm.StepProbe(tuple(cfg.machine_batches), MachineConfig().context)
+    try:
+        return vllm_peer.runner_keys(ours, arm_vllm.decode_steps(vcfg, probe), None)
+    except Exception as exc:
+        summary["errors"].append(f"vllm steps: {type(exc).__name__}: {exc}")
+        return vllm_peer.runner_keys(ours, None, f"{type(exc).__name__}: {exc}"[:300])
+    finally:
+        summary["arm_wall_time_s"]["vllm engine step"] = round(time.monotonic() - t, 1)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -16,6 +16,7 @@ import json
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import cast
 
 from benchmarks import arm_pagedserve, arm_vllm, openai_http, stack
 from benchmarks.metrics import summarize
@@ -202,3 +203,25 @@ def section(summary: dict) -> list[str]:
         lines += ["", "`vllm bench serve --dataset-name random` (the second client):", ""]
         lines += [f"- {name}: {json.dumps(figs)}" for name, figs in v["bench_serve"].items()]
     return [*lines, ""]
+
+
+def runner_keys(
+    executor_ms: dict[int, float], vllm: dict[str, object] | None, skipped: str | None
+) -> dict[str, object]:
+    """Our executor's decode step (``benchmarks.machine``: ``Engine.step``, forward and sampling) against vLLM's
+    engine step (``benchmarks/vllm_steps.py``: scheduler, model runner, output processing) on the same shapes;
+    ratio below 1: ours is faster. Null where either side was not measured."""
+    measured = cast(dict[str, float], (vllm or {}).get("step_ms") or {})
+    theirs = {int(b): float(ms) for b, ms in measured.items()}
+    points = [
+        {
+            "batch": b,
+            "executor_ms": round(ms, 2),
+            "vllm_step_ms": theirs.get(b),
+            "ratio": round(ms / theirs[b], 3) if theirs.get(b) else None,
+        }
+        for b, ms in sorted(executor_ms.items())
+    ]
+    keys: dict[str, object] = {f"runner_ratio_vs_vllm_{p['batch']}": p["ratio"] for p in points}
+    keys["runner_vs_vllm"] = {"points": points, "vllm_startup_s": (vllm or {}).get("startup_s"), "skipped": skipped}
+    return keys
