@@ -53,7 +53,7 @@ prometheus:
 # recorded in .cache/test-durations.json, or, for a module never measured, by the deployments its fixtures start.
 TEST_WORKERS ?= 2
 test: install prometheus
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadscope
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder
 
 # The fuzzing campaign of tests/test_fuzz.py, long: FUZZ_EXAMPLES batches of calls against one live stack
 # (make test runs a bounded number). Prints how many ran; the JSON summary lands in .cache/fuzz-summary.json.
