@@ -288,7 +288,7 @@ def test_bad_tools_are_400_naming_the_field(client: openai.OpenAI, model: str) -
     for kw, param in (
         ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
         ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
-        ({"tools": [{"type": "function", "function": {"name": "bad name"}}]}, "tools[0].name"),
+        ({"tools": [{"type": "function", "function": {"name": "bad name"}}]}, "tools[0].function.name"),
         (
             {
                 "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}}],

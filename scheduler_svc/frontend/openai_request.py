@@ -128,7 +128,7 @@ def openai_field(field: str | None) -> str | None:
     for old, new in RENAMES.items():
         if field.startswith(old):
             return new + field[len(old) :]
-    return field
+    return tools.openai_name(field)
 
 
 def api_error(refusal: Refusal) -> ApiError:

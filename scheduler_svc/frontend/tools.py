@@ -50,6 +50,21 @@ For each function call, return a json object with function name and arguments wi
 </tool_call>"""
 
 
+# pagedserve.v1's names of the fields a refusal names -> OpenAI's.
+OPENAI_NAMES = (
+    (re.compile(r"^(tools\[\d+\])\.name"), r"\1.function.name"),
+    (re.compile(r"^(tools\[\d+\])\.parameters_json_schema"), r"\1.function.parameters"),
+    (re.compile(r"^(messages\[\d+\]\.tool_calls\[\d+\])\.(name|arguments)"), r"\1.function.\2"),
+)
+
+
+def openai_name(field: str) -> str:
+    """A tool field as OpenAI's request names it (``tools[0].name`` is ``tools[0].function.name``)."""
+    for pattern, name in OPENAI_NAMES:
+        field = pattern.sub(name, field)
+    return field
+
+
 @dataclass(frozen=True, slots=True)
 class Plan:
     """A request's tools, checked: ``mode`` is none, auto, required or named (``function``).

@@ -114,6 +114,13 @@ def test_bad_tools_are_refused_naming_the_field(body: dict[str, Any], parser: st
     assert info.value.field == field, info.value
 
 
+def test_refusals_name_the_fields_as_openai_does() -> None:
+    assert tools.openai_name("tools[3].name") == "tools[3].function.name"
+    assert tools.openai_name("tools[0].parameters_json_schema") == "tools[0].function.parameters"
+    assert tools.openai_name("messages[2].tool_calls[1].arguments") == "messages[2].tool_calls[1].function.arguments"
+    assert openai_request.openai_field("tool_choice") == "tool_choice"
+
+
 def test_tools_need_messages() -> None:
     req = pb.GenerateRequest(prompt="hi", tools=[pb.Tool(name="f")], tool_choice=pb.ToolChoice(mode=pb.ToolChoice.NONE))
     with pytest.raises(InvalidArgument) as info:
