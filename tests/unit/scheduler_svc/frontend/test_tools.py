@@ -11,6 +11,7 @@ import pytest
 from pagedserve.v1 import generation_pb2 as pb
 from scheduler_svc.frontend import openai_request, tools
 from scheduler_svc.frontend.refusals import InvalidArgument
+from scheduler_svc.frontend.validate import Caps, Limits, check
 
 WEATHER = {
     "type": "function",
@@ -180,3 +181,32 @@ def test_a_call_whose_arguments_are_not_json_is_refused_at_rendering() -> None:
     with pytest.raises(InvalidArgument) as info:
         tools.template_messages(request(messages=bad), None, aware=True)
     assert info.value.field == "messages[1].tool_calls[0].arguments"
+
+
+LIMITS = Limits(max_model_len=100, vocab_size=1000, block_size=16, pools=((4, 100),))
+
+
+def test_required_and_named_become_the_requests_grammar() -> None:
+    req = request(tools=[WEATHER], tool_choice="required")
+    checked = check(req, LIMITS)
+    assert checked.tools is not None and checked.grammar_field == "tools"
+    assert checked.params.grammar == ("json_schema", checked.tools.schema)
+    auto = check(request(tools=[WEATHER]), LIMITS, tool_parser="hermes")
+    assert auto.params.grammar is None and auto.tools is not None and auto.tools.mode == "auto"
+    # auto and none leave another constraint alone: it shapes the text the parser reads
+    forced = request(tools=[WEATHER], structured_outputs={"regex": "a+"})
+    assert check(forced, LIMITS, tool_parser="hermes").params.grammar == ("regex", "a+")
+
+
+@pytest.mark.parametrize(
+    "body,caps,field",
+    [
+        ({"tool_choice": "required", "response_format": {"type": "json_object"}}, Caps(), "tool_choice"),
+        ({"tool_choice": "required", "ignore_eos": True}, Caps(), "sampling.ignore_eos"),
+        ({"tool_choice": "required"}, Caps(max_grammar_bytes=64), "tools"),
+    ],
+)
+def test_the_tools_grammar_is_refused_where_a_constraint_would_be(body: dict[str, Any], caps: Caps, field: str) -> None:
+    with pytest.raises(InvalidArgument) as info:
+        check(request(tools=[WEATHER], **body), LIMITS, caps)
+    assert info.value.field == field, info.value
