@@ -125,8 +125,10 @@ def test_a_named_function_is_called_streamed_or_not(client: openai.OpenAI, model
     chunks = list(chat(client, model, tool_choice=named, stream=True))
     deltas = [c.choices[0].delta for c in chunks if c.choices]
     assert not any(d.content for d in deltas), "no JSON leaks into content"
-    [first] = [c for d in deltas for c in d.tool_calls or []]
+    first, *more = [c for d in deltas for c in d.tool_calls or []]
     assert first.index == 0 and first.id and first.type == "function" and first.function.name == "get_weather"
+    assert more and all(c.index == 0 and c.id is None and c.function.name is None for c in more), "arguments stream"
+    assert json.loads("".join(c.function.arguments or "" for c in [first, *more])) == args
 
 
 def test_openai_parse_with_a_pydantic_function_tool(client: openai.OpenAI, model: str) -> None:

@@ -17,7 +17,7 @@ from scheduler_svc.core.logprob import Logprob
 from scheduler_svc.frontend.echo import Echo, Entry, entries, prefixed
 from scheduler_svc.frontend.openai_request import Parsed
 from scheduler_svc.frontend.streams import Chunk
-from scheduler_svc.frontend.tool_calls import Reader, finish_reason, read_all, reader
+from scheduler_svc.frontend.tool_calls import Named, Reader, finish_reason, read_all, reader
 from scheduler_svc.frontend.tools import Plan
 
 
@@ -67,6 +67,7 @@ class _Choice:
     echoed: bool = False  # echo: the prompt has been streamed in front of it
     held: list[Chunk] = field(default_factory=list)  # echo with logprobs: waiting for its prompt's logprobs
     reader: Reader | None = None  # chat with tools: the calls in its text (tool_calls)
+    named: Named | None = None  # tool_choice a function: its arguments streamed as they come
     calls: int = 0  # tool calls streamed so far
 
 
@@ -95,7 +96,9 @@ class Shape:
 
     def _state(self, index: int) -> _Choice:
         if index not in self._choices:
-            self._choices[index] = _Choice(reader=reader(self.tools) if self.parsed.chat else None)
+            chat, plan = self.parsed.chat, self.tools
+            named = Named(plan.function) if chat and plan is not None and plan.mode == "named" else None
+            self._choices[index] = _Choice(reader=reader(plan) if chat else None, named=named)
         return self._choices[index]
 
     @property
@@ -265,6 +268,10 @@ class Shape:
     @staticmethod
     def _calls(state: _Choice, chunk: Chunk) -> tuple[str, list[dict[str, Any]]]:
         """A chunk's content and the tool calls it completes (``delta.tool_calls``, indexed in the choice)."""
+        if state.named is not None:
+            deltas = state.named.deltas(chunk.text)
+            state.calls = int(state.named.opened)
+            return "", deltas
         assert state.reader is not None
         text, found = state.reader.feed(chunk.text)
         if chunk.finish_reason:

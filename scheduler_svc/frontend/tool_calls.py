@@ -4,10 +4,12 @@ A ``Reader`` takes a completion's text piece by piece (``feed``, then ``finish``
 returns, each time, the text that is content and the calls completed so far, so that a
 stream and a whole answer (``read_all``: one feed) split the same text the same way:
 
-- ``required``: the grammar's JSON array of ``{"name", "parameters"}``; named: the
-  grammar's JSON object is the function's arguments. Both are held until the end (their
-  calls come whole, in the last chunk); output cut short (``length``) that does not
+- ``required``: the grammar's JSON array of ``{"name", "parameters"}``, held until the end
+  (its calls come whole, in the last chunk); output cut short (``length``) that does not
   parse stays content.
+- a named function: the grammar's JSON object is the call's arguments, whatever the text
+  (cut short, too: as vLLM). A stream opens the call with the first text and sends the
+  arguments as they come (``Named``), as OpenAI and vLLM stream them.
 - ``auto`` with the ``hermes`` parser: each ``<tool_call>{"name": ..., "arguments": {...}}
   </tool_call>`` is a call (an unclosed one at the end too, as vLLM reads it); text from
   ``<tool_call>`` on is held back until it is closed, so no tag leaks into content, and a
@@ -31,11 +33,15 @@ from scheduler_svc.frontend.tools import Plan
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
 
+def new_id() -> str:
+    return "call_" + secrets.token_hex(12)
+
+
 @dataclass(frozen=True, slots=True)
 class Call:
     name: str
     arguments: str  # JSON text
-    id: str = field(default_factory=lambda: "call_" + secrets.token_hex(12))
+    id: str = field(default_factory=new_id)
 
     def openai(self) -> dict[str, Any]:
         """OpenAI's ``message.tool_calls[i]``."""
@@ -150,13 +156,13 @@ class Reader:
         return "", self._keep(calls)
 
     def _whole(self, text: str) -> list[Call] | None:
-        """required: the array's calls; named: the object is the arguments; None: it does not parse."""
+        """required: the array's calls; named: the text is the arguments; None: no call."""
+        if self.plan.mode == "named":
+            return [Call(self.plan.function, text)] if text else None
         try:
             value = json.loads(text)
         except ValueError:
             return None
-        if self.plan.mode == "named":
-            return [Call(self.plan.function, _dumps(value))] if isinstance(value, dict) else None
         if not isinstance(value, list):
             return None
         calls = []
@@ -165,6 +171,24 @@ class Reader:
                 return None
             calls.append(Call(c["name"], _dumps(c.get("parameters", {}))))
         return calls
+
+
+@dataclass(slots=True)
+class Named:
+    """A named function's call streamed: opened (id, name) with the first text, the arguments as they come."""
+
+    function: str
+    id: str = field(default_factory=new_id)
+    opened: bool = False
+
+    def deltas(self, text: str) -> list[dict[str, Any]]:
+        """OpenAI's ``delta.tool_calls`` for this much more of the arguments."""
+        if not text:
+            return []
+        if self.opened:
+            return [{"index": 0, "function": {"arguments": text}}]
+        self.opened = True
+        return [Call(self.function, text, self.id).delta(0)]
 
 
 def reader(plan: Plan | None) -> Reader | None:

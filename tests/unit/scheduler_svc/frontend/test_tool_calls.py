@@ -85,7 +85,11 @@ def test_required_and_named_read_the_grammars_json() -> None:
     assert streamed(REQUIRED, list(text))[0] == "" and named(streamed(REQUIRED, list(text))[1]) == named(calls)
     content, calls = read_all(NAMED, '{"city": "Paris"}')
     assert content is None and named(calls) == [("get_weather", {"city": "Paris"})]
-    assert read_all(NAMED, '{"city": "Pa') == ('{"city": "Pa', []), "cut short (length): the text stays content"
+    content, cut = read_all(NAMED, '{"city": "Pa')
+    assert content is None and [(c.name, c.arguments) for c in cut] == [("get_weather", '{"city": "Pa')], (
+        "cut short (length): still the call's arguments, as vLLM (and as a stream sent them)"
+    )
+    assert read_all(NAMED, "") == ("", [])
     assert read_all(None, "text") == ("text", []) and read_all(Plan("none"), " text ") == (" text ", [])
 
 
@@ -132,3 +136,15 @@ def test_the_grpc_door_puts_the_calls_on_the_last_message() -> None:
         ("get_weather", '{"city": "Paris"}')
     ]
     assert not tool_calls.Texts(None).annotate(pb.GenerateResponse(text="x", finish_reason="stop")).tool_calls
+
+
+def test_a_named_functions_arguments_stream_as_they_come() -> None:
+    s = shape(NAMED, True)
+    pieces = ['{"ci', 'ty": ', '"Paris"}']
+    events = [e for i, p in enumerate(pieces) for e in s.events(Chunk("r", [i], p, i, "stop" * (i == 2)))]
+    calls = [c for e in events for c in e["choices"][0]["delta"].get("tool_calls", [])]
+    assert calls[0]["id"].startswith("call_") and calls[0]["function"]["name"] == "get_weather"
+    assert all(set(c) == {"index", "function"} and set(c["function"]) == {"arguments"} for c in calls[1:])
+    assert "".join(c["function"]["arguments"] for c in calls) == '{"city": "Paris"}'
+    assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    assert not any(e["choices"][0]["delta"].get("content") for e in events)
