@@ -68,6 +68,11 @@ def hermes_call(block: str) -> Call | None:
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
     args = obj.get("arguments", obj.get("parameters", {}))
+    if isinstance(args, str):  # some models write the arguments as JSON text
+        try:
+            args = json.loads(args)
+        except ValueError:
+            return None
     if not isinstance(args, dict):
         return None
     return Call(obj["name"], _dumps(args))

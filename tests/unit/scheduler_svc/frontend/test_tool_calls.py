@@ -45,6 +45,8 @@ def test_hermes_reads_each_call_and_keeps_the_rest_as_content() -> None:
     assert content == "Let me check."
     assert named(calls) == [("get_weather", {"city": "Paris"}), ("get_time", {})]
     assert len({c.id for c in calls}) == 2 and all(c.id.startswith("call_") for c in calls)
+    as_text = '<tool_call>{"name": "f", "arguments": "{\\"x\\": 1}"}</tool_call>'  # arguments as JSON text
+    assert named(read_all(AUTO, as_text)[1]) == [("f", {"x": 1})]
 
 
 @pytest.mark.parametrize("size", [1, 2, 3, 5, 11, 1000])
