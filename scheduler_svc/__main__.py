@@ -16,7 +16,7 @@ from pagedserve.metrics import PREFIXES
 from pagedserve.security import Dialer, TLSFiles
 from scheduler_svc.core.queue import POLICIES
 from scheduler_svc.core.scheduler import PREEMPTION_MODES
-from scheduler_svc.frontend import validate
+from scheduler_svc.frontend import tools, validate
 from scheduler_svc.state import schema
 from scheduler_svc.state.store import DETACH_TIMEOUT_S
 
@@ -100,6 +100,19 @@ def _observability_arguments(p: argparse.ArgumentParser) -> None:
         "default: the model directory, as the executor loaded it",
     )
     p.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help="allow tool_choice auto (vLLM's flag; needs --tool-call-parser): the calls are read from the "
+        "model's text; without it, auto is refused (400 / INVALID_ARGUMENT naming tool_choice)",
+    )
+    p.add_argument(
+        "--tool-call-parser",
+        choices=tools.PARSERS,
+        default=None,
+        help="how tool_choice auto reads calls from the text (vLLM's flag): hermes reads "
+        '<tool_call>{"name": ..., "arguments": {...}}</tool_call> blocks (docs/http.md)',
+    )
+    p.add_argument(
         "--otlp-traces-endpoint",
         default=None,
         help="send OpenTelemetry traces (one per request) to this OTLP/HTTP endpoint, "
@@ -168,6 +181,8 @@ def _check_limits(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error("--result-ttl and --detach-timeout must be positive")
     if not 0 <= args.http_port <= 65535:
         p.error("--http-port must be a port number (0: off)")
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        p.error("--enable-auto-tool-choice requires --tool-call-parser")
     if args.max_pending_requests < 0:
         p.error("--max-pending-requests must be >= 0 (0: no limit)")
     if args.max_logprobs < 0:

@@ -239,7 +239,36 @@ def requests(draw: st.DrawFn) -> pb.GenerateRequest:
         req.chat_template_kwargs.update(draw(st.dictionaries(keys, json_values, max_size=4)))
     if draw(st.booleans()):
         req.truncate_prompt_tokens = draw(i32)
+    if draw(st.booleans()):
+        _tools(draw, req)
     return req
+
+
+SCHEMAS = ['{"type": "object", "properties": {"a": {"enum": ["x", "y"]}}}', "[]", "{", "NaN", '{"type": "objectx"}']
+
+
+def _tools(draw: st.DrawFn, req: pb.GenerateRequest) -> None:
+    """Tool calling's fields (issue 22): tools, a choice (any mode number, any name) and a history's calls."""
+    names = st.sampled_from(["get_weather", "f", ""]) | text
+    req.tools.extend(
+        draw(
+            st.lists(
+                st.builds(
+                    pb.Tool, name=names, description=text, parameters_json_schema=st.sampled_from(SCHEMAS) | text
+                ),
+                max_size=3,
+            )
+        )
+    )
+    if draw(st.booleans()):
+        choice = st.builds(pb.ToolChoice, mode=st.integers(0, 5)) | st.builds(pb.ToolChoice, function_name=names)
+        req.tool_choice.CopyFrom(draw(choice))
+    if draw(st.booleans()):
+        req.parallel_tool_calls = draw(st.booleans())
+    for m in req.messages[:3]:
+        args = st.sampled_from(['{"a": 1}', "{", "", "[1]"]) | text
+        m.tool_calls.extend(draw(st.lists(st.builds(pb.ToolCall, id=text, name=names, arguments=args), max_size=2)))
+        m.tool_call_id = draw(text)
 
 
 @st.composite

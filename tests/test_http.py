@@ -1000,6 +1000,9 @@ HONOURED = {
     "chat_template_kwargs": "test_http::test_chat_template_fields_render_the_prompt",
     "truncate_prompt_tokens": "test_http::test_truncate_prompt_tokens_keeps_the_last_k",
     "request_id": "test_http::test_a_body_request_id_names_the_request",
+    "tools": "test_tools::test_required_calls_a_tool_with_arguments_that_match_its_schema",
+    "tool_choice": "test_tools::test_a_named_function_is_called_streamed_or_not",
+    "parallel_tool_calls": "test_tools::test_required_calls_a_tool_with_arguments_that_match_its_schema",
     # /v1/completions (a 400 naming it on chat, where vLLM's echo repeats the last message: not honoured yet)
     "echo": "test_http_batch::test_echo_puts_the_prompt_in_front_streamed_or_not",
 }
@@ -1007,10 +1010,7 @@ HONOURED = {
 NO_EFFECT = {"user": "an end user's id for the provider's abuse monitoring (vLLM ignores it too)"}
 # Refused (400 naming it) at these values; their off values are accepted (openai_request.NOT_YET).
 REFUSED: dict[str, Any] = {
-    "tools": [{"type": "function", "function": {"name": "f"}}],
     "functions": [{"name": "f"}],
-    "tool_choice": "required",
-    "parallel_tool_calls": False,
     "reasoning_effort": "low",
     "thinking_token_budget": 10,
     "include_reasoning": False,

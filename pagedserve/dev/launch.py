@@ -325,6 +325,13 @@ def _parser() -> argparse.ArgumentParser:
         help="the OpenAI-compatible HTTP API's port (a free one if it is taken; 0: off)",
     )
     p.add_argument(
+        "--tool-call-parser",
+        default=None,
+        metavar="NAME",
+        help="serve tool_choice auto, reading calls with this parser (hermes): the scheduler's "
+        "--enable-auto-tool-choice --tool-call-parser NAME (docs/http.md, Tools)",
+    )
+    p.add_argument(
         "--secure",
         type=Path,
         default=None,
@@ -344,7 +351,8 @@ def main(argv: list[str] | None = None) -> int:
     with Cluster(
         args.model,
         kv_cache_memory=args.kv_cache_memory,
-        scheduler_args=["--max-num-batched-tokens", str(args.max_num_batched_tokens)],
+        scheduler_args=["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+        + (["--enable-auto-tool-choice", "--tool-call-parser", args.tool_call_parser] if args.tool_call_parser else []),
         redis_url=redis_url,
         port=args.port,
         executor_port=args.executor_port,

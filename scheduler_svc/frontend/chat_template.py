@@ -46,14 +46,14 @@ class Settings:
     kwargs: dict[str, Any] = field(default_factory=dict)
 
 
-def _integral(v: Any) -> Any:
+def integral(v: Any) -> Any:
     """A Struct holds every number as a double: whole numbers reach the template as integers."""
     if isinstance(v, float) and v.is_integer():
         return int(v)
     if isinstance(v, list):
-        return [_integral(x) for x in v]
+        return [integral(x) for x in v]
     if isinstance(v, dict):
-        return {k: _integral(x) for k, x in v.items()}
+        return {k: integral(x) for k, x in v.items()}
     return v
 
 
@@ -63,7 +63,7 @@ def settings(req: pb.GenerateRequest) -> Settings:
     kwargs: dict[str, Any] = {}
     if req.HasField("chat_template_kwargs"):
         try:
-            kwargs = _integral(json_format.MessageToDict(req.chat_template_kwargs))
+            kwargs = integral(json_format.MessageToDict(req.chat_template_kwargs))
         except ValueError as exc:  # NaN and infinities have no JSON form
             raise InvalidArgument("chat_template_kwargs", str(exc)) from None
     given = req.HasField("add_generation_prompt") or req.continue_final_message or req.HasField("chat_template_kwargs")
@@ -89,11 +89,14 @@ def settings(req: pb.GenerateRequest) -> Settings:
     return Settings(add, req.continue_final_message, kwargs)
 
 
-def render(tokenizer: Any, messages: list[dict[str, str]], s: Settings) -> list[int]:
-    """The prompt tokens of ``messages`` rendered by the model's chat template."""
+def render(
+    tokenizer: Any, messages: list[dict[str, Any]], s: Settings, tools: list[dict[str, Any]] | None = None
+) -> list[int]:
+    """The prompt tokens of ``messages`` (and ``tools``, OpenAI's shape) rendered by the model's chat template."""
     try:
         text = tokenizer.apply_chat_template(
             messages,
+            tools=tools,
             add_generation_prompt=s.add_generation_prompt,
             continue_final_message=s.continue_final_message,
             tokenize=False,

@@ -16,7 +16,7 @@ import grpc
 from pagedserve import handlers
 from pagedserve.v1 import generation_pb2 as pb
 from pagedserve.v1 import generation_pb2_grpc as pb_grpc
-from scheduler_svc.frontend import refusals
+from scheduler_svc.frontend import refusals, tool_calls, tools
 from scheduler_svc.frontend.refusals import InvalidArgument, Refusal, StreamDetached
 from scheduler_svc.frontend.service import Frontend
 from scheduler_svc.frontend.validate import MAX_REQUEST_BYTES
@@ -57,8 +57,10 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     ) -> AsyncIterator[pb.GenerateResponse]:
         try:
             req, stop = self.frontend.prepare(request, context.time_remaining())
+            plan = tools.plan(request, self.frontend.tool_call_parser) if request.tools else None
+            texts = tool_calls.Texts(plan)  # the calls on each completion's last message
             async for chunk in self.frontend.generate(req, stop):
-                yield chunk.to_pb()
+                yield texts.annotate(chunk.to_pb())
         except Exception as exc:
             if (refusal := refusals.of(exc)) is None:
                 raise

@@ -40,7 +40,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from pagedserve.auth import SecretFile, bearer
 from pagedserve.security import ReloadingSSLContext
 from scheduler_svc.core.request import Request as Req
-from scheduler_svc.frontend import batch, echo, tokenize
+from scheduler_svc.frontend import batch, echo, tokenize, tools
 from scheduler_svc.frontend import openai_request as proto
 from scheduler_svc.frontend import openai_response as answer
 from scheduler_svc.frontend.models import Models
@@ -333,6 +333,7 @@ class Door:
             [list(r.prompt_ids) for r in reqs],
             decode=lambda t: tokenizer.decode([t]),
             echo=echoing,
+            tools=tools.plan(parsed.request, self.frontend.tool_call_parser) if chat else None,
         )
         if len(reqs) == 1:
             chunks = self.frontend.generate(reqs[0], stop)

@@ -22,7 +22,7 @@ from typing import Any
 from google.protobuf import json_format
 
 from pagedserve.v1 import generation_pb2 as pb
-from scheduler_svc.frontend import refusals
+from scheduler_svc.frontend import refusals, tools
 from scheduler_svc.frontend.refusals import TABLE, InvalidArgument, Kind, Refusal, StreamDetached
 from scheduler_svc.frontend.validate import Limits, check_request_id
 
@@ -33,10 +33,7 @@ FLOAT32_MAX = 3.4028234663852886e38
 # always off). tests/test_http.py walks vLLM's request fields against this table.
 NOT_YET: dict[str, tuple[Any, ...]] = {
     "suffix": ("",),
-    "tools": ([],),
-    "functions": ([],),
-    "tool_choice": ("none", "auto"),  # without tools, "auto" calls none either
-    "parallel_tool_calls": (True,),
+    "functions": ([],),  # OpenAI's deprecated form of tools
     "use_beam_search": (False,),
     "length_penalty": (1.0,),  # beam search's
     "watermarking": (False,),
@@ -65,6 +62,8 @@ NOT_YET: dict[str, tuple[Any, ...]] = {
     "stream_interval": (1,),  # every step's tokens are streamed as they come
     "logits_processors": ([],),
 }
+# Chat's (tools.from_openai); on /v1/completions only their off values.
+TOOL_FIELDS: dict[str, tuple[Any, ...]] = {"tools": (None, []), "tool_choice": (None, "none", "auto")}
 # add_special_tokens: each endpoint's default is what pagedserve does (chat: the template adds them).
 ADD_SPECIAL_TOKENS = {True: False, False: True}  # chat -> the value honoured
 # vLLM's structured-output keys (``structured_outputs: {...}``, and the older top-level
@@ -129,7 +128,7 @@ def openai_field(field: str | None) -> str | None:
     for old, new in RENAMES.items():
         if field.startswith(old):
             return new + field[len(old) :]
-    return field
+    return tools.openai_name(field)
 
 
 def api_error(refusal: Refusal) -> ApiError:
@@ -411,9 +410,9 @@ def _messages(req: pb.GenerateRequest, v: Any) -> None:
     for i, m in enumerate(v):
         if not isinstance(m, dict):
             raise bad(f"messages[{i}]", "must be an object with role and content")
-        req.messages.append(
-            pb.ChatMessage(role=_text(f"messages[{i}].role", m.get("role")), content=_content(i, m.get("content")))
-        )
+        msg = pb.ChatMessage(role=_text(f"messages[{i}].role", m.get("role")), content=_content(i, m.get("content")))
+        tools.message_fields(i, m, msg)
+        req.messages.append(msg)
 
 
 @dataclass(frozen=True, slots=True)
@@ -482,9 +481,16 @@ def parse(body: dict[str, Any], chat: bool, request_id: str = "") -> Parsed:
     if structured is not None:
         req.sampling.structured_output.CopyFrom(structured[0])
     if chat:
-        _messages(req, body.get("messages"))
+        try:
+            _messages(req, body.get("messages"))
+            tools.from_openai(req, body)
+        except InvalidArgument as exc:  # tools' own checks, named as the body names them
+            raise api_error(exc) from None
         _chat_template(req, body)
     else:
+        for name, off in TOOL_FIELDS.items():
+            if body.get(name) not in off:
+                raise bad(name, "only on /v1/chat/completions")
         _prompt(req, body.get("prompt"))
     if body.get("priority") is not None:
         req.priority = _integer("priority", body["priority"], -I32 - 1, I32)

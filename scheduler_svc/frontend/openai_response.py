@@ -17,6 +17,8 @@ from scheduler_svc.core.logprob import Logprob
 from scheduler_svc.frontend.echo import Echo, Entry, entries, prefixed
 from scheduler_svc.frontend.openai_request import Parsed
 from scheduler_svc.frontend.streams import Chunk
+from scheduler_svc.frontend.tool_calls import Named, Reader, finish_reason, read_all, reader
+from scheduler_svc.frontend.tools import Plan
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
@@ -64,6 +66,9 @@ class _Choice:
     final: Chunk | None = None  # its last chunk, once seen (its token counts)
     echoed: bool = False  # echo: the prompt has been streamed in front of it
     held: list[Chunk] = field(default_factory=list)  # echo with logprobs: waiting for its prompt's logprobs
+    reader: Reader | None = None  # chat with tools: the calls in its text (tool_calls)
+    named: Named | None = None  # tool_choice a function: its arguments streamed as they come
+    calls: int = 0  # tool calls streamed so far
 
 
 @dataclass(slots=True)
@@ -81,6 +86,7 @@ class Shape:
     prompts: list[list[int]] = field(default_factory=list)  # each prompt's token ids
     decode: Callable[[int], str] = str  # one token's text (the tokenizer's), for logprobs
     echo: Echo | None = None
+    tools: Plan | None = None  # chat with tools: calls are read from the text (tool_calls)
     _choices: dict[int, _Choice] = field(default_factory=dict)
     _prompt_lps: dict[int, list[Logprob]] = field(default_factory=dict)  # by prompt, once seen (streams)
 
@@ -89,7 +95,11 @@ class Shape:
         return max(1, self.parsed.request.sampling.n)
 
     def _state(self, index: int) -> _Choice:
-        return self._choices.setdefault(index, _Choice())
+        if index not in self._choices:
+            chat, plan = self.parsed.chat, self.tools
+            named = Named(plan.function) if chat and plan is not None and plan.mode == "named" else None
+            self._choices[index] = _Choice(reader=reader(plan) if chat else None, named=named)
+        return self._choices[index]
 
     @property
     def wants_logprobs(self) -> bool:
@@ -151,20 +161,22 @@ class Shape:
     def _choice(
         self,
         index: int,
-        text: str,
+        text: str | None,
         finish: str | None,
         token_ids: list[int],
         delta: bool,
         logprobs: list[Entry] | None = None,
         prompt_logprobs: list[Any] | None = None,
+        tool_calls: list[dict[str, Any]] | None = None,
     ) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": index}
+        calls = {"tool_calls": tool_calls} if tool_calls else {}
         if not self.parsed.chat:
             choice["text"] = text
         elif delta:
-            choice["delta"] = {"content": text} if text else {}
+            choice["delta"] = ({"content": text} if text else {}) | calls
         else:
-            choice["message"] = {"role": "assistant", "content": text}
+            choice["message"] = {"role": "assistant", "content": text} | calls
         choice |= {"logprobs": self._logprobs(logprobs or [], self._state(index)), "finish_reason": finish or None}
         if prompt_logprobs is not None and not self.parsed.chat:
             choice["prompt_logprobs"] = self._prompt_logprobs(prompt_logprobs)
@@ -197,8 +209,22 @@ class Shape:
                 text, lps = self._echoed(i, text, lps, done[i - i % self.n].prompt_logprobs)
                 if self.echo.only:
                     ids, finish = [], "length"
+            content: str | None = text
+            calls = []
+            if self.parsed.chat and self.tools is not None:
+                content, found = read_all(self.tools, text)
+                calls, finish = [c.openai() for c in found], finish_reason(finish, len(found))
             out["choices"].append(
-                self._choice(i, text, finish, ids, delta=False, logprobs=lps, prompt_logprobs=d.prompt_logprobs)
+                self._choice(
+                    i,
+                    content,
+                    finish,
+                    ids,
+                    delta=False,
+                    logprobs=lps,
+                    prompt_logprobs=d.prompt_logprobs,
+                    tool_calls=calls,
+                )
             )
         prompt = done[0].prompt_logprobs
         if self.parsed.chat and prompt is not None:
@@ -239,6 +265,22 @@ class Shape:
                     out += self._events(h)
         return out
 
+    @staticmethod
+    def _calls(state: _Choice, chunk: Chunk) -> tuple[str, list[dict[str, Any]]]:
+        """A chunk's content and the tool calls it completes (``delta.tool_calls``, indexed in the choice)."""
+        if state.named is not None:
+            deltas = state.named.deltas(chunk.text)
+            state.calls = int(state.named.opened)
+            return "", deltas
+        assert state.reader is not None
+        text, found = state.reader.feed(chunk.text)
+        if chunk.finish_reason:
+            rest, more = state.reader.finish()
+            text, found = text + rest, found + more
+        deltas = [c.delta(state.calls + k) for k, c in enumerate(found)]
+        state.calls += len(found)
+        return text, deltas
+
     def _events(self, chunk: Chunk) -> list[dict[str, Any]]:
         state = self._state(chunk.index)
         echo = self.echo
@@ -249,11 +291,15 @@ class Shape:
         if chunk.prompt_logprobs is not None:
             state.pending_prompt = chunk.prompt_logprobs
         text, token_ids, finish = chunk.text, chunk.token_ids, chunk.finish_reason
+        calls: list[dict[str, Any]] = []
+        if state.reader is not None:
+            text, calls = self._calls(state, chunk)
+            finish = finish_reason(finish, state.calls) if finish else finish
         if chunk.finish_reason:
             state.final = chunk
         elif echo is not None and echo.only:
             return []  # the prompt alone goes with the last chunk
-        elif not chunk.text and not (self.parsed.return_token_ids and chunk.token_ids):
+        elif not text and not calls and not (self.parsed.return_token_ids and chunk.token_ids):
             return []  # its logprobs go with the next chunk that has text
         pending: list[Entry] = list(state.pending)
         state.pending = []
@@ -273,6 +319,7 @@ class Shape:
                     delta=True,
                     logprobs=pending,
                     prompt_logprobs=prompt,
+                    tool_calls=calls or None,
                 )
             ]
         )

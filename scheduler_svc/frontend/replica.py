@@ -192,6 +192,7 @@ def _frontend(args: argparse.Namespace, registry: CollectorRegistry, tracer: Tra
         tracer,
         caps=_caps(args),
         max_pending=args.max_pending_requests,
+        tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else "",
     )
     return _Parts(client, frontend, bus, watch, attachments)
 

@@ -32,7 +32,7 @@ from scheduler_svc.core import parallel, prefix
 from scheduler_svc.core.admission import FinishRate, retry_after
 from scheduler_svc.core.deadline import deadline_ms
 from scheduler_svc.core.request import Finish, Request, Status
-from scheduler_svc.frontend import bad_words, chat_template
+from scheduler_svc.frontend import bad_words, chat_template, tools
 from scheduler_svc.frontend.attachments import Attachments
 from scheduler_svc.frontend.bus import DRAIN, EventBus, StreamQueue
 from scheduler_svc.frontend.detok import Detokenizer
@@ -86,6 +86,7 @@ class Frontend:
         tracer: Tracer | None = None,
         caps: Caps = DEFAULT_CAPS,
         max_pending: int = 0,
+        tool_call_parser: str = "",
     ) -> None:
         self.store = store
         self.bus = bus
@@ -97,6 +98,7 @@ class Frontend:
         self.draining = False
         self.caps = caps
         self.max_pending = max_pending  # --max-pending-requests; 0: no limit
+        self.tool_call_parser = tool_call_parser  # --tool-call-parser with --enable-auto-tool-choice; "": auto refused
         self.finish_rate = FinishRate()
         self._grammars: Compiler | None = None  # built on the first structured request
         self.expiries = Expiries(store)
@@ -111,8 +113,9 @@ class Frontend:
             return list(req.prompt_token_ids)
         if checked.kind == "prompt":
             return list(self.tokenizer(req.prompt).input_ids)
-        messages = [{"role": m.role, "content": m.content} for m in req.messages]
-        return chat_template.render(self.tokenizer, messages, checked.template)
+        aware = tools.renders_tools(getattr(self.tokenizer, "chat_template", None))
+        messages, tool_list = tools.template_messages(req, checked.tools, aware)
+        return chat_template.render(self.tokenizer, messages, checked.template, tool_list)
 
     def _compile(self, checked: Checked) -> None:
         """A structured-output spec must compile here (xgrammar, this model's tokenizer), so that a
@@ -145,7 +148,7 @@ class Frontend:
         self._check_open()
         limits = self.watch.limits
         assert limits is not None
-        checked = check(req, limits, self.caps)
+        checked = check(req, limits, self.caps, self.tool_call_parser)
         self._compile(checked)
         params = checked.params
         prompt = truncated(self._tokenize(req, checked), checked.truncate_prompt_tokens, params, limits)

@@ -3,7 +3,8 @@ completions endpoints apply them, without generating.
 
 ``/tokenize`` takes ``prompt`` (a string; ``add_special_tokens`` default true) or ``messages`` (the
 chat template; ``add_generation_prompt`` default true, ``continue_final_message`` default false,
-``add_special_tokens`` default false), and ``return_token_strs``; it answers ``tokens``, ``count``,
+``add_special_tokens`` default false; ``tools`` and the history's tool calls rendered as chat
+completions render them), and ``return_token_strs``; it answers ``tokens``, ``count``,
 ``max_model_len`` and ``token_strs``. ``/detokenize`` takes ``tokens`` and answers ``prompt``. Bad
 input is a 400 naming the field (``openai_request.bad``).
 """
@@ -15,7 +16,9 @@ from typing import Any
 
 from pagedserve.v1 import generation_pb2 as pb
 from scheduler_svc.frontend import openai_request as proto
+from scheduler_svc.frontend import tools
 from scheduler_svc.frontend.openai_request import bad
+from scheduler_svc.frontend.refusals import InvalidArgument
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,6 +32,7 @@ class Tokenize:
     add_generation_prompt: bool
     continue_final_message: bool
     return_token_strs: bool
+    chat: pb.GenerateRequest | None = None  # messages and tools, as the chat endpoint reads them
 
 
 def _utf8(text: str) -> int:
@@ -57,12 +61,17 @@ def parse_tokenize(body: dict[str, Any], max_prompt_bytes: int) -> Tokenize:
     if (prompt is None) == (messages is None):
         raise bad("prompt", "give either prompt or messages")
     chat: list[dict[str, str]] = []
+    req = None
     if prompt is not None:
         prompt = proto._text("prompt", prompt)  # a string, no lone surrogate
         size = _utf8(prompt)
     else:
-        req = pb.GenerateRequest()
-        proto._messages(req, messages)  # the chat endpoint's checks and content parts
+        req = pb.GenerateRequest(tool_choice=pb.ToolChoice(mode=pb.ToolChoice.NONE))  # render tools, read no call
+        try:
+            proto._messages(req, messages)  # the chat endpoint's checks and content parts
+            tools.from_openai(req, {"tools": body.get("tools")})
+        except InvalidArgument as exc:
+            raise proto.api_error(exc) from None
         chat = [{"role": m.role, "content": m.content} for m in req.messages]
         size = sum(_utf8(m["role"]) + _utf8(m["content"]) for m in chat)
     if size > max_prompt_bytes:
@@ -76,6 +85,7 @@ def parse_tokenize(body: dict[str, Any], max_prompt_bytes: int) -> Tokenize:
         _flag(body, "add_generation_prompt", True),
         _flag(body, "continue_final_message", False),
         _flag(body, "return_token_strs", False),
+        req,
     )
     if t.messages and t.add_generation_prompt and t.continue_final_message:
         raise bad("continue_final_message", "cannot be true with add_generation_prompt true")
@@ -86,9 +96,17 @@ def tokens_of(tokenizer: Any, t: Tokenize) -> list[int]:
     """The token ids, as the completions endpoints would compute them for the same input."""
     text = t.prompt
     if text is None:
+        assert t.chat is not None
+        try:
+            messages, given = tools.template_messages(
+                t.chat, tools.plan(t.chat), tools.renders_tools(getattr(tokenizer, "chat_template", None))
+            )
+        except InvalidArgument as exc:
+            raise proto.api_error(exc) from None
         try:
             text = tokenizer.apply_chat_template(
-                t.messages,
+                messages,
+                tools=given,
                 add_generation_prompt=t.add_generation_prompt,
                 continue_final_message=t.continue_final_message,
                 tokenize=False,

@@ -10,7 +10,7 @@ from pagedserve.v1 import generation_pb2 as pb
 from scheduler_svc.core.fit import blocks_for, fits_ever
 from scheduler_svc.core.prefix import MAX_SALT
 from scheduler_svc.core.request import DEFAULT_MAX_TOKENS, Params
-from scheduler_svc.frontend import chat_template
+from scheduler_svc.frontend import chat_template, tools
 from scheduler_svc.frontend.refusals import ContextLength, InvalidArgument, OverCapacity
 
 MAX_REQUEST_ID = 256
@@ -70,6 +70,7 @@ class Checked:
     template: chat_template.Settings = chat_template.Settings()  # how messages are rendered
     truncate_prompt_tokens: int | None = None  # keep the last k prompt tokens; -1: as many as fit; None: all
     bad_words: tuple[str, ...] = ()  # tokenized by the frontend into params.bad_words
+    tools: tools.Plan | None = None  # the request's tools (its grammar already in params for required/named)
 
 
 def _check_caps(req: pb.GenerateRequest, caps: Caps) -> None:
@@ -133,7 +134,25 @@ def structured(s: pb.SamplingParams, caps: Caps = DEFAULT_CAPS) -> tuple[tuple[s
     return spec, name
 
 
-def check(req: pb.GenerateRequest, limits: Limits, caps: Caps = DEFAULT_CAPS) -> Checked:
+def _tool_grammar(
+    s: pb.SamplingParams, plan: tools.Plan | None, grammar: Spec | None, field: str, caps: Caps
+) -> tuple[Spec | None, str]:
+    """The grammar of tool_choice required or a named function, in place of a structured output (refused with one)."""
+    if plan is None or plan.schema is None:
+        return grammar, field
+    if grammar is not None:
+        raise InvalidArgument("tool_choice", f"{plan.mode} cannot be combined with {field} (both constrain the output)")
+    if s.ignore_eos:
+        raise InvalidArgument("sampling.ignore_eos", f"cannot be combined with tool_choice {plan.mode}")
+    if (n := _utf8(plan.schema)) > caps.max_grammar_bytes:
+        raise InvalidArgument(
+            "tools", f"{n} bytes as a grammar, over the limit of {caps.max_grammar_bytes} (--max-grammar-bytes)"
+        )
+    return ("json_schema", plan.schema), "tools"
+
+
+def check(req: pb.GenerateRequest, limits: Limits, caps: Caps = DEFAULT_CAPS, tool_parser: str = "") -> Checked:
+    """``tool_parser``: the scheduler's --tool-call-parser (with --enable-auto-tool-choice; "": none)."""
     given = [name for name, present in (
         ("prompt", bool(req.prompt)),
         ("prompt_token_ids", len(req.prompt_token_ids) > 0),
@@ -173,6 +192,8 @@ def check(req: pb.GenerateRequest, limits: Limits, caps: Caps = DEFAULT_CAPS) ->
     if truncate is not None and truncate < 1 and truncate != -1:
         raise InvalidArgument("truncate_prompt_tokens", f"must be >= 1, or -1 (got {truncate})")
     grammar, grammar_field = structured(s, caps)
+    plan = tools.plan(req, tool_parser)
+    grammar, grammar_field = _tool_grammar(s, plan, grammar, grammar_field, caps)
     params = params_of(s, grammar)
     return Checked(
         req.request_id,
@@ -186,6 +207,7 @@ def check(req: pb.GenerateRequest, limits: Limits, caps: Caps = DEFAULT_CAPS) ->
         template=template,
         truncate_prompt_tokens=truncate,
         bad_words=tuple(s.bad_words),
+        tools=plan,
     )
 
 

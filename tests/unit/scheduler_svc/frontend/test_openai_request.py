@@ -243,7 +243,30 @@ BAD: list[tuple[str, dict[str, Any], bool, str]] = [
         "structured_outputs.json_object",
     ),
     ("two constraints", chat(response_format={"type": "json_object"}, guided_regex="a+"), True, "guided_regex"),
-    ("tools", chat(tools=[{"type": "function", "function": {"name": "f"}}]), True, "tools"),
+    ("tools not a list", chat(tools={"type": "function"}), True, "tools"),
+    ("tool without a name", chat(tools=[{"type": "function", "function": {}}]), True, "tools[0].function.name"),
+    ("tool of another type", chat(tools=[{"type": "retrieval"}]), True, "tools[0].type"),
+    (
+        "tool parameters a list",
+        chat(tools=[{"function": {"name": "f", "parameters": []}}]),
+        True,
+        "tools[0].function.parameters",
+    ),
+    ("tool_choice unknown", chat(tool_choice="any"), True, "tool_choice"),
+    (
+        "tool_choice without a name",
+        chat(tool_choice={"type": "function", "function": {}}),
+        True,
+        "tool_choice.function.name",
+    ),
+    ("parallel_tool_calls a string", chat(parallel_tool_calls="no"), True, "parallel_tool_calls"),
+    ("tools on completions", completion(tools=[{"type": "function", "function": {"name": "f"}}]), False, "tools"),
+    (
+        "a tool call without arguments text",
+        chat(messages=[{"role": "assistant", "tool_calls": [{"id": "c", "function": {"name": "f", "arguments": 3}}]}]),
+        True,
+        "messages[0].tool_calls[0].function.arguments",
+    ),
     # vLLM's fields (issue #22): honoured ones with bad values, and those refused by name.
     (
         "include_stop_str_in_output a string",
