@@ -5,8 +5,9 @@ a ``pb.GenerateRequest`` (``openai_request.parse``; a batch of prompts one per p
 ``batch``; ``echo`` read first), then ``Frontend.prepare`` and
 ``Frontend.generate`` exactly as ``GenerationServicer.Generate`` calls them. No
 second scheduling path; the tokens, stop strings, caps and admission control are
-the gRPC API's. docs/http.md describes the endpoints, the field mapping, the
-status codes and the stream format.
+the gRPC API's. ``/v1/responses`` is a chat completion on the same path,
+translated before and after (``responses``, ``responses_stream``). docs/http.md
+describes the endpoints, the field mapping, the status codes and the stream format.
 
 The first chunk of a completion is awaited before the answer starts, so that a
 refusal at submission (429 over ``--max-pending-requests``, 409, 504) is an HTTP

@@ -87,6 +87,10 @@ def _str(name: str, v: Any) -> str:
     return v
 
 
+def _optional(name: str, v: Any) -> str | None:
+    return None if v is None else _str(name, v)
+
+
 def _flag(name: str, v: Any, default: bool) -> bool:
     if v is None:
         return default
@@ -246,13 +250,11 @@ def parse(body: dict[str, Any]) -> Call:
         chat |= {"stream": True, "stream_options": {"include_usage": True}}
     if (meta := get("metadata")) is not None and not isinstance(meta, dict):
         raise bad("metadata", "must be an object")
-    instructions = None if get("instructions") is None else _str("instructions", get("instructions"))
+    instructions = _optional("instructions", get("instructions"))
     if get("input") is None:
         raise bad("input", "required")
     _no_round_trip_yet(get("input"))
-    previous = (
-        None if get("previous_response_id") is None else _str("previous_response_id", get("previous_response_id"))
-    )
+    previous = _optional("previous_response_id", get("previous_response_id"))
     echo = {
         "instructions": instructions,
         "max_output_tokens": get("max_output_tokens"),
@@ -264,8 +266,8 @@ def parse(body: dict[str, Any]) -> Call:
         "tool_choice": get("tool_choice") or "auto",
         "tools": get("tools") or [],
         "top_p": get("top_p"),
-        "user": get("user"),
-        "safety_identifier": get("safety_identifier"),
+        "user": _optional("user", get("user")),
+        "safety_identifier": _optional("safety_identifier", get("safety_identifier")),
     }
     return Call(chat, messages(get("input")), echo, stream, _flag("store", get("store"), True), previous)
 
