@@ -265,6 +265,7 @@ def test_responses_answer_as_the_chat_completion_of_the_same_messages(client: op
     assert [e.sequence_number for e in events] == list(range(len(events)))
     assert events[0].type == "response.created" and events[-1].type == "response.incomplete"
     assert events[-1].response.output_text == got.output_text and events[-1].response.usage == got.usage
+    assert client.responses.retrieve(events[-1].response.id) == events[-1].response  # kept as it streamed
 
 
 def test_responses_structured_output_completes_streamed_or_not(client: openai.OpenAI, model: str) -> None:
