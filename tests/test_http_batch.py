@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 import openai
@@ -26,6 +26,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from pagedserve.dev.launch import Cluster
 from pagedserve.dev.procs import free_port
 from pagedserve.v1 import generation_pb2 as pb
+from scheduler_svc.frontend.responses import CHAT_HAS_TOOLS
 from tests.conftest import make_cluster
 from tests.helpers import Result, run_all
 
@@ -384,3 +385,98 @@ def test_langchain_chat_openai_on_the_responses_api(cluster: Cluster, model: str
     want = chat_text(client, model, [{"role": "user", "content": ASK}], max_tokens=8).choices[0].message.content
     got = llm.invoke(ASK)
     assert got.text == want and got.response_metadata["id"].startswith("resp_")
+
+
+# --- /v1/responses with function tools: run once the chat path takes tools (the tools branch) --------------------
+
+WEATHER = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "The weather in a city",
+    "parameters": {
+        "type": "object",
+        "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}},
+        "required": ["city"],
+        "additionalProperties": False,
+    },
+    "strict": True,
+}
+CHAT_WEATHER = {"type": "function", "function": {k: v for k, v in WEATHER.items() if k != "type"}}
+needs_chat_tools = pytest.mark.skipif(not CHAT_HAS_TOOLS, reason="/v1/chat/completions takes no tools yet")
+
+
+@needs_chat_tools
+def test_a_tool_round_trip_on_the_responses_api(client: openai.OpenAI, model: str) -> None:
+    """A named tool choice (the grammar makes the random model call it) answers a function_call item, as chat's
+    tool call; the call's result goes back by ``previous_response_id`` or as input items, as chat's tool message."""
+    named: Any = {"type": "function", "name": "get_weather"}
+    ask: Any = {"tools": [WEATHER], "max_output_tokens": 60, "temperature": 0}
+    first = client.responses.create(model=model, input=ASK, tool_choice=named, **ask)
+    chat = chat_text(
+        client,
+        model,
+        [{"role": "user", "content": ASK}],
+        tools=[CHAT_WEATHER],
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        max_tokens=60,
+    )
+    want = chat.choices[0].message.tool_calls
+    calls = [o for o in first.output if o.type == "function_call"]
+    assert [(c.name, c.arguments) for c in calls] == [(w.function.name, w.function.arguments) for w in want]
+    assert first.status == "completed" and calls[0].call_id
+
+    events = list(client.responses.create(model=model, input=ASK, tool_choice=named, stream=True, **ask))
+    assert events[-1].type == "response.completed"
+    args = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    assert args == calls[0].arguments
+    assert [o.arguments for o in events[-1].response.output if o.type == "function_call"] == [calls[0].arguments]
+
+    result = {"type": "function_call_output", "call_id": calls[0].call_id, "output": "sunny"}
+    call_back = {"tool_choice": "none", "max_output_tokens": 8, "temperature": 0, "tools": [WEATHER]}
+    by_id = client.responses.create(model=model, previous_response_id=first.id, input=[result], **call_back)
+    items = [{"role": "user", "content": ASK}, *[c.model_dump(exclude_none=True) for c in calls], result]
+    by_items = client.responses.create(model=model, input=items, **call_back)  # type: ignore[arg-type]
+    history: Any = [
+        {"role": "user", "content": ASK},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": c.call_id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                for c in calls
+            ],
+        },
+        {"role": "tool", "tool_call_id": calls[0].call_id, "content": "sunny"},
+    ]
+    then = chat_text(client, model, history, tools=[CHAT_WEATHER], tool_choice="none", max_tokens=8)
+    assert by_id.output_text == by_items.output_text == then.choices[0].message.content
+
+
+@needs_chat_tools
+def test_openai_agents_sdk_calls_a_tool(cluster: Cluster, model: str) -> None:
+    """The Agents SDK's tool loop: the model (made to, by a named tool choice) calls the tool, the SDK runs it."""
+    from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner, function_tool, set_tracing_disabled
+
+    assert cluster.http_url is not None
+    set_tracing_disabled(True)
+    ran: list[str] = []
+
+    @function_tool
+    def get_weather(city: Literal["Paris", "Rome"]) -> str:
+        """The weather in a city."""
+        ran.append(city)
+        return f"sunny in {city}"
+
+    async def run() -> Any:
+        remote = openai.AsyncOpenAI(base_url=cluster.http_url + "/v1", api_key="EMPTY", max_retries=0, timeout=300)
+        async with remote:
+            agent = Agent(
+                name="weather",
+                model=OpenAIResponsesModel(model=model, openai_client=remote),
+                model_settings=ModelSettings(temperature=0, max_tokens=60, tool_choice="get_weather"),
+                tools=[get_weather],
+                tool_use_behavior="stop_on_first_tool",
+            )
+            return (await Runner.run(agent, ASK)).final_output
+
+    assert asyncio.run(run()) == f"sunny in {ran[0]}" and len(ran) == 1
