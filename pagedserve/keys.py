@@ -129,6 +129,10 @@ class Keys:
         """Hash: prompt position -> JSON entry (requests with sampling.prompt_logprobs)."""
         return f"{self.prefix}plp:{request_id}"
 
+    def response(self, response_id: str) -> str:
+        """String: a stored ``/v1/responses`` answer and its conversation (JSON), for ``previous_response_id``."""
+        return f"{self.prefix}resp:{response_id}"
+
     def member(self, instance_id: str) -> str:
         return f"{self.prefix}exec:{instance_id}"
 

@@ -11,18 +11,22 @@ transformers' ``log_softmax`` of the model's logits (the first prompt token's is
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
+import httpx
 import openai
 import pytest
 import torch
+from pydantic import BaseModel
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from pagedserve.dev.launch import Cluster
 from pagedserve.dev.procs import free_port
 from pagedserve.v1 import generation_pb2 as pb
+from scheduler_svc.frontend.responses import CHAT_HAS_TOOLS
 from tests.conftest import make_cluster
 from tests.helpers import Result, run_all
 
@@ -223,3 +227,256 @@ def test_lm_eval_local_completions_loglikelihood(
         ctx_ids, cont_ids = lm._encode_pair(ctx, cont)
         want = log_softmax(hf, ctx_ids + cont_ids)[len(ctx_ids) - 1 :].sum().item()
         assert logprob == pytest.approx(want, abs=ATOL * len(cont_ids))
+
+
+# --- /v1/responses (the chat path underneath: the same tokens as a chat completion) --------------------------------
+
+ASK = "Name the capital of France."
+RULES = "Answer in one word."
+
+
+class Verdict(BaseModel):
+    """A structured answer: its grammar ends the random model's output, so the Response completes."""
+
+    ok: bool
+
+
+def chat_text(client: openai.OpenAI, model: str, messages: list[dict[str, str]], **kw: Any) -> Any:
+    return client.chat.completions.create(model=model, messages=messages, temperature=0, **kw)  # type: ignore[arg-type]
+
+
+def test_responses_answer_as_the_chat_completion_of_the_same_messages(client: openai.OpenAI, model: str) -> None:
+    chat = chat_text(
+        client, model, [{"role": "system", "content": RULES}, {"role": "user", "content": ASK}], max_tokens=12
+    )
+    got = client.responses.create(model=model, input=ASK, instructions=RULES, max_output_tokens=12, temperature=0)
+    assert got.output_text == chat.choices[0].message.content and got.output_text
+    assert got.id.startswith("resp_") and got.object == "response" and got.model == chat.model
+    assert chat.choices[0].finish_reason == "length"  # random weights: the model never stops by itself
+    assert got.status == "incomplete" and got.incomplete_details.reason == "max_output_tokens"
+    assert (got.usage.input_tokens, got.usage.output_tokens) == (chat.usage.prompt_tokens, 12)
+    assert got.instructions == RULES and got.max_output_tokens == 12
+
+    events = list(
+        client.responses.create(
+            model=model, input=ASK, instructions=RULES, max_output_tokens=12, temperature=0, stream=True
+        )
+    )
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == got.output_text
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert events[0].type == "response.created" and events[-1].type == "response.incomplete"
+    assert events[-1].response.output_text == got.output_text and events[-1].response.usage == got.usage
+    assert client.responses.retrieve(events[-1].response.id) == events[-1].response  # kept as it streamed
+
+
+def test_responses_structured_output_completes_streamed_or_not(client: openai.OpenAI, model: str) -> None:
+    """``text.format`` is chat's ``response_format``; the grammar ends the answer: ``response.completed``."""
+    schema = Verdict.model_json_schema() | {"additionalProperties": False}
+    chat = chat_text(
+        client,
+        model,
+        [{"role": "user", "content": ASK}],
+        max_tokens=60,
+        response_format={"type": "json_schema", "json_schema": {"name": "Verdict", "schema": schema, "strict": True}},
+    )
+    assert chat.choices[0].finish_reason == "stop"
+    parsed = client.responses.parse(model=model, input=ASK, text_format=Verdict, max_output_tokens=60, temperature=0)
+    assert parsed.status == "completed" and parsed.output_text == chat.choices[0].message.content
+    assert parsed.output_parsed == Verdict.model_validate_json(parsed.output_text)
+    with client.responses.stream(
+        model=model, input=ASK, text_format=Verdict, max_output_tokens=60, temperature=0
+    ) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    assert events[-1].type == "response.completed" and final.output_text == parsed.output_text
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == parsed.output_text
+
+
+def test_previous_response_id_continues_the_stored_conversation(client: openai.OpenAI, model: str) -> None:
+    first = client.responses.create(model=model, input=ASK, instructions=RULES, max_output_tokens=6, temperature=0)
+    then = client.responses.create(
+        model=model, input="And of Italy?", previous_response_id=first.id, max_output_tokens=6, temperature=0
+    )
+    history = [
+        {"role": "user", "content": ASK},  # the instructions are not carried over, as OpenAI
+        {"role": "assistant", "content": first.output_text},
+        {"role": "user", "content": "And of Italy?"},
+    ]
+    chat = chat_text(client, model, history, max_tokens=6)
+    assert then.output_text == chat.choices[0].message.content and then.previous_response_id == first.id
+    assert then.usage.input_tokens == chat.usage.prompt_tokens
+    assert client.responses.retrieve(first.id).model_dump() == first.model_dump()
+
+    unstored = client.responses.create(model=model, input=ASK, max_output_tokens=2, store=False)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(unstored.id)
+    with pytest.raises(openai.BadRequestError) as err:
+        client.responses.create(model=model, input="x", previous_response_id=unstored.id, max_output_tokens=2)
+    assert err.value.body["param"] == "previous_response_id"  # type: ignore[index]
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"reasoning": {"effort": "high"}}, "reasoning"),
+        ({"background": True}, "background"),
+        ({"include": ["reasoning.encrypted_content"]}, "include"),
+        ({"truncation": "auto"}, "truncation"),
+        ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
+        ({"max_output_tokens": 0}, "max_output_tokens"),  # the chat path's refusal, in Responses' words
+        ({"temperature": "hot"}, "temperature"),
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+            "input[0].content[0].type",
+        ),
+    ],
+)
+def test_responses_refuse_what_they_do_not_honour_naming_it(
+    cluster: Cluster, model: str, extra: dict[str, Any], param: str
+) -> None:
+    assert cluster.http_url is not None
+    got = httpx.post(cluster.http_url + "/v1/responses", json={"model": model, "input": "x"} | extra, timeout=60)
+    assert got.status_code == 400, got.text
+    assert got.json()["error"]["param"] == param and got.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_openai_agents_sdk_runs_an_agent(cluster: Cluster, model: str, client: openai.OpenAI) -> None:
+    """``Runner.run`` and ``Runner.run_streamed`` on ``OpenAIResponsesModel``: the Agents SDK's default API."""
+    from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner, set_tracing_disabled
+
+    assert cluster.http_url is not None
+    set_tracing_disabled(True)
+    settings = ModelSettings(temperature=0, max_tokens=60)
+    want = client.responses.parse(
+        model=model, input=ASK, instructions=RULES, text_format=Verdict, max_output_tokens=60, temperature=0
+    ).output_parsed
+
+    async def run() -> tuple[Any, Any]:
+        remote = openai.AsyncOpenAI(base_url=cluster.http_url + "/v1", api_key="EMPTY", max_retries=0, timeout=300)
+        async with remote:
+            agent = Agent(
+                name="judge",
+                instructions=RULES,
+                model=OpenAIResponsesModel(model=model, openai_client=remote),
+                model_settings=settings,
+                output_type=Verdict,
+            )
+            done = await Runner.run(agent, ASK)
+            streamed = Runner.run_streamed(agent, ASK)
+            async for _ in streamed.stream_events():
+                pass
+            return done.final_output, streamed.final_output
+
+    assert asyncio.run(run()) == (want, want)
+
+
+def test_langchain_chat_openai_on_the_responses_api(cluster: Cluster, model: str, client: openai.OpenAI) -> None:
+    from langchain_openai import ChatOpenAI
+
+    assert cluster.http_url is not None
+    llm = ChatOpenAI(
+        base_url=cluster.http_url + "/v1",
+        api_key="EMPTY",  # type: ignore[arg-type]
+        model=model,
+        temperature=0,
+        max_tokens=8,  # type: ignore[call-arg]
+        use_responses_api=True,
+    )
+    want = chat_text(client, model, [{"role": "user", "content": ASK}], max_tokens=8).choices[0].message.content
+    got = llm.invoke(ASK)
+    assert got.text == want and got.response_metadata["id"].startswith("resp_")
+
+
+# --- /v1/responses with function tools: run once the chat path takes tools (the tools branch) --------------------
+
+WEATHER = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "The weather in a city",
+    "parameters": {
+        "type": "object",
+        "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}},
+        "required": ["city"],
+        "additionalProperties": False,
+    },
+    "strict": True,
+}
+CHAT_WEATHER = {"type": "function", "function": {k: v for k, v in WEATHER.items() if k != "type"}}
+needs_chat_tools = pytest.mark.skipif(not CHAT_HAS_TOOLS, reason="/v1/chat/completions takes no tools yet")
+
+
+@needs_chat_tools
+def test_a_tool_round_trip_on_the_responses_api(client: openai.OpenAI, model: str) -> None:
+    """A named tool choice (the grammar makes the random model call it) answers a function_call item, as chat's
+    tool call; the call's result goes back by ``previous_response_id`` or as input items, as chat's tool message."""
+    named: Any = {"type": "function", "name": "get_weather"}
+    ask: Any = {"tools": [WEATHER], "max_output_tokens": 60, "temperature": 0}
+    first = client.responses.create(model=model, input=ASK, tool_choice=named, **ask)
+    chat = chat_text(
+        client,
+        model,
+        [{"role": "user", "content": ASK}],
+        tools=[CHAT_WEATHER],
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        max_tokens=60,
+    )
+    want = chat.choices[0].message.tool_calls
+    calls = [o for o in first.output if o.type == "function_call"]
+    assert [(c.name, c.arguments) for c in calls] == [(w.function.name, w.function.arguments) for w in want]
+    assert first.status == "completed" and calls[0].call_id
+
+    events = list(client.responses.create(model=model, input=ASK, tool_choice=named, stream=True, **ask))
+    assert events[-1].type == "response.completed"
+    args = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    assert args == calls[0].arguments
+    assert [o.arguments for o in events[-1].response.output if o.type == "function_call"] == [calls[0].arguments]
+
+    result = {"type": "function_call_output", "call_id": calls[0].call_id, "output": "sunny"}
+    call_back = {"tool_choice": "none", "max_output_tokens": 8, "temperature": 0, "tools": [WEATHER]}
+    by_id = client.responses.create(model=model, previous_response_id=first.id, input=[result], **call_back)
+    items = [{"role": "user", "content": ASK}, *[c.model_dump(exclude_none=True) for c in calls], result]
+    by_items = client.responses.create(model=model, input=items, **call_back)  # type: ignore[arg-type]
+    history: Any = [
+        {"role": "user", "content": ASK},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": c.call_id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                for c in calls
+            ],
+        },
+        {"role": "tool", "tool_call_id": calls[0].call_id, "content": "sunny"},
+    ]
+    then = chat_text(client, model, history, tools=[CHAT_WEATHER], tool_choice="none", max_tokens=8)
+    assert by_id.output_text == by_items.output_text == then.choices[0].message.content
+
+
+@needs_chat_tools
+def test_openai_agents_sdk_calls_a_tool(cluster: Cluster, model: str) -> None:
+    """The Agents SDK's tool loop: the model (made to, by a named tool choice) calls the tool, the SDK runs it."""
+    from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner, function_tool, set_tracing_disabled
+
+    assert cluster.http_url is not None
+    set_tracing_disabled(True)
+    ran: list[str] = []
+
+    @function_tool
+    def get_weather(city: Literal["Paris", "Rome"]) -> str:
+        """The weather in a city."""
+        ran.append(city)
+        return f"sunny in {city}"
+
+    async def run() -> Any:
+        remote = openai.AsyncOpenAI(base_url=cluster.http_url + "/v1", api_key="EMPTY", max_retries=0, timeout=300)
+        async with remote:
+            agent = Agent(
+                name="weather",
+                model=OpenAIResponsesModel(model=model, openai_client=remote),
+                model_settings=ModelSettings(temperature=0, max_tokens=60, tool_choice="get_weather"),
+                tools=[get_weather],
+                tool_use_behavior="stop_on_first_tool",
+            )
+            return (await Runner.run(agent, ASK)).final_output
+
+    assert asyncio.run(run()) == f"sunny in {ran[0]}" and len(ran) == 1

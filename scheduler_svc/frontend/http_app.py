@@ -5,8 +5,9 @@ a ``pb.GenerateRequest`` (``openai_request.parse``; a batch of prompts one per p
 ``batch``; ``echo`` read first), then ``Frontend.prepare`` and
 ``Frontend.generate`` exactly as ``GenerationServicer.Generate`` calls them. No
 second scheduling path; the tokens, stop strings, caps and admission control are
-the gRPC API's. docs/http.md describes the endpoints, the field mapping, the
-status codes and the stream format.
+the gRPC API's. ``/v1/responses`` is a chat completion on the same path,
+translated before and after (``responses``, ``responses_stream``). docs/http.md
+describes the endpoints, the field mapping, the status codes and the stream format.
 
 The first chunk of a completion is awaited before the answer starts, so that a
 refusal at submission (429 over ``--max-pending-requests``, 409, 504) is an HTTP
@@ -25,7 +26,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, replace
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import uvicorn
 from prometheus_client import CollectorRegistry, generate_latest
@@ -40,12 +41,15 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from pagedserve.auth import SecretFile, bearer
 from pagedserve.security import ReloadingSSLContext
 from scheduler_svc.core.request import Request as Req
-from scheduler_svc.frontend import batch, echo, tokenize, tools
+from scheduler_svc.frontend import batch, echo, responses, tokenize, tools
 from scheduler_svc.frontend import openai_request as proto
 from scheduler_svc.frontend import openai_response as answer
 from scheduler_svc.frontend.models import Models
-from scheduler_svc.frontend.openai_request import ApiError, Parsed, refused
+from scheduler_svc.frontend.openai_request import ApiError, Parsed, bad, refused
 from scheduler_svc.frontend.refusals import InvalidArgument, Kind
+from scheduler_svc.frontend.responses import Call
+from scheduler_svc.frontend.responses_stream import Events
+from scheduler_svc.frontend.responses_stream import encode as stream_event
 from scheduler_svc.frontend.service import Frontend
 from scheduler_svc.frontend.streams import Chunk
 from scheduler_svc.frontend.validate import Limits
@@ -317,8 +321,8 @@ class Door:
             reqs.append(req)
         return reqs, stop
 
-    async def _generate(self, request: Request, chat: bool) -> Response:
-        body, echoing = echo.read(await _read_json(request, 4 * self.max_request_bytes), chat)
+    async def _start(self, request: Request, body: dict[str, Any], chat: bool, echoing: echo.Echo | None) -> Started:
+        """Submit the completion (or chat completion) ``body`` and await its first chunk."""
         rid, all_parsed = self._parsed(body, chat, request.headers.get("x-request-id", ""))
         reqs, stop = self._prepare_all(all_parsed)
         parsed, tokenizer = all_parsed[0], self.frontend.tokenizer
@@ -340,41 +344,138 @@ class Door:
         else:
             order = {r.request_id: i for i, r in enumerate(reqs)}
             chunks = batch.numbered(self.frontend.generate(reqs, stop), order, shape.n)
-        headers = {"X-Request-Id": shape.request_id}
-        streaming = False
         try:
             first = await _unless_gone(request, anext(chunks))
-            if parsed.stream:
-                streaming = True  # the stream closes the generator from now on
-                return EventStream(self._events(shape, first, chunks), headers)
-            done = await _unless_gone(request, _collect(first, chunks, shape.n * len(reqs)))
-        finally:
-            if not streaming:
-                await chunks.aclose()  # type: ignore[attr-defined]
-        return JSONResponse(shape.body(done), headers=headers)
+        except BaseException:
+            await chunks.aclose()  # type: ignore[attr-defined]
+            raise
+        return Started(shape, first, chunks, shape.n * len(reqs))
+
+    async def _generate(self, request: Request, chat: bool) -> Response:
+        body, echoing = echo.read(await _read_json(request, 4 * self.max_request_bytes), chat)
+        s = await self._start(request, body, chat, echoing)
+        if s.shape.parsed.stream:  # the stream closes the generator from now on
+            return EventStream(self._events(s.shape, s.first, s.chunks), s.headers)
+        return JSONResponse(s.shape.body(await s.collect(request)), headers=s.headers)
 
     async def _events(self, shape: answer.Shape, first: Chunk, chunks: AsyncIterator[Chunk]) -> AsyncIterator[bytes]:
         """The stream: chunks, the usage chunk, ``[DONE]``; or, if the stream cannot go on,
         an error event and no ``[DONE]``."""
         try:
-            for event in shape.opening():
+            async for event in _chat_events(shape, first, chunks):
                 yield sse(event)
-            for event in shape.events(first):
-                yield sse(event)
-            async for chunk in chunks:
-                for event in shape.events(chunk):
-                    yield sse(event)
         except Exception as exc:  # StreamDetached: the replica drains, the request goes on
-            if (err := proto.error_for(exc)) is None:
-                log.exception("stream of %s failed", shape.request_id, extra={"request_id": shape.request_id})
-                err = refused(Kind.INTERNAL, "internal error")
-            yield sse(err.body())
+            yield sse(_stream_error(exc, shape.request_id).body())
             return
         finally:
             await chunks.aclose()  # type: ignore[attr-defined]
-        for event in shape.closing():
-            yield sse(event)
         yield DONE
+
+    async def responses(self, request: Request) -> Response:
+        return await self._counted(self._respond(request))
+
+    async def _respond(self, request: Request) -> Response:
+        """``/v1/responses``: the request as a chat completion (``responses``) on the chat path."""
+        call = responses.parse(await _read_json(request, 4 * self.max_request_bytes))
+        history = await self._history(call.previous_response_id)
+        try:
+            s = await self._start(request, responses.chat_body(call, history), True, None)
+        except Exception as exc:
+            if (err := proto.error_for(exc)) is None:
+                raise
+            raise responses.renamed(err) from exc
+        rid = responses.new_id("resp")
+        if call.stream:
+            events = Events(call, rid, s.shape.created, self.model)
+            return EventStream(self._response_events(call, history, events, s), s.headers)
+        got = responses.answer(call, s.shape.body(await s.collect(request)), rid)
+        await self._keep(call, history, got)
+        return JSONResponse(got, headers=s.headers)
+
+    async def _response_events(
+        self, call: Call, history: list[dict[str, Any]], events: Events, s: Started
+    ) -> AsyncIterator[bytes]:
+        try:
+            for event in events.opening():
+                yield stream_event(event)
+            async for chunk in _chat_events(s.shape, s.first, s.chunks):
+                for event in events.feed(chunk):
+                    yield stream_event(event)
+            last = events.closing()
+            await self._keep(call, history, events.response())
+        except Exception as exc:
+            yield stream_event(events.error(responses.renamed(_stream_error(exc, s.shape.request_id))))
+            return
+        finally:
+            await s.chunks.aclose()  # type: ignore[attr-defined]
+        for event in last:
+            yield stream_event(event)
+
+    async def _history(self, response_id: str | None) -> list[dict[str, Any]]:
+        """The conversation a ``previous_response_id`` continues."""
+        if response_id is None:
+            return []
+        if (kept := await self.frontend.store.get_response(response_id)) is None:
+            raise bad("previous_response_id", f"no stored response has the id {response_id!r} (or it expired)")
+        return cast(list[dict[str, Any]], json.loads(kept)["messages"])
+
+    async def _keep(self, call: Call, history: list[dict[str, Any]], got: dict[str, Any]) -> None:
+        if call.store:
+            kept = {"response": got, "messages": responses.conversation(call, history, got)}
+            await self.frontend.store.put_response(got["id"], json.dumps(kept, ensure_ascii=False))
+
+    async def get_response(self, request: Request) -> Response:
+        """A stored Response, while its ``--result-ttl`` lasts."""
+        return await _answered(self._stored(request.path_params["response_id"]))
+
+    async def _stored(self, response_id: str) -> Response:
+        if (kept := await self.frontend.store.get_response(response_id)) is None:
+            raise refused(Kind.NOT_FOUND, f"no stored response has the id {response_id!r} (or it expired)")
+        return JSONResponse(json.loads(kept)["response"])
+
+
+@dataclass(slots=True)
+class Started:
+    """A completion submitted, its first chunk in: what both answers (whole, streamed) start from."""
+
+    shape: answer.Shape
+    first: Chunk
+    chunks: AsyncIterator[Chunk]
+    total: int  # completions: n per prompt
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"X-Request-Id": self.shape.request_id}
+
+    async def collect(self, request: Request) -> list[answer.Collected]:
+        """Every completion, whole (the generator is closed whatever happens)."""
+        try:
+            return await _unless_gone(request, _collect(self.first, self.chunks, self.total))
+        finally:
+            await self.chunks.aclose()  # type: ignore[attr-defined]
+
+
+async def _chat_events(
+    shape: answer.Shape, first: Chunk, chunks: AsyncIterator[Chunk]
+) -> AsyncIterator[dict[str, Any]]:
+    """A chat (or completions) stream's chunks as objects, the usage chunk included."""
+    for event in shape.opening():
+        yield event
+    for event in shape.events(first):
+        yield event
+    async for chunk in chunks:
+        for event in shape.events(chunk):
+            yield event
+    for event in shape.closing():
+        yield event
+
+
+def _stream_error(exc: Exception, request_id: str) -> ApiError:
+    """The error event of a stream that cannot go on (a bug: logged, an internal error)."""
+    if (err := proto.error_for(exc)) is None:
+        log.exception("stream of %s failed", request_id, extra={"request_id": request_id})
+        err = refused(Kind.INTERNAL, "internal error")
+    return err
 
 
 async def _collect(first: Chunk, chunks: AsyncIterator[Chunk], n: int) -> list[answer.Collected]:
@@ -413,6 +514,8 @@ def build_app(door: Door, api_keys: SecretFile | None = None) -> Starlette:
     routes = [
         Route("/v1/completions", door.completions, methods=["POST"]),
         Route("/v1/chat/completions", door.chat_completions, methods=["POST"]),
+        Route("/v1/responses", door.responses, methods=["POST"]),
+        Route("/v1/responses/{response_id}", door.get_response, methods=["GET"]),
         Route("/v1/models", door.list_models, methods=["GET"]),
         Route("/v1/models/{model:path}", door.model_card, methods=["GET"]),
         Route("/health", door.health, methods=["GET"]),

@@ -237,6 +237,14 @@ class RedisStore:
         raw = await self.r.hgetall(self.keys.prompt_logprobs(request_id))
         return [Logprob.of(json.loads(v)) for _, v in sorted((int(k), v) for k, v in raw.items())]
 
+    async def put_response(self, response_id: str, data: str) -> None:
+        """Keep a ``/v1/responses`` answer (JSON) for ``--result-ttl``, as a finished request's output."""
+        await self.r.set(self.keys.response(response_id), data, ex=self.result_ttl)
+
+    async def get_response(self, response_id: str) -> str | None:
+        """A kept ``/v1/responses`` answer; None once its TTL ran out (or never kept)."""
+        return cast(str | None, await self.r.get(self.keys.response(response_id)))
+
     # -- leases ---------------------------------------------------------------
 
     async def acquire(self, executor: str, replica: str, ttl_ms: int) -> int | None:
