@@ -26,7 +26,6 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from pagedserve.dev.launch import Cluster
 from pagedserve.dev.procs import free_port
 from pagedserve.v1 import generation_pb2 as pb
-from scheduler_svc.frontend.responses import CHAT_HAS_TOOLS
 from tests.conftest import make_cluster
 from tests.helpers import Result, run_all
 
@@ -402,10 +401,8 @@ WEATHER = {
     "strict": True,
 }
 CHAT_WEATHER = {"type": "function", "function": {k: v for k, v in WEATHER.items() if k != "type"}}
-needs_chat_tools = pytest.mark.skipif(not CHAT_HAS_TOOLS, reason="/v1/chat/completions takes no tools yet")
 
 
-@needs_chat_tools
 def test_a_tool_round_trip_on_the_responses_api(client: openai.OpenAI, model: str) -> None:
     """A named tool choice (the grammar makes the random model call it) answers a function_call item, as chat's
     tool call; the call's result goes back by ``previous_response_id`` or as input items, as chat's tool message."""
@@ -452,7 +449,6 @@ def test_a_tool_round_trip_on_the_responses_api(client: openai.OpenAI, model: st
     assert by_id.output_text == by_items.output_text == then.choices[0].message.content
 
 
-@needs_chat_tools
 def test_openai_agents_sdk_calls_a_tool(cluster: Cluster, model: str) -> None:
     """The Agents SDK's tool loop: the model (made to, by a named tool choice) calls the tool, the SDK runs it."""
     from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner, function_tool, set_tracing_disabled

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from scheduler_svc.frontend.openai_request import NOT_YET, ApiError, bad
+from scheduler_svc.frontend.openai_request import ApiError, bad
 
 # Fields of a Responses request that pagedserve does not honour -> the values that mean "off"
 # (accepted; null is always off). The OpenAI Agents SDK sends ``include: []`` on every call.
@@ -41,9 +41,6 @@ REFUSED: dict[str, tuple[Any, ...]] = {
     "context_management": (),
     "service_tier": ("auto", "default"),
 }
-# Until the chat path takes tool calls (``tools`` leaves openai_request.NOT_YET), a tool round trip's
-# items would reach the chat template without their calls: they are refused instead. This lifts itself.
-CHAT_HAS_TOOLS = "tools" not in NOT_YET
 ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
 TEXT_PARTS = ("input_text", "output_text")
 # A refusal of the chat path names chat's field: the Responses name, by prefix (a regex).
@@ -168,15 +165,6 @@ def messages(items: Any, name: str = "input") -> list[dict[str, Any]]:
     return out
 
 
-def _no_round_trip_yet(items: Any) -> None:
-    """Refuse a tool round trip's items while the chat path takes no tool calls (``CHAT_HAS_TOOLS``)."""
-    if CHAT_HAS_TOOLS or not isinstance(items, list):
-        return
-    for i, item in enumerate(items):
-        if isinstance(item, dict) and item.get("type") in ("function_call", "function_call_output"):
-            raise bad(f"input[{i}].type", f"{item['type']} items need tool calling, not supported yet")
-
-
 def _tools(v: Any) -> list[dict[str, Any]]:
     """Responses' flat function tools in chat's shape."""
     if not isinstance(v, list):
@@ -253,7 +241,6 @@ def parse(body: dict[str, Any]) -> Call:
     instructions = _optional("instructions", get("instructions"))
     if get("input") is None:
         raise bad("input", "required")
-    _no_round_trip_yet(get("input"))
     previous = _optional("previous_response_id", get("previous_response_id"))
     echo = {
         "instructions": instructions,

@@ -147,13 +147,9 @@ def test_function_call_items_become_assistant_tool_calls_and_tool_messages() -> 
     ]
 
 
-def test_a_tool_round_trip_is_refused_until_the_chat_path_takes_tool_calls() -> None:
-    """Else its calls would reach the chat template as empty assistant messages (never silently dropped)."""
+def test_a_function_call_item_becomes_an_assistant_tool_call() -> None:
     body = {"model": M, "input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"}]}
-    if responses.CHAT_HAS_TOOLS:
-        assert responses.parse(body).messages[0]["tool_calls"][0]["id"] == "c"
-    else:
-        assert refusal(body).param == "input[0].type"
+    assert responses.parse(body).messages[0]["tool_calls"][0]["id"] == "c"
 
 
 def test_tools_tool_choice_and_text_format_in_chat_shape() -> None:
