@@ -20,6 +20,10 @@ import pytest
 # 2 cores, each with a model in its own process and in its deployments' executors, and tiny models gain nothing from
 # a second thread; more threads per process only spin against each other for the cores. An explicit value wins.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Deployments' services fork from a server that imported their code once per worker (pagedserve/dev/warm.py): an
+# executor's start costs ~2 s instead of ~10 (torch and transformers imported again each time), and the suite starts
+# about seventy. Each service is still its own process, signalled, killed and reaped as one. An explicit value wins.
+os.environ.setdefault("PAGEDSERVE_WARM_STARTS", "1")
 
 import torch  # noqa: E402
 

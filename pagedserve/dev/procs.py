@@ -22,6 +22,7 @@ from urllib.parse import quote
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from pagedserve.dev import warm
 from pagedserve.rpc import free_port
 
 
@@ -35,7 +36,9 @@ def redis_server_binary() -> str:
     return REDIS_SERVER_PATH
 
 
-def wait_until(check: Callable[[], bool], timeout: float, what: str, proc: subprocess.Popen | None = None) -> None:
+def wait_until(
+    check: Callable[[], bool], timeout: float, what: str, proc: subprocess.Popen | warm.Forked | None = None
+) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
@@ -58,7 +61,7 @@ def grpc_healthy(address: str, service: str = "", credentials: grpc.ChannelCrede
     return resp.status == health_pb2.HealthCheckResponse.SERVING
 
 
-def _stop(proc: subprocess.Popen, timeout: float = 10) -> None:
+def _stop(proc: subprocess.Popen | warm.Forked, timeout: float = 10) -> None:
     if proc.poll() is None:
         proc.terminate()
         try:
@@ -168,16 +171,20 @@ class Service:
         self.address = f"127.0.0.1:{port}"
         self.credentials = credentials
         self.log_path = log_path
-        out = open(log_path, "ab") if log_path else subprocess.DEVNULL  # noqa: SIM115
         root = str(Path(__file__).resolve().parent.parent)
         child_env = {**os.environ, **(env or {})}
         child_env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, child_env.get("PYTHONPATH")]))
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", module, "--port", str(port), *args],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env=child_env,
-        )
+        self.proc: subprocess.Popen | warm.Forked
+        if warm.enabled():
+            self.proc = warm.Forked(module, ["--port", str(port), *args], child_env, log_path)
+        else:
+            out = open(log_path, "ab") if log_path else subprocess.DEVNULL  # noqa: SIM115
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", module, "--port", str(port), *args],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=child_env,
+            )
         try:
             wait_until(lambda: grpc_healthy(self.address, ready, credentials), timeout, module, self.proc)
         except BaseException:
