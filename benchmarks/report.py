@@ -569,6 +569,12 @@ def plot_duty(series: list[dict], out: Path) -> str:
     return _save(fig, out / "duty_cycle.png")
 
 
+def _per_batch(points: list[dict], theirs: str, name: str) -> list[str]:
+    """The executor's step against a peer's, one row per batch size."""
+    rows = [f"| {p['batch']} | {_f(p['executor_ms'])} | {_f(p[theirs])} | {_f(p['ratio'], 3)} |" for p in points]
+    return [f"| batch | executor ms | {name} ms | executor / {name} |", "|---|---|---|---|", *rows]
+
+
 def _machine_lines(summary: dict) -> list[str]:
     fl = summary.get("model_flops_per_token") or {}
     gemm = summary.get("gemm_flops_per_s")
@@ -582,12 +588,7 @@ def _machine_lines(summary: dict) -> list[str]:
         "transformers' eager decode step (the same weights, one token per row on a DynamicCache of as many "
         "tokens, plus the argmax), alternating; medians, ratio = median of the per-pair ratios.",
         "",
-        "| batch | executor ms | transformers ms | executor / transformers |",
-        "|---|---|---|---|",
-    ]
-    lines += [
-        f"| {p['batch']} | {_f(p['executor_ms'])} | {_f(p['transformers_ms'])} | {_f(p['ratio'], 3)} |"
-        for p in summary.get("model_runner") or []
+        *_per_batch(summary.get("model_runner") or [], "transformers_ms", "transformers"),
     ]
     vs = summary.get("runner_vs_vllm") or {}
     lines += [
@@ -598,12 +599,7 @@ def _machine_lines(summary: dict) -> list[str]:
         f"above, forward and sampling). vLLM's start: {_f(vs.get('vllm_startup_s'))} s."
         + (f" Not measured: {vs['skipped']}." if vs.get("skipped") else ""),
         "",
-        "| batch | executor ms | vLLM step ms | executor / vLLM |",
-        "|---|---|---|---|",
-    ]
-    lines += [
-        f"| {p['batch']} | {_f(p['executor_ms'])} | {_f(p['vllm_step_ms'])} | {_f(p['ratio'], 3)} |"
-        for p in vs.get("points") or []
+        *_per_batch(vs.get("points") or [], "vllm_step_ms", "vLLM"),
     ]
     fractions = summary.get("roofline_fraction_by_arm") or {}
     per_arm = ", ".join(f"{a} {_f(v, 3)}" for a, v in fractions.items()) or "–"
