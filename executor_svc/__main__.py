@@ -12,6 +12,7 @@ from pathlib import Path
 import redis.asyncio as aioredis
 from prometheus_client import CollectorRegistry
 
+from executor_svc import linear
 from executor_svc.context import ContextTooLong
 from executor_svc.engine import Engine, EngineConfig
 from executor_svc.lifecycle import Lifecycle, Registration, quiet
@@ -77,6 +78,12 @@ def _engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--swap-dir", type=Path, default=None, help="directory for the disk swap tier (off when unset)")
     p.add_argument("--disk-swap-space", type=float, default=4.0, help="GiB of the disk swap tier")
     p.add_argument("--attention-backend", choices=BACKENDS, default="auto", help="auto: Triton on CUDA, torch on CPU")
+    p.add_argument(
+        "--cpu-linear",
+        choices=linear.CHOICES,
+        default="onednn",
+        help="the linear layers on CPU: onednn (weights prepacked once, as vLLM's CPU backend) or torch (F.linear)",
+    )
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
     p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     p.add_argument(
@@ -194,6 +201,7 @@ def _engine(args: argparse.Namespace) -> Engine:
             swap_dir=args.swap_dir,
             disk_swap_space=args.disk_swap_space,
             attention_backend=args.attention_backend,
+            cpu_linear=args.cpu_linear,
             device=args.device,
             dtype=args.dtype,
         )
