@@ -22,16 +22,16 @@ def _shrink_kernel(
 ):
     t = tl.program_id(0)
     s = tl.load(slot_ptr + t).to(tl.int64)
-    valid = s >= 0
+    rank = tl.where(s >= 0, R, 0)  # a base-model token reads nothing: its h is zero
     s = tl.maximum(s, 0)
     r = tl.arange(0, BLOCK_R)
     acc = tl.zeros([BLOCK_R], dtype=tl.float32)
     for k0 in range(0, IN, BLOCK_IN):
         k = k0 + tl.arange(0, BLOCK_IN)
-        xv = tl.load(x_ptr + t * stride_xt + k, mask=(k < IN) & valid, other=0.0).to(tl.float32)
+        xv = tl.load(x_ptr + t * stride_xt + k, mask=k < IN, other=0.0).to(tl.float32)
         av = tl.load(
             a_ptr + s * stride_as + r[:, None] * stride_ar + k[None, :],
-            mask=(r[:, None] < R) & (k[None, :] < IN) & valid,
+            mask=(r[:, None] < rank) & (k[None, :] < IN),
             other=0.0,
         ).to(tl.float32)
         acc += tl.sum(av * xv[None, :], axis=1)
@@ -46,18 +46,17 @@ def _expand_kernel(
     t = tl.program_id(0)
     o = tl.program_id(1) * BLOCK_OUT + tl.arange(0, BLOCK_OUT)
     s = tl.load(slot_ptr + t).to(tl.int64)
-    valid = s >= 0
+    rank = tl.where(s >= 0, R, 0)  # a base-model token's delta is zero
     s = tl.maximum(s, 0)
     r = tl.arange(0, BLOCK_R)
     h = tl.load(h_ptr + t * BLOCK_R + r)
     bv = tl.load(
         b_ptr + s * stride_bs + o[:, None] * stride_bo + r[None, :],
-        mask=(o[:, None] < OUT) & (r[None, :] < R) & valid,
+        mask=(o[:, None] < OUT) & (r[None, :] < rank),
         other=0.0,
     ).to(tl.float32)
     scale = tl.load(scale_ptr + s).to(tl.float32)
     y = tl.sum(bv * h[None, :], axis=1) * scale
-    y = tl.where(valid, y, 0.0)
     tl.store(out_ptr + t * stride_ot + o, y.to(out_ptr.dtype.element_ty), mask=o < OUT)
 
 
