@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Iterable
+from dataclasses import replace
 
 import grpc
 
@@ -164,7 +165,15 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
         )
 
     def member(self, address: str) -> Member:
-        return Member.from_info(self.info(with_tokenizer=False), address)
+        member = Member.from_info(self.info(with_tokenizer=False), address)
+        if (adapters := self.engine.adapters) is None:
+            return member
+        return replace(
+            member,
+            lora_slots=len(adapters.slots),
+            lora_resident=tuple(adapters.resident()),
+            lora_cached=tuple(adapters.cached()),
+        )
 
     def renew_instance(self) -> str:
         self._epoch = self._applied_seq = 0
