@@ -526,4 +526,6 @@ class Scheduler:
             max_num_seqs=self.config.max_num_seqs,
             watermark=self._watermark,
             held=dict(held),
+            max_loras=self.config.max_loras,
+            adapters=tuple(sorted(lora.adapters_of([*self.running, *self.swapped]))) if self.config.max_loras else (),
         )

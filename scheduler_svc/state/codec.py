@@ -144,8 +144,8 @@ def hits_from(text: str) -> dict[str, int]:
 
 
 def candidate_from(row: list[str]) -> Candidate:
-    """A row of the peek script: queue key, prompt length, max_tokens, priority, tokens generated, and
-    the prefix hits per executor (``hits_from``)."""
+    """A row of the peek script: queue key, prompt length, max_tokens, priority, tokens generated,
+    the prefix hits per executor (``hits_from``) and the LoRA adapter's digest ('' for the base model)."""
     qk, plen, maxt, prio, nout, *rest = row
     return Candidate(
         qk,
@@ -155,6 +155,7 @@ def candidate_from(row: list[str]) -> Candidate:
         int(maxt),
         int(prio),
         hits_from(rest[0] if rest else ""),
+        rest[1] if len(rest) > 1 else "",
     )
 
 
@@ -202,6 +203,7 @@ def view_json(v: PoolView) -> str:
             "max_num_seqs": v.max_num_seqs,
             "watermark": v.watermark,
             "held": {str(p): n for p, n in v.held.items()},
+            **({"loras": [v.max_loras, *v.adapters]} if v.max_loras else {}),
         },
         separators=(",", ":"),
     )
@@ -221,4 +223,5 @@ def view_from(executor: str, data: str) -> PoolView:
         d["max_num_seqs"],
         d["watermark"],
         {int(p): n for p, n in d["held"].items()},
+        *((d["loras"][0], tuple(d["loras"][1:])) if "loras" in d else ()),
     )

@@ -50,3 +50,23 @@ def test_a_third_adapter_waits_at_the_head_and_runs_once_a_slot_frees() -> None:
         assert len(digests) <= 2, "never more adapters in a step than --max-loras"
         seen |= {x.req.request_id for x in out.scheduled}
     assert {"2", "3"} <= seen, "C's request starts once A's ends; nothing starves"
+
+
+def test_placement_prefers_the_pool_running_the_adapter_then_a_free_slot() -> None:
+    from dataclasses import replace
+
+    from scheduler_svc.core.placement import lora_preference
+    from scheduler_svc.state import codec
+    from tests.unit.scheduler_svc.core.test_placement import cand, claims, pool
+
+    c = replace(cand(1), adapter=A.digest)
+    holds = replace(pool("x", free=40, running=2), max_loras=2, adapters=(A.digest,))  # busier, runs A
+    free_slot = replace(pool("y", free=48, running=2), max_loras=2, adapters=(B.digest,))
+    full = replace(pool("z", free=64, running=2), max_loras=2, adapters=(B.digest, C.digest))  # idlest, no slot
+    assert lora_preference(c, holds) > lora_preference(c, free_slot) > lora_preference(c, full) == 0.0
+    assert claims([c], {"x": holds, "y": free_slot, "z": full})["x"] == ["r1"]
+    assert claims([c], {"y": free_slot, "z": full})["y"] == ["r1"]
+    base = cand(2)
+    assert lora_preference(base, holds) == 0.0 and claims([base], {"x": holds, "z": full})["z"] == ["r2"]
+    assert codec.view_from("x", codec.view_json(holds)) == holds, "the published view keeps the adapters"
+    assert "loras" not in codec.view_json(pool("w")), "without LoRA the view is what it was"
