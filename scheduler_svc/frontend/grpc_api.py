@@ -126,5 +126,7 @@ def add_to_server(
             "Generate": handlers.stream(servicer.Generate, pb.GenerateRequest, max_request_bytes),
             "Resume": handlers.stream(servicer.Resume, pb.ResumeRequest, max_request_bytes),
             "Abort": handlers.unary(servicer.Abort, pb.AbortRequest, max_request_bytes),
+            "LoadLoraAdapter": handlers.unary(servicer.LoadLoraAdapter, pb.LoraAdapterRequest, max_request_bytes),
+            "UnloadLoraAdapter": handlers.unary(servicer.UnloadLoraAdapter, pb.LoraAdapterRequest, max_request_bytes),
         },
     )
