@@ -191,6 +191,9 @@ def test_the_http_door_selects_an_adapter_by_model_and_lists_them(
         want = peft_greedy(tiny_llama, adapters["b"], [ids], MAX_TOKENS)[0][:8]
         assert got["choices"][0]["text"] == AutoTokenizer.from_pretrained(tiny_llama).decode(want), got
         assert h.post("/tokenize", json={"model": "b", "prompt": "hi"}).status_code == 200, "the adapter's tokenizer"
+    exported = "".join(http(cluster, port).get("/metrics").text for port in (cluster.http_port, SECOND_HTTP))
+    info = [line for line in exported.splitlines() if "lora_requests_info{" in line]
+    assert info and 'max_lora="3"' in info[0] and "running_lora_adapters=" in info[0], info
 
 
 def test_unknown_adapters_and_ranks_over_the_limit_are_refused(cluster: Cluster, adapters: dict[str, Path]) -> None:
