@@ -8,8 +8,10 @@ Adapters are made here with PEFT (random A and B: ``init_lora_weights=False``).
 
 from __future__ import annotations
 
+import asyncio
 import random
 import shutil
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,6 +23,7 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from pagedserve.cli import status
 from pagedserve.dev.launch import Cluster
 from pagedserve.dev.procs import free_port
 from pagedserve.v1 import generation_pb2 as pb
@@ -191,6 +194,11 @@ def test_the_http_door_selects_an_adapter_by_model_and_lists_them(
         want = peft_greedy(tiny_llama, adapters["b"], [ids], MAX_TOKENS)[0][:8]
         assert got["choices"][0]["text"] == AutoTokenizer.from_pretrained(tiny_llama).decode(want), got
         assert h.post("/tokenize", json={"model": "b", "prompt": "hi"}).status_code == 200, "the adapter's tokenizer"
+    deadline = time.monotonic() + 15  # the executor's record is rewritten every third of its lease
+    while not (shown := asyncio.run(status.status(cluster.redis_url, NS))["executors"][0]["lora_adapters"]):  # type: ignore[index]
+        assert time.monotonic() < deadline, "pagedserve status shows no adapter"
+        time.sleep(0.5)
+    assert "b" in shown and "t|t2" in shown, shown  # names of the resident adapters: t and t2 are the same weights
     exported = "".join(http(cluster, port).get("/metrics").text for port in (cluster.http_port, SECOND_HTTP))
     info = [line for line in exported.splitlines() if "lora_requests_info{" in line]
     assert info and 'max_lora="3"' in info[0] and "running_lora_adapters=" in info[0], info
