@@ -226,6 +226,8 @@ class Engine:
             self._check(seq)
         if self.adapters is not None:
             self.adapters.begin(plan.seqs)  # loads what the step's adapters need; PlanError before anything runs
+        elif any(seq.lora is not None for seq in plan.seqs):
+            raise PlanError("a sequence names a LoRA adapter; this executor runs without --enable-lora")
         self._record_history(plan.seqs)
         masks, grammar_rows = self._start_masks(plan.seqs)
         ts = time.perf_counter()
