@@ -23,9 +23,14 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from executor_svc import lora as executor_lora
+from executor_svc.engine import Engine, EngineConfig
+from executor_svc.plan import LoraRef, SeqInput, StepInput
+from executor_svc.sampler import Sampling
 from pagedserve.cli import status
 from pagedserve.dev.launch import Cluster
 from pagedserve.dev.procs import free_port
+from pagedserve.lora import read as read_adapter
 from pagedserve.v1 import generation_pb2 as pb
 from pagedserve.v1 import generation_pb2_grpc as pb_grpc
 from tests import helpers
@@ -225,3 +230,48 @@ def test_unknown_adapters_and_ranks_over_the_limit_are_refused(cluster: Cluster,
         with pytest.raises(grpc.RpcError) as exc:
             list(stub.Generate(on("gone", [5, 6, 7]), timeout=30))
         assert exc.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def engine_greedy(engine: Engine, prompts: list[list[int]], refs: list[LoraRef | None], steps: int) -> list[list[int]]:
+    """Drive an executor's engine as a scheduler would (one prefill chunk, then decodes), every
+    sequence with its adapter in the same steps; greedy tokens per sequence."""
+    bs, top = engine.geometry.block_size, engine.pool.device.num_blocks
+    tables = []
+    for p in prompts:
+        n = -(-(len(p) + steps) // bs)
+        tables.append(list(range(top - n, top)))
+        top -= n
+    outs: list[list[int]] = [[] for _ in prompts]
+    for step in range(steps):
+        seqs = [
+            SeqInput(
+                str(i),
+                list(p) if step == 0 else outs[i][-1:],
+                0 if step == 0 else len(p) + step - 1,
+                tables[i],
+                Sampling(temperature=0.0),
+                num_generated=step,
+                lora=ref,
+            )
+            for i, (p, ref) in enumerate(zip(prompts, refs))
+        ]
+        for rid, t in engine.step(StepInput(step_id=step, seqs=seqs)).tokens:
+            outs[int(rid)].append(t)
+    return outs
+
+
+def lora_ref(name: str, path: Path) -> LoraRef:
+    adapter = read_adapter(name, str(path), 64)
+    return LoraRef(adapter.digest, adapter.path, name)
+
+
+def test_smollm2_adapters_in_one_step_match_peft(smol_dir: Path, tmp_path: Path) -> None:
+    """The real architecture (30 layers, tied embeddings), in the executor's engine (no deployment)."""
+    paths = [make_adapter(smol_dir, tmp_path / str(i), 10 + i, r=8 if i < 2 else 4) for i in range(3)]
+    prompts = [[1, *(rng.randrange(3, 49152) for _ in range(12 + 3 * i))] for i in range(4)]
+    engine = Engine(EngineConfig(model=smol_dir, kv_cache_memory=64 << 20, lora=executor_lora.LoraConfig(max_loras=3)))
+    got = engine_greedy(engine, prompts, [lora_ref(str(i), p) for i, p in enumerate(paths)] + [None], 8)
+    for i, path in enumerate(paths):
+        assert got[i] == peft_greedy(smol_dir, path, [prompts[i]], 8)[0], f"adapter {i}"
+    assert got[3] == hf_greedy(smol_dir, [prompts[3]], [8])[0], "the base model's sequence"
+    assert got[0] != hf_greedy(smol_dir, [prompts[0]], [8])[0], "the adapter changes the output"
