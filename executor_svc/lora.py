@@ -24,11 +24,14 @@ import torch
 from safetensors.torch import load as load_safetensors
 
 from executor_svc.plan import LoraRef, PlanError, SeqInput
-from kernels.lora import Segment, segments, sgmv_add
+from kernels.lora import Gather, Segment, bgmv_add, gather_of, segments, sgmv_add
 from pagedserve import lora as adapters
 
 log = logging.getLogger(__name__)
 PEFT_PREFIX = "base_model.model."
+# A step with at most this many adapter tokens and more than one adapter takes the batched gather
+# (BGMV: one chain of ops per layer); longer steps (prefills), or one adapter, take SGMV.
+BGMV_MAX_TOKENS = 128
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +98,7 @@ class _Target:
 @dataclass(slots=True)
 class _Step:
     segs: list[Segment]  # the CPU path's groups
+    gather: Gather | None  # the CPU path's batched gather, for a decode-sized step mixing adapters
     token_slots: torch.Tensor  # [T] int32 on the device, for the kernel
     scaling: torch.Tensor  # [slots] float32 on the device
     used: set[int] = field(default_factory=set)
@@ -153,8 +157,12 @@ class Adapters:
         token_slots: list[int] = []
         for s in seqs:
             token_slots += [slot_of[s.lora.digest] if s.lora is not None else -1] * len(s.token_ids)
+        segs = segments(token_slots, self.ranks, self.scalings)
+        lora_tokens = sum(len(seg.rows) for seg in segs)
+        use_gather = len(segs) > 1 and lora_tokens <= BGMV_MAX_TOKENS and not self.triton
         self.step = _Step(
-            segments(token_slots, self.ranks, self.scalings),
+            segs,
+            gather_of(token_slots, self.scalings, self.dtype) if use_gather else None,
             torch.tensor(token_slots, dtype=torch.int32).to(self.device),
             torch.tensor(self.scalings, dtype=torch.float32).to(self.device),
         )
@@ -203,6 +211,9 @@ class Adapters:
                 from kernels.lora_triton import bgmv
 
                 return out + bgmv(flat_x, target.a, target.b, step.scaling, step.token_slots).view_as(out)
+            if step.gather is not None:
+                bgmv_add(flat_out, flat_x, target.a, target.b, step.gather)
+                return out
             segs = [s for s in step.segs if target.present[s.slot]]
             if segs:  # in place: the base layer's output is this step's own tensor
                 sgmv_add(flat_out, flat_x, target.a, target.b, segs)

@@ -60,3 +60,33 @@ def bgmv_loop(
         if s >= 0:
             out[t] = (b[s].float() @ (a[s].float() @ x[t].float())) * float(scaling[s])
     return out
+
+
+@dataclass(frozen=True, slots=True)
+class Gather:
+    """A step's adapter tokens for the batched-gather path: their rows, slots and scalings."""
+
+    rows: torch.Tensor  # int64 [n]: rows of the packed batch on an adapter
+    slots: torch.Tensor  # int64 [n]: each one's slot
+    scaling: torch.Tensor  # [n, 1]: each one's slot's scaling
+
+
+def gather_of(token_slots: list[int], scalings: list[float], dtype: torch.dtype) -> Gather:
+    rows = [t for t, s in enumerate(token_slots) if s >= 0]
+    slots = [token_slots[t] for t in rows]
+    return Gather(
+        torch.tensor(rows, dtype=torch.long),
+        torch.tensor(slots, dtype=torch.long),
+        torch.tensor([scalings[s] for s in slots], dtype=dtype)[:, None],
+    )
+
+
+def bgmv_add(out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, g: Gather) -> None:
+    """BGMV: every adapter token at once over the padded rank, each gathering its slot's A and B
+    (``[n, max_rank, in]``, ``[n, out, max_rank]``): one chain of ops per layer however many
+    adapters the step mixes, for steps of a few tokens (decodes), where SGMV would run a
+    chain per adapter. Zero padding adds exact zeros."""
+    xs = x.index_select(0, g.rows)
+    h = torch.bmm(a.index_select(0, g.slots), xs.unsqueeze(2))
+    delta = torch.bmm(b.index_select(0, g.slots), h).squeeze(2) * g.scaling
+    out.index_add_(0, g.rows, delta)

@@ -33,6 +33,16 @@ def test_sgmv_matches_the_per_token_loop():
     assert torch.equal(out[base_rows], base[base_rows]), "a base-model token's output is untouched"
 
 
+def test_torch_bgmv_matches_the_per_token_loop():
+    gen = torch.Generator().manual_seed(2)
+    x, a, b, _, scaling, token_slots = _case(gen)
+    base = torch.randn(x.shape[0], b.shape[1], generator=gen)
+    out = base.clone()
+    lora.bgmv_add(out, x, a, b, lora.gather_of(token_slots.tolist(), scaling.tolist(), torch.float32))
+    torch.testing.assert_close(out, base + lora.bgmv_loop(x, a, b, scaling, token_slots), rtol=1e-5, atol=1e-5)
+    assert torch.equal(out[token_slots < 0], base[token_slots < 0])
+
+
 def test_sgmv_of_a_step_without_adapters_changes_nothing():
     out = torch.ones(3, 4)
     lora.sgmv_add(out, torch.ones(3, 2), torch.ones(1, 1, 2), torch.ones(1, 4, 1), lora.segments([-1] * 3, [1], [1.0]))
