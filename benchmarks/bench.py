@@ -501,10 +501,10 @@ def run_all(args: argparse.Namespace, cfg: Config, out: Path, started: float) ->
         attempt("logprobs cost", logprobs_cost, share=True)
     if "structured" in cfg.arms:
         attempt("JSON-schema constraint cost", structured_cost, share=True)
-    if "lora" in cfg.arms:
-        attempt("LoRA adapters: mixed and single-adapter throughput vs the base model", lora_cost)
     if "parallel" in cfg.arms:
         attempt("parallel sampling (n=8) KV blocks", parallel_sampling)
+    if "lora" in cfg.arms:  # after the arms sharing the aux deployment: its own would end that one
+        attempt("LoRA adapters: mixed and single-adapter throughput vs the base model", lora_cost)
     if "kv_spread" in cfg.arms:
         attempt("KV usage spread", kv_spread)
     if "overhead" in cfg.arms:
