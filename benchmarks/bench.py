@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 from benchmarks import analysis, report, vllm_peer
 from benchmarks.config import PREVIOUS_QUICK, Config, kv_bytes_per_token
 from benchmarks.kv_spread import SpreadResult
+from benchmarks.lora_cost import LoraCostResult
 from benchmarks.metrics import summarize
 from benchmarks.overhead import OverheadPoint
 from benchmarks.parallel import ParallelConfig, ParallelResult
@@ -278,6 +279,7 @@ def run_all(args: argparse.Namespace, cfg: Config, out: Path, started: float) ->
     sampling: list[SamplingPoint] = []
     logprobs: dict | None = None
     structured: StructuredResult | None = None
+    lora: LoraCostResult | None = None
     shared: SharedPrefixResult | None = None
     par: ParallelResult | None = None
     peer: PeerResult | None = None
@@ -433,6 +435,15 @@ def run_all(args: argparse.Namespace, cfg: Config, out: Path, started: float) ->
             model_dir, stacks.get(aux_stack(logs), logs / "aux"), so.StructuredConfig(rounds=cfg.structured_rounds)
         )
 
+    def lora_cost() -> None:
+        from benchmarks import lora_cost as lc
+
+        nonlocal lora
+        lcfg = lc.LoraCostConfig(requests=cfg.lora_requests, rounds=cfg.lora_rounds)
+        (logs / "lora").mkdir(parents=True, exist_ok=True)
+        deployment = stacks.get(lc.stack_config(logs / "lora", lcfg), logs / "lora")
+        lora = lc.run(model_dir, deployment, logs / "lora", lcfg)
+
     def parallel_sampling() -> None:
         from benchmarks import parallel
 
@@ -492,6 +503,8 @@ def run_all(args: argparse.Namespace, cfg: Config, out: Path, started: float) ->
         attempt("JSON-schema constraint cost", structured_cost, share=True)
     if "parallel" in cfg.arms:
         attempt("parallel sampling (n=8) KV blocks", parallel_sampling)
+    if "lora" in cfg.arms:  # after the arms sharing the aux deployment: its own would end that one
+        attempt("LoRA adapters: mixed and single-adapter throughput vs the base model", lora_cost)
     if "kv_spread" in cfg.arms:
         attempt("KV usage spread", kv_spread)
     if "overhead" in cfg.arms:
@@ -654,6 +667,9 @@ def run_all(args: argparse.Namespace, cfg: Config, out: Path, started: float) ->
         "json_schema_tokens_per_s_ratio": structured.ratio if structured else None,
         "json_schema_mask_fill_us_per_token": structured.mask_fill_ms_per_token * 1e3 if structured else None,
         "json_schema_mask_apply_ms_per_step": structured.mask_apply_ms_per_step if structured else None,
+        "lora_cost": lora.as_dict() if lora else None,
+        "lora_mixed_throughput_ratio": lora.mixed_ratio if lora else None,
+        "lora_single_adapter_throughput_ratio": lora.single_ratio if lora else None,
         **(peer or PeerResult(skipped="not in --arms")).summary_keys(),
         "throughput_ratio_vs_hf_continuous_previous": PREVIOUS_QUICK.ratio("hf_continuous"),
         "previous_run": {"label": PREVIOUS_QUICK.label, "output_tokens_per_s": PREVIOUS_QUICK.output_tokens_per_s},

@@ -38,6 +38,8 @@ class Config:
     logprobs_requests: int = 32  # the logprobs_cost arm's batch (greedy, logprobs=5 against none)
     logprobs_rounds: int = 2
     structured_rounds: int = 2  # plain / JSON-schema batch pairs of the structured arm
+    lora_requests: int = 20  # the LoRA arm's batch (4 adapters and the base model, against the base model alone)
+    lora_rounds: int = 3
     parallel_prompt_len: int = 512  # the parallel-sampling arm's prompt (n = 8 against 8 requests)
     parallel_output_len: int = 32
     machine_batches: list[int] = field(default_factory=lambda: [1, 8, 32])
@@ -68,6 +70,7 @@ ARMS = (
     "sampling_cost",
     "logprobs_cost",
     "structured",
+    "lora",
     "shared_prefix",
     "parallel",
     "machine",

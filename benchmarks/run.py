@@ -132,6 +132,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=None,
         help="plain / JSON-schema batch pairs of the structured arm (default: quick 2, full 5)",
     )
+    p.add_argument("--lora-requests", type=int, default=None, help="the LoRA arm's batch (default: 20)")
+    p.add_argument("--lora-rounds", type=int, default=None, help="base / mixed / single rounds of the LoRA arm (3)")
     p.add_argument(
         "--machine-batches",
         type=int,
@@ -230,6 +232,8 @@ def build_config(args: argparse.Namespace) -> Config:
         logprobs_requests=pick(args.logprobs_requests, base.logprobs_requests),
         logprobs_rounds=pick(args.logprobs_rounds, base.logprobs_rounds),
         structured_rounds=pick(args.structured_rounds, base.structured_rounds),
+        lora_requests=pick(args.lora_requests, base.lora_requests),
+        lora_rounds=pick(args.lora_rounds, base.lora_rounds),
         machine_batches=pick(args.machine_batches, base.machine_batches),
         machine_reps=pick(args.machine_reps, base.machine_reps),
         gemm_size=pick(args.gemm_size, base.gemm_size),

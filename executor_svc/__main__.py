@@ -16,6 +16,7 @@ from executor_svc import linear
 from executor_svc.context import ContextTooLong
 from executor_svc.engine import Engine, EngineConfig
 from executor_svc.lifecycle import Lifecycle, Registration, quiet
+from executor_svc.lora import LoraConfig
 from executor_svc.metrics import ExecutorMetrics
 from executor_svc.model_store import DEFAULT_MODEL, resolve_model
 from executor_svc.server import SERVICE_NAME, ExecutorServicer, add_to_server
@@ -42,12 +43,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     _engine_arguments(p)
     _membership_arguments(p)
     _security_arguments(p)
+    _lora_arguments(p)
     args = p.parse_args(argv)
     _check_security(p, args)
     if args.block_size < 1 or args.block_size & (args.block_size - 1):
         p.error("--block-size must be a power of two")
     if args.drain_timeout < 0:
         p.error("--drain-timeout must be >= 0")
+    if min(args.max_loras, args.max_lora_rank, args.max_cpu_loras) < 1:
+        p.error("--max-loras, --max-lora-rank and --max-cpu-loras must be positive")
     if args.advertise_address is None:
         args.advertise_address = f"{socket.gethostname()}:{args.port}"
     return args
@@ -122,6 +126,14 @@ def _membership_arguments(p: argparse.ArgumentParser) -> None:
         help="seconds after SIGTERM to let running requests finish before they move elsewhere "
         "(fits Kubernetes' 75 s grace period after a 15 s preStop)",
     )
+
+
+def _lora_arguments(p: argparse.ArgumentParser) -> None:
+    """LoRA adapters (vLLM's names; docs/lora.md): the executor's capacity for them."""
+    p.add_argument("--enable-lora", action="store_true", help="apply LoRA adapters the step plans name")
+    p.add_argument("--max-loras", type=int, default=1, help="adapter slots on the device: distinct adapters per step")
+    p.add_argument("--max-lora-rank", type=int, default=16, help="the largest adapter rank the slots hold")
+    p.add_argument("--max-cpu-loras", type=int, default=4, help="adapters kept in host memory, least recently used out")
 
 
 def _security_arguments(p: argparse.ArgumentParser) -> None:
@@ -204,6 +216,9 @@ def _engine(args: argparse.Namespace) -> Engine:
             cpu_linear=args.cpu_linear,
             device=args.device,
             dtype=args.dtype,
+            lora=LoraConfig(args.max_loras, args.max_lora_rank, max(args.max_cpu_loras, args.max_loras))
+            if args.enable_lora
+            else None,
         )
     )
 

@@ -31,6 +31,7 @@ from executor_svc.kv_pool import (
     device_tier,
     disk_tier,
 )
+from executor_svc.lora import Adapters, LoraConfig
 from executor_svc.plan import PlanError, SeqInput, StepInput, StepOutput
 from executor_svc.runner import LastSampled
 from executor_svc.sampler import sample
@@ -56,6 +57,7 @@ class EngineConfig:
     cpu_linear: str = "onednn"  # executor_svc/linear.py: prepacked oneDNN GEMMs on CPU, or torch's F.linear
     device: str | None = None
     dtype: str = "float32"
+    lora: LoraConfig | None = None  # --enable-lora: adapters' slots and caches (executor_svc/lora.py)
 
 
 class Engine:
@@ -69,6 +71,7 @@ class Engine:
         self.model.set_attn_implementation(attention.IMPLEMENTATION)
         self.linear = linear.apply(self.model, cfg.cpu_linear, self.device)
         self.backend = get_backend(cfg.attention_backend, self.device)
+        self.adapters = Adapters(self.model, cfg.lora, self.device, dtype) if cfg.lora is not None else None
         text_config = config.get_text_config()
         heads = text_config.num_attention_heads
         self.geometry = KVGeometry(
@@ -223,6 +226,10 @@ class Engine:
         self._forget(plan.forget)
         for seq in plan.seqs:
             self._check(seq)
+        if self.adapters is not None:
+            self.adapters.begin(plan.seqs)  # loads what the step's adapters need; PlanError before anything runs
+        elif any(seq.lora is not None for seq in plan.seqs):
+            raise PlanError("a sequence names a LoRA adapter; this executor runs without --enable-lora")
         self._record_history(plan.seqs)
         masks, grammar_rows = self._start_masks(plan.seqs)
         ts = time.perf_counter()
@@ -236,7 +243,11 @@ class Engine:
         t1 = time.perf_counter()
         logits, rows = None, _Rows()
         if plan.seqs:
-            logits, rows = self._forward(plan.seqs, self.tables.stacked([s.request_id for s in plan.seqs]))
+            try:
+                logits, rows = self._forward(plan.seqs, self.tables.stacked([s.request_id for s in plan.seqs]))
+            finally:
+                if self.adapters is not None:
+                    self.adapters.end()
         t2 = time.perf_counter()
         with self._copying():
             self._move(plan.swap_out)

@@ -30,6 +30,16 @@ class SeqInput:
     prompt_next: int | None = None  # the prompt token after this chunk, if the prompt goes on
     grammar: Spec | None = None  # structured output: (kind, text)
     from_last_sample: bool = False  # the last input is this request's latest sampled token (resolved first)
+    lora: LoraRef | None = None  # the LoRA adapter it runs on; None: the base model
+
+
+@dataclass(frozen=True, slots=True)
+class LoraRef:
+    """The adapter a sequence names: its identity, where to load it from, and its name (for errors)."""
+
+    digest: str
+    path: str
+    name: str = ""
 
 
 @dataclass(slots=True)

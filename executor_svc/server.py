@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Iterable
+from dataclasses import replace
 
 import grpc
 
@@ -18,7 +19,7 @@ from executor_svc.engine import Engine
 from executor_svc.lifecycle import Lifecycle
 from executor_svc.logprobs import Entry
 from executor_svc.metrics import ExecutorMetrics
-from executor_svc.plan import PlanError, SeqInput, StepInput, StepOutput
+from executor_svc.plan import LoraRef, PlanError, SeqInput, StepInput, StepOutput
 from executor_svc.runner import PlanRunner, UnknownSample, in_thread
 from executor_svc.sampler import Sampling
 from pagedserve import handlers
@@ -68,6 +69,7 @@ def _seq_from_pb(s: pb.SeqPlan, eos: list[int]) -> SeqInput:
         history=list(s.history) if s.history else None,
         grammar=(s.sampling.grammar.kind, s.sampling.grammar.spec) if s.sampling.grammar.kind else None,
         from_last_sample=s.from_last_sample,
+        lora=LoraRef(s.lora.digest, s.lora.path, s.lora.name) if s.HasField("lora") else None,
     )
     if s.sampling.HasField("prompt_logprobs"):
         plp = s.sampling.prompt_logprobs
@@ -163,7 +165,15 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
         )
 
     def member(self, address: str) -> Member:
-        return Member.from_info(self.info(with_tokenizer=False), address)
+        member = Member.from_info(self.info(with_tokenizer=False), address)
+        if (adapters := self.engine.adapters) is None:
+            return member
+        return replace(
+            member,
+            lora_slots=len(adapters.slots),
+            lora_resident=tuple(adapters.resident()),
+            lora_cached=tuple(adapters.cached()),
+        )
 
     def renew_instance(self) -> str:
         self._epoch = self._applied_seq = 0

@@ -114,6 +114,7 @@ class Keys:
         self.counters = p + "counters"  # hash: namespace totals (preemptions, swaps, steps...)
         self.usage = p + "usage"  # hash: instance id -> JSON usage of its pool (placement's view)
         self.metrics_leader = p + "metrics-leader"  # string lease: the replica exporting namespace gauges
+        self.loras = p + "loras"  # hash: LoRA adapter name -> JSON {path, digest, rank} (pagedserve/lora.py)
 
     def req(self, request_id: str) -> str:
         return f"{self.prefix}req:{request_id}"

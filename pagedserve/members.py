@@ -13,6 +13,7 @@ first executor a scheduler adopts; an executor that disagrees is refused.
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass, field
 
@@ -62,6 +63,10 @@ class Member:
     evacuate_at_ms: int = 0  # draining: from then on its loop moves what is left elsewhere
     static: bool = False  # configured with the scheduler's --executor, registered by schedulers
     model_path: str = ""  # the model directory the executor loaded ("" from an executor that predates it)
+    # --enable-lora: its adapter slots, and the digests in them and in its host cache (pagedserve/lora.py)
+    lora_slots: int = 0
+    lora_resident: tuple[str, ...] = ()
+    lora_cached: tuple[str, ...] = ()
 
     @property
     def identity(self) -> dict[str, str]:
@@ -93,7 +98,12 @@ class Member:
             "evacuate_at_ms": str(self.evacuate_at_ms),
             "static": "1" if self.static else "0",
             "model_path": self.model_path,
-        }
+        } | (self._lora_field() if self.lora_slots else {})
+
+    def _lora_field(self) -> dict[str, str]:
+        """Only with --enable-lora: a record without it reads as it did before adapters."""
+        lora = {"slots": self.lora_slots, "resident": list(self.lora_resident), "cached": list(self.lora_cached)}
+        return {"lora": json.dumps(lora)}
 
     @classmethod
     def from_fields(cls, instance_id: str, f: dict[str, str]) -> Member:
@@ -111,6 +121,7 @@ class Member:
             int(f.get("evacuate_at_ms", 0)),
             f.get("static") == "1",
             f.get("model_path", ""),
+            *_lora_of(f.get("lora")),
         )
 
     @classmethod
@@ -129,6 +140,13 @@ class Member:
             static,
             info.model_path,
         )
+
+
+def _lora_of(text: str | None) -> tuple[int, tuple[str, ...], tuple[str, ...]]:
+    if not text:
+        return 0, (), ()
+    d = json.loads(text)
+    return int(d["slots"]), tuple(d["resident"]), tuple(d["cached"])
 
 
 def describe_mismatch(member: Member, identity: dict[str, str]) -> str:

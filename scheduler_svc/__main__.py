@@ -169,6 +169,22 @@ def _scheduling_arguments(p: argparse.ArgumentParser) -> None:
         "executor pool (/v1/models' max_model_len)",
     )
     p.add_argument("--watermark", type=float, default=0.01, help="fraction of KV blocks kept free when admitting")
+    _lora_arguments(p)
+
+
+def _lora_arguments(p: argparse.ArgumentParser) -> None:
+    """LoRA adapters (vLLM's names; docs/lora.md)."""
+    p.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters of the base model")
+    p.add_argument(
+        "--lora-modules",
+        nargs="+",
+        action="extend",
+        default=[],
+        metavar="NAME=PATH",
+        help="adapters to register for the namespace at start (a directory every executor can read)",
+    )
+    p.add_argument("--max-loras", type=int, default=1, help="distinct adapters running per executor step at most")
+    p.add_argument("--max-lora-rank", type=int, default=16, help="the largest adapter rank registered")
 
 
 def _check_limits(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -187,6 +203,10 @@ def _check_limits(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error("--max-pending-requests must be >= 0 (0: no limit)")
     if args.max_logprobs < 0:
         p.error("--max-logprobs must be >= 0")
+    if args.max_loras < 1 or args.max_lora_rank < 1:
+        p.error("--max-loras and --max-lora-rank must be positive")
+    if args.lora_modules and not args.enable_lora:
+        p.error("--lora-modules requires --enable-lora")
     if (
         min(
             args.max_stop_strings,

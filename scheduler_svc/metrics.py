@@ -67,6 +67,15 @@ class LoopMetrics:
             registry=registry,
         )
         self._gauges = (self.running, self.swapped, self.kv, self.cpu_swap, self.disk_swap)
+        # vLLM's lora_requests_info (what the Gateway API inference extension routes by): one series per
+        # executor whose labels are its adapters; its value the time they were last seen (--enable-lora only).
+        self.lora_info = Gauge(
+            name("lora_requests_info"),
+            "LoRA adapters of the executor's running and waiting requests (labels, comma-separated)",
+            [*ex, "max_lora", "running_lora_adapters", "waiting_lora_adapters"],
+            registry=registry,
+        )
+        self._lora_labels: dict[tuple[str, str], tuple[str, ...]] = {}
 
     def lead(self, model: str, executor: str) -> None:
         """A loop starts: its counters exist (at 0) from now on, as vLLM's do."""
@@ -89,6 +98,14 @@ class LoopMetrics:
         self.kv.labels(*labels).set(_usage(view, Tier.DEVICE))
         self.cpu_swap.labels(*labels).set(_usage(view, Tier.CPU))
         self.disk_swap.labels(*labels).set(_usage(view, Tier.DISK))
+
+    def loras(self, model: str, executor: str, max_lora: int, running: list[str], waiting: list[str]) -> None:
+        labels = (model, executor, str(max_lora), ",".join(sorted(set(running))), ",".join(sorted(set(waiting))))
+        old = self._lora_labels.get((model, executor))
+        if old is not None and old != labels:
+            self.lora_info.remove(*old)
+        self._lora_labels[(model, executor)] = labels
+        self.lora_info.labels(*labels).set(time.time())
 
     def step(self, model: str, executor: str, scheduled_tokens: int) -> None:
         self.iteration_tokens.labels(model, executor).observe(scheduled_tokens)
@@ -128,6 +145,8 @@ class LoopMetrics:
                 g.remove(model, executor)
             except KeyError:
                 pass
+        if (old := self._lora_labels.pop((model, executor), None)) is not None:
+            self.lora_info.remove(*old)
 
 
 class NamespaceMetrics:

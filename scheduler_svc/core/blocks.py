@@ -139,7 +139,7 @@ class BlockManager:
     def _hashes(self, req: Request, upto: int) -> list[bytes]:
         """``req``'s block hash chain, extended to ``upto`` full blocks."""
         hs, bs = req.block_hashes, self.block_size
-        parent = hs[-1] if hs else prefix.root(req.cache_salt)
+        parent = hs[-1] if hs else prefix.root(req.cache_salt, req.adapter_digest)
         for i in range(len(hs), upto):
             parent = prefix.block_hash(parent, req.tokens(i * bs, (i + 1) * bs))
             hs.append(parent)

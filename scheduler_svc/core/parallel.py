@@ -49,6 +49,7 @@ def completions(req: Request) -> list[Request]:
                 priority=req.priority,
                 deadline_ms=req.deadline_ms,
                 cache_salt=req.cache_salt,
+                lora=req.lora,
                 group=req.request_id,
                 index=i,
             )

@@ -29,6 +29,11 @@ the longest hit wins unless its device usage exceeds the least loaded one's
 by more than ``PREFIX_LOAD_BOUND`` (a quarter of the pool): past that, the
 prefill a hit saves is worth less than balancing memory, and load wins.
 
+LoRA-aware: a request on an adapter prefers a pool whose running requests use
+that adapter (``LORA_RESIDENT``), then one with a free adapter slot
+(``LORA_FREE_SLOT``), as a bonus subtracted from the pool's load
+(``lora_preference``; each pool publishes its adapters and ``--max-loras``).
+
 An extra rule can slot in as ``affinity``: a per-executor bonus subtracted
 from a pool's load for one request.
 """
@@ -42,6 +47,8 @@ from pagedserve.tiers import Tier
 from scheduler_svc.core.fit import blocks_for, fits_ever
 
 PREFIX_LOAD_BOUND = 0.25  # device usage (0-1) a cache hit may cost over the least loaded pool
+LORA_RESIDENT = 0.5  # device usage a pool running the request's LoRA adapter may carry over the least loaded
+LORA_FREE_SLOT = 0.25  # ... and one with a free adapter slot (the others' requests would wait for one)
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +66,8 @@ class PoolView:
     max_num_seqs: int
     watermark: int = 0  # device blocks kept free when admitting next to running work
     held: dict[int, int] = field(default_factory=dict)  # priority -> device blocks held by running requests
+    max_loras: int = 0  # --max-loras (0: LoRA off)
+    adapters: tuple[str, ...] = ()  # digests of the LoRA adapters its running and swapped requests use
 
     @property
     def load(self) -> float:
@@ -77,6 +86,7 @@ class Candidate:
     max_tokens: int
     priority: int = 0
     hits: dict[str, int] = field(default_factory=dict)  # executor -> leading prompt blocks it caches
+    adapter: str = ""  # its LoRA adapter's digest; '': the base model
 
     def cached_tokens(self, executor: str, block_size: int) -> int:
         """Tokens of its prefix ``executor`` caches (never all of them: one is always computed)."""
@@ -144,6 +154,16 @@ def _cache_holder(c: Candidate, now: list[_Sim], least: _Sim) -> _Sim | None:
     return top
 
 
+def lora_preference(c: Candidate, view: PoolView) -> float:
+    """A LoRA request's bonus for a pool: most where its adapter runs (no load, no slot taken), less
+    where a slot is free; none for the base model or a pool without LoRA (nothing changes then)."""
+    if not c.adapter or not view.max_loras:
+        return 0.0
+    if c.adapter in view.adapters:
+        return LORA_RESIDENT
+    return LORA_FREE_SLOT if len(view.adapters) < view.max_loras else 0.0
+
+
 def pick(
     candidates: list[Candidate],
     me: str,
@@ -177,7 +197,8 @@ def pick(
             break
 
         def load(s: _Sim, c: Candidate = c) -> tuple[float, str]:
-            return (s.load - (affinity(c, s.view.executor) if affinity else 0.0), s.view.executor)
+            bonus = (affinity(c, s.view.executor) if affinity else 0.0) + lora_preference(c, s.view)
+            return (s.load - bonus, s.view.executor)
 
         best = min(now, key=load)
         cached = _cache_holder(c, now, best)

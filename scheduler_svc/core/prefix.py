@@ -6,7 +6,9 @@ a hash only if every token before and in them is the same, so a hash names a
 whole prefix. The chain starts from a root that mixes in the request's
 ``cache_salt``, so requests with different salts share no block at all
 (vLLM moved to sha256 after collisions of a weaker hash were shown to leak
-one request's KV into another's answer).
+one request's KV into another's answer). A request on a LoRA adapter starts from
+a root that also mixes in the adapter's digest (``pagedserve/lora.py``): its KV is
+the adapter's, so it is shared only with requests on the same weights.
 
 Tokens are encoded as fixed-width little-endian uint32 and the parent as its
 32 raw bytes, so the encoding is unambiguous. Hashes travel to Redis as hex.
@@ -21,9 +23,14 @@ from collections.abc import Sequence
 MAX_SALT = 256  # characters of cache_salt (GenerateRequest.cache_salt)
 
 
-def root(salt: str | None) -> bytes:
-    """The parent of a request's first block: distinct per salt ('' and None are no salt)."""
-    return hashlib.sha256(b"pagedserve-prefix-v1\0" + (salt or "").encode("utf-8", "surrogatepass")).digest()
+def root(salt: str | None, adapter: str = "") -> bytes:
+    """The parent of a request's first block: distinct per salt ('' and None are no salt) and per
+    LoRA adapter digest ('' is the base model, whose root is what it was before adapters)."""
+    salted = (salt or "").encode("utf-8", "surrogatepass")
+    if not adapter:
+        return hashlib.sha256(b"pagedserve-prefix-v1\0" + salted).digest()
+    # Another tag, and the digest at a fixed length before the salt: no salt can imitate an adapter.
+    return hashlib.sha256(b"pagedserve-prefix-lora-v1\0" + bytes.fromhex(adapter) + salted).digest()
 
 
 def block_hash(parent: bytes, tokens: Sequence[int]) -> bytes:
@@ -33,11 +40,13 @@ def block_hash(parent: bytes, tokens: Sequence[int]) -> bytes:
     return hashlib.sha256(parent + ids.tobytes()).digest()
 
 
-def extend(hashes: list[bytes], tokens: Sequence[int], salt: str | None, block_size: int, upto: int) -> list[bytes]:
+def extend(
+    hashes: list[bytes], tokens: Sequence[int], salt: str | None, block_size: int, upto: int, adapter: str = ""
+) -> list[bytes]:
     """Grow ``hashes`` (the chain of ``tokens``' first full blocks) to ``upto`` blocks; returns it.
 
     ``tokens`` must hold at least ``upto * block_size`` ids."""
-    parent = hashes[-1] if hashes else root(salt)
+    parent = hashes[-1] if hashes else root(salt, adapter)
     for i in range(len(hashes), upto):
         parent = block_hash(parent, tokens[i * block_size : (i + 1) * block_size])
         hashes.append(parent)
@@ -51,6 +60,6 @@ def lookup_limit(num_tokens: int, block_size: int) -> int:
     return max(0, num_tokens - 1) // block_size
 
 
-def prompt_hashes(prompt: Sequence[int], salt: str | None, block_size: int) -> list[str]:
+def prompt_hashes(prompt: Sequence[int], salt: str | None, block_size: int, adapter: str = "") -> list[str]:
     """Hex hashes of a prompt's cacheable blocks: what placement compares with each executor's cache."""
-    return [h.hex() for h in extend([], prompt, salt, block_size, lookup_limit(len(prompt), block_size))]
+    return [h.hex() for h in extend([], prompt, salt, block_size, lookup_limit(len(prompt), block_size), adapter)]

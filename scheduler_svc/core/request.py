@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from pagedserve.lora import Adapter
 from pagedserve.tiers import Tier
 
 
@@ -95,6 +96,12 @@ class Request:
     # A group mate admitted without computing its prompt waits for this mate to have computed it,
     # then shares its blocks (``Scheduler`` forks it); None once forked, and for everyone else.
     source: Request | None = None
+    lora: Adapter | None = None  # the LoRA adapter it runs on (--enable-lora); None: the base model
+
+    @property
+    def adapter_digest(self) -> str:
+        """Its adapter's identity ('' for the base model): in its prefix-cache root (core/prefix.py)."""
+        return self.lora.digest if self.lora is not None else ""
 
     @property
     def num_known(self) -> int:

@@ -40,7 +40,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-from scheduler_svc.core import group
+from scheduler_svc.core import group, lora
 from scheduler_svc.core.blocks import (
     DEVICE,
     DISK,
@@ -69,6 +69,7 @@ class SchedulerConfig:
     preemption_mode: str = "recompute"
     watermark: float = 0.01  # fraction of device blocks kept free when admitting
     enable_prefix_caching: bool = True  # --enable-prefix-caching (the BlockManager's ``caching``)
+    max_loras: int = 0  # --max-loras: distinct LoRA adapters running at once (core/lora.py); 0: no limit
 
     def __post_init__(self) -> None:
         if self.preemption_mode not in PREEMPTION_MODES:
@@ -384,6 +385,8 @@ class Scheduler:
             if head is None:
                 return
             req, from_swap = head
+            if not lora.admits(self.running, req, self.config.max_loras):
+                return  # head-of-line: its adapter waits for a slot (core/lora.py)
             hit = [] if from_swap else self.blocks.lookup(req)
             n = min(budget, req.num_pending - len(hit) * self.blocks.block_size)
             mates = [] if from_swap else group.mates_waiting(self.waiting, req)
@@ -523,4 +526,6 @@ class Scheduler:
             max_num_seqs=self.config.max_num_seqs,
             watermark=self._watermark,
             held=dict(held),
+            max_loras=self.config.max_loras,
+            adapters=tuple(sorted(lora.adapters_of([*self.running, *self.swapped]))) if self.config.max_loras else (),
         )

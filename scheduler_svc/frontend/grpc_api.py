@@ -56,7 +56,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
         try:
-            req, stop = self.frontend.prepare(request, context.time_remaining())
+            lora = await self.frontend.loras.resolve(request.lora_name) if request.lora_name else None
+            req, stop = self.frontend.prepare(request, context.time_remaining(), lora)
             plan = tools.plan(request, self.frontend.tool_call_parser) if request.tools else None
             texts = tool_calls.Texts(plan)  # the calls on each completion's last message
             async for chunk in self.frontend.generate(req, stop):
@@ -65,6 +66,28 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             if (refusal := refusals.of(exc)) is None:
                 raise
             await _refuse(context, refusal)
+
+    async def LoadLoraAdapter(
+        self, request: pb.LoraAdapterRequest, context: grpc.aio.ServicerContext
+    ) -> pb.LoraAdapterResponse:
+        try:
+            adapter = await self.frontend.loras.register(request.lora_name, request.lora_path)
+        except Exception as exc:
+            if (refusal := refusals.of(exc)) is None:
+                raise
+            await _refuse(context, refusal)
+        return pb.LoraAdapterResponse(digest=adapter.digest, rank=adapter.rank)
+
+    async def UnloadLoraAdapter(
+        self, request: pb.LoraAdapterRequest, context: grpc.aio.ServicerContext
+    ) -> pb.LoraAdapterResponse:
+        try:
+            await self.frontend.loras.unregister(request.lora_name)
+        except Exception as exc:
+            if (refusal := refusals.of(exc)) is None:
+                raise
+            await _refuse(context, refusal)
+        return pb.LoraAdapterResponse()
 
     async def Resume(
         self, request: pb.ResumeRequest, context: grpc.aio.ServicerContext
@@ -103,5 +126,7 @@ def add_to_server(
             "Generate": handlers.stream(servicer.Generate, pb.GenerateRequest, max_request_bytes),
             "Resume": handlers.stream(servicer.Resume, pb.ResumeRequest, max_request_bytes),
             "Abort": handlers.unary(servicer.Abort, pb.AbortRequest, max_request_bytes),
+            "LoadLoraAdapter": handlers.unary(servicer.LoadLoraAdapter, pb.LoraAdapterRequest, max_request_bytes),
+            "UnloadLoraAdapter": handlers.unary(servicer.UnloadLoraAdapter, pb.LoraAdapterRequest, max_request_bytes),
         },
     )

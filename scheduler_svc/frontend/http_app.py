@@ -39,6 +39,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pagedserve.auth import SecretFile, bearer
+from pagedserve.lora import Adapter
 from pagedserve.security import ReloadingSSLContext
 from scheduler_svc.core.request import Request as Req
 from scheduler_svc.frontend import batch, echo, responses, tokenize, tools
@@ -180,7 +181,37 @@ class Door:
         return self.models.id
 
     async def list_models(self, request: Request) -> Response:
-        return JSONResponse({"object": "list", "data": self.models.cards()})
+        """The model's cards, then one per registered LoRA adapter (``parent``: the model's id, as vLLM)."""
+        cards = self.models.cards()
+        if cards:
+            cards += [self.models.adapter_card(a.name, a.path) for a in await self.frontend.loras.all()]
+        return JSONResponse({"object": "list", "data": cards})
+
+    async def load_lora_adapter(self, request: Request) -> Response:
+        """vLLM's ``/v1/load_lora_adapter``, but for the namespace: every replica serves the name."""
+        return await _answered(self._lora(request, load=True))
+
+    async def unload_lora_adapter(self, request: Request) -> Response:
+        return await _answered(self._lora(request, load=False))
+
+    async def _lora(self, request: Request, load: bool) -> Response:
+        body = await _read_json(request, self.max_request_bytes)
+        name, path = body.get("lora_name"), body.get("lora_path")
+        if not isinstance(name, str):
+            raise InvalidArgument("lora_name", "must be a string")
+        if not load:
+            await self.frontend.loras.unregister(name)
+            return Response(f"Success: LoRA adapter '{name}' removed successfully.", media_type="text/plain")
+        if not isinstance(path, str):
+            raise InvalidArgument("lora_path", "must be a string")
+        await self.frontend.loras.register(name, path)
+        return Response(f"Success: LoRA adapter '{name}' added successfully.", media_type="text/plain")
+
+    async def _adapter(self, name: str | None) -> Adapter | None:
+        """The LoRA adapter a request's ``model`` names (None: the base model); 404 if neither."""
+        if name is None or not self.frontend.loras.enabled or not self.models.known or self.models.accepts(name):
+            return None
+        return await self.frontend.loras.resolve(name, "model")
 
     async def model_card(self, request: Request) -> Response:
         name = request.path_params["model"]
@@ -218,7 +249,12 @@ class Door:
         )
 
     def _check_model(self, name: str | None) -> None:
-        if name is not None and self.models.known and not self.models.accepts(name):
+        if (
+            name is not None
+            and self.models.known
+            and not self.models.accepts(name)
+            and name not in self.frontend.loras.seen
+        ):
             raise self._unknown_model(name)
 
     async def tokenize(self, request: Request) -> Response:
@@ -285,9 +321,10 @@ class Door:
                 raise batch.renamed(exc, i) from exc
         return base, out
 
-    def _prepare(self, parsed: Parsed) -> tuple[Req, list[str]]:
+    def _prepare(self, parsed: Parsed, lora: Adapter | None = None) -> tuple[Req, list[str]]:
         """``Frontend.prepare`` of one request, as the gRPC servicer calls it."""
-        self._check_model(parsed.model)
+        if lora is None:
+            self._check_model(parsed.model)
         if (size := parsed.request.ByteSize()) > self.max_request_bytes:
             raise refused(
                 Kind.INVALID_ARGUMENT,
@@ -295,7 +332,7 @@ class Door:
                 f"{self.max_request_bytes} (--max-request-bytes)",
             )
         try:
-            req, stop = self.frontend.prepare(parsed.request, None)
+            req, stop = self.frontend.prepare(parsed.request, None, lora)
         except InvalidArgument as exc:  # a refused structured-output spec is named as the body named it
             if (renamed := proto.structured_error(exc, parsed)) is None:
                 raise
@@ -305,15 +342,15 @@ class Door:
             req.params = replace(req.params, max_tokens=proto.context_room(limits, len(req.prompt_ids)))
         return req, stop
 
-    def _prepare_all(self, all_parsed: list[Parsed]) -> tuple[list[Req], list[str]]:
+    def _prepare_all(self, all_parsed: list[Parsed], lora: Adapter | None) -> tuple[list[Req], list[str]]:
         """Each prompt's request (a refusal names the prompt of a batch), and the stop strings."""
         if len(all_parsed) == 1:
-            req, stop = self._prepare(all_parsed[0])
+            req, stop = self._prepare(all_parsed[0], lora)
             return [req], stop
         reqs = []
         for i, parsed in enumerate(all_parsed):
             try:
-                req, stop = self._prepare(parsed)
+                req, stop = self._prepare(parsed, lora)
             except Exception as exc:
                 if (err := proto.error_for(exc)) is None:
                     raise
@@ -324,7 +361,8 @@ class Door:
     async def _start(self, request: Request, body: dict[str, Any], chat: bool, echoing: echo.Echo | None) -> Started:
         """Submit the completion (or chat completion) ``body`` and await its first chunk."""
         rid, all_parsed = self._parsed(body, chat, request.headers.get("x-request-id", ""))
-        reqs, stop = self._prepare_all(all_parsed)
+        lora = await self._adapter(all_parsed[0].model)
+        reqs, stop = self._prepare_all(all_parsed, lora)
         parsed, tokenizer = all_parsed[0], self.frontend.tokenizer
         if echoing is not None:
             texts = [p.request.prompt or tokenizer.decode(r.prompt_ids) for p, r in zip(all_parsed, reqs)]
@@ -333,7 +371,7 @@ class Door:
             parsed,
             rid or reqs[0].request_id,
             int(time.time()),
-            self.model,
+            lora.name if lora is not None else self.model,  # as vLLM: answers name the adapter
             [list(r.prompt_ids) for r in reqs],
             decode=lambda t: tokenizer.decode([t]),
             echo=echoing,
@@ -526,6 +564,11 @@ def build_app(door: Door, api_keys: SecretFile | None = None) -> Starlette:
         Route("/load", door.load, methods=["GET"]),
         Route("/metrics", door.prometheus, methods=["GET"]),
     ]
+    if door.frontend.loras.enabled:
+        routes += [
+            Route("/v1/load_lora_adapter", door.load_lora_adapter, methods=["POST"]),
+            Route("/v1/unload_lora_adapter", door.unload_lora_adapter, methods=["POST"]),
+        ]
     handlers: dict[Any, Callable[[Request, Exception], Awaitable[Response]]] = {
         HTTPException: _http_error,
         500: _internal_error,

@@ -43,6 +43,10 @@ class Models:
             return []
         return [self.card(name) for name in self.served or (self.root,)]
 
+    def adapter_card(self, name: str, path: str) -> dict[str, Any]:
+        """A LoRA adapter's card, as vLLM's: its directory as ``root``, the model's id as ``parent``."""
+        return self.card(name) | {"root": path, "parent": self.id}
+
     def card(self, name: str) -> dict[str, Any]:
         limits = self.watch.limits
         return {

@@ -19,7 +19,7 @@ from grpc_health.v1 import health
 from opentelemetry.trace import Tracer
 from prometheus_client import CollectorRegistry
 
-from pagedserve import heap, metrics, rpc, tracing
+from pagedserve import heap, lora, metrics, rpc, tracing
 from pagedserve.auth import api_key_interceptor
 from pagedserve.members import Registry
 from pagedserve.redis_check import require as require_redis
@@ -37,7 +37,9 @@ from scheduler_svc.frontend.grpc_api import (
     GenerationServicer,
     add_to_server,
 )
+from scheduler_svc.frontend.loras import LoraRegistry
 from scheduler_svc.frontend.models import Models
+from scheduler_svc.frontend.refusals import Refusal
 from scheduler_svc.frontend.service import Frontend
 from scheduler_svc.frontend.watch import ClusterWatch
 from scheduler_svc.metrics import FrontendMetrics
@@ -131,6 +133,11 @@ async def serve(args: argparse.Namespace) -> None:
     traces = tracing.setup("scheduler_svc", args.otlp_traces_endpoint)
     parts = _frontend(args, registry, traces.tracer if traces else None)
     frontend = parts.frontend
+    for name, path in lora.parse_modules(args.lora_modules):  # --lora-modules: registered for the namespace
+        try:
+            await frontend.loras.register(name, path)
+        except Refusal as exc:
+            raise SystemExit(f"error: --lora-modules {name}: {exc}") from None
     certificate = server_tls(args.tls, verify_clients=False)
     server, health, port = _public_server(args, frontend, certificate)
     https = ReloadingSSLContext(certificate.cert, certificate.key) if args.http_port and certificate else None
@@ -193,6 +200,7 @@ def _frontend(args: argparse.Namespace, registry: CollectorRegistry, tracer: Tra
         caps=_caps(args),
         max_pending=args.max_pending_requests,
         tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else "",
+        loras=LoraRegistry(client, store.keys, args.enable_lora, args.max_lora_rank),
     )
     return _Parts(client, frontend, bus, watch, attachments)
 

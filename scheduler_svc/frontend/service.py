@@ -26,6 +26,7 @@ from opentelemetry.util.types import AttributeValue
 
 from pagedserve import tracing
 from pagedserve.grammar import Compiler, GrammarError
+from pagedserve.lora import Adapter
 from pagedserve.members import now_ms
 from pagedserve.v1 import generation_pb2 as pb
 from scheduler_svc.core import parallel, prefix
@@ -37,6 +38,7 @@ from scheduler_svc.frontend.attachments import Attachments
 from scheduler_svc.frontend.bus import DRAIN, EventBus, StreamQueue
 from scheduler_svc.frontend.detok import Detokenizer
 from scheduler_svc.frontend.expiry import Expiries
+from scheduler_svc.frontend.loras import LoraRegistry
 from scheduler_svc.frontend.refusals import (
     InvalidArgument,
     NotFound,
@@ -87,6 +89,7 @@ class Frontend:
         caps: Caps = DEFAULT_CAPS,
         max_pending: int = 0,
         tool_call_parser: str = "",
+        loras: LoraRegistry | None = None,
     ) -> None:
         self.store = store
         self.bus = bus
@@ -100,6 +103,7 @@ class Frontend:
         self.max_pending = max_pending  # --max-pending-requests; 0: no limit
         self.tool_call_parser = tool_call_parser  # --tool-call-parser with --enable-auto-tool-choice; "": auto refused
         self.finish_rate = FinishRate()
+        self.loras = loras or LoraRegistry(store.r, store.keys)  # disabled unless --enable-lora
         self._grammars: Compiler | None = None  # built on the first structured request
         self.expiries = Expiries(store)
         self._background: set[asyncio.Task[None]] = set()
@@ -136,14 +140,17 @@ class Frontend:
         if self.watch.limits is None or self.tokenizer is None:
             raise Unavailable("no executor has registered in this namespace yet")
 
-    def prepare(self, req: pb.GenerateRequest, time_remaining: float | None = None) -> tuple[Request, list[str]]:
+    def prepare(
+        self, req: pb.GenerateRequest, time_remaining: float | None = None, lora: Adapter | None = None
+    ) -> tuple[Request, list[str]]:
         """Validate and tokenize; raises a refusal (``refusals``: InvalidArgument, ContextLength,
         OverCapacity, Unavailable).
 
         A sampled request without a seed gets one here, stored with it, so that a
         recompute after any failure produces the tokens it would have produced.
         Its queue deadline is the earlier of ``queue_timeout`` and ``time_remaining``
-        (the call's gRPC deadline, seconds).
+        (the call's gRPC deadline, seconds). ``lora``: the adapter it runs on, looked up by the
+        caller (``LoraRegistry.resolve``: that takes a Redis read).
         """
         self._check_open()
         limits = self.watch.limits
@@ -168,6 +175,7 @@ class Frontend:
                 priority=checked.priority,
                 deadline_ms=deadline_ms(now_ms(), checked.queue_timeout, time_remaining),
                 cache_salt=checked.cache_salt,
+                lora=lora,
             ),
             checked.stop,
         )
@@ -257,7 +265,11 @@ class Frontend:
         req = reqs[0]
         try:
             limits = self.watch.limits
-            hashes = prefix.prompt_hashes(req.prompt_ids, req.cache_salt, limits.block_size) if limits else []
+            hashes = (
+                prefix.prompt_hashes(req.prompt_ids, req.cache_salt, limits.block_size, req.adapter_digest)
+                if limits
+                else []
+            )
             most = self.max_pending if check else 0
             seen = await self.store.admit_group(reqs, stop, self.policy, trace, most, hashes=hashes)
         except Overloaded as exc:

@@ -223,6 +223,10 @@ class Loop:
         self._published = view
         if self.metrics is not None:
             self.metrics.pool(self.model, self.executor, view)
+            if view.max_loras:
+                running = [r.lora.name for r in sched.running if r.lora is not None]
+                waiting = [r.lora.name for r in [*sched.waiting, *sched.swapped] if r.lora is not None]
+                self.metrics.loras(self.model, self.executor, view.max_loras, running, waiting)
         return view
 
     async def _claim(self, sched: Scheduler, timer: steplog.Timer) -> tuple[list, bool]:

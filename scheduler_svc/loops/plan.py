@@ -150,6 +150,8 @@ class PlanBuilder:
                 full_table=known is None,
                 from_last_sample=unreported == 1,
             )
+            if req.lora is not None:  # every step: the executor keeps no per-request adapter state
+                seq_pb.lora.digest, seq_pb.lora.path, seq_pb.lora.name = req.lora.digest, req.lora.path, req.lora.name
             # Empty repeated fields cost as much as the rest of the message: filled only when there is something.
             if unreported < 1 or s.num_tokens > 1:
                 seq_pb.token_ids.extend(req.tokens(s.start, min(end, req.num_known)))

@@ -35,6 +35,7 @@ def _scheduler_config(args: argparse.Namespace) -> SchedulerConfig:
         preemption_mode=args.preemption_mode,
         watermark=args.watermark,
         enable_prefix_caching=args.enable_prefix_caching,
+        max_loras=args.max_loras if args.enable_lora else 0,
     )
 
 

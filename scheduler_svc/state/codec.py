@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from pagedserve.lora import Adapter
 from pagedserve.tiers import Tier
 from scheduler_svc.core.placement import Candidate, PoolView
 from scheduler_svc.core.record import StepRecord
@@ -52,6 +53,8 @@ def spec_json(req: Request, stop: list[str]) -> str:
     extra: dict[str, object] = {"salt": req.cache_salt} if req.cache_salt else {}
     if req.group:
         extra["group"] = [req.group, req.index]
+    if req.lora is not None:
+        extra["lora"] = [req.lora.name, req.lora.path, req.lora.digest, req.lora.rank]
     return json.dumps({"prompt": req.prompt_ids, "priority": req.priority, "stop": stop, **extra, "params": params})
 
 
@@ -78,6 +81,7 @@ def request_from(request_id: str, fields: dict[str, str], output: list[str], com
     params["allowed_token_ids"] = tuple(params.get("allowed_token_ids", ()))
     params["bad_words"] = tuple(tuple(w) for w in params.get("bad_words", ()))
     group, index = spec.get("group", ("", 0))
+    lora = spec.get("lora")
     return Request(
         request_id=request_id,
         prompt_ids=spec["prompt"],
@@ -95,6 +99,7 @@ def request_from(request_id: str, fields: dict[str, str], output: list[str], com
         num_cached=int(fields.get("cached") or 0),
         group=group,
         index=index,
+        lora=Adapter(str(lora[0]), str(lora[1]), str(lora[2]), int(lora[3])) if lora else None,
     )
 
 
@@ -139,8 +144,8 @@ def hits_from(text: str) -> dict[str, int]:
 
 
 def candidate_from(row: list[str]) -> Candidate:
-    """A row of the peek script: queue key, prompt length, max_tokens, priority, tokens generated, and
-    the prefix hits per executor (``hits_from``)."""
+    """A row of the peek script: queue key, prompt length, max_tokens, priority, tokens generated,
+    the prefix hits per executor (``hits_from``) and the LoRA adapter's digest ('' for the base model)."""
     qk, plen, maxt, prio, nout, *rest = row
     return Candidate(
         qk,
@@ -150,6 +155,7 @@ def candidate_from(row: list[str]) -> Candidate:
         int(maxt),
         int(prio),
         hits_from(rest[0] if rest else ""),
+        rest[1] if len(rest) > 1 else "",
     )
 
 
@@ -197,6 +203,7 @@ def view_json(v: PoolView) -> str:
             "max_num_seqs": v.max_num_seqs,
             "watermark": v.watermark,
             "held": {str(p): n for p, n in v.held.items()},
+            **({"loras": [v.max_loras, *v.adapters]} if v.max_loras else {}),
         },
         separators=(",", ":"),
     )
@@ -216,4 +223,5 @@ def view_from(executor: str, data: str) -> PoolView:
         d["max_num_seqs"],
         d["watermark"],
         {int(p): n for p, n in d["held"].items()},
+        *((d["loras"][0], tuple(d["loras"][1:])) if "loras" in d else ()),
     )

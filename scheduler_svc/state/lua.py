@@ -84,7 +84,7 @@ return out
 # KEYS: arrival, queue, live, incoming, attached, counters, the other one's req key,
 # then per request its req, out, lp and plp keys. ARGV: count, max pending, then
 # the fields all share (plen, maxt, prio, qs, ts, tp, dl, group id, n, block
-# hashes), then per request its id and spec.
+# hashes, LoRA adapter digest or ''), then per request its id and spec.
 SUBMIT = """
 local m = tonumber(ARGV[1])
 local finished = tonumber(redis.call('HGET', KEYS[6], 'finished') or '0')
@@ -92,7 +92,7 @@ local function live(key)
   local status = key ~= '' and redis.call('HGET', key, 'status')
   return status and status ~= 'finished'
 end
-if live(KEYS[7]) and (ARGV[10] ~= '' or redis.call('HGET', KEYS[7], 'grp') == ARGV[13]) then
+if live(KEYS[7]) and (ARGV[10] ~= '' or redis.call('HGET', KEYS[7], 'grp') == ARGV[14]) then
   return {-1, 0, finished}
 end
 for i = 0, m - 1 do
@@ -107,22 +107,25 @@ if limit > 0 and queued >= limit then
 end
 local first = nil
 for i = 0, m - 1 do
-  local rk, rid = KEYS[8 + 4 * i], ARGV[13 + 2 * i]
+  local rk, rid = KEYS[8 + 4 * i], ARGV[14 + 2 * i]
   local arrival = redis.call('INCR', KEYS[1])
   first = first or arrival
   local qk = ${queue_member(arrival, rid)}
   redis.call('DEL', rk, KEYS[9 + 4 * i], KEYS[10 + 4 * i], KEYS[11 + 4 * i])
-  redis.call('HSET', rk, 'spec', ARGV[14 + 2 * i], 'arrival', arrival, 'status', 'waiting', 'executor', '',
+  redis.call('HSET', rk, 'spec', ARGV[15 + 2 * i], 'arrival', arrival, 'status', 'waiting', 'executor', '',
              'plen', ARGV[3], 'maxt', ARGV[4], 'prio', ARGV[5], 'qk', qk, 'qs', ARGV[6], 'ts', ARGV[7], 'tp', ARGV[8],
              'dl', ARGV[9], 'bh', ARGV[12])
   if ARGV[10] ~= '' then
     redis.call('HSET', rk, 'grp', ARGV[10], 'gn', ARGV[11])
   end
+  if ARGV[13] ~= '' then
+    redis.call('HSET', rk, 'lora', ARGV[13])
+  end
   redis.call('ZADD', KEYS[2], ARGV[6], qk)
   redis.call('SADD', KEYS[3], rid)
   redis.call('ZADD', KEYS[5], ARGV[7], rid)
 end
-redis.call('XADD', KEYS[4], 'MAXLEN', '~', ${INCOMING_MAXLEN}, '*', 'op', 'submit', 'id', ARGV[13])
+redis.call('XADD', KEYS[4], 'MAXLEN', '~', ${INCOMING_MAXLEN}, '*', 'op', 'submit', 'id', ARGV[14])
 return {first, queued + m, finished}
 """
 
@@ -219,7 +222,7 @@ local execs = redis.call('HKEYS', ${usage})
 local out = {}
 for i, qk in ipairs(redis.call('ZRANGE', ${queue}, 0, tonumber(ARGV[2]) - 1)) do
   local rid = ${queue_request_id(qk)}
-  local f = redis.call('HMGET', ${req(rid)}, 'plen', 'maxt', 'prio', 'bh')
+  local f = redis.call('HMGET', ${req(rid)}, 'plen', 'maxt', 'prio', 'bh', 'lora')
   local hits = {}
   if f[4] and f[4] ~= '' then
     for _, e in ipairs(execs) do
@@ -236,7 +239,7 @@ for i, qk in ipairs(redis.call('ZRANGE', ${queue}, 0, tonumber(ARGV[2]) - 1)) do
     end
   end
   out[i] = {qk, f[1] or '0', f[2] or '0', f[3] or '0', redis.call('LLEN', ${out(rid)}),
-            table.concat(hits, ',')}
+            table.concat(hits, ','), f[5] or ''}
 end
 return out
 """

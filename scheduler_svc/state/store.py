@@ -162,6 +162,7 @@ class RedisStore:
             group,
             head.params.n if group else "",
             codec.hashes_field(hashes or []),
+            head.adapter_digest,  # placement prefers an executor holding it (core/lora.py)
         ]
         for req in reqs:
             rid = req.request_id

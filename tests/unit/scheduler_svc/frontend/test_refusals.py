@@ -146,7 +146,7 @@ class Frontend:
     def __init__(self, at_prepare: BaseException | None = None, in_generate: BaseException | None = None) -> None:
         self.at_prepare, self.in_generate = at_prepare, in_generate
 
-    def prepare(self, req: pb.GenerateRequest, time_remaining: float | None) -> tuple[Any, list[str]]:
+    def prepare(self, req: pb.GenerateRequest, time_remaining: float | None, lora: Any = None) -> tuple[Any, list[str]]:
         if self.at_prepare is not None:
             raise self.at_prepare
         return object(), []
