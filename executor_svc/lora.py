@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from safetensors.torch import load as load_safetensors
 
+from executor_svc.linear import PackedLinear
 from executor_svc.plan import LoraRef, PlanError, SeqInput
 from kernels.lora import Gather, Segment, bgmv_add, gather_of, segments, sgmv_add
 from pagedserve import lora as adapters
@@ -112,8 +113,10 @@ class Adapters:
         n, r = cfg.max_loras, cfg.max_lora_rank
         self.targets: dict[str, _Target] = {}
         for name, module in model.named_modules():
-            if name.rsplit(".", 1)[-1] in adapters.TARGETS and isinstance(module, torch.nn.Linear):
-                out_f, in_f = module.weight.shape
+            # A target is torch's Linear, or its oneDNN-packed stand-in (executor_svc/linear.py): the delta is
+            # added to whatever computes the base product.
+            if name.rsplit(".", 1)[-1] in adapters.TARGETS and isinstance(module, (torch.nn.Linear, PackedLinear)):
+                out_f, in_f = module.out_features, module.in_features
                 self.targets[name] = _Target(
                     torch.zeros(n, r, in_f, dtype=dtype, device=device),
                     torch.zeros(n, out_f, r, dtype=dtype, device=device),
