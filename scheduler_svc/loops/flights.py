@@ -20,6 +20,12 @@ commit is made while it is in flight: a commit may include later plans'
 allocations (blocks owned but not yet written, harmless to reload) and, for
 their requests, only what reported steps computed (``Flight.starts``), but
 never a swap that might not have happened.
+A plan that runs speculative drafts is not followed by another before its
+result is in either: how many tokens each of its rows yields (and so where the
+next plan's positions start) is known only then. The plans built while another
+is in flight draft nothing for that plan's requests (their last token is not
+known yet), so with speculation on the loop alternates between drafting plans,
+run one at a time, and plain ones, pipelined.
 After any failure the stream is cancelled; the executor drops the plans queued
 on it, and the reloaded loop opens a new one.
 """
@@ -56,6 +62,11 @@ class Flight:
         return cls(out, step_id, time.perf_counter(), {s.req.request_id: s.start for s in out.scheduled})
 
     @property
+    def drafts(self) -> bool:
+        """It runs drafts: how many tokens it yields per row is unknown until its result is in."""
+        return self.out.has_drafts
+
+    @property
     def moves(self) -> bool:
         """It swaps or copies KV: a commit must not record that before the result says it happened."""
         return bool(self.out.swap_out or self.out.swap_in or self.out.copies)
@@ -72,8 +83,9 @@ class Pipeline:
         return len(self.flights)
 
     def can_launch(self) -> bool:
-        """Room for another plan, and none in flight moves KV (its swaps must be reported first)."""
-        return len(self.flights) < self.depth and not any(f.moves for f in self.flights)
+        """Room for another plan, and none in flight moves KV (its swaps must be reported first) or runs
+        drafts (the next plan's positions depend on how many were accepted)."""
+        return len(self.flights) < self.depth and not any(f.moves or f.drafts for f in self.flights)
 
     def wait_first(self) -> bool:
         """At the start of a pipelined turn the executor holds ``depth`` plans: take the oldest result,
