@@ -30,6 +30,10 @@ class SeqInput:
     prompt_next: int | None = None  # the prompt token after this chunk, if the prompt goes on
     grammar: Spec | None = None  # structured output: (kind, text)
     from_last_sample: bool = False  # the last input is this request's latest sampled token (resolved first)
+    # Speculative decoding: proposed tokens after token_ids (``Engine.step`` appends them to token_ids once
+    # the last sample is resolved; ``num_drafts`` then says how many of token_ids' last are drafts).
+    drafts: list[int] = field(default_factory=list)
+    num_drafts: int = 0
 
 
 @dataclass(slots=True)
@@ -56,3 +60,5 @@ class StepOutput:
     logprobs: dict[str, Entry] = field(default_factory=dict)  # sampled tokens' logprobs, if asked
     # request -> (prompt position of the first entry, one entry per prompt position)
     prompt_logprobs: dict[str, tuple[int, list[Entry]]] = field(default_factory=dict)
+    # Rows that ran drafts: the tokens after their first in ``tokens`` (accepted drafts, then the next one).
+    more: dict[str, list[int]] = field(default_factory=dict)

@@ -14,6 +14,7 @@ from pagedserve import logs, rpc
 from pagedserve.auth import SecretFile
 from pagedserve.metrics import PREFIXES
 from pagedserve.security import Dialer, TLSFiles
+from scheduler_svc.core import spec
 from scheduler_svc.core.queue import POLICIES
 from scheduler_svc.core.scheduler import PREEMPTION_MODES
 from scheduler_svc.frontend import tools, validate
@@ -169,6 +170,14 @@ def _scheduling_arguments(p: argparse.ArgumentParser) -> None:
         "executor pool (/v1/models' max_model_len)",
     )
     p.add_argument("--watermark", type=float, default=0.01, help="fraction of KV blocks kept free when admitting")
+    p.add_argument(
+        "--speculative-config",
+        default="",
+        metavar="JSON",
+        help='speculative decoding, vLLM\'s JSON: {"method": "ngram" | "suffix", "num_speculative_tokens": k, '
+        '"prompt_lookup_min": ..., "prompt_lookup_max": ...} (docs/architecture.md, "Speculative decoding"); '
+        "default: off",
+    )
 
 
 def _check_limits(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -187,6 +196,11 @@ def _check_limits(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error("--max-pending-requests must be >= 0 (0: no limit)")
     if args.max_logprobs < 0:
         p.error("--max-logprobs must be >= 0")
+    if args.speculative_config:
+        try:
+            spec.parse(args.speculative_config)
+        except ValueError as exc:
+            p.error(f"--speculative-config: {exc}")
     if (
         min(
             args.max_stop_strings,

@@ -34,11 +34,12 @@ METHODS = ("ngram", "suffix")
 PRIOR_ACCEPTANCE = 0.6  # what the policy assumes before it has measured anything
 DECAY = 0.9  # weight of the acceptance measured so far against a new step's
 FORGET = 0.02  # per step without drafts, the acceptance estimate drifts this far back to the prior
+MIN_GAIN = 1.05  # drafts must promise this many times the tokens per unit of step cost (their own overheads)
 
 
 @dataclass(frozen=True, slots=True)
 class SpecConfig:
-    """vLLM's ``--speculative-config`` keys that apply here, plus ``token_cost`` (pagedserve's)."""
+    """vLLM's ``--speculative-config`` keys that apply here, plus ``compute_bound_tokens`` (pagedserve's)."""
 
     method: str
     num_speculative_tokens: int
@@ -50,9 +51,9 @@ class SpecConfig:
     suffix_decoding_min_token_prob: float = 0.1
     # No drafts in a step of more running requests than this (vLLM's key); 0: no such limit.
     disable_by_batch_size: int = 0
-    # The step's cost growth per token it runs, relative to a one-token step (the policy's cost model:
-    # cost(T) = 1 + token_cost * T). 1/256: a step of 256 tokens costs twice a decode step of one.
-    token_cost: float = 1 / 256
+    # The policy's cost model: a step of T tokens costs max(1, T / compute_bound_tokens) decode steps of one
+    # token (the weights are read once either way until the step is compute-bound).
+    compute_bound_tokens: int = 256
 
 
 _INT_KEYS = (
@@ -62,8 +63,9 @@ _INT_KEYS = (
     "suffix_decoding_max_tree_depth",
     "suffix_decoding_max_cached_requests",
     "disable_by_batch_size",
+    "compute_bound_tokens",
 )
-_FLOAT_KEYS = ("suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob", "token_cost")
+_FLOAT_KEYS = ("suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob")
 
 
 def parse(text: str) -> SpecConfig:
@@ -108,6 +110,8 @@ def parse(text: str) -> SpecConfig:
     if hi < lo:
         raise ValueError(f"prompt_lookup_max: must be >= prompt_lookup_min ({lo}), got {hi}")
     vals["prompt_lookup_min"], vals["prompt_lookup_max"] = lo, hi
+    if vals.get("compute_bound_tokens", 256) < 1:
+        raise ValueError("compute_bound_tokens: must be at least 1")
     if vals.get("suffix_decoding_max_tree_depth", 24) < 2:
         raise ValueError("suffix_decoding_max_tree_depth: must be at least 2")
     if not 0 <= vals.get("suffix_decoding_min_token_prob", 0.1) <= 1:
@@ -316,7 +320,9 @@ def expected_tokens(alpha: float, k: int) -> float:
 @dataclass(slots=True)
 class DraftPolicy:
     """The step's draft length: the k in [0, k_max] that maximises output tokens per unit of step
-    cost, ``rows * expected_tokens(alpha, k) / (1 + token_cost * (tokens + rows * k))``, against k = 0.
+    cost, ``expected_tokens(alpha, k) / cost(tokens + rows * k)`` with ``cost(T) = max(1, T /
+    compute_bound_tokens)``, against k = 0 (one token per row at ``cost(tokens)``); a k > 0 must
+    promise ``MIN_GAIN`` times k = 0's, which also turns drafting off when little is accepted.
 
     ``alpha``: the measured per-draft acceptance, ``accepted / (accepted + rejections)`` over the
     recent drafting steps (the estimate of a geometric acceptance from truncated runs), starting
@@ -326,7 +332,7 @@ class DraftPolicy:
     """
 
     k_max: int
-    token_cost: float
+    compute_bound_tokens: int = 256
     disable_by_batch_size: int = 0
     alpha: float = PRIOR_ACCEPTANCE
     _accepted: float = 0.0
@@ -336,13 +342,16 @@ class DraftPolicy:
         """``rows``: decoding rows that could draft; ``tokens``: the step's tokens without drafts."""
         if rows < 1 or (self.disable_by_batch_size and rows > self.disable_by_batch_size):
             return 0
-        base = 1 + self.token_cost * tokens
-        best_k, best = 0, 1.0
+        base = self._cost(tokens)
+        best_k, best = 0, MIN_GAIN
         for k in range(1, self.k_max + 1):
-            gain = expected_tokens(self.alpha, k) * base / (1 + self.token_cost * (tokens + rows * k))
+            gain = expected_tokens(self.alpha, k) * base / self._cost(tokens + rows * k)
             if gain > best * (1 + 1e-9):
                 best_k, best = k, gain
         return best_k
+
+    def _cost(self, tokens: int) -> float:
+        return max(1.0, tokens / self.compute_bound_tokens)
 
     def observe(self, accepted: int, rejections: int) -> None:
         """A step's outcome: drafts accepted, and rows whose drafts were cut by a rejection."""
@@ -364,4 +373,5 @@ class Speculator:
 
     @classmethod
     def of(cls, cfg: SpecConfig) -> Speculator:
-        return cls(cfg, proposer(cfg), DraftPolicy(cfg.num_speculative_tokens, cfg.token_cost, cfg.disable_by_batch_size))
+        policy = DraftPolicy(cfg.num_speculative_tokens, cfg.compute_bound_tokens, cfg.disable_by_batch_size)
+        return cls(cfg, proposer(cfg), policy)

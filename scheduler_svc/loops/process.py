@@ -19,6 +19,7 @@ from pagedserve.keys import Keys
 from pagedserve.members import Registry
 from pagedserve.redis_check import require as require_redis
 from pagedserve.security import reload_on_sighup
+from scheduler_svc.core import spec
 from scheduler_svc.core.scheduler import SchedulerConfig
 from scheduler_svc.loops.manager import Manager
 from scheduler_svc.metrics import LoopMetrics, NamespaceMetrics
@@ -35,6 +36,7 @@ def _scheduler_config(args: argparse.Namespace) -> SchedulerConfig:
         preemption_mode=args.preemption_mode,
         watermark=args.watermark,
         enable_prefix_caching=args.enable_prefix_caching,
+        spec=spec.parse(args.speculative_config) if args.speculative_config else None,
     )
 
 
