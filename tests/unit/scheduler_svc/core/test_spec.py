@@ -12,11 +12,14 @@ from collections.abc import Callable
 
 import pytest
 
+from pagedserve.executor.v1 import executor_pb2 as pb
 from scheduler_svc.core import spec
 from scheduler_svc.core.blocks import BlockManager, Pool
 from scheduler_svc.core.output import SchedulerOutput
 from scheduler_svc.core.request import Finish, Params, Request, Status
 from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig
+from scheduler_svc.loops.flights import Flight, Pipeline
+from scheduler_svc.loops.plan import PlanBuilder, outputs
 from tests.unit.scheduler_svc.core.test_scheduler import check_blocks
 
 EOS = 99
@@ -312,3 +315,35 @@ def test_prefix_cache_names_only_accepted_tokens() -> None:
     out = s.schedule()
     s.update(out, {"r": 5}, more={"r": []})
     assert r.output_ids[-2:] == [9, 5]
+
+
+# -- the plan and the pipelined loop -------------------------------------------------------------
+
+
+def test_the_plan_carries_drafts_and_resends_a_trimmed_table() -> None:
+    s = make(blocks=8)
+    r = Request("r", [1, 2, 3, 1, 2, 3], Params(max_tokens=20))
+    s.add(r)
+    plans = PlanBuilder()
+    out = s.schedule()
+    plans.build(out, 0, [])
+    s.update(out, {"r": 1})
+    out = s.schedule()
+    plan = plans.build(out, 1, [])
+    (seq,) = plan.seqs
+    assert list(seq.token_ids) == [1] and list(seq.draft_token_ids) == [2, 3, 1] and seq.start_pos == 6
+    assert not seq.full_table and list(seq.block_table) == [r.blocks[2]]  # the lookahead block
+    pipe = Pipeline(2)
+    pipe.add(Flight.of(out, 1))
+    assert not pipe.can_launch(), "a drafting plan is not followed by another in flight"
+    # The executor rejected every draft: the third block is freed, and the next plan's table goes whole.
+    result = pb.StepResult()
+    result.outputs.add(request_id="r", token_id=9)
+    s.update(out, *outputs(result))
+    assert len(r.blocks) == 2
+    out = s.schedule()
+    (seq,) = plans.build(out, 2, []).seqs
+    assert seq.full_table and list(seq.block_table) == r.blocks
+    pipe.flights.clear()
+    pipe.add(Flight.of(out, 2))
+    assert pipe.can_launch() == (not out.has_drafts)
