@@ -238,6 +238,7 @@ class Engine:
             torch.cuda.current_stream(self.device).wait_stream(self._copy_stream)
         tokens: list[tuple[str, int]] = []
         more: dict[str, list[int]] = {}
+        more_lps: dict[str, list[logprobs.Entry]] = {}
         forward_ms = 0.0
         t1 = time.perf_counter()
         logits, rows = None, _Rows()
@@ -251,7 +252,7 @@ class Engine:
         prompt_lps: dict[str, tuple[int, list[logprobs.Entry]]] = {}
         if logits is not None:
             prompt_lps = self._prompt_logprobs(plan.seqs, logits, rows)
-            tokens, lps, more = self._sample(plan.seqs, logits, rows, masks, grammar_rows)
+            tokens, lps, more, more_lps = self._sample(plan.seqs, logits, rows, masks, grammar_rows)
             self.sampled.record(tokens)
             self.sampled.record([(rid, ts[-1]) for rid, ts in more.items()])
         if plan.seqs:
@@ -270,6 +271,7 @@ class Engine:
             logprobs=lps,
             prompt_logprobs=prompt_lps,
             more=more,
+            more_logprobs=more_lps,
         )
 
     def _record_history(self, seqs: list[SeqInput]) -> None:
@@ -289,12 +291,12 @@ class Engine:
         rows: _Rows,
         masks: Future[torch.Tensor] | None,
         grammar_rows: list[Row],
-    ) -> tuple[list[tuple[str, int]], dict[str, logprobs.Entry], dict[str, list[int]]]:
+    ) -> tuple[list[tuple[str, int]], dict[str, logprobs.Entry], dict[str, list[int]], dict[str, list[logprobs.Entry]]]:
         """Structured rows get their token masks first (in place: their logprobs, as vLLM's, are
         those of the masked logits), then every sampled row is drawn. Rows with drafts: every position
         is drawn and the drafts verified (``verify``); the tokens after a row's first come back apart."""
         if not rows.sampled:
-            return [], {}, {}
+            return [], {}, {}, {}
         picked = [seqs[i] for i in rows.sampled]
         last = logits[rows.last] if len(rows.last) != logits.shape[0] else logits
         if grammar_rows and masks is not None:
@@ -313,11 +315,22 @@ class Engine:
         tokens = [(s.request_id, t) for s, t in zip(picked, chosen)]
         want = [j for j, s in enumerate(picked) if s.sampling.logprobs is not None]
         if not want:
-            return tokens, {}, more
+            return tokens, {}, more, {}
+        # Each wanted row's tokens: its first, and with drafts the ones after it (at the rows after its first).
+        at = [(j, i) for j in want for i in range(1 + len(more.get(picked[j].request_id, ())))]
+        targets = [chosen[j] if i == 0 else more[picked[j].request_id][i - 1] for j, i in at]
         entries = logprobs.gather(
-            last[[first[j] for j in want]], [chosen[j] for j in want], [picked[j].sampling.logprobs or 0 for j in want]
+            last[[first[j] + i for j, i in at]], targets, [picked[j].sampling.logprobs or 0 for j, _ in at]
         )
-        return tokens, {picked[j].request_id: e for j, e in zip(want, entries)}, more
+        lps: dict[str, logprobs.Entry] = {}
+        more_lps: dict[str, list[logprobs.Entry]] = {}
+        for (j, i), e in zip(at, entries):
+            rid = picked[j].request_id
+            if i == 0:
+                lps[rid] = e
+            else:
+                more_lps.setdefault(rid, []).append(e)
+        return tokens, lps, more, more_lps
 
     def _verify(
         self, picked: list[SeqInput], last: torch.Tensor, histories: list | None, grammar_rows: list[Row]

@@ -62,3 +62,4 @@ class StepOutput:
     prompt_logprobs: dict[str, tuple[int, list[Entry]]] = field(default_factory=dict)
     # Rows that ran drafts: the tokens after their first in ``tokens`` (accepted drafts, then the next one).
     more: dict[str, list[int]] = field(default_factory=dict)
+    more_logprobs: dict[str, list[Entry]] = field(default_factory=dict)  # theirs, if asked

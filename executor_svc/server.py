@@ -103,6 +103,7 @@ def _outputs(out: StepOutput) -> list[pb.SeqOutput]:
         o = pb.SeqOutput(request_id=rid, token_id=t)
         if rid in out.more:
             o.more_token_ids.extend(out.more[rid])
+            o.more_logprobs.extend(_logprobs_pb(e) for e in out.more_logprobs.get(rid, ()))
         if rid in out.logprobs:
             o.logprobs.CopyFrom(_logprobs_pb(out.logprobs[rid]))
         if rid in prompt:

@@ -10,12 +10,14 @@ no test can pass with speculation silently off.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 import random
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import pytest
 import redis
 import torch
@@ -24,6 +26,7 @@ from pagedserve.dev.launch import Cluster
 from pagedserve.dev.procs import Service
 from pagedserve.keys import Keys
 from pagedserve.v1 import generation_pb2 as pb
+from pagedserve.v1 import generation_pb2_grpc as pb_grpc
 from tests.conftest import make_cluster
 from tests.helpers import greedy, run_all, wait_all_free
 from tests.test_e2e_oracle import _hf_model, hf_greedy
@@ -111,21 +114,34 @@ def sampled(prompts: list[list[int]], seeds: list[int], max_tokens: int = 24, **
 
 
 SEEDED: dict[str, list[list[int]]] = {}
+LOGPROBS: dict[str, list[list[tuple[int, float, int]]]] = {}
 
 
-def run_seeded(stack: Stack) -> list[list[int]]:
+async def _with_logprobs(address: str, reqs: list[pb.GenerateRequest]) -> list[list[tuple[int, float, int]]]:
+    async with grpc.aio.insecure_channel(address) as ch:
+        stub = pb_grpc.GenerationStub(ch)
+
+        async def one(req: pb.GenerateRequest) -> list[tuple[int, float, int]]:
+            return [(lp.token_id, lp.logprob, lp.rank) async for resp in stub.Generate(req) for lp in resp.logprobs]
+
+        return list(await asyncio.gather(*(one(r) for r in reqs)))
+
+
+def run_seeded(stack: Stack, name: str) -> None:
+    """Seeded requests (some penalized), and greedy ones with logprobs (each token's, drafted or not)."""
     prompts = repeating_prompts(7, 6)
     reqs = sampled(prompts, [11, 12, 13, 14, 15, 16]) + sampled(
         prompts[:2], [21, 22], repetition_penalty=1.2, presence_penalty=0.3
     )
-    out = [r.token_ids for r in run_all(stack.address, reqs)]
+    SEEDED[name] = [r.token_ids for r in run_all(stack.address, reqs)]
+    LOGPROBS[name] = asyncio.run(_with_logprobs(stack.address, [greedy(p, 20, logprobs=2) for p in prompts[:3]]))
+    assert all(len(x) == 20 for x in LOGPROBS[name])
     wait_all_free(stack.redis, NS)
-    return out
 
 
 def test_seeded_with_ngram_drafts(stack: Stack) -> None:
     before = stack.counters().get("spec_draft_tokens", 0)
-    SEEDED["ngram"] = run_seeded(stack)
+    run_seeded(stack, "ngram")
     assert stack.counters().get("spec_draft_tokens", 0) > before
 
 
@@ -138,7 +154,7 @@ def test_greedy_with_suffix_drafts_matches_transformers(stack: Stack, tiny_llama
 
 def test_seeded_with_suffix_drafts(stack: Stack) -> None:
     before = stack.counters().get("spec_draft_tokens", 0)
-    SEEDED["suffix"] = run_seeded(stack)
+    run_seeded(stack, "suffix")
     assert stack.counters().get("spec_draft_tokens", 0) > before
 
 
@@ -147,10 +163,14 @@ def test_seeded_requests_give_the_same_tokens_without_speculation(stack: Stack) 
         pytest.skip("runs after the tests that sample with drafts")
     stack.use(None)
     before = stack.counters().get("spec_draft_tokens", 0)
-    plain = run_seeded(stack)
+    run_seeded(stack, "off")
     assert stack.counters().get("spec_draft_tokens", 0) == before, "speculation is off here"
-    assert SEEDED["ngram"] == plain
-    assert SEEDED["suffix"] == plain
+    assert SEEDED["ngram"] == SEEDED["off"]
+    assert SEEDED["suffix"] == SEEDED["off"]
+    for name in ("ngram", "suffix"):
+        for on, off in zip(LOGPROBS[name], LOGPROBS["off"]):
+            assert [(t, r) for t, _, r in on] == [(t, r) for t, _, r in off]
+            assert [lp for _, lp, _ in on] == pytest.approx([lp for _, lp, _ in off], abs=1e-4)
 
 
 def test_the_sampled_distribution_matches_the_model(stack: Stack, tiny_llama: Path) -> None:

@@ -305,15 +305,8 @@ class Scheduler:
 
     def _draftable(self, req: Request) -> bool:
         """A decoding request whose last token is known (none in flight: the pipelined loop's next plan
-        drafts nothing for it). Requests that want logprobs are not drafted for (the executor returns
-        the logprobs of a step's first token only)."""
-        return (
-            req.num_unreported == 0
-            and bool(req.output_ids)
-            and req.num_pending == 1
-            and req.source is None
-            and req.params.logprobs is None
-        )
+        drafts nothing for it)."""
+        return req.num_unreported == 0 and bool(req.output_ids) and req.num_pending == 1 and req.source is None
 
     def _choose_k(self) -> None:
         """This step's draft length, from the decoding rows that could draft and the step's tokens."""
@@ -501,6 +494,7 @@ class Scheduler:
         logprobs: dict[str, Logprob] | None = None,
         prompt_logprobs: dict[str, dict[int, Logprob]] | None = None,
         more: dict[str, list[int]] | None = None,
+        more_logprobs: dict[str, list[Logprob]] | None = None,
     ) -> list[Request]:
         """Apply the executor's report of a launched plan (launching it first if the caller did
         not): its swaps' sources come free, sampled tokens join their requests (with their
@@ -508,7 +502,7 @@ class Scheduler:
         request that ended or left this scheduler since the launch (an abort, an earlier finish, a
         requeue) is dropped: it was never streamed. ``more``: for a row with drafts, the tokens after
         its first (the accepted drafts, then the executor's own next token), taken one by one until
-        one finishes the request."""
+        one finishes the request; ``more_logprobs``: theirs."""
         if not out.launched:
             self.launch(out)
         self.blocks.release_pending(out.swap_out + out.swap_in)
@@ -540,8 +534,10 @@ class Scheduler:
             for i, token in enumerate(emitted):
                 req.output_ids.append(token)
                 new_tokens.setdefault(rid, []).append(token)
-                if logprobs and rid in logprobs and i == 0:
+                if i == 0 and logprobs and rid in logprobs:
                     self.record.logprobs.setdefault(rid, []).append(logprobs[rid])
+                elif i and more_logprobs and len(more_logprobs.get(rid, ())) >= i:
+                    self.record.logprobs.setdefault(rid, []).append(more_logprobs[rid][i - 1])
                 generated += 1
                 reason = self._check_finish(req, token)
                 if reason is not None:

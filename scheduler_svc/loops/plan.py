@@ -84,12 +84,15 @@ def entry(lp: pb.Logprobs) -> Logprob:
 
 def outputs(
     result: pb.StepResult | None,
-) -> tuple[dict[str, int], dict[str, Logprob], dict[str, dict[int, Logprob]], dict[str, list[int]]]:
+) -> tuple[
+    dict[str, int], dict[str, Logprob], dict[str, dict[int, Logprob]], dict[str, list[int]], dict[str, list[Logprob]]
+]:
     """A step's result for ``Scheduler.update``: sampled tokens, their logprobs, prompt logprobs by
-    position, and the tokens after the first of rows that ran drafts."""
+    position, and the tokens after the first of rows that ran drafts, with their logprobs."""
     if result is None:
-        return {}, {}, {}, {}
+        return {}, {}, {}, {}, {}
     more: dict[str, list[int]] = {}
+    more_lps: dict[str, list[Logprob]] = {}
     sampled: dict[str, int] = {}
     lps: dict[str, Logprob] = {}
     prompt: dict[str, dict[int, Logprob]] = {}
@@ -100,9 +103,11 @@ def outputs(
                 lps[o.request_id] = entry(o.logprobs)
             if o.more_token_ids:
                 more[o.request_id] = list(o.more_token_ids)
+            if o.more_logprobs:
+                more_lps[o.request_id] = [entry(e) for e in o.more_logprobs]
         if o.prompt_logprobs:
             prompt[o.request_id] = {o.prompt_start + i: entry(e) for i, e in enumerate(o.prompt_logprobs)}
-    return sampled, lps, prompt, more
+    return sampled, lps, prompt, more, more_lps
 
 
 class PlanBuilder:

@@ -15,6 +15,7 @@ import pytest
 from pagedserve.executor.v1 import executor_pb2 as pb
 from scheduler_svc.core import spec
 from scheduler_svc.core.blocks import BlockManager, Pool
+from scheduler_svc.core.logprob import Logprob
 from scheduler_svc.core.output import SchedulerOutput
 from scheduler_svc.core.request import Finish, Params, Request, Status
 from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig
@@ -273,12 +274,21 @@ def test_drafts_never_pass_max_tokens_or_the_budget() -> None:
     assert r.output_ids == [3, 1, 2] and r.finish_reason == Finish.LENGTH
 
 
-def test_no_drafts_for_logprobs_pipelined_or_groups_waiting() -> None:
+def test_logprobs_come_with_every_token_of_a_row_with_drafts() -> None:
     s = make()
     r = Request("r", [1, 2, 3, 1, 2], Params(max_tokens=20, logprobs=1))
     s.add(r)
-    s.update(s.schedule(), {"r": 3})
-    assert not s.schedule().scheduled[0].drafts
+    s.update(s.schedule(), {"r": 3}, {"r": Logprob(3, -0.1, 1, (), ())})
+    s.take_record()
+    out = s.schedule()
+    assert out.scheduled[0].drafts == [1, 2, 3]
+    lp = [Logprob(t, -0.5, 1, (), ()) for t in (1, 2, 6)]
+    s.update(out, {"r": 1}, {"r": lp[0]}, None, {"r": [2, 6]}, {"r": lp[1:]})
+    rec = s.take_record()
+    assert rec.new_tokens["r"] == [1, 2, 6] and rec.logprobs["r"] == lp
+
+
+def test_no_drafts_while_the_last_token_is_in_flight() -> None:
     s = make()
     r = Request("q", [1, 2, 3, 1, 2], Params(max_tokens=20))
     s.add(r)
