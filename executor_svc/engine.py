@@ -254,7 +254,7 @@ class Engine:
             prompt_lps = self._prompt_logprobs(plan.seqs, logits, rows)
             tokens, lps, more, more_lps = self._sample(plan.seqs, logits, rows, masks, grammar_rows)
             self.sampled.record(tokens)
-            self.sampled.record([(rid, ts[-1]) for rid, ts in more.items()])
+            self.sampled.record([(rid, ts[-1]) for rid, ts in more.items() if ts])
         if plan.seqs:
             forward_ms = (time.perf_counter() - t1) * 1e3
         if self._copy_stream is not None:

@@ -68,15 +68,13 @@ def stack(tiny_llama: Path, redis_url: str, tmp_path_factory: pytest.TempPathFac
 
 
 def repeating_prompts(seed: int, n: int = 8) -> list[list[int]]:
-    """Prompts that repeat themselves: a shared 32-token head (prefix-cache hits), then a phrase of
-    their own three times over."""
+    """Prompts that repeat themselves: one token 16 times (a whole block, shared by all: prefix-cache
+    hits), then a token of their own 20 times or more. The tiny random model's greedy output then
+    falls into loops of its own, which n-gram and suffix drafts predict well (a random model does not
+    copy a prompt otherwise)."""
     rng = random.Random(seed)
-    head = [rng.randrange(3, 49152) for _ in range(32)]
-    out = []
-    for i in range(n):
-        phrase = [rng.randrange(3, 49152) for _ in range(5 + i)]
-        out.append(head + phrase * 3 + phrase[:2])
-    return out
+    head = [rng.randrange(3, 49152)] * 16
+    return [head + [rng.randrange(3, 49152)] * (20 + 3 * i) for i in range(n)]
 
 
 MAX_TOKENS = [40, 24, 33, 40, 17, 28, 40, 36]
@@ -97,7 +95,7 @@ def check_greedy(stack: Stack, tiny_llama: Path, seed: int) -> dict[str, int]:
 
 def test_greedy_with_ngram_drafts_matches_transformers(stack: Stack, tiny_llama: Path) -> None:
     delta = check_greedy(stack, tiny_llama, 1)
-    assert delta.get("spec_accepted_tokens", 0) > 0, delta
+    assert delta.get("spec_accepted_tokens", 0) > 0, sorted(delta.items())
     assert delta.get("spec_draft_tokens", 0) > delta["spec_accepted_tokens"], "some drafts must be rejected too"
     assert delta.get("preemptions_recompute", 0) > 0, "the small pool must preempt"
     assert delta.get("prefix_cache_hits", 0) > 0, "the shared head must hit the prefix cache"
@@ -148,7 +146,7 @@ def test_seeded_with_ngram_drafts(stack: Stack) -> None:
 def test_greedy_with_suffix_drafts_matches_transformers(stack: Stack, tiny_llama: Path) -> None:
     stack.use(SUFFIX)
     delta = check_greedy(stack, tiny_llama, 2)
-    assert delta.get("spec_accepted_tokens", 0) > 0, delta
+    assert delta.get("spec_accepted_tokens", 0) > 0, sorted(delta.items())
     assert delta.get("preemptions_recompute", 0) > 0
 
 

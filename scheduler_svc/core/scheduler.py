@@ -308,6 +308,15 @@ class Scheduler:
         drafts nothing for it)."""
         return req.num_unreported == 0 and bool(req.output_ids) and req.num_pending == 1 and req.source is None
 
+    def wants_drafts(self) -> bool:
+        """Whether the next step would draft if its decoding requests' last tokens were known: a pipelined
+        loop then waits for the result in flight before planning (drafts need the last token)."""
+        if self.spec is None:
+            return False
+        rows = sum(1 for r in self.running if r.source is None and r.num_pending <= 1 and r.num_tokens > r.num_prompt)
+        tokens = min(self.config.max_num_batched_tokens, sum(max(1, r.num_pending) for r in self.running))
+        return self.spec.policy.choose(rows, tokens) > 0
+
     def _choose_k(self) -> None:
         """This step's draft length, from the decoding rows that could draft and the step's tokens."""
         self._k = 0

@@ -22,10 +22,11 @@ their requests, only what reported steps computed (``Flight.starts``), but
 never a swap that might not have happened.
 A plan that runs speculative drafts is not followed by another before its
 result is in either: how many tokens each of its rows yields (and so where the
-next plan's positions start) is known only then. The plans built while another
-is in flight draft nothing for that plan's requests (their last token is not
-known yet), so with speculation on the loop alternates between drafting plans,
-run one at a time, and plain ones, pipelined.
+next plan's positions start) is known only then. And drafting needs each
+request's last token, so while the draft length policy would draft
+(``Scheduler.wants_drafts``) no plan is built with another in flight: with
+speculation drafting, the loop is serial; when the policy picks k = 0 (large
+batches) it pipelines as before.
 After any failure the stream is cancelled; the executor drops the plans queued
 on it, and the reloaded loop opens a new one.
 """
@@ -82,9 +83,13 @@ class Pipeline:
     def __len__(self) -> int:
         return len(self.flights)
 
-    def can_launch(self) -> bool:
+    def can_launch(self, drafting: bool = False) -> bool:
         """Room for another plan, and none in flight moves KV (its swaps must be reported first) or runs
-        drafts (the next plan's positions depend on how many were accepted)."""
+        drafts (the next plan's positions depend on how many were accepted). ``drafting``: the next plan
+        would draft (``Scheduler.wants_drafts``), which needs every decoding request's last token: only
+        with nothing in flight."""
+        if drafting and self.flights:
+            return False
         return len(self.flights) < self.depth and not any(f.moves or f.drafts for f in self.flights)
 
     def wait_first(self) -> bool:
