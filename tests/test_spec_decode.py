@@ -113,6 +113,7 @@ def sampled(prompts: list[list[int]], seeds: list[int], max_tokens: int = 24, **
 
 SEEDED: dict[str, list[list[int]]] = {}
 LOGPROBS: dict[str, list[list[tuple[int, float, int]]]] = {}
+STRUCTURED: dict[str, list[list[int]]] = {}
 
 
 async def _with_logprobs(address: str, reqs: list[pb.GenerateRequest]) -> list[list[tuple[int, float, int]]]:
@@ -134,6 +135,16 @@ def run_seeded(stack: Stack, name: str) -> None:
     SEEDED[name] = [r.token_ids for r in run_all(stack.address, reqs)]
     LOGPROBS[name] = asyncio.run(_with_logprobs(stack.address, [greedy(p, 20, logprobs=2) for p in prompts[:3]]))
     assert all(len(x) == 20 for x in LOGPROBS[name])
+    # Structured output: the grammar's matcher advances through drafts and is rolled back.
+    regex = pb.StructuredOutput(regex="[0-9]{2}(,[0-9]{2}){3,}")
+    STRUCTURED[name] = [
+        r.token_ids
+        for r in run_all(
+            stack.address,
+            [greedy(p, 30, structured_output=regex) for p in prompts[:2]]
+            + sampled(prompts[2:4], [31, 32], 30, structured_output=regex),
+        )
+    ]
     wait_all_free(stack.redis, NS)
 
 
@@ -165,6 +176,8 @@ def test_seeded_requests_give_the_same_tokens_without_speculation(stack: Stack) 
     assert stack.counters().get("spec_draft_tokens", 0) == before, "speculation is off here"
     assert SEEDED["ngram"] == SEEDED["off"]
     assert SEEDED["suffix"] == SEEDED["off"]
+    assert STRUCTURED["ngram"] == STRUCTURED["off"]
+    assert STRUCTURED["suffix"] == STRUCTURED["off"]
     for name in ("ngram", "suffix"):
         for on, off in zip(LOGPROBS[name], LOGPROBS["off"]):
             assert [(t, r) for t, _, r in on] == [(t, r) for t, _, r in off]

@@ -357,3 +357,15 @@ def test_the_plan_carries_drafts_and_resends_a_trimmed_table() -> None:
     pipe.flights.clear()
     pipe.add(Flight.of(out, 2))
     assert pipe.can_launch() == (not out.has_drafts)
+
+
+def test_the_flag_is_refused_at_start_naming_the_key(capsys: pytest.CaptureFixture[str]) -> None:
+    from scheduler_svc.__main__ import parse_args
+
+    base = ["--redis-url", "redis://localhost:6379/0"]
+    with pytest.raises(SystemExit):
+        parse_args([*base, "--speculative-config", '{"method": "ngram", "num_speculative_tokens": -1}'])
+    assert "--speculative-config: num_speculative_tokens" in capsys.readouterr().err
+    args = parse_args([*base, "--speculative-config", '{"method": "suffix", "num_speculative_tokens": 3}'])
+    assert spec.parse(args.speculative_config).num_speculative_tokens == 3
+    assert parse_args(base).speculative_config == ""  # off by default
