@@ -4,7 +4,7 @@ prefix caching; seeded sampled requests give the same tokens with speculation on
 sampled distribution over a two-token vocabulary (``allowed_token_ids``) matches the model's.
 
 One deployment: the executor stays, the scheduler in front of it is replaced (ngram, suffix, then
-speculation off) between tests; each counts the drafts it accepted (Redis' namespace counters), so
+speculation off) between tests, which run in order; each counts the drafts it accepted (Redis' namespace counters), so
 no test can pass with speculation silently off.
 """
 
@@ -154,43 +154,12 @@ def test_seeded_with_ngram_drafts(stack: Stack) -> None:
     assert stack.counters().get("spec_draft_tokens", 0) > before
 
 
-def test_greedy_with_suffix_drafts_matches_transformers(stack: Stack, tiny_llama: Path) -> None:
-    stack.use(SUFFIX)
-    delta = check_greedy(stack, tiny_llama, 2)
-    assert delta.get("spec_accepted_tokens", 0) > 0, sorted(delta.items())
-    assert delta.get("preemptions_recompute", 0) > 0
-
-
-def test_seeded_with_suffix_drafts(stack: Stack) -> None:
-    before = stack.counters().get("spec_draft_tokens", 0)
-    run_seeded(stack, "suffix")
-    assert stack.counters().get("spec_draft_tokens", 0) > before
-
-
-def test_seeded_requests_give_the_same_tokens_without_speculation(stack: Stack) -> None:
-    if set(SEEDED) != {"ngram", "suffix"}:
-        pytest.skip("runs after the tests that sample with drafts")
-    stack.use(None)
-    before = stack.counters().get("spec_draft_tokens", 0)
-    run_seeded(stack, "off")
-    assert stack.counters().get("spec_draft_tokens", 0) == before, "speculation is off here"
-    assert SEEDED["ngram"] == SEEDED["off"]
-    assert SEEDED["suffix"] == SEEDED["off"]
-    assert STRUCTURED["ngram"] == STRUCTURED["off"]
-    assert STRUCTURED["suffix"] == STRUCTURED["off"]
-    for name in ("ngram", "suffix"):
-        for on, off in zip(LOGPROBS[name], LOGPROBS["off"]):
-            assert [(t, r) for t, _, r in on] == [(t, r) for t, _, r in off]
-            assert [lp for _, lp, _ in on] == pytest.approx([lp for _, lp, _ in off], abs=1e-4)
-
-
 def test_the_sampled_distribution_matches_the_model(stack: Stack, tiny_llama: Path) -> None:
     """Three tokens from two allowed ones, 600 seeds, with n-gram drafts (the prompt repeats the two
     tokens, so drafts are always among them and often accepted): the frequency of each of the 8
     sequences against the model's probability (transformers, masked to the two tokens, temperature 1),
     within 0.12 in total variation (the expected deviation at 600 samples is about 0.05; the unit test
     ``test_the_sampled_distribution_is_unchanged`` holds a tighter bound without a model)."""
-    stack.use(NGRAM)
     a, b = 1000, 2000
     prompt = [a, b, b, a, b, a, a, b] * 3 + [a, b]
     n = 600
@@ -221,3 +190,33 @@ def test_the_sampled_distribution_matches_the_model(stack: Stack, tiny_llama: Pa
     tv = 0.5 * sum(abs(counts.get(s, 0) / n - p) for s, p in probs.items())
     assert tv < 0.12, (tv, counts, probs)
     wait_all_free(stack.redis, NS)
+
+
+def test_greedy_with_suffix_drafts_matches_transformers(stack: Stack, tiny_llama: Path) -> None:
+    stack.use(SUFFIX)
+    delta = check_greedy(stack, tiny_llama, 2)
+    assert delta.get("spec_accepted_tokens", 0) > 0, sorted(delta.items())
+    assert delta.get("preemptions_recompute", 0) > 0
+
+
+def test_seeded_with_suffix_drafts(stack: Stack) -> None:
+    before = stack.counters().get("spec_draft_tokens", 0)
+    run_seeded(stack, "suffix")
+    assert stack.counters().get("spec_draft_tokens", 0) > before
+
+
+def test_seeded_requests_give_the_same_tokens_without_speculation(stack: Stack) -> None:
+    if set(SEEDED) != {"ngram", "suffix"}:
+        pytest.skip("runs after the tests that sample with drafts")
+    stack.use(None)
+    before = stack.counters().get("spec_draft_tokens", 0)
+    run_seeded(stack, "off")
+    assert stack.counters().get("spec_draft_tokens", 0) == before, "speculation is off here"
+    assert SEEDED["ngram"] == SEEDED["off"]
+    assert SEEDED["suffix"] == SEEDED["off"]
+    assert STRUCTURED["ngram"] == STRUCTURED["off"]
+    assert STRUCTURED["suffix"] == STRUCTURED["off"]
+    for name in ("ngram", "suffix"):
+        for on, off in zip(LOGPROBS[name], LOGPROBS["off"]):
+            assert [(t, r) for t, _, r in on] == [(t, r) for t, _, r in off]
+            assert [lp for _, lp, _ in on] == pytest.approx([lp for _, lp, _ in off], abs=1e-4)
