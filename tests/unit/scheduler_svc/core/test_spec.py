@@ -21,6 +21,7 @@ from scheduler_svc.core.request import Finish, Params, Request, Status
 from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig
 from scheduler_svc.loops.flights import Flight, Pipeline
 from scheduler_svc.loops.plan import PlanBuilder, outputs
+from tests.unit.scheduler_svc.core.test_group import check_refs
 from tests.unit.scheduler_svc.core.test_scheduler import check_blocks
 
 EOS = 99
@@ -134,7 +135,9 @@ def cyclic(tokens: list[int]) -> int:
     return 40 + n % 3 if n % 7 == 0 else tokens[n - 5]
 
 
-def make(blocks: int = 64, cfg: spec.SpecConfig | None = NGRAM, caching: bool = False, **kw: object) -> Scheduler:
+def make(
+    blocks: int = 64, cfg: spec.SpecConfig | None = NGRAM, caching: bool = False, cpu: int = 0, **kw: object
+) -> Scheduler:
     config = SchedulerConfig(
         max_model_len=4096,
         eos_token_ids=(EOS,),
@@ -143,7 +146,7 @@ def make(blocks: int = 64, cfg: spec.SpecConfig | None = NGRAM, caching: bool = 
         enable_prefix_caching=caching,
         **kw,  # type: ignore[arg-type]
     )
-    return Scheduler(config, BlockManager(4, Pool.fresh(blocks), caching=caching))
+    return Scheduler(config, BlockManager(4, Pool.fresh(blocks), Pool.fresh(cpu), caching=caching))
 
 
 def step(s: Scheduler, model: Next) -> SchedulerOutput:
@@ -165,7 +168,10 @@ def step(s: Scheduler, model: Next) -> SchedulerOutput:
         if x.drafts:
             more[x.req.request_id] = emitted[1:]
     s.update(out, first, more=more)
-    check_blocks(s)
+    if any(r.group for r in s.requests.values()):
+        check_refs(s)  # group mates share blocks
+    else:
+        check_blocks(s)
     for r in s.running:  # no block is held for positions past the next token
         assert len(r.blocks) <= -(-(r.num_tokens) // 4)
     return out
@@ -310,6 +316,9 @@ def test_under_preemption_and_prefix_caching() -> None:
         s = make(cfg=cfg, blocks=14, caching=True)
         assert run(s, requests(4, 30), cyclic) == plain
         assert s.counters.spec_accepted_tokens > 0
+        s = make(cfg=cfg, blocks=14, cpu=64, preemption_mode="swap")
+        assert run(s, requests(4, 30), cyclic) == plain
+        assert s.counters.preemptions_swap > 0 and s.counters.spec_accepted_tokens > 0
 
 
 def test_prefix_cache_names_only_accepted_tokens() -> None:
@@ -369,3 +378,29 @@ def test_the_flag_is_refused_at_start_naming_the_key(capsys: pytest.CaptureFixtu
     args = parse_args([*base, "--speculative-config", '{"method": "suffix", "num_speculative_tokens": 3}'])
     assert spec.parse(args.speculative_config).num_speculative_tokens == 3
     assert parse_args(base).speculative_config == ""  # off by default
+
+
+def test_parallel_sampling_groups_fork_and_draft() -> None:
+    """``n`` completions share the prompt's blocks (copy on write of the partial one) and draft each on
+    its own: outputs as without drafts, every block's references its holders', through preemption."""
+
+    def groups() -> list[Request]:
+        prompt = [10, 11, 12, 13, 14] * 3
+        return [
+            Request(f"g{g}#{i}", list(prompt), Params(max_tokens=25), arrival=3 * g + i, group=f"g{g}", index=i)
+            for g in range(2)
+            for i in range(3)
+        ]
+
+    plain = run(make(cfg=None, blocks=24), groups(), cyclic)
+    for cfg in (NGRAM, SUFFIX):
+        s = make(cfg=cfg, blocks=24)
+        reqs = groups()
+        for r in reqs:
+            s.add(r)
+        while s.has_work:
+            step(s, cyclic)
+        assert {r.request_id: r.output_ids for r in reqs} == plain
+        assert s.counters.forked_tokens > 0 and s.counters.spec_accepted_tokens > 0
+        assert s.counters.preemptions_recompute > 0
+        assert s.blocks.num_free() == s.blocks.total()
