@@ -14,6 +14,7 @@ import asyncio
 import itertools
 import json
 import random
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -135,16 +136,16 @@ def run_seeded(stack: Stack, name: str) -> None:
     SEEDED[name] = [r.token_ids for r in run_all(stack.address, reqs)]
     LOGPROBS[name] = asyncio.run(_with_logprobs(stack.address, [greedy(p, 20, logprobs=2) for p in prompts[:3]]))
     assert all(len(x) == 20 for x in LOGPROBS[name])
-    # Structured output: the grammar's matcher advances through drafts and is rolled back.
+    # Structured output: the grammar's matcher advances through drafts and is rolled back. (prompts[1]'s
+    # constrained greedy output meets a near tie, a logit margin of 2e-4, at its 25th token: there a
+    # drafted position's logits, from a forward over several query tokens, may differ in the last bits
+    # from a one-token step's and pick the other token, as in any speculative decoding. Not compared.)
     regex = pb.StructuredOutput(regex="[0-9]{2}(,[0-9]{2}){3,}")
-    STRUCTURED[name] = [
-        r.token_ids
-        for r in run_all(
-            stack.address,
-            [greedy(p, 30, structured_output=regex) for p in prompts[:2]]
-            + sampled(prompts[2:4], [31, 32], 30, structured_output=regex),
-        )
-    ]
+    reqs = [greedy(prompts[0], 30, structured_output=regex)]
+    results = run_all(stack.address, reqs + sampled(prompts[2:4], [31, 32], 30, structured_output=regex))
+    STRUCTURED[name] = [r.token_ids for r in results]
+    for r in results:
+        assert re.fullmatch(r"[0-9]{2}(,[0-9]{2})*,?[0-9]?", r.text), r.text
     wait_all_free(stack.redis, NS)
 
 
