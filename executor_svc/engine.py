@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from executor_svc import attention, linear, logprobs, model
+from executor_svc import attention, linear, logprobs, model, verify
 from executor_svc.block_tables import BlockTables
 from executor_svc.context import check_max_model_len
 from executor_svc.grammar import Grammars, Row
@@ -182,6 +182,9 @@ class Engine:
         end = seq.start_pos + len(seq.token_ids)
         if not seq.token_ids:
             raise PlanError(f"{seq.request_id}: no tokens to run")
+        drafts_ok = seq.sample and seq.prompt_logprobs is None and seq.num_drafts < len(seq.token_ids)
+        if seq.num_drafts and not drafts_ok:
+            raise PlanError(f"{seq.request_id}: drafts only follow a sampled token, without prompt logprobs")
         if end > self.max_model_len:
             raise PlanError(f"{seq.request_id}: position {end} exceeds max_model_len {self.max_model_len}")
         if max(seq.token_ids) >= self.vocab_size:
@@ -221,6 +224,10 @@ class Engine:
         # First of all: a token the plan refers to by "sampled last step" becomes a token like any other
         # (before a forget or a reset drops it, and before any check or bookkeeping reads token_ids).
         self.sampled.resolve(plan.seqs)
+        for seq in plan.seqs:
+            if seq.drafts:  # speculative decoding: the drafts run after the request's tokens (``verify``)
+                seq.num_drafts = len(seq.drafts)
+                seq.token_ids = seq.token_ids + seq.drafts
         if plan.reset_tables:
             self._forget_all()
         self._forget(plan.forget)
@@ -239,6 +246,8 @@ class Engine:
         if self._copy_stream is not None:
             torch.cuda.current_stream(self.device).wait_stream(self._copy_stream)
         tokens: list[tuple[str, int]] = []
+        more: dict[str, list[int]] = {}
+        more_lps: dict[str, list[logprobs.Entry]] = {}
         forward_ms = 0.0
         t1 = time.perf_counter()
         logits, rows = None, _Rows()
@@ -256,8 +265,9 @@ class Engine:
         prompt_lps: dict[str, tuple[int, list[logprobs.Entry]]] = {}
         if logits is not None:
             prompt_lps = self._prompt_logprobs(plan.seqs, logits, rows)
-            tokens, lps = self._sample(plan.seqs, logits, rows, masks, grammar_rows)
+            tokens, lps, more, more_lps = self._sample(plan.seqs, logits, rows, masks, grammar_rows)
             self.sampled.record(tokens)
+            self.sampled.record([(rid, ts[-1]) for rid, ts in more.items() if ts])
         if plan.seqs:
             forward_ms = (time.perf_counter() - t1) * 1e3
         if self._copy_stream is not None:
@@ -273,6 +283,8 @@ class Engine:
             swap_out_ms=(t3 - t2) * 1e3,
             logprobs=lps,
             prompt_logprobs=prompt_lps,
+            more=more,
+            more_logprobs=more_lps,
         )
 
     def _record_history(self, seqs: list[SeqInput]) -> None:
@@ -282,8 +294,8 @@ class Engine:
                 continue
             if seq.full_table:
                 self.histories.set(seq.request_id, (seq.history or [])[: seq.start_pos] + seq.token_ids)
-            else:
-                self.histories.extend(seq.request_id, seq.token_ids)
+            else:  # from start_pos: a step's rejected drafts (or a discarded step) are dropped first
+                self.histories.extend(seq.request_id, seq.token_ids, seq.start_pos)
 
     def _sample(
         self,
@@ -292,11 +304,12 @@ class Engine:
         rows: _Rows,
         masks: Future[torch.Tensor] | None,
         grammar_rows: list[Row],
-    ) -> tuple[list[tuple[str, int]], dict[str, logprobs.Entry]]:
+    ) -> tuple[list[tuple[str, int]], dict[str, logprobs.Entry], dict[str, list[int]], dict[str, list[logprobs.Entry]]]:
         """Structured rows get their token masks first (in place: their logprobs, as vLLM's, are
-        those of the masked logits), then every sampled row is drawn."""
+        those of the masked logits), then every sampled row is drawn. Rows with drafts: every position
+        is drawn and the drafts verified (``verify``); the tokens after a row's first come back apart."""
         if not rows.sampled:
-            return [], {}
+            return [], {}, {}, {}
         picked = [seqs[i] for i in rows.sampled]
         last = logits[rows.last] if len(rows.last) != logits.shape[0] else logits
         if grammar_rows and masks is not None:
@@ -305,16 +318,51 @@ class Engine:
         histories = None
         if any(s.sampling.needs_history for s in picked):
             histories = [self.histories.get(s.request_id) if s.sampling.needs_history else None for s in picked]
-        chosen = sample(last, [s.sampling for s in picked], [s.num_generated for s in picked], histories)
-        self.grammars.accept(grammar_rows, chosen)
+        more: dict[str, list[int]] = {}
+        if any(s.num_drafts for s in picked):
+            chosen, first, more = self._verify(picked, last, histories, grammar_rows)
+        else:
+            chosen = sample(last, [s.sampling for s in picked], [s.num_generated for s in picked], histories)
+            self.grammars.accept(grammar_rows, chosen)
+            first = list(range(len(picked)))
         tokens = [(s.request_id, t) for s, t in zip(picked, chosen)]
         want = [j for j, s in enumerate(picked) if s.sampling.logprobs is not None]
         if not want:
-            return tokens, {}
+            return tokens, {}, more, {}
+        # Each wanted row's tokens: its first, and with drafts the ones after it (at the rows after its first).
+        at = [(j, i) for j in want for i in range(1 + len(more.get(picked[j].request_id, ())))]
+        targets = [chosen[j] if i == 0 else more[picked[j].request_id][i - 1] for j, i in at]
         entries = logprobs.gather(
-            last[want], [chosen[j] for j in want], [picked[j].sampling.logprobs or 0 for j in want]
+            last[[first[j] + i for j, i in at]], targets, [picked[j].sampling.logprobs or 0 for j, _ in at]
         )
-        return tokens, {picked[j].request_id: e for j, e in zip(want, entries)}
+        lps: dict[str, logprobs.Entry] = {}
+        more_lps: dict[str, list[logprobs.Entry]] = {}
+        for (j, i), e in zip(at, entries):
+            rid = picked[j].request_id
+            if i == 0:
+                lps[rid] = e
+            else:
+                more_lps.setdefault(rid, []).append(e)
+        return tokens, lps, more, more_lps
+
+    def _verify(
+        self, picked: list[SeqInput], last: torch.Tensor, histories: list | None, grammar_rows: list[Row]
+    ) -> tuple[list[int], list[int], dict[str, list[int]]]:
+        """A step with drafts: each row's first token, the logits row of each row's first position, and
+        the tokens after the first of rows that yield several."""
+        drafts = [s.token_ids[len(s.token_ids) - s.num_drafts :] for s in picked]
+        sampled = verify.sample_rows(
+            last, [s.sampling for s in picked], [s.num_generated for s in picked], histories, drafts
+        )
+        first, at = [], 0
+        for d in drafts:
+            first.append(at)
+            at += 1 + len(d)
+        emitted = {first[j]: verify.accept(ts, d) for j, (ts, d) in enumerate(zip(sampled, drafts))}
+        self.grammars.accept_many(grammar_rows, emitted)
+        out = [emitted[f] for f in first]
+        more = {s.request_id: ts[1:] for s, ts in zip(picked, out) if s.num_drafts}
+        return [ts[0] for ts in out], first, more
 
     def _prompt_logprobs(
         self, seqs: list[SeqInput], logits: torch.Tensor, rows: _Rows
@@ -345,10 +393,10 @@ class Engine:
                 )
             if seq.sample:
                 if seq.grammar is not None:
-                    rows.append(
-                        Row(j, seq.request_id, seq.grammar, seq.start_pos + len(seq.token_ids), seq.num_generated)
-                    )
-                j += 1
+                    end = seq.start_pos + len(seq.token_ids) - seq.num_drafts
+                    drafts = tuple(seq.token_ids[len(seq.token_ids) - seq.num_drafts :])
+                    rows.append(Row(j, seq.request_id, seq.grammar, end, seq.num_generated, drafts))
+                j += 1 + seq.num_drafts
         return (self.grammars.start(rows, j) if rows else None), rows
 
     @torch.inference_mode()
@@ -398,8 +446,9 @@ class _Rows:
                 if s.sample:
                     r.sampled.append(i)
                     r.last.append(len(r.keep) - 1)
-            elif s.sample:
+            elif s.sample:  # its last token's row, and its drafts' (verify.py)
                 r.sampled.append(i)
-                r.last.append(len(r.keep))
-                r.keep.append(qsl[i + 1] - 1)
+                for p in range(qsl[i + 1] - 1 - s.num_drafts, qsl[i + 1]):
+                    r.last.append(len(r.keep))
+                    r.keep.append(p)
         return r

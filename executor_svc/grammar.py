@@ -44,8 +44,11 @@ class Row:
     index: int  # row of the step's logits
     request_id: str
     spec: Spec
-    end: int  # start_pos + len(token_ids): tokens the request has once this step ran
+    end: int  # start_pos + len(token_ids): tokens the request has once this step ran (drafts excluded)
     num_generated: int
+    # Speculative decoding: drafts run after its tokens. Their rows follow ``index``, each masked by the
+    # matcher advanced through the drafts before it (``_fill``); rolled back in ``accept_many``.
+    drafts: tuple[int, ...] = ()
 
 
 @dataclass(slots=True)
@@ -135,17 +138,28 @@ class Grammars:
         for row in rows:
             try:
                 e = self._sync(row)
-                if e.broken or e.matcher.is_terminated():
-                    self._stop_only(bitmask[row.index])
-                else:
-                    e.matcher.fill_next_token_bitmask(bitmask, row.index)
+                self._fill_one(e, bitmask, row.index)
+                for j, d in enumerate(row.drafts, 1):
+                    if e.broken:
+                        self._stop_only(bitmask[row.index + j])
+                    elif self._consume(e, d):
+                        self._fill_one(e, bitmask, row.index + j)
+                    else:
+                        break  # the mask before excludes this draft: it is rejected, later rows go unused
             except Exception as exc:  # noqa: BLE001 - a grammar state problem ends the row, never the step
                 e = self._entries.setdefault(row.request_id, _Entry(row.spec, tokens=None))
                 self._break(e, row.request_id, f"no mask ({type(exc).__name__}: {exc})")
-                self._stop_only(bitmask[row.index])
+                for j in range(1 + len(row.drafts)):
+                    self._stop_only(bitmask[row.index + j])
         self.stats.rows += len(rows)
         self.stats.fill_ms += (time.perf_counter() - t0) * 1e3
         return bitmask
+
+    def _fill_one(self, e: _Entry, bitmask: torch.Tensor, index: int) -> None:
+        if e.broken or e.matcher.is_terminated():
+            self._stop_only(bitmask[index])
+        else:
+            e.matcher.fill_next_token_bitmask(bitmask, index)
 
     def _stop_only(self, row: torch.Tensor) -> None:
         row.zero_()
@@ -191,7 +205,7 @@ class Grammars:
     def _rebuild(self, e: _Entry, row: Row) -> None:
         self.stats.rebuilds += 1
         e.matcher, e.accepted, e.past_end = None, 0, 0
-        if e.tokens is None or len(e.tokens) != row.end:
+        if e.tokens is None or len(e.tokens) != row.end + len(row.drafts):
             self._break(e, row.request_id, "its tokens are unknown here (no history in the plan)")
             return
         try:
@@ -199,7 +213,7 @@ class Grammars:
         except (GrammarError, OSError) as exc:
             self._break(e, row.request_id, f"the spec does not compile here: {exc}")
             return
-        for t in e.tokens[row.end - row.num_generated :]:
+        for t in e.tokens[row.end - row.num_generated : row.end]:
             if not self._consume(e, t):
                 self._break(e, row.request_id, f"rebuilding, the grammar rejects its token {t}")
                 return
@@ -216,7 +230,7 @@ class Grammars:
     def apply(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[Row]) -> None:
         """Mask the grammar rows of ``logits`` ``[num_rows, vocab]`` in place (float32): xgrammar's
         kernel, or the same in torch if that one fails (a missing CUDA toolchain, say)."""
-        indices = [r.index for r in rows]
+        indices = [r.index + j for r in rows for j in range(1 + len(r.drafts))]
         bitmask = bitmask.to(logits.device, non_blocking=True)
         try:
             import xgrammar as xgr
@@ -243,6 +257,31 @@ class Grammars:
             if not ok:
                 self._break(e, row.request_id, f"the grammar rejects the sampled token {t}")
                 tokens[row.index] = self.stop_token_ids[0]
+
+    def accept_many(self, rows: list[Row], emitted: dict[int, list[int]]) -> None:
+        """A step with drafts: each row's matcher goes back to where it stood before its drafts and takes
+        the tokens the row yields (``emitted``, by the row's first index); a token it rejects becomes EOS
+        and ends the list (in place)."""
+        for row in rows:
+            e = self._entries.get(row.request_id)
+            toks = emitted.get(row.index)
+            if e is None or toks is None:
+                continue
+            if e.broken or e.matcher is None:
+                toks[:] = [self.stop_token_ids[0]]
+                continue
+            if e.accepted > row.num_generated and not self._rollback(e, row.num_generated):
+                e.matcher, e.accepted, e.past_end = None, 0, 0  # rebuilt from its tokens at its next step
+                continue
+            for i, t in enumerate(toks):
+                try:
+                    ok = self._consume(e, t)
+                except Exception:  # noqa: BLE001
+                    ok = False
+                if not ok:
+                    self._break(e, row.request_id, f"the grammar rejects the sampled token {t}")
+                    toks[i:] = [self.stop_token_ids[0]]
+                    break
 
 
 def apply_torch(logits: torch.Tensor, bitmask: torch.Tensor, indices: list[int], vocab_size: int) -> None:

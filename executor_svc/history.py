@@ -25,9 +25,13 @@ class Histories:
     def set(self, request_id: str, tokens: list[int]) -> None:
         self._tokens[request_id] = array("l", tokens)
 
-    def extend(self, request_id: str, tokens: list[int]) -> None:
-        """Append ``tokens``; raises KeyError for a request whose history is not held."""
-        self._tokens[request_id].extend(tokens)
+    def extend(self, request_id: str, tokens: list[int], at: int | None = None) -> None:
+        """Append ``tokens`` (first dropping what it holds from position ``at`` on: drafts a step
+        rejected); raises KeyError for a request whose history is not held."""
+        held = self._tokens[request_id]
+        if at is not None and len(held) > at:
+            del held[at:]
+        held.extend(tokens)
 
     def get(self, request_id: str) -> array | None:
         return self._tokens.get(request_id)

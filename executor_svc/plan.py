@@ -31,6 +31,10 @@ class SeqInput:
     grammar: Spec | None = None  # structured output: (kind, text)
     from_last_sample: bool = False  # the last input is this request's latest sampled token (resolved first)
     lora: LoraRef | None = None  # the LoRA adapter it runs on; None: the base model
+    # Speculative decoding: proposed tokens after token_ids (``Engine.step`` appends them to token_ids once
+    # the last sample is resolved; ``num_drafts`` then says how many of token_ids' last are drafts).
+    drafts: list[int] = field(default_factory=list)
+    num_drafts: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,3 +70,6 @@ class StepOutput:
     logprobs: dict[str, Entry] = field(default_factory=dict)  # sampled tokens' logprobs, if asked
     # request -> (prompt position of the first entry, one entry per prompt position)
     prompt_logprobs: dict[str, tuple[int, list[Entry]]] = field(default_factory=dict)
+    # Rows that ran drafts: the tokens after their first in ``tokens`` (accepted drafts, then the next one).
+    more: dict[str, list[int]] = field(default_factory=dict)
+    more_logprobs: dict[str, list[Entry]] = field(default_factory=dict)  # theirs, if asked

@@ -70,6 +70,7 @@ def _seq_from_pb(s: pb.SeqPlan, eos: list[int]) -> SeqInput:
         grammar=(s.sampling.grammar.kind, s.sampling.grammar.spec) if s.sampling.grammar.kind else None,
         from_last_sample=s.from_last_sample,
         lora=LoraRef(s.lora.digest, s.lora.path, s.lora.name) if s.HasField("lora") else None,
+        drafts=list(s.draft_token_ids),
     )
     if s.sampling.HasField("prompt_logprobs"):
         plp = s.sampling.prompt_logprobs
@@ -102,6 +103,9 @@ def _outputs(out: StepOutput) -> list[pb.SeqOutput]:
     prompt = dict(out.prompt_logprobs)
     for rid, t in out.tokens:
         o = pb.SeqOutput(request_id=rid, token_id=t)
+        if rid in out.more:
+            o.more_token_ids.extend(out.more[rid])
+            o.more_logprobs.extend(_logprobs_pb(e) for e in out.more_logprobs.get(rid, ()))
         if rid in out.logprobs:
             o.logprobs.CopyFrom(_logprobs_pb(out.logprobs[rid]))
         if rid in prompt:

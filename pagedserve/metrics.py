@@ -47,6 +47,10 @@ VLLM_NAMES: dict[str, tuple[str, ...]] = {
     "time_to_first_token_seconds": ("time_to_first_token_seconds",),
     "inter_token_latency_seconds": ("inter_token_latency_seconds", "time_per_output_token_seconds"),
     "e2e_request_latency_seconds": ("e2e_request_latency_seconds",),
+    "spec_decode_num_drafts": ("spec_decode_num_drafts",),
+    "spec_decode_num_draft_tokens": ("spec_decode_num_draft_tokens",),
+    "spec_decode_num_accepted_tokens": ("spec_decode_num_accepted_tokens",),
+    "spec_decode_num_accepted_tokens_per_pos": ("spec_decode_num_accepted_tokens_per_pos",),
 }
 # Seconds: from a millisecond to minutes (CPU prefills of long prompts take seconds).
 LATENCY_BUCKETS = (

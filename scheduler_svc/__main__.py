@@ -14,6 +14,7 @@ from pagedserve import logs, rpc
 from pagedserve.auth import SecretFile
 from pagedserve.metrics import PREFIXES
 from pagedserve.security import Dialer, TLSFiles
+from scheduler_svc.core import spec
 from scheduler_svc.core.queue import POLICIES
 from scheduler_svc.core.scheduler import PREEMPTION_MODES
 from scheduler_svc.frontend import tools, validate
@@ -170,6 +171,14 @@ def _scheduling_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--watermark", type=float, default=0.01, help="fraction of KV blocks kept free when admitting")
     _lora_arguments(p)
+    p.add_argument(
+        "--speculative-config",
+        default="",
+        metavar="JSON",
+        help='speculative decoding, vLLM\'s JSON: {"method": "ngram" | "suffix", "num_speculative_tokens": k, '
+        '"prompt_lookup_min": ..., "prompt_lookup_max": ...} (docs/architecture.md, "Speculative decoding"); '
+        "default: off",
+    )
 
 
 def _lora_arguments(p: argparse.ArgumentParser) -> None:
@@ -207,6 +216,11 @@ def _check_limits(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error("--max-loras and --max-lora-rank must be positive")
     if args.lora_modules and not args.enable_lora:
         p.error("--lora-modules requires --enable-lora")
+    if args.speculative_config:
+        try:
+            spec.parse(args.speculative_config)
+        except ValueError as exc:
+            p.error(f"--speculative-config: {exc}")
     if (
         min(
             args.max_stop_strings,

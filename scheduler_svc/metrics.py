@@ -56,6 +56,13 @@ class LoopMetrics:
             "parallel_sampling_shared_tokens",
             "Prompt tokens a completion of a sampling.n request shared instead of computing",
         )
+        # Speculative decoding (--speculative-config), vLLM's names.
+        self.spec_drafts = counter("spec_decode_num_drafts", "Rows of steps that ran drafted tokens")
+        self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Drafted tokens run")
+        self.spec_accepted_tokens = counter("spec_decode_num_accepted_tokens", "Drafted tokens accepted")
+        self.spec_accepted_per_pos = counter(
+            "spec_decode_num_accepted_tokens_per_pos", "Drafted tokens accepted, by draft position", "position"
+        )
         self.iteration_tokens = Histogram(
             name("iteration_tokens_total"), "Tokens scheduled per step", ex, buckets=TOKEN_BUCKETS, registry=registry
         )
@@ -134,6 +141,12 @@ class LoopMetrics:
             self.prefix_hits.labels(*labels).inc(c.prefix_cache_hits)
         if c.forked_tokens:
             self.forked_tokens.labels(*labels).inc(c.forked_tokens)
+        if c.spec_drafts:
+            self.spec_drafts.labels(*labels).inc(c.spec_drafts)
+            self.spec_draft_tokens.labels(*labels).inc(c.spec_draft_tokens)
+            self.spec_accepted_tokens.labels(*labels).inc(c.spec_accepted_tokens)
+            for pos, n in enumerate(rec.spec_accepted_per_pos):
+                self.spec_accepted_per_pos.labels(*labels, str(pos)).inc(n)
         for req in rec.finished:
             self.prompt_tokens.labels(*labels).inc(len(req.prompt_ids))
             self.success.labels(*labels, (req.finish_reason or Finish.ABORT).value).inc()

@@ -41,6 +41,7 @@ from scheduler_svc.core import parallel
 from scheduler_svc.core.fit import blocks_for
 from scheduler_svc.core.request import Finish, Params, Request, Status
 from scheduler_svc.core.scheduler import SchedulerConfig
+from scheduler_svc.core.spec import SpecConfig
 from scheduler_svc.loops.loop import Loop
 from scheduler_svc.state import schema
 from scheduler_svc.state.store import RedisStore
@@ -51,7 +52,8 @@ NS = "prop"
 
 
 class EchoExecutor:
-    """Stands in for executor_svc: every sampled sequence gets token 7 (never EOS)."""
+    """Stands in for executor_svc: every sampled sequence gets token 7 (never EOS); with speculative
+    drafts, the leading 7s among them are accepted (then one more 7)."""
 
     def __init__(self, info: epb.InfoResponse) -> None:
         self.info = info
@@ -59,11 +61,22 @@ class EchoExecutor:
     async def Step(self, plan: epb.StepPlan, timeout: float | None = None) -> epb.StepResult:
         return epb.StepResult(
             step_id=plan.step_id,
-            outputs=[epb.SeqOutput(request_id=s.request_id, token_id=7) for s in plan.seqs if s.sample],
+            outputs=[
+                epb.SeqOutput(request_id=s.request_id, token_id=7, more_token_ids=[7] * _leading_sevens(s))
+                for s in plan.seqs
+                if s.sample
+            ],
         )
 
     async def Info(self, request: epb.InfoRequest, timeout: float | None = None) -> epb.InfoResponse:
         return self.info
+
+
+def _leading_sevens(s: epb.SeqPlan) -> int:
+    n = 0
+    while n < len(s.draft_token_ids) and s.draft_token_ids[n] == 7:
+        n += 1
+    return n
 
 
 class EchoChannel:
@@ -93,7 +106,8 @@ class EchoLoop(Loop):
 
 class ClusterState(RuleBasedStateMachine):
     redis_url = ""
-    seen = {"hits": 0, "shared": 0, "forked": 0}  # over all examples: the cache and forks were really exercised
+    # Over all examples: the cache, forks and speculative drafts were really exercised.
+    seen = {"hits": 0, "shared": 0, "forked": 0, "accepted": 0}
 
     def __init__(self) -> None:
         super().__init__()
@@ -120,6 +134,7 @@ class ClusterState(RuleBasedStateMachine):
     def teardown(self) -> None:
         self.seen["hits"] += int(self.run(self.client.hget(self.keys.counters, "prefix_cache_hits")) or 0)
         self.seen["forked"] += int(self.run(self.client.hget(self.keys.counters, "forked_tokens")) or 0)
+        self.seen["accepted"] += int(self.run(self.client.hget(self.keys.counters, "spec_accepted_tokens")) or 0)
         self.run(self.client.aclose())
         self.aio.close()
 
@@ -157,8 +172,9 @@ class ClusterState(RuleBasedStateMachine):
         mode=st.sampled_from(["swap", "recompute"]),
         budget=st.integers(4, 24),
         pipelined=st.booleans(),
+        spec=st.sampled_from([None, "ngram", "suffix"]),
     )
-    def start(self, policy: str, mode: str, budget: int, pipelined: bool) -> None:
+    def start(self, policy: str, mode: str, budget: int, pipelined: bool, spec: str | None = None) -> None:
         self.pipelined = pipelined
         self.config = SchedulerConfig(
             max_model_len=64,
@@ -167,6 +183,7 @@ class ClusterState(RuleBasedStateMachine):
             policy=policy,
             preemption_mode=mode,
             watermark=0.0,
+            spec=SpecConfig(spec, 3, prompt_lookup_min=1, prompt_lookup_max=2) if spec else None,
         )
         self.join()
 
@@ -415,7 +432,7 @@ def _walk_to_sharing() -> dict[str, int]:
 def test_redis_state_machine(redis_url: str) -> None:
     ClusterState.redis_url = redis_url
     walked = _walk_to_sharing()
-    assert min(walked.values()) > 0, walked
+    assert min(v for k, v in walked.items() if k != "accepted") > 0, walked  # the walk runs without drafts
     run = ClusterState.TestCase
     run.settings = settings(
         max_examples=60,

@@ -144,6 +144,7 @@ def test_json_shape() -> None:
         "generated": None,
         "preemptions": {"swap": 2, "recompute": 0},
         "swapped_blocks": {"out": 0, "in": 0, "disk_spilled": 0},
+        "spec_decode": {"drafts": 0, "draft_tokens": 0, "accepted_tokens": 0},
         "evacuate_at_ms": 0,
     }
     assert doc["executors"][2]["free"] is None and doc["executors"][2]["kv_usage"] is None
@@ -228,6 +229,11 @@ def test_render_shows_every_executor_and_replica() -> None:
     unled = Console(record=True, width=120, color_system=None)
     unled.print(top.render(deployment.build(raw(leaders={"e1": None, "e2": "host-2-bb"}))))
     assert [ln.split() for ln in unled.export_text().splitlines() if ln.startswith("(none)")] == [["(none)", "-", "e1"]]
+    speculating = raw()
+    speculating.totals.update(spec_draft_tokens="40", spec_accepted_tokens="30")
+    wide.print(top.render(deployment.build(speculating)))
+    assert "speculative decoding: 30 of 40 drafted tokens accepted (75%)" in wide.export_text()
+    assert status.to_json(deployment.build(speculating))["totals"]["spec_decode"]["accepted_tokens"] == 30
 
 
 # -- the reader, against a real Redis seeded by hand ---------------------------------

@@ -53,6 +53,12 @@ def _counters_json(c: Mapping[str, int], counts_tokens: bool) -> dict[str, objec
             "in": c.get("swapped_in_blocks", 0),
             "disk_spilled": c.get("disk_spilled_blocks", 0),
         },
+        # Speculative decoding (--speculative-config): rows that drafted, drafted tokens, accepted ones.
+        "spec_decode": {
+            "drafts": c.get("spec_drafts", 0),
+            "draft_tokens": c.get("spec_draft_tokens", 0),
+            "accepted_tokens": c.get("spec_accepted_tokens", 0),
+        },
     }
 
 

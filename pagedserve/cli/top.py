@@ -138,6 +138,11 @@ class _Frame:
             f"{t.get('swapped_out_blocks', 0)} out {t.get('swapped_in_blocks', 0)} in "
             f"{t.get('disk_spilled_blocks', 0)} to disk"
         )
+        if drafted := t.get("spec_draft_tokens", 0):
+            accepted = t.get("spec_accepted_tokens", 0)
+            head.append(
+                f"\nspeculative decoding: {accepted} of {drafted} drafted tokens accepted ({accepted / drafted:.0%})"
+            )
         if rate is not None:
             r = rate[1]
             head.append(

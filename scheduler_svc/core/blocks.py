@@ -305,6 +305,18 @@ class BlockManager:
         req.blocks.extend(new)
         return new
 
+    def trim(self, req: Request, num_tokens: int) -> list[int]:
+        """Drop ``req``'s device blocks past those holding its first ``num_tokens`` positions (blocks
+        reserved for drafts the executor rejected); returns them. Named blocks are never among them:
+        the cache names only blocks of computed tokens."""
+        keep = blocks_for(num_tokens, self.block_size)
+        extra = req.blocks[keep:]
+        if extra:
+            del req.blocks[keep:]
+            req.num_registered = min(req.num_registered, keep)
+            self._unref(extra)
+        return extra
+
     def free(self, req: Request) -> None:
         """Drop every block ``req`` holds, on any tier (shared device blocks stay with their other holders)."""
         self._unref(req.blocks)

@@ -14,12 +14,20 @@ class Scheduled:
     req: Request
     start: int  # first position run this step
     num_tokens: int
+    # Speculative decoding: proposed tokens run after the request's last one (counted in num_tokens,
+    # not in the request's tokens); the executor keeps those its sampler agrees with.
+    drafts: list[int] = field(default_factory=list)
     # Whether this chunk reaches the end of the request's tokens, so a token is sampled (fixed when
     # scheduled: launching the step makes that token one more of the request's tokens).
     samples: bool = field(init=False)
 
     def __post_init__(self) -> None:
-        self.samples = self.start + self.num_tokens == self.req.num_tokens
+        self.samples = self.start + self.num_tokens - len(self.drafts) == self.req.num_tokens
+
+    @property
+    def end(self) -> int:
+        """The position after the request's own tokens in this chunk (drafts excluded)."""
+        return self.start + self.num_tokens - len(self.drafts)
 
 
 @dataclass(slots=True)
@@ -36,6 +44,10 @@ class SchedulerOutput:
     @property
     def num_tokens(self) -> int:
         return sum(s.num_tokens for s in self.scheduled)
+
+    @property
+    def has_drafts(self) -> bool:
+        return any(s.drafts for s in self.scheduled)
 
     @property
     def has_work(self) -> bool:

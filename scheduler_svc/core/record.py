@@ -27,6 +27,9 @@ class Counters:
     prefix_cache_queries: int = 0  # tokens of requests admitted holding nothing, looked up in the prefix cache
     prefix_cache_hits: int = 0  # of which: tokens found cached (not computed again)
     forked_tokens: int = 0  # prompt tokens a parallel-sampling group mate took from its source (not computed again)
+    spec_drafts: int = 0  # rows that ran drafts (speculative decoding; vLLM's spec_decode_num_drafts)
+    spec_draft_tokens: int = 0  # drafted tokens run
+    spec_accepted_tokens: int = 0  # of which accepted
 
     def as_dict(self) -> dict[str, int]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -64,6 +67,7 @@ class StepRecord:
     counters: Counters = field(default_factory=Counters)  # deltas
     changed: tuple[set[int], set[int], set[int]] = field(default_factory=lambda: (set(), set(), set()))
     cache: CacheDelta = field(default_factory=CacheDelta)  # filled by ``Scheduler.take_record`` too
+    spec_accepted_per_pos: list[int] = field(default_factory=list)  # drafts accepted at draft position 0, 1...
 
     def touch(self, req: Request) -> None:
         self.touched[req.request_id] = req

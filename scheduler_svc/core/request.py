@@ -109,6 +109,10 @@ class Request:
         return len(self.prompt_ids) + len(self.output_ids)
 
     @property
+    def num_prompt(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
     def num_tokens(self) -> int:
         """Tokens the scheduler plans with: the known ones and those still to be reported."""
         return len(self.prompt_ids) + len(self.output_ids) + self.num_unreported

@@ -55,6 +55,7 @@ from scheduler_svc.core.placement import PoolView
 from scheduler_svc.core.queue import make_queue
 from scheduler_svc.core.record import Counters, StepRecord
 from scheduler_svc.core.request import Finish, Request, Status
+from scheduler_svc.core.spec import SpecConfig, Speculator
 
 PREEMPTION_MODES = ("swap", "recompute")
 
@@ -70,6 +71,7 @@ class SchedulerConfig:
     watermark: float = 0.01  # fraction of device blocks kept free when admitting
     enable_prefix_caching: bool = True  # --enable-prefix-caching (the BlockManager's ``caching``)
     max_loras: int = 0  # --max-loras: distinct LoRA adapters running at once (core/lora.py); 0: no limit
+    spec: SpecConfig | None = None  # --speculative-config; None: no speculative decoding
 
     def __post_init__(self) -> None:
         if self.preemption_mode not in PREEMPTION_MODES:
@@ -90,6 +92,9 @@ class Scheduler:
         self.record = StepRecord()  # what changed since the last take_record()
         self._eos = frozenset(config.eos_token_ids)
         self._watermark = int(config.watermark * blocks.total(DEVICE))
+        self.spec = Speculator.of(config.spec) if config.spec is not None else None
+        self._k = 0  # this step's draft length (``DraftPolicy``)
+        self._spec_accepted = self._spec_rejections = 0  # drafts accepted and rows cut short, this update
 
     # -- intake ---------------------------------------------------------------
 
@@ -137,6 +142,8 @@ class Scheduler:
         self._remove(req)
         self._orphan(req)
         self.blocks.free(req)
+        if self.spec is not None:
+            self.spec.proposer.finished(request_id, req.output_ids)
         req.status = Status.FINISHED
         req.finish_reason = reason
         self.record.finished.append(req)
@@ -156,6 +163,8 @@ class Scheduler:
         self._remove(req)
         self._orphan(req)
         self.blocks.free(req)
+        if self.spec is not None:
+            self.spec.proposer.finished(req.request_id, ())
         req.num_computed = 0
         req.source = None
         req.status = Status.WAITING
@@ -286,11 +295,57 @@ class Scheduler:
             i = self.running.index(req) + 1 if preempted else i + 1
             if not fits:
                 continue  # waits one step for swapped-out blocks to come free
-            self.blocks.append(req, n)
-            out.scheduled.append(Scheduled(req, req.num_computed, n))
+            drafts = self._drafts(req, budget - n) if self._k and n == 1 else []
+            self.blocks.append(req, n + len(drafts))
+            out.scheduled.append(Scheduled(req, req.num_computed, n + len(drafts), drafts))
             self.record.touch(req)
-            budget -= n
+            budget -= n + len(drafts)
         return budget
+
+    # -- speculative decoding (core/spec.py) ----------------------------------------
+
+    def _draftable(self, req: Request) -> bool:
+        """A decoding request whose last token is known (none in flight: the pipelined loop's next plan
+        drafts nothing for it)."""
+        return req.num_unreported == 0 and bool(req.output_ids) and req.num_pending == 1 and req.source is None
+
+    def wants_drafts(self) -> bool:
+        """Whether the next step would draft if its decoding requests' last tokens were known: a pipelined
+        loop then waits for the result in flight before planning (drafts need the last token)."""
+        if self.spec is None:
+            return False
+        rows = sum(1 for r in self.running if r.source is None and r.num_pending <= 1 and r.num_tokens > r.num_prompt)
+        tokens = min(self.config.max_num_batched_tokens, sum(max(1, r.num_pending) for r in self.running))
+        return self.spec.policy.choose(rows, tokens) > 0
+
+    def _choose_k(self) -> None:
+        """This step's draft length, from the decoding rows that could draft and the step's tokens."""
+        self._k = 0
+        if self.spec is None:
+            return
+        rows = sum(1 for r in self.running if self._draftable(r))
+        tokens = min(self.config.max_num_batched_tokens, sum(max(0, r.num_pending) for r in self.running))
+        self._k = self.spec.policy.choose(rows, tokens)
+
+    def _drafts(self, req: Request, budget: int) -> list[int]:
+        """Up to ``self._k`` drafts for ``req``, within the budget, its max_tokens, the context and the free
+        blocks above the watermark (drafts never preempt anyone)."""
+        if not self._draftable(req):
+            return []
+        assert self.spec is not None
+        k = min(
+            self._k,
+            budget,
+            req.params.max_tokens - len(req.output_ids) - 1,
+            self.config.max_model_len - req.num_tokens,
+        )
+        if k < 1:
+            return []
+        drafts = self.spec.proposer.propose(req.request_id, req.prompt_ids + req.output_ids, k)[:k]
+        free = self.blocks.num_free(DEVICE) - self._watermark
+        while drafts and self.blocks.needed(req, 1 + len(drafts)) > free:
+            drafts.pop()
+        return drafts
 
     # -- parallel-sampling groups -------------------------------------------------
 
@@ -427,6 +482,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        self._choose_k()
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
         if not out.preempted:
             self._admit(out, budget)
@@ -439,7 +495,7 @@ class Scheduler:
         samples owes one output token, unknown until ``update`` (so the next step can be
         planned before this one's result is in)."""
         for s in out.scheduled:
-            s.req.num_computed = s.start + s.num_tokens
+            s.req.num_computed = s.end  # drafts count once accepted (``update``)
             s.req.num_unreported += s.samples
         out.launched = True
 
@@ -449,12 +505,16 @@ class Scheduler:
         sampled: dict[str, int],
         logprobs: dict[str, Logprob] | None = None,
         prompt_logprobs: dict[str, dict[int, Logprob]] | None = None,
+        more: dict[str, list[int]] | None = None,
+        more_logprobs: dict[str, list[Logprob]] | None = None,
     ) -> list[Request]:
         """Apply the executor's report of a launched plan (launching it first if the caller did
         not): its swaps' sources come free, sampled tokens join their requests (with their
         logprobs, and the prompt's, opaque here); returns the requests it finished. A token of a
         request that ended or left this scheduler since the launch (an abort, an earlier finish, a
-        requeue) is dropped: it was never streamed."""
+        requeue) is dropped: it was never streamed. ``more``: for a row with drafts, the tokens after
+        its first (the accepted drafts, then the executor's own next token), taken one by one until
+        one finishes the request; ``more_logprobs``: theirs."""
         if not out.launched:
             self.launch(out)
         self.blocks.release_pending(out.swap_out + out.swap_in)
@@ -467,7 +527,8 @@ class Scheduler:
             rid = req.request_id
             live = self.requests.get(rid) is req
             if live:  # the KV this step wrote is in: name its full blocks for others (core/prefix.py),
-                self.blocks.cache(req, s.start + s.num_tokens)
+                if not s.drafts:  # (a row with drafts: once it is known which of them count)
+                    self.blocks.cache(req, s.end)
                 touched[rid] = req  # and commit what it computed (a pipelined commit wrote only its start)
             if prompt_logprobs and rid in prompt_logprobs and live:
                 self.record.prompt_logprobs.setdefault(rid, {}).update(prompt_logprobs[rid])
@@ -475,19 +536,49 @@ class Scheduler:
                 continue
             req.num_unreported -= 1
             token = sampled.get(rid)
-            if token is None or not live:
+            if not live:
                 continue
-            req.output_ids.append(token)
-            new_tokens.setdefault(rid, []).append(token)
-            if logprobs and rid in logprobs:
-                self.record.logprobs.setdefault(rid, []).append(logprobs[rid])
-            generated += 1
-            reason = self._check_finish(req, token)
+            emitted = [] if token is None else [token]
+            if s.drafts:
+                emitted += (more or {}).get(rid, [])[: len(s.drafts)]
+                self._accept(req, s, len(emitted) - 1 if emitted else 0)
+            reason = None
+            for i, token in enumerate(emitted):
+                req.output_ids.append(token)
+                new_tokens.setdefault(rid, []).append(token)
+                if i == 0 and logprobs and rid in logprobs:
+                    self.record.logprobs.setdefault(rid, []).append(logprobs[rid])
+                elif i and more_logprobs and len(more_logprobs.get(rid, ())) >= i:
+                    self.record.logprobs.setdefault(rid, []).append(more_logprobs[rid][i - 1])
+                generated += 1
+                reason = self._check_finish(req, token)
+                if reason is not None:
+                    break
+            if s.drafts:
+                self.blocks.cache(req, min(req.num_computed, req.num_known))
             if reason is not None:
                 self.finish(rid, reason)
                 finished.append(req)
         self._count("generated_tokens", generated)
+        if self.spec is not None:
+            self.spec.policy.observe(self._spec_accepted, self._spec_rejections)
+            self._spec_accepted = self._spec_rejections = 0
         return finished
+
+    def _accept(self, req: Request, s: Scheduled, accepted: int) -> None:
+        """A row with drafts came back with ``accepted`` of them: only those count as computed, and
+        blocks reserved for rejected positions past the next token's are freed."""
+        if req.num_computed == s.end:  # else it was preempted or restarted since (nothing of this step counts)
+            req.num_computed = s.end + accepted
+            self.blocks.trim(req, req.num_computed + 1)
+        self._count("spec_drafts")
+        self._count("spec_draft_tokens", len(s.drafts))
+        self._count("spec_accepted_tokens", accepted)
+        self.record.spec_accepted_per_pos.extend([0] * (len(s.drafts) - len(self.record.spec_accepted_per_pos)))
+        for j in range(accepted):
+            self.record.spec_accepted_per_pos[j] += 1
+        self._spec_accepted += accepted
+        self._spec_rejections += accepted < len(s.drafts)
 
     def _ends_by_length(self, req: Request, num_output: int) -> bool:
         """Whether ``num_output`` output tokens end ``req`` by length (max_tokens or the context)."""

@@ -20,6 +20,13 @@ commit is made while it is in flight: a commit may include later plans'
 allocations (blocks owned but not yet written, harmless to reload) and, for
 their requests, only what reported steps computed (``Flight.starts``), but
 never a swap that might not have happened.
+A plan that runs speculative drafts is not followed by another before its
+result is in either: how many tokens each of its rows yields (and so where the
+next plan's positions start) is known only then. And drafting needs each
+request's last token, so while the draft length policy would draft
+(``Scheduler.wants_drafts``) no plan is built with another in flight: with
+speculation drafting, the loop is serial; when the policy picks k = 0 (large
+batches) it pipelines as before.
 After any failure the stream is cancelled; the executor drops the plans queued
 on it, and the reloaded loop opens a new one.
 """
@@ -56,6 +63,11 @@ class Flight:
         return cls(out, step_id, time.perf_counter(), {s.req.request_id: s.start for s in out.scheduled})
 
     @property
+    def drafts(self) -> bool:
+        """It runs drafts: how many tokens it yields per row is unknown until its result is in."""
+        return self.out.has_drafts
+
+    @property
     def moves(self) -> bool:
         """It swaps or copies KV: a commit must not record that before the result says it happened."""
         return bool(self.out.swap_out or self.out.swap_in or self.out.copies)
@@ -71,9 +83,14 @@ class Pipeline:
     def __len__(self) -> int:
         return len(self.flights)
 
-    def can_launch(self) -> bool:
-        """Room for another plan, and none in flight moves KV (its swaps must be reported first)."""
-        return len(self.flights) < self.depth and not any(f.moves for f in self.flights)
+    def can_launch(self, drafting: bool = False) -> bool:
+        """Room for another plan, and none in flight moves KV (its swaps must be reported first) or runs
+        drafts (the next plan's positions depend on how many were accepted). ``drafting``: the next plan
+        would draft (``Scheduler.wants_drafts``), which needs every decoding request's last token: only
+        with nothing in flight."""
+        if drafting and self.flights:
+            return False
+        return len(self.flights) < self.depth and not any(f.moves or f.drafts for f in self.flights)
 
     def wait_first(self) -> bool:
         """At the start of a pipelined turn the executor holds ``depth`` plans: take the oldest result,

@@ -295,7 +295,7 @@ class Loop:
         intake(sched, claimed, [(rid, r) for rid, r in cancels if rid in sched.requests])
         sched.expire(now_ms())  # queue deadlines: nothing past its own starts now
         launched = None
-        if not hold and s.pipe.can_launch() and sched.has_work:
+        if not hold and s.pipe.can_launch(bool(s.pipe) and sched.wants_drafts()) and sched.has_work:
             launched = self._launch(sched.schedule())
         if done is None and s.pipe.wait_after(launched is not None):
             done = await self._complete()

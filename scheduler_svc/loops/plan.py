@@ -82,10 +82,17 @@ def entry(lp: pb.Logprobs) -> Logprob:
     return Logprob(lp.token_id, lp.logprob, lp.rank, tuple(lp.top_ids), tuple(lp.top_logprobs))
 
 
-def outputs(result: pb.StepResult | None) -> tuple[dict[str, int], dict[str, Logprob], dict[str, dict[int, Logprob]]]:
-    """A step's result for ``Scheduler.update``: sampled tokens, their logprobs, prompt logprobs by position."""
+def outputs(
+    result: pb.StepResult | None,
+) -> tuple[
+    dict[str, int], dict[str, Logprob], dict[str, dict[int, Logprob]], dict[str, list[int]], dict[str, list[Logprob]]
+]:
+    """A step's result for ``Scheduler.update``: sampled tokens, their logprobs, prompt logprobs by
+    position, and the tokens after the first of rows that ran drafts, with their logprobs."""
     if result is None:
-        return {}, {}, {}
+        return {}, {}, {}, {}, {}
+    more: dict[str, list[int]] = {}
+    more_lps: dict[str, list[Logprob]] = {}
     sampled: dict[str, int] = {}
     lps: dict[str, Logprob] = {}
     prompt: dict[str, dict[int, Logprob]] = {}
@@ -94,9 +101,13 @@ def outputs(result: pb.StepResult | None) -> tuple[dict[str, int], dict[str, Log
             sampled[o.request_id] = o.token_id
             if o.HasField("logprobs"):
                 lps[o.request_id] = entry(o.logprobs)
+            if o.more_token_ids:
+                more[o.request_id] = list(o.more_token_ids)
+            if o.more_logprobs:
+                more_lps[o.request_id] = [entry(e) for e in o.more_logprobs]
         if o.prompt_logprobs:
             prompt[o.request_id] = {o.prompt_start + i: entry(e) for i, e in enumerate(o.prompt_logprobs)}
-    return sampled, lps, prompt
+    return sampled, lps, prompt, more, more_lps
 
 
 class PlanBuilder:
@@ -135,8 +146,10 @@ class PlanBuilder:
             if sampling is None:
                 sampling = self._sampling[rid] = sampling_of(req.params)
             known = self._sent.get(rid)
+            if known is not None and known > len(req.blocks):
+                known = None  # blocks reserved for rejected drafts were freed: the table goes in full
             self._sent[rid] = len(req.blocks)
-            end = s.start + s.num_tokens
+            end = s.end
             unreported = end - req.num_known  # 1: the last position's token is in flight; else 0 or less
             if unreported > 1:
                 raise ValueError(f"{rid}: {unreported} unreported tokens in one plan (at most one)")
@@ -161,5 +174,7 @@ class PlanBuilder:
                     seq_pb.history.extend(req.tokens(0, s.start))
             elif known < len(req.blocks):
                 seq_pb.block_table.extend(req.blocks[known:])
+            if s.drafts:
+                seq_pb.draft_token_ids.extend(s.drafts)
         self._first = False
         return plan

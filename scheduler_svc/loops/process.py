@@ -19,6 +19,7 @@ from pagedserve.keys import Keys
 from pagedserve.members import Registry
 from pagedserve.redis_check import require as require_redis
 from pagedserve.security import reload_on_sighup
+from scheduler_svc.core import spec
 from scheduler_svc.core.scheduler import SchedulerConfig
 from scheduler_svc.loops.manager import Manager
 from scheduler_svc.metrics import LoopMetrics, NamespaceMetrics
@@ -36,6 +37,7 @@ def _scheduler_config(args: argparse.Namespace) -> SchedulerConfig:
         watermark=args.watermark,
         enable_prefix_caching=args.enable_prefix_caching,
         max_loras=args.max_loras if args.enable_lora else 0,
+        spec=spec.parse(args.speculative_config) if args.speculative_config else None,
     )
 
 
