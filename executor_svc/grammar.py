@@ -246,16 +246,7 @@ class Grammars:
             e = self._entries.get(row.request_id)
             if e is None:
                 continue
-            t = tokens[row.index]
-            if e.broken or e.matcher is None:
-                tokens[row.index] = self.stop_token_ids[0]
-                continue
-            try:
-                ok = self._consume(e, t)
-            except Exception:  # noqa: BLE001
-                ok = False
-            if not ok:
-                self._break(e, row.request_id, f"the grammar rejects the sampled token {t}")
+            if e.broken or e.matcher is None or not self._take(e, row.request_id, tokens[row.index]):
                 tokens[row.index] = self.stop_token_ids[0]
 
     def accept_many(self, rows: list[Row], emitted: dict[int, list[int]]) -> None:
@@ -274,14 +265,19 @@ class Grammars:
                 e.matcher, e.accepted, e.past_end = None, 0, 0  # rebuilt from its tokens at its next step
                 continue
             for i, t in enumerate(toks):
-                try:
-                    ok = self._consume(e, t)
-                except Exception:  # noqa: BLE001
-                    ok = False
-                if not ok:
-                    self._break(e, row.request_id, f"the grammar rejects the sampled token {t}")
+                if not self._take(e, row.request_id, t):
                     toks[i:] = [self.stop_token_ids[0]]
                     break
+
+    def _take(self, e: _Entry, request_id: str, token: int) -> bool:
+        """Feed ``token`` to the row's matcher; a token it rejects (or an error) breaks the row."""
+        try:
+            ok = self._consume(e, token)
+        except Exception:  # noqa: BLE001
+            ok = False
+        if not ok:
+            self._break(e, request_id, f"the grammar rejects the sampled token {token}")
+        return ok
 
 
 def apply_torch(logits: torch.Tensor, bitmask: torch.Tensor, indices: list[int], vocab_size: int) -> None:

@@ -5,11 +5,9 @@ refusals that never raise), the plan's history through preemption, and the reque
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoTokenizer
 
 from executor_svc.grammar import Grammars, Row
 from pagedserve.grammar import Compiler, GrammarError, choice_ebnf
@@ -18,19 +16,8 @@ from scheduler_svc.core.request import Params, Request
 from scheduler_svc.frontend.validate import Caps, InvalidArgument, structured
 from scheduler_svc.loops.plan import PlanBuilder
 from scheduler_svc.state import codec
+from tests.unit.executor_svc.conftest import EOS, VOCAB
 from tests.unit.scheduler_svc.core.test_scheduler import make, req
-
-VOCAB, EOS = 49152, 2
-
-
-@pytest.fixture(scope="module")
-def tok(smol_dir: Path) -> object:
-    return AutoTokenizer.from_pretrained(smol_dir)
-
-
-@pytest.fixture(scope="module")
-def compiler(tok: object) -> Compiler:
-    return Compiler(tok, VOCAB, [EOS])
 
 
 def ids(tok: object, text: str) -> list[int]:

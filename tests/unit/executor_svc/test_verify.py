@@ -6,28 +6,16 @@ from __future__ import annotations
 
 import itertools
 import math
-from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoTokenizer
 
 from executor_svc.grammar import Row
 from executor_svc.history import Histories
 from executor_svc.sampler import Sampling, sample
 from executor_svc.verify import accept, expand, sample_rows
 from pagedserve.grammar import Compiler
-from tests.unit.executor_svc.test_grammar import EOS, VOCAB, Executor, feed, ids
-
-
-@pytest.fixture(scope="module")
-def tok(smol_dir: Path) -> object:
-    return AutoTokenizer.from_pretrained(smol_dir)
-
-
-@pytest.fixture(scope="module")
-def compiler(tok: object) -> Compiler:
-    return Compiler(tok, VOCAB, [EOS])
+from tests.unit.executor_svc.test_grammar import EOS, Executor, feed, ids
 
 
 def test_accept_takes_drafts_while_the_samples_agree() -> None:
