@@ -26,7 +26,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, replace
-from typing import Any, TypeVar, cast
+from typing import Any, TypeVar
 
 import uvicorn
 from prometheus_client import CollectorRegistry, generate_latest
@@ -45,8 +45,9 @@ from scheduler_svc.core.request import Request as Req
 from scheduler_svc.frontend import batch, echo, responses, tokenize, tools
 from scheduler_svc.frontend import openai_request as proto
 from scheduler_svc.frontend import openai_response as answer
+from scheduler_svc.frontend.conversations import Conversations
 from scheduler_svc.frontend.models import Models
-from scheduler_svc.frontend.openai_request import ApiError, Parsed, bad, refused
+from scheduler_svc.frontend.openai_request import ApiError, Parsed, refused
 from scheduler_svc.frontend.refusals import InvalidArgument, Kind
 from scheduler_svc.frontend.responses import Call
 from scheduler_svc.frontend.responses_stream import Events
@@ -174,6 +175,11 @@ class Door:
     metrics: CollectorRegistry | None = None
     version: str = ""
     in_flight: int = 0  # completions being answered here, streams until they end: /load
+
+    @property
+    def conversations(self) -> Conversations:
+        """``/v1/responses``' stored conversations, in this replica's Redis."""
+        return Conversations(self.frontend.store)
 
     @property
     def model(self) -> str:
@@ -415,7 +421,7 @@ class Door:
     async def _respond(self, request: Request) -> Response:
         """``/v1/responses``: the request as a chat completion (``responses``) on the chat path."""
         call = responses.parse(await _read_json(request, 4 * self.max_request_bytes))
-        history = await self._history(call.previous_response_id)
+        history = await self.conversations.history(call.previous_response_id)
         try:
             s = await self._start(request, responses.chat_body(call, history), True, None)
         except Exception as exc:
@@ -427,7 +433,7 @@ class Door:
             events = Events(call, rid, s.shape.created, self.model)
             return EventStream(self._response_events(call, history, events, s), s.headers)
         got = responses.answer(call, s.shape.body(await s.collect(request)), rid)
-        await self._keep(call, history, got)
+        await self.conversations.keep(call, history, got)
         return JSONResponse(got, headers=s.headers)
 
     async def _response_events(
@@ -440,7 +446,7 @@ class Door:
                 for event in events.feed(chunk):
                     yield stream_event(event)
             last = events.closing()
-            await self._keep(call, history, events.response())
+            await self.conversations.keep(call, history, events.response())
         except Exception as exc:
             yield stream_event(events.error(responses.renamed(_stream_error(exc, s.shape.request_id))))
             return
@@ -449,27 +455,12 @@ class Door:
         for event in last:
             yield stream_event(event)
 
-    async def _history(self, response_id: str | None) -> list[dict[str, Any]]:
-        """The conversation a ``previous_response_id`` continues."""
-        if response_id is None:
-            return []
-        if (kept := await self.frontend.store.get_response(response_id)) is None:
-            raise bad("previous_response_id", f"no stored response has the id {response_id!r} (or it expired)")
-        return cast(list[dict[str, Any]], json.loads(kept)["messages"])
-
-    async def _keep(self, call: Call, history: list[dict[str, Any]], got: dict[str, Any]) -> None:
-        if call.store:
-            kept = {"response": got, "messages": responses.conversation(call, history, got)}
-            await self.frontend.store.put_response(got["id"], json.dumps(kept, ensure_ascii=False))
-
     async def get_response(self, request: Request) -> Response:
         """A stored Response, while its ``--result-ttl`` lasts."""
         return await _answered(self._stored(request.path_params["response_id"]))
 
     async def _stored(self, response_id: str) -> Response:
-        if (kept := await self.frontend.store.get_response(response_id)) is None:
-            raise refused(Kind.NOT_FOUND, f"no stored response has the id {response_id!r} (or it expired)")
-        return JSONResponse(json.loads(kept)["response"])
+        return JSONResponse(await self.conversations.response(response_id))
 
 
 @dataclass(slots=True)
