@@ -11,6 +11,12 @@ output projection over the 49,152-token vocabulary is the largest single product
 embeddings (SmolLM2's output projection) stays for the embedding lookup, the others are released. The result differs
 from MKL's in the last bits of fp32 (another summation order), as any GEMM library's does; greedy output stays
 token-identical to transformers' in the oracle tests (``tests/test_e2e_oracle.py``), which run this path on CPU.
+
+``fuse`` then packs the products that read the same input one after the other (an attention's q/k/v, an MLP's
+gate/up) into one GEMM each, as vLLM's ``QKVParallelLinear``/``MergedColumnParallelLinear`` do: 4 calls a layer
+instead of 7. Each output column is still the dot product of the same row with the same weight row, and oneDNN's
+reduction over the input features does not depend on how many columns a call has: the fused slices equal the separate
+products bit for bit (``tests/unit/executor_svc/test_linear.py`` checks it, at AVX2 and at the machine's widest ISA).
 """
 
 from __future__ import annotations
@@ -45,6 +51,74 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, onednn"
 
 
+class Fused:
+    """One packed GEMM whose output columns are several layers' outputs; ``Part`` i hands out slice i.
+
+    The model calls the parts one after the other on the same input tensor (transformers' Llama and Qwen2 call
+    ``q_proj``, ``k_proj``, ``v_proj`` on the same ``hidden_states``, then ``gate_proj`` and ``up_proj``). The first
+    part's call computes the whole product; the others take their slice of it while the input is the same object.
+    A part called on another input (a model that calls them otherwise) computes the product again: still right.
+    """
+
+    def __init__(self, linears: list[nn.Linear]) -> None:
+        weight = torch.cat([lin.weight.detach() for lin in linears])
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+        biases = [lin.bias for lin in linears]
+        self.bias = None if biases[0] is None else torch.cat([b.detach() for b in biases if b is not None])
+        self.sizes = [lin.out_features for lin in linears]
+        self.input: torch.Tensor | None = None
+        self.outputs: list[torch.Tensor | None] = []
+
+    def take(self, x: torch.Tensor, i: int) -> torch.Tensor:
+        if x is not self.input or self.outputs[i] is None:
+            y = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+            # contiguous copies: elementwise kernels take another (vectorised or not) path on strided views
+            self.input, self.outputs = x, [t.contiguous() for t in y.split(self.sizes, dim=-1)]
+        out, self.outputs[i] = self.outputs[i], None
+        if all(o is None for o in self.outputs):
+            self.input = None  # every part has taken its slice: hold nothing between calls
+        assert out is not None
+        return out
+
+
+class Part(PackedLinear):
+    """Output slice ``index`` of a ``Fused`` product, where a model expects its own linear layer."""
+
+    def __init__(self, linear: nn.Linear, fused: Fused, index: int) -> None:
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.fused, self.index = fused, index
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fused.take(x, self.index)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, part {self.index} of a fused GEMM"
+
+
+GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # called in this order on one input
+
+
+def fuse(model: nn.Module) -> int:
+    """Swap each group of ``GROUPS`` (fp32 CPU ``nn.Linear``s of one module, same input size, all with or all
+    without bias) for ``Part``s of one ``Fused`` GEMM; how many groups were fused."""
+    fused = 0
+    for parent in list(model.modules()):
+        for names in GROUPS:
+            layers = [getattr(parent, n, None) for n in names]
+            if not all(isinstance(lin, nn.Linear) for lin in layers):
+                continue
+            lins = [lin for lin in layers if isinstance(lin, nn.Linear)]
+            fits = all(lin.weight.dtype == torch.float32 and lin.weight.is_cpu for lin in lins)
+            if not fits or len({lin.in_features for lin in lins}) != 1 or len({lin.bias is None for lin in lins}) != 1:
+                continue
+            group = Fused(lins)
+            for i, (name, lin) in enumerate(zip(names, lins, strict=True)):
+                setattr(parent, name, Part(lin, group, i))
+            fused += 1
+    return fused
+
+
 def prepack(model: nn.Module) -> int:
     """Swap ``model``'s fp32 linear layers for ``PackedLinear`` in place; how many were swapped."""
     swapped = 0
@@ -63,6 +137,7 @@ def apply(model: nn.Module, choice: str, device: torch.device) -> str:
     if not available():
         log.warning("--cpu-linear onednn: this torch build has no oneDNN linear; using torch's")
         return "torch"
+    groups = fuse(model)
     swapped = prepack(model)
-    log.info("linear layers: %d prepacked for oneDNN", swapped)
-    return "onednn" if swapped else "torch"
+    log.info("linear layers: %d groups fused, %d more prepacked for oneDNN", groups, swapped)
+    return "onednn" if swapped or groups else "torch"
