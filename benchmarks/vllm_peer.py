@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import cast
 
-from benchmarks import arm_pagedserve, arm_vllm, openai_http, stack
+from benchmarks import arm_pagedserve, arm_vllm, cpu, openai_http, stack
 from benchmarks.metrics import summarize
 from benchmarks.workload import Workload
 from pagedserve.dev.procs import free_port
@@ -52,6 +52,11 @@ class PeerResult:
         x, y = (a[key][pct], b[key][pct]) if pct else (a[key], b[key])
         return round(x / y, 3) if y else None
 
+    def cpu_ratio(self, workload: str, role: str) -> float | None:
+        """The serving path's CPU per output token (every process but the forward's), pagedserve / vLLM."""
+        a, b = (self.arms.get(workload, {}).get(k, {}).get("cpu_ms_per_token") for k in ("pagedserve_http", "vllm"))
+        return round(a[role] / b[role], 3) if a and b and b.get(role) else None
+
     def bench_ratio(self, key: str) -> float | None:
         a, b = self.bench_serve.get("pagedserve", {}).get(key), self.bench_serve.get("vllm", {}).get(key)
         return round(a / b, 3) if a is not None and b else None
@@ -66,6 +71,8 @@ class PeerResult:
             "throughput_ratio_vs_vllm_bench_serve": self.bench_ratio("output_throughput"),
             "itl_p50_ratio_vs_vllm_bench_serve": self.bench_ratio("median_itl_ms"),
             "ttft_p50_ratio_vs_vllm_bench_serve": self.bench_ratio("median_ttft_ms"),
+            "serving_cpu_ratio_vs_vllm_long": self.cpu_ratio("long", "serving"),
+            "serving_cpu_ratio_vs_vllm_short": self.cpu_ratio("short", "serving"),
             "vllm": {
                 "skipped": self.skipped,
                 "config": self.vllm,
@@ -81,12 +88,17 @@ def _model_id(base_url: str) -> str:
         return json.loads(resp.read())["data"][0]["id"]
 
 
-def _drive(res: PeerResult, name: str, base_url: str, model: str, workloads: dict[str, Workload]) -> None:
+def _drive(
+    res: PeerResult, name: str, base_url: str, model: str, workloads: dict[str, Workload], meter: cpu.Meter
+) -> None:
     for label, workload in workloads.items():
+        meter.begin()
         records, duration, failures = openai_http.run(base_url, model, workload)
         if failures:
             res.errors.append(f"vllm arm, {name} on {label}: {len(failures)} failed, e.g. {failures[0]}")
-        res.arms.setdefault(label, {})[name] = summarize(records, duration)
+        figures = summarize(records, duration)
+        figures["cpu_ms_per_token"] = meter.per_token(int(cast(int, figures["output_tokens"])))
+        res.arms.setdefault(label, {})[name] = figures
 
 
 def _bench(
@@ -128,7 +140,8 @@ def run(cfg: PeerConfig, short: Workload, long: Workload, log_dir: Path) -> Peer
     with stack.start(cfg.model_dir, sc, log_dir / "pagedserve") as deployment:
         url = f"http://127.0.0.1:{http_port}"
         model = _model_id(url)
-        _drive(res, "pagedserve_http", url, model, workloads)
+        pids = [deployment.redis.proc.pid, deployment.scheduler.proc.pid, *(e.proc.pid for e in deployment.executors)]
+        _drive(res, "pagedserve_http", url, model, workloads, cpu.Meter(pids, cpu.pagedserve_role))
         served = arm_pagedserve.serve(deployment, long)
         res.arms["long"]["pagedserve_grpc"] = summarize(served.records, served.duration)
         _bench(res, "pagedserve", url, model, cfg, b, log_dir)
@@ -145,7 +158,7 @@ def run(cfg: PeerConfig, short: Workload, long: Workload, log_dir: Path) -> Peer
     server = arm_vllm.Server(vcfg, log_dir / "vllm" / "serve.log")
     res.vllm["startup_s"] = server.startup_s
     try:
-        _drive(res, "vllm", server.url, arm_vllm.SERVED, workloads)
+        _drive(res, "vllm", server.url, arm_vllm.SERVED, workloads, cpu.Meter([server.proc.pid], cpu.vllm_role))
         _bench(res, "vllm", server.url, arm_vllm.SERVED, cfg, b, log_dir)
     finally:
         server.stop()
@@ -197,6 +210,21 @@ def section(summary: dict) -> list[str]:
                 f"| {w} | {a} | {s['output_tokens_per_s']:.1f} | {s['ttft_ms']['p50']:.0f} | "
                 f"{s['itl_ms']['p50']:.0f} | {s['tpot_ms']['p50']:.0f} |"
             )
+    lines += [
+        "",
+        "CPU per output token, by process (ms; `serving` is every process but the one running the forward pass, "
+        "`client` the load generator):",
+        "",
+        "| workload | server (door) | compute | serving | client | by process |",
+        "|---|---|---|---|---|---|",
+    ]
+    for w, arms in v["arms"].items():
+        for a, s in arms.items():
+            c = s.get("cpu_ms_per_token")
+            if c:
+                compute = sum(x for k, x in c.items() if k in cpu.COMPUTE)
+                rest = ", ".join(f"{k} {x}" for k, x in c.items() if k not in ("serving", "total", "client"))
+                lines.append(f"| {w} | {a} | {compute:.2f} | {c['serving']:.2f} | {c.get('client', 0):.2f} | {rest} |")
     keys = [k for k in summary if k.endswith("_vs_vllm_long") or "_vs_vllm_" in k]
     lines += ["", *(f"- `{k}`: {summary[k]}" for k in keys)]
     if v["bench_serve"]:
