@@ -74,7 +74,7 @@ chaos: install model
 
 # The checks CI runs before the suite (.ci/run), and .pre-commit-config.yaml runs on a commit: ruff's lint rules
 # and formatting, mypy on the packages, and the import contract between the layers (pyproject.toml).
-LINT_PATHS := pagedserve scheduler_svc executor_svc kernels benchmarks tests
+LINT_PATHS := pagedserve scheduler_svc executor_svc paged_kernels benchmarks tests
 lint: install
 	$(BIN)/ruff check $(LINT_PATHS)
 	$(BIN)/ruff format --check $(LINT_PATHS)

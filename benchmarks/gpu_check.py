@@ -161,7 +161,7 @@ def _cpu_kernel_rows(cfg: Config) -> tuple[list[dict[str, Any]], float | None]:
     """The dry run's stand-in for ``benchmarks.kernels.main``: its builders on CPU at tiny
     sizes, the Triton paths interpreted, timed once with a wall clock (meaningless but present)."""
     from benchmarks import kernels as kb
-    from kernels import triton_ops
+    from paged_kernels import triton_ops
 
     heads, kv_heads, head_dim, block = 4, 2, 32, 16
     batches = [
@@ -500,7 +500,7 @@ def spawn_phase(name: str, args: argparse.Namespace, out_dir: Path, budget: floa
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     env.pop("TRITON_INTERPRET", None)
     if args.dry_run:
-        env["TRITON_INTERPRET"] = "1"  # read when kernels.triton_ops is imported, executors included
+        env["TRITON_INTERPRET"] = "1"  # read when paged_kernels.triton_ops is imported, executors included
     t0 = time.perf_counter()
     with open(log, "wb") as out:
         proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)

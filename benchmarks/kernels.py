@@ -88,7 +88,7 @@ def _build(batch: Batch, heads: int, kv_heads: int, head_dim: int, block_size: i
     the prefill group's K/V are expanded to all query heads; prefill is
     compute-bound, so that barely changes its time.
     """
-    from kernels.reference import PagedMetadata, slot_mapping_for
+    from paged_kernels.reference import PagedMetadata, slot_mapping_for
 
     gen = torch.Generator().manual_seed(0)
     q_lens = [batch.prefill_chunk] * batch.prefill_seqs + [1] * batch.decode_seqs
@@ -160,7 +160,7 @@ def _measure(batch: Batch, args: argparse.Namespace, peak: float | None) -> list
     """Time SDPA and every Triton path on one batch; check them against SDPA."""
     import triton.testing
 
-    from kernels import triton_ops
+    from paged_kernels import triton_ops
 
     scale = args.head_dim**-0.5
     query, key_cache, value_cache, meta, groups, moved = _build(

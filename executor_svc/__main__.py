@@ -20,7 +20,7 @@ from executor_svc.lora import LoraConfig
 from executor_svc.metrics import ExecutorMetrics
 from executor_svc.model_store import DEFAULT_MODEL, resolve_model
 from executor_svc.server import SERVICE_NAME, ExecutorServicer, add_to_server
-from kernels import BACKENDS
+from paged_kernels import BACKENDS
 from pagedserve import heap, logs, metrics, rpc
 from pagedserve.auth import SecretFile, internal_token_interceptor
 from pagedserve.keys import Keys

@@ -16,7 +16,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
 from executor_svc.kv_pool import Tier
-from kernels import Backend, PagedMetadata
+from paged_kernels import Backend, PagedMetadata
 
 IMPLEMENTATION = "pagedserve"
 

@@ -35,7 +35,7 @@ from executor_svc.lora import Adapters, LoraConfig
 from executor_svc.plan import PlanError, SeqInput, StepInput, StepOutput
 from executor_svc.runner import LastSampled
 from executor_svc.sampler import sample
-from kernels import get_backend, make_metadata
+from paged_kernels import get_backend, make_metadata
 from pagedserve.grammar import Compiler
 from pagedserve.tiers import BlockMove
 

@@ -4,7 +4,7 @@ Each targeted linear layer (PEFT's q/k/v/o/gate/up/down) gets a forward hook tha
 adds the step's LoRA deltas to whatever the base layer computed: the base GEMM is
 shared by every token and untouched, so this composes with any implementation of
 it. The adapters a step uses sit in ``--max-loras`` device slots (stacked A/B
-weights per layer, ``kernels/lora.py``); each token names its sequence's slot, or
+weights per layer, ``paged_kernels/lora.py``); each token names its sequence's slot, or
 ``-1`` for the base model. Adapters are read on demand from the directory the plan
 names and kept on the CPU (``--max-cpu-loras``, least recently used out); a slot
 holding an adapter the step does not use is reassigned least recently used first.
@@ -25,7 +25,7 @@ from safetensors.torch import load as load_safetensors
 
 from executor_svc.linear import PackedLinear
 from executor_svc.plan import LoraRef, PlanError, SeqInput
-from kernels.lora import Gather, Segment, bgmv_add, gather_of, segments, sgmv_add
+from paged_kernels.lora import Gather, Segment, bgmv_add, gather_of, segments, sgmv_add
 from pagedserve import lora as adapters
 
 log = logging.getLogger(__name__)
@@ -211,7 +211,7 @@ class Adapters:
             x = args[0]
             flat_x, flat_out = x.reshape(-1, x.shape[-1]), out.reshape(-1, out.shape[-1])
             if self.triton:
-                from kernels.lora_triton import bgmv
+                from paged_kernels.lora_triton import bgmv
 
                 return out + bgmv(flat_x, target.a, target.b, step.scaling, step.token_slots).view_as(out)
             if step.gather is not None:

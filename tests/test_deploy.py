@@ -1110,7 +1110,7 @@ def ignored(path: str) -> bool:
 def test_dockerignore_keeps_sources_and_drops_local_state():
     needed = ["pyproject.toml", "Makefile"]
     needed += [str(p.relative_to(ROOT)) for p in (ROOT / "protos").rglob("*.proto")]
-    for pkg in ("pagedserve", "scheduler_svc", "executor_svc", "kernels", "benchmarks"):
+    for pkg in ("pagedserve", "scheduler_svc", "executor_svc", "paged_kernels", "benchmarks"):
         for p in (ROOT / pkg).rglob("*.py") if (ROOT / pkg).exists() else []:
             rel = str(p.relative_to(ROOT))
             if not rel.startswith(("pagedserve/v1/", "pagedserve/executor/")) and "__pycache__" not in rel:
@@ -1125,7 +1125,7 @@ def test_dockerignore_keeps_sources_and_drops_local_state():
         ".git/HEAD",
         "pagedserve/v1/generation_pb2.py",
         "pagedserve/executor/v1/executor_pb2.py",
-        "kernels/__pycache__/x.pyc",
+        "paged_kernels/__pycache__/x.pyc",
     ):
         assert ignored(p), f".dockerignore lets {p} into the build context"
 

@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import reference
-from kernels.reference import PagedMetadata
+from paged_kernels import reference
+from paged_kernels.reference import PagedMetadata
 
 SPARE_BLOCKS = 5
 

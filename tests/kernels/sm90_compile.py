@@ -22,7 +22,7 @@ import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from kernels import triton_ops as ops
+from paged_kernels import triton_ops as ops
 
 BF16 = {"dtype": "bf16", "DOT_DTYPE": tl.bfloat16, "DOT_PRECISION": "tf32"}
 ATTN_PTRS = ("out", "query", "key_cache", "value_cache")

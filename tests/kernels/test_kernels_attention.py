@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from kernel_cases import assert_close_to_reference, paged_batch, reference_output
 
-from kernels import triton_ops
+from paged_kernels import triton_ops
 
 f32, f16, bf16 = torch.float32, torch.float16, torch.bfloat16
 
@@ -121,7 +121,7 @@ def test_paged_attention_dispatch(monkeypatch, force_split):
 
 
 def test_backend_uses_triton_ops():
-    from kernels import get_backend
+    from paged_kernels import get_backend
 
     backend = get_backend("triton", torch.device("cpu"))
     batch = paged_batch([12, 5], [4, 1], block_size=8, heads=3, kv_heads=1, head_dim=64)

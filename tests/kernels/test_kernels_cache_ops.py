@@ -6,7 +6,7 @@ Both only move data (plus a dtype cast), so results must be bit-identical.
 import pytest
 import torch
 
-from kernels import reference, triton_ops
+from paged_kernels import reference, triton_ops
 
 
 def _pools(gen, layers, num_blocks, block_size=8, kv_heads=2, dim=16, dtype=torch.float32):

@@ -4,7 +4,7 @@
 import pytest
 import torch
 
-from kernels import lora, lora_triton
+from paged_kernels import lora, lora_triton
 
 
 def _case(gen, tokens=13, slots=3, rank=8, width=40, out=72, dtype=torch.float32):

@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.reference import PagedMetadata
+from paged_kernels.reference import PagedMetadata
 
 __all__ = [
     "copy_blocks",

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.reference import PagedMetadata, make_metadata, slot_mapping_for
+from paged_kernels.reference import PagedMetadata, make_metadata, slot_mapping_for
 
 __all__ = ["Backend", "PagedMetadata", "get_backend", "make_metadata", "slot_mapping_for"]
 
@@ -33,9 +33,9 @@ def get_backend(name: str, device: torch.device) -> Backend:
     if name == "auto":
         name = "triton" if device.type == "cuda" else "torch"
     if name == "triton":
-        from kernels import triton_ops
+        from paged_kernels import triton_ops
 
         return Backend("triton", triton_ops.paged_attention, triton_ops.reshape_and_cache, triton_ops.copy_blocks)
-    from kernels import reference
+    from paged_kernels import reference
 
     return Backend("torch", reference.paged_attention, reference.reshape_and_cache, reference.copy_blocks)

@@ -9,7 +9,7 @@ model, no delta). The delta of token ``t`` on slot ``s`` of rank ``r`` is
 On CPU the tokens of one slot are gathered and run as two GEMMs (SGMV: one segment
 per adapter), at the adapter's own rank, in PEFT's order of operations, so a
 sequence's output is what PEFT computes for it. On CUDA the Triton kernel
-(``kernels/lora_triton.py``) runs per token (BGMV) over the padded rank.
+(``paged_kernels/lora_triton.py``) runs per token (BGMV) over the padded rank.
 """
 
 from __future__ import annotations
