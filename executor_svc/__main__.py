@@ -20,13 +20,14 @@ from executor_svc.lora import LoraConfig
 from executor_svc.metrics import ExecutorMetrics
 from executor_svc.model_store import DEFAULT_MODEL, resolve_model
 from executor_svc.server import SERVICE_NAME, ExecutorServicer, add_to_server
+from executor_svc.transfer import Puller
 from paged_kernels import BACKENDS
 from pagedserve import heap, logs, metrics, rpc
 from pagedserve.auth import SecretFile, internal_token_interceptor
 from pagedserve.keys import Keys
 from pagedserve.members import Registry
 from pagedserve.redis_check import require as require_redis
-from pagedserve.security import TLSFiles, reload_on_sighup, server_tls
+from pagedserve.security import Dialer, TLSFiles, reload_on_sighup, server_tls
 from pagedserve.tiers import Tier
 
 log = logging.getLogger("executor_svc")
@@ -160,6 +161,19 @@ def _security_arguments(p: argparse.ArgumentParser) -> None:
         "x-pagedserve-internal-token on every call but health; the protection when TLS is off, "
         "and checked too when it is on; reloaded on change or SIGHUP",
     )
+    p.add_argument(
+        "--peer-tls-ca",
+        default=None,
+        metavar="PATH",
+        help="with --tls-cert: the CA bundle that signs peer executors' certificates, for KV migration "
+        "(default: --tls-ca); this executor presents --tls-cert to them as its client certificate",
+    )
+    p.add_argument(
+        "--peer-tls-server-name",
+        default=None,
+        metavar="NAME",
+        help="the name expected in peers' certificates when it is not the host of their address",
+    )
 
 
 def _check_security(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -192,10 +206,10 @@ async def _health(servicer: ExecutorServicer, health: object, stop: asyncio.Even
 
 async def _drain(args: argparse.Namespace, servicer: ExecutorServicer, registration: Registration | None) -> None:
     servicer.lifecycle.drain(args.drain_timeout)
-    log.info("draining: no new requests; running ones have %.0f s to finish", args.drain_timeout)
+    log.info("draining: no new requests; running ones have %.0f s to finish or move", args.drain_timeout)
     if registration is not None:
         await registration.beat()  # schedulers see "draining" now, not a heartbeat later
-        await registration.drained()
+        await registration.drained(lambda: bool(servicer.lends))  # peers may still read what moved
     else:
         await quiet(servicer.lifecycle, lambda: servicer.last_step)
 
@@ -248,6 +262,20 @@ def _log_serving(args: argparse.Namespace, engine: Engine, port: int, *, tls: bo
     )
 
 
+def _puller(args: argparse.Namespace, engine: Engine) -> Puller | None:
+    """The client this executor reads peers' KV with: TLS when it serves TLS (peers do too),
+    with its own certificate as the client one, and the internal token."""
+    tls = args.tls
+    if tls.cert is None:
+        return Puller(Dialer(TLSFiles(), args.internal_token).channel, lambda: engine.instance_id)
+    ca = Path(args.peer_tls_ca) if args.peer_tls_ca else tls.ca
+    if ca is None:
+        log.warning("TLS without --tls-ca or --peer-tls-ca: peers cannot be verified; moved requests recompute")
+        return None
+    dialer = Dialer(TLSFiles(tls.cert, tls.key, ca), args.internal_token, args.peer_tls_server_name)
+    return Puller(dialer.channel, lambda: engine.instance_id)
+
+
 async def serve(args: argparse.Namespace) -> None:
     await require_redis(args.redis_url)  # wrong or missing credentials: one clear line, exit 2
     try:
@@ -258,7 +286,7 @@ async def serve(args: argparse.Namespace) -> None:
     executor_metrics = ExecutorMetrics(registry, engine.cfg.model.name)
     executor_metrics.pools({t: engine.pool.count(t) for t in Tier})
     metrics.serve(args.metrics_port, registry, args.metrics_host)
-    servicer = ExecutorServicer(engine, Lifecycle(), executor_metrics)
+    servicer = ExecutorServicer(engine, Lifecycle(), executor_metrics, _puller(args, engine))
     certificate = server_tls(args.tls, verify_clients=True)
     server, health, port = rpc.make_server(
         f"{args.host}:{args.port}",

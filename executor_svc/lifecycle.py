@@ -7,8 +7,10 @@ large its pools are, and carries a TTL that the heartbeat renews every third
 of ``--lease-ms``. It writes nothing else. If schedulers evicted it (a step
 failed while it was unreachable), it comes back as a new instance with empty
 block tables. On SIGTERM it drains: state ``draining`` (no new requests),
-and from ``evacuate_at_ms`` its loop moves what still runs elsewhere; it
-exits once nothing is placed on it, or at ``--drain-timeout``.
+its loop moves what a peer can hold there at once, KV included (migration,
+``scheduler_svc/core/migration.py``), and from ``evacuate_at_ms`` what still
+runs by recompute; it exits once nothing is placed on it and no peer still
+reads its lent blocks, or at ``--drain-timeout``.
 """
 
 from __future__ import annotations
@@ -100,11 +102,12 @@ class Registration:
             except TimeoutError:
                 pass
 
-    async def drained(self) -> None:
-        """Return once nothing is placed on this executor any more, or at the drain deadline."""
+    async def drained(self, lending: Callable[[], bool] = lambda: False) -> None:
+        """Return once nothing is placed on this executor any more and nothing is ``lending`` (lent
+        to peers still to read it), or at the drain deadline."""
         while now_ms() < self.lifecycle.drain_deadline_ms:
             try:
-                if await self.registry.placed(self.member().instance_id) == 0:
+                if not lending() and await self.registry.placed(self.member().instance_id) == 0:
                     return
             except Exception as exc:
                 log.warning("cannot read placements (%s); waiting for the deadline", exc)

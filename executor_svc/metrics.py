@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from executor_svc.plan import StepOutput
+from pagedserve.executor.v1 import executor_pb2 as pb
 from pagedserve.metrics import LATENCY_BUCKETS, name
 from pagedserve.tiers import Tier
 
@@ -38,6 +41,22 @@ class ExecutorMetrics:
         self.blocks = Gauge(
             name("executor_kv_blocks"), "KV blocks of this executor's pools, by tier", [*m, "tier"], registry=registry
         )
+
+        self.pull = Histogram(
+            name("executor_kv_pull_seconds"),
+            "Reading one request's KV blocks from a peer executor (migration), by outcome",
+            [*m, "outcome"],
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.pull_bytes = Counter(
+            name("executor_kv_pulled_bytes"), "KV bytes read from peer executors", m, registry=registry
+        )
+
+    def pulled(self, results: Iterable[pb.PullResult]) -> None:
+        for r in results:
+            self.pull.labels(self.model, "ok" if r.ok else "failed").observe(r.ms / 1e3)
+            self.pull_bytes.labels(self.model).inc(r.bytes)
 
     def pools(self, counts: dict[Tier, int]) -> None:
         for tier, n in counts.items():

@@ -22,6 +22,7 @@ from executor_svc.metrics import ExecutorMetrics
 from executor_svc.plan import LoraRef, PlanError, SeqInput, StepInput, StepOutput
 from executor_svc.runner import PlanRunner, UnknownSample, in_thread
 from executor_svc.sampler import Sampling
+from executor_svc.transfer import LendError, Lends, Puller, chunks, refs
 from pagedserve import handlers
 from pagedserve.executor.v1 import executor_pb2 as pb
 from pagedserve.executor.v1 import executor_pb2_grpc as pb_grpc
@@ -134,9 +135,15 @@ def result_to_pb(out: StepOutput) -> pb.StepResult:
 
 class ExecutorServicer(pb_grpc.ExecutorServicer):
     def __init__(
-        self, engine: Engine, lifecycle: Lifecycle | None = None, metrics: ExecutorMetrics | None = None
+        self,
+        engine: Engine,
+        lifecycle: Lifecycle | None = None,
+        metrics: ExecutorMetrics | None = None,
+        puller: Puller | None = None,
     ) -> None:
         self.engine = engine
+        self.lends = Lends()  # blocks this executor's loop lent to peers (executor_svc/transfer.py)
+        self.puller = puller  # None: pulls from peers fail (no way to dial them), and recompute
         self.lifecycle = lifecycle or Lifecycle()
         self.metrics = metrics
         self.runner = PlanRunner(self._run)  # one plan at a time, in order: the pool is not reentrant
@@ -181,6 +188,7 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
 
     def renew_instance(self) -> str:
         self._epoch = self._applied_seq = 0
+        self.lends.clear()
         return self.engine.renew_instance()
 
     async def Info(self, request: pb.InfoRequest, context: grpc.aio.ServicerContext) -> pb.InfoResponse:
@@ -222,6 +230,8 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
         if self.lifecycle.state == "failed":
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the engine failed; this executor is leaving")
         self._epoch = request.epoch
+        self._lend(request)
+        pulls = [asyncio.ensure_future(self._pull(p)) for p in request.pulls]  # beside the forward pass
         try:
             # The forward pass holds the GIL-free torch kernels; a thread keeps health checks answering.
             out = await in_thread(self.engine.step, plan)
@@ -239,9 +249,48 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
             log.exception("the engine failed; reporting NOT_SERVING and leaving the namespace")
             self.lifecycle.fail()
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the engine failed; this executor is leaving")
+        finally:
+            pulled = await asyncio.gather(*pulls)  # a plan's pulls are done when its result (or error) is
         if self.metrics is not None:
             self.metrics.observe(out, bool(plan.swap_in or plan.copies), bool(plan.swap_out))
-        return result_to_pb(out)
+            self.metrics.pulled(pulled)
+        result = result_to_pb(out)
+        result.pulls.extend(pulled)
+        return result
+
+    def _lend(self, plan: pb.StepPlan) -> None:
+        """A plan's lend changes, before anything else of it (a reset ends every lend: a new leader
+        does not know which reads its predecessor's lends still serve)."""
+        if plan.reset_tables:
+            self.lends.clear()
+        for lend_id in plan.unlends:
+            self.lends.unlend(lend_id)
+        for lend in plan.lends:
+            self.lends.lend(lend.lend_id, refs(lend.blocks))
+
+    async def _pull(self, p: pb.Pull) -> pb.PullResult:
+        if self.puller is None:
+            return pb.PullResult(request_id=p.request_id, ok=False, error="this executor cannot dial peers")
+        return await self.puller.pull(self.engine.pool, p)
+
+    async def ReadBlocks(
+        self, request: pb.ReadBlocksRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.BlockChunk]:
+        """Stream blocks of a live lend to a peer (executor_svc/transfer.py)."""
+        blocks = refs(request.blocks)
+
+        def still_lent() -> None:
+            if request.instance_id != self.engine.instance_id:
+                raise LendError(f"instance_id: this executor is {self.engine.instance_id}, not {request.instance_id}")
+            if request.epoch < self._epoch:
+                raise LendError(f"epoch: {request.epoch} is stale; a loop with epoch {self._epoch} leads")
+            self.lends.check(request.lend_id, blocks)
+
+        try:
+            for chunk in chunks(self.engine.pool, blocks, still_lent):
+                yield chunk
+        except LendError as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
 
 
 def add_to_server(servicer: ExecutorServicer, server: grpc.aio.Server) -> None:
@@ -255,5 +304,6 @@ def add_to_server(servicer: ExecutorServicer, server: grpc.aio.Server) -> None:
             "Info": handlers.unary(servicer.Info, pb.InfoRequest),
             "Step": handlers.unary(servicer.Step, pb.StepPlan),
             "Steps": handlers.bidi(servicer.Steps, pb.StepPlan),
+            "ReadBlocks": handlers.stream(servicer.ReadBlocks, pb.ReadBlocksRequest),
         },
     )

@@ -75,6 +75,12 @@ class ExecutorKeys:
         """Set: the hex hashes cached on this executor (what prefix-aware placement reads)."""
         return self.prefix + "hashes"
 
+    @property
+    def lent(self) -> str:
+        """Hash: lend id -> JSON {request, blocks, deadline}: blocks of requests that left with their KV,
+        held until the destination has read them (scheduler_svc/core/migration.py)."""
+        return self.prefix + "lent"
+
     def free(self, tier: Tier | int) -> str:
         """The tier's free set, as a bitmap: bit ``b`` is 1 while block ``b`` is free. A pool of
         hundreds of thousands of blocks is a few tens of KiB, set whole in one command."""
@@ -93,6 +99,7 @@ class ExecutorKeys:
             self.cache,
             self.lru,
             self.hashes,
+            self.lent,
             *(self.free(t) for t in Tier),
         ]
 

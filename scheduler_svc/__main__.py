@@ -151,6 +151,14 @@ def _scheduling_arguments(p: argparse.ArgumentParser) -> None:
         help="plan each step while the executor runs the previous one (a Steps stream); "
         "--no-async-scheduling: the serial loop, one unary Step at a time",
     )
+    p.add_argument(
+        "--migration",
+        choices=("kv", "recompute", "off"),
+        default="kv",
+        help="a draining executor's requests that a serving peer has room for move at once: kv, with their "
+        "KV blocks (read by the peer; recomputed only if that fails), recompute, or off (they finish "
+        "where they are until the drain deadline, then move by recompute)",
+    )
     p.add_argument("--policy", choices=POLICIES, default="fcfs", help="the same on every replica of a namespace")
     p.add_argument("--preemption-mode", choices=PREEMPTION_MODES, default="recompute")
     p.add_argument(

@@ -63,6 +63,29 @@ class LoopMetrics:
         self.spec_accepted_per_pos = counter(
             "spec_decode_num_accepted_tokens_per_pos", "Drafted tokens accepted, by draft position", "position"
         )
+        # KV migration (core/migration.py): causes "drain" (and later "rebalance", "prefix").
+        self.migrations = counter(
+            "kv_migrations",
+            "Requests that moved between executors with their KV, by cause and outcome",
+            "cause",
+            "outcome",
+        )
+        self.migrated_blocks = counter("kv_migrated_blocks", "KV blocks pulled from peer executors")
+        self.migrated_bytes = counter("kv_migrated_bytes", "KV bytes pulled from peer executors")
+        self.transfer_time = Histogram(
+            name("kv_transfer_seconds"),
+            "Pulling one request's KV blocks from a peer, by outcome",
+            [*ex, "outcome"],
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.migration_stall = Histogram(
+            name("kv_migration_stall_seconds"),
+            "From a request leaving its source executor to its next token on the destination",
+            ex,
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
         self.iteration_tokens = Histogram(
             name("iteration_tokens_total"), "Tokens scheduled per step", ex, buckets=TOKEN_BUCKETS, registry=registry
         )
@@ -147,9 +170,23 @@ class LoopMetrics:
             self.spec_accepted_tokens.labels(*labels).inc(c.spec_accepted_tokens)
             for pos, n in enumerate(rec.spec_accepted_per_pos):
                 self.spec_accepted_per_pos.labels(*labels, str(pos)).inc(n)
+        self._moved(labels, rec)
         for req in rec.finished:
             self.prompt_tokens.labels(*labels).inc(len(req.prompt_ids))
             self.success.labels(*labels, (req.finish_reason or Finish.ABORT).value).inc()
+
+    def _moved(self, labels: tuple[str, str], rec: StepRecord) -> None:
+        c = rec.counters
+        if c.migrated_blocks:
+            self.migrated_blocks.labels(*labels).inc(c.migrated_blocks)
+            self.migrated_bytes.labels(*labels).inc(c.migrated_bytes)
+        for (_, src), (ok, ms, _) in zip(rec.pulled, rec.pull_ms, strict=True):
+            outcome = "ok" if ok else "recomputed"
+            self.migrations.labels(*labels, src.cause, outcome).inc()
+            self.transfer_time.labels(*labels, outcome).observe(ms / 1e3)
+        now = time.time()
+        for at_ms in rec.stalls:
+            self.migration_stall.labels(*labels).observe(max(0.0, now - at_ms / 1000))
 
     def forget(self, model: str, executor: str) -> None:
         """The lease went elsewhere: its new leader exports these gauges now."""

@@ -51,14 +51,33 @@ SIZES = [(10, 3, 5), (6, 0, 0), (14, 4, 0)]  # device, CPU, disk blocks of the e
 NS = "prop"
 
 
+# The lends every stub executor holds, as executor_svc/transfer.py's ``Lends`` would: (instance, lend id)
+# -> (tier, block) set. A pull succeeds only if its source still lends every block it names.
+LENDS: dict[tuple[str, str], set[tuple[int, int]]] = {}
+
+
 class EchoExecutor:
     """Stands in for executor_svc: every sampled sequence gets token 7 (never EOS); with speculative
-    drafts, the leading 7s among them are accepted (then one more 7)."""
+    drafts, the leading 7s among them are accepted (then one more 7). Lends and pulls are kept in
+    ``LENDS``: a pull is reported ok only while its source lends what it reads."""
 
     def __init__(self, info: epb.InfoResponse) -> None:
         self.info = info
 
     async def Step(self, plan: epb.StepPlan, timeout: float | None = None) -> epb.StepResult:
+        me = self.info.instance_id
+        if plan.reset_tables:
+            forget_lends(me)
+        for lend_id in plan.unlends:
+            LENDS.pop((me, lend_id), None)
+        for lend in plan.lends:
+            LENDS[(me, lend.lend_id)] = {(int(b.tier), b.block) for b in lend.blocks}
+        pulls = []
+        for p in plan.pulls:
+            lent = LENDS.get((p.src_instance_id, p.lend_id))
+            ok = lent is not None and {(int(b.tier), b.block) for b in p.src} <= lent
+            ClusterState.seen["pulled" if ok else "pull_failed"] += 1
+            pulls.append(epb.PullResult(request_id=p.request_id, ok=ok, bytes=len(p.dst) if ok else 0))
         return epb.StepResult(
             step_id=plan.step_id,
             outputs=[
@@ -66,10 +85,16 @@ class EchoExecutor:
                 for s in plan.seqs
                 if s.sample
             ],
+            pulls=pulls,
         )
 
     async def Info(self, request: epb.InfoRequest, timeout: float | None = None) -> epb.InfoResponse:
         return self.info
+
+
+def forget_lends(instance: str) -> None:
+    for key in [k for k in LENDS if k[0] == instance]:
+        del LENDS[key]
 
 
 def _leading_sevens(s: epb.SeqPlan) -> int:
@@ -107,7 +132,7 @@ class EchoLoop(Loop):
 class ClusterState(RuleBasedStateMachine):
     redis_url = ""
     # Over all examples: the cache, forks and speculative drafts were really exercised.
-    seen = {"hits": 0, "shared": 0, "forked": 0, "accepted": 0}
+    seen = {"hits": 0, "shared": 0, "forked": 0, "accepted": 0, "pulled": 0, "pull_failed": 0}
 
     def __init__(self) -> None:
         super().__init__()
@@ -116,6 +141,7 @@ class ClusterState(RuleBasedStateMachine):
         self.store = RedisStore(self.client, NS)
         self.keys = self.store.keys
         self.run(self._wipe())
+        LENDS.clear()
         self.members: dict[str, Member] = {}
         self.loops: dict[str, Loop] = {}
         self.totals: dict[str, tuple[int, int, int]] = {}
@@ -285,6 +311,7 @@ class ClusterState(RuleBasedStateMachine):
         eid = data.draw(st.sampled_from(sorted(self.loops)))
         held = set(self.loops[eid].s.sched.requests)
         self.run(self.store.reap(eid))
+        forget_lends(eid)
         del self.loops[eid], self.members[eid]
         self.reaped.append(eid)
         queued = {schema.request_id_of(k) for k in self.run(self.client.zrange(self.keys.queue, 0, -1))}
@@ -303,7 +330,35 @@ class ClusterState(RuleBasedStateMachine):
             self.run(self.loops[eid].iterate())
         assert not self.loops[eid].s.sched.requests
         assert not self.run(self.client.smembers(self.keys.executor(eid).live))
+        self._leaves(eid)  # it exits at once, its lends with it: pulls from them fail, and recompute
+
+    @precondition(lambda self: any(m.state != DRAINING for m in self.members.values()))
+    @rule(data=st.data())
+    def executor_starts_draining(self, data: st.DataObject) -> None:
+        """Draining before any deadline: what a serving peer has room for moves with its KV (lent here,
+        pulled there); the rest stays."""
+        eid = data.draw(st.sampled_from(sorted(e for e, m in self.members.items() if m.state != DRAINING)))
+        self.members[eid] = replace(self.members[eid], state=DRAINING, evacuate_at_ms=0)
+        self.run(self.client.hset(self.keys.member(eid), "state", DRAINING))
+
+    @precondition(
+        lambda self: any(
+            m.state == DRAINING and not self.loops[e].s.sched.requests and not self.loops[e].s.sched.lending
+            for e, m in self.members.items()
+        )
+    )
+    @rule(data=st.data())
+    def drained_executor_leaves(self, data: st.DataObject) -> None:
+        done = [
+            e
+            for e, m in self.members.items()
+            if m.state == DRAINING and not self.loops[e].s.sched.requests and not self.loops[e].s.sched.lending
+        ]
+        self._leaves(data.draw(st.sampled_from(sorted(done))))
+
+    def _leaves(self, eid: str) -> None:
         self.run(self.store.reap(eid))  # it exits; the membership record expires
+        forget_lends(eid)
         del self.loops[eid], self.members[eid]
         self.reaped.append(eid)
 
@@ -348,8 +403,12 @@ def _check_cache(snap, loop: Loop | None, hashes: set[str]) -> None:  # noqa: AN
     None: the loop is ahead of Redis, only Redis is checked); a block held twice is cached, or held
     by mates of one parallel-sampling group; the LRU holds exactly the cached blocks nobody holds;
     the placement set holds exactly the cached hashes."""
-    holders = [0] * (len(snap.free[0]) + sum(len(r.blocks) for r, _ in snap.requests))
+    lent = [b for t, b in snap.lent if t == 0]
+    holders = [0] * (len(snap.free[0]) + sum(len(r.blocks) for r, _ in snap.requests) + len(lent))
     groups: list[set[str]] = [set() for _ in holders]
+    for b in lent:  # a lend holds its device blocks as one more holder
+        holders[b] += 1
+        groups[b].add("lend")
     for r, _ in snap.requests:
         assert len(set(r.blocks)) == len(r.blocks), f"{r.request_id} holds a block twice"
         for b in r.blocks:
@@ -380,13 +439,18 @@ def _check_pool(
     yet, which a reload keeps) beside what reported steps computed; ``synced`` False: the commit is
     deferred, and requests claimed since are placed but still waiting."""
     owned: list[list[int]] = [[], [], []]
+    for tier, b in snap.lent:  # blocks of requests that left with their KV, until their reader is done
+        owned[tier].append(b)
     for r, _ in snap.requests:
         owned[0] += r.blocks
         for tier, b in r.swap_blocks:
             owned[tier].append(b)
         if r.status == Status.RUNNING:
             needed = blocks_for(r.num_computed, BLOCK)
-            assert len(r.blocks) >= needed if pipelined else len(r.blocks) == needed, r
+            # Ahead of what is computed only by a launched plan's allocations (pipelined), or by the blocks
+            # a pull filled (or failed to: then they are recomputed) for tokens the request already has.
+            most = max(needed, blocks_for(r.num_tokens, BLOCK))
+            assert needed <= len(r.blocks) if pipelined else needed <= len(r.blocks) <= most, r
             assert not r.swap_blocks
         elif r.status == Status.WAITING and not synced:
             assert not r.blocks and not r.swap_blocks, r
@@ -429,10 +493,62 @@ def _walk_to_sharing() -> dict[str, int]:
     return {k: ClusterState.seen[k] - before[k] for k in before}
 
 
+def _walk_to_migration() -> dict[str, int]:
+    """A fixed walk that moves requests with their KV by construction: exec-0 drains with requests
+    running, exec-1 pulls them (ok), exec-0's lends end; then exec-1 drains past its deadline and
+    leaves at once, so a third executor's pulls of its lends fail and recompute."""
+    before = dict(ClusterState.seen)
+    machine = ClusterState()
+    try:
+        machine.start("fcfs", "recompute", 24, False)
+        machine.join()
+
+        def steps(eid: str, n: int) -> None:
+            for _ in range(n):
+                assert machine.run(machine.loops[eid].iterate())
+                machine.redis_state_is_consistent()
+
+        for _ in range(2):
+            machine.submit(9, 12, 0, None)
+        steps("exec-0", 3)  # both claimed and decoding on exec-0
+        machine.executor_starts_draining(data=_Drawn("exec-0"))
+        steps("exec-0", 1)  # lends their blocks, requeues them with their KV named
+        assert machine.loops["exec-0"].s.sched.lending
+        steps("exec-1", 2)  # claims them, pulls (ok), decodes
+        steps("exec-0", 1)  # reads the unlend doorbells: its lends end
+        assert not machine.loops["exec-0"].s.sched.lending
+        machine.drained_executor_leaves(data=_Drawn("exec-0"))
+        machine.join()
+        machine.executor_drains(data=_Drawn("exec-1"))  # lends to exec-2, then leaves at once
+        steps("exec-2", 20)
+    finally:
+        machine.teardown()
+    return {k: ClusterState.seen[k] - before[k] for k in before}
+
+
+def _walk_to_acceptance() -> dict[str, int]:
+    """A fixed walk where speculative drafts are accepted by construction: the echo executor samples 7
+    every time, so once a request's output holds a 7, the ngram proposer drafts 7s and they match."""
+    before = dict(ClusterState.seen)
+    machine = ClusterState()
+    try:
+        machine.start("fcfs", "recompute", 24, False, spec="ngram")
+        machine.submit(3, 16, 0, None)
+        for _ in range(12):
+            assert machine.run(machine.loops["exec-0"].iterate())
+            machine.redis_state_is_consistent()
+    finally:
+        machine.teardown()
+    return {k: ClusterState.seen[k] - before[k] for k in before}
+
+
 def test_redis_state_machine(redis_url: str) -> None:
     ClusterState.redis_url = redis_url
     walked = _walk_to_sharing()
-    assert min(v for k, v in walked.items() if k != "accepted") > 0, walked  # the walk runs without drafts
+    assert min(v for k, v in walked.items() if k not in ("accepted", "pulled", "pull_failed")) > 0, walked
+    moved = _walk_to_migration()
+    assert moved["pulled"] > 0 and moved["pull_failed"] > 0, moved
+    assert _walk_to_acceptance()["accepted"] > 0
     run = ClusterState.TestCase
     run.settings = settings(
         max_examples=60,
@@ -442,7 +558,7 @@ def test_redis_state_machine(redis_url: str) -> None:
         derandomize=True,  # the same exploration on every machine and run: a red suite is never a lucky draw
     )
     run().runTest()
-    assert min(ClusterState.seen.values()) > 0, ClusterState.seen
+    assert min(ClusterState.seen.values()) > 0, ClusterState.seen  # the walks above reach each, at least
 
 
 class _Drawn:

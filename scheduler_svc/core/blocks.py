@@ -326,6 +326,20 @@ class BlockManager:
             self._give(tier, [b for t, b in req.swap_blocks if t == tier])
         req.swap_blocks = []
 
+    def lend(self, req: Request) -> list[tuple[Tier, int]]:
+        """``req`` leaves holding nothing while its blocks stay held, by a lend (core/migration.py):
+        its device blocks keep their references, its swap blocks stay taken. Returns them, in
+        position order."""
+        blocks = [(DEVICE, b) for b in req.blocks] + list(req.swap_blocks)
+        req.blocks, req.swap_blocks, req.num_registered = [], [], 0
+        return blocks
+
+    def unlend(self, blocks: list[tuple[Tier, int]]) -> None:
+        """A lend ended: its blocks are released as a request's would be (``free``)."""
+        self._unref([b for t, b in blocks if t == DEVICE])
+        for tier in (CPU, DISK):
+            self._give(tier, [b for t, b in blocks if t == tier])
+
     def swap_out(self, req: Request) -> list[BlockMove]:
         """BlockMove ``req``'s computed KV to the CPU tier, spilling to disk when it is full.
 

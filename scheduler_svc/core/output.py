@@ -4,9 +4,13 @@ blocks that move between tiers, as a ``SchedulerOutput`` the loop turns into a s
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from pagedserve.tiers import BlockMove
 from scheduler_svc.core.request import Request
+
+if TYPE_CHECKING:
+    from scheduler_svc.core.migration import Lent, PullPlan
 
 
 @dataclass(slots=True)
@@ -39,6 +43,10 @@ class SchedulerOutput:
     swap_in: list[BlockMove] = field(default_factory=list)
     copies: list[BlockMove] = field(default_factory=list)  # copy-on-write of forked group mates, before the forward
     preempted: list[Request] = field(default_factory=list)
+    # KV migration (core/migration.py): lends to register and end on this executor, pulls from peers.
+    lends: list[Lent] = field(default_factory=list)
+    unlends: list[str] = field(default_factory=list)
+    pulls: list[PullPlan] = field(default_factory=list)
     launched: bool = False  # ``Scheduler.launch`` ran
 
     @property
@@ -51,4 +59,6 @@ class SchedulerOutput:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.scheduled or self.swap_out or self.swap_in or self.copies)
+        return bool(
+            self.scheduled or self.swap_out or self.swap_in or self.copies or self.lends or self.unlends or self.pulls
+        )

@@ -9,9 +9,13 @@ event. Nothing here knows about Redis.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING
 
 from scheduler_svc.core.logprob import Logprob
 from scheduler_svc.core.request import Request
+
+if TYPE_CHECKING:
+    from scheduler_svc.core.migration import KvSource, Lent
 
 
 @dataclass(slots=True)
@@ -30,6 +34,11 @@ class Counters:
     spec_drafts: int = 0  # rows that ran drafts (speculative decoding; vLLM's spec_decode_num_drafts)
     spec_draft_tokens: int = 0  # drafted tokens run
     spec_accepted_tokens: int = 0  # of which accepted
+    migrations_out: int = 0  # requests that left this executor with their KV lent (core/migration.py)
+    migrations_in: int = 0  # requests whose KV this executor pulled from a peer
+    migrations_failed: int = 0  # pulls that failed: those requests recompute
+    migrated_blocks: int = 0  # blocks pulled
+    migrated_bytes: int = 0
 
     def as_dict(self) -> dict[str, int]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -68,6 +77,13 @@ class StepRecord:
     changed: tuple[set[int], set[int], set[int]] = field(default_factory=lambda: (set(), set(), set()))
     cache: CacheDelta = field(default_factory=CacheDelta)  # filled by ``Scheduler.take_record`` too
     spec_accepted_per_pos: list[int] = field(default_factory=list)  # drafts accepted at draft position 0, 1...
+    # KV migration (core/migration.py): lends made and ended here; pulls done (ok or not: their sources'
+    # lends can end) with their time and bytes; moved requests' departures, at their first token here.
+    lent: list[Lent] = field(default_factory=list)
+    unlent: list[str] = field(default_factory=list)
+    pulled: list[tuple[Request, KvSource]] = field(default_factory=list)
+    pull_ms: list[tuple[bool, float, int]] = field(default_factory=list)  # (ok, ms, bytes)
+    stalls: list[int] = field(default_factory=list)  # moved_at_ms
 
     def touch(self, req: Request) -> None:
         self.touched[req.request_id] = req
@@ -79,6 +95,9 @@ class StepRecord:
             or self.new_tokens
             or self.finished
             or self.requeued
+            or self.lent
+            or self.unlent
+            or self.pulled
             or any(self.changed)
             or self.cache
             or self.counters.nonzero()

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import TYPE_CHECKING
 
 from pagedserve.lora import Adapter
 from pagedserve.tiers import Tier
+
+if TYPE_CHECKING:
+    from scheduler_svc.core.migration import KvSource
 
 
 class Status(StrEnum):
@@ -97,6 +101,12 @@ class Request:
     # then shares its blocks (``Scheduler`` forks it); None once forked, and for everyone else.
     source: Request | None = None
     lora: Adapter | None = None  # the LoRA adapter it runs on (--enable-lora); None: the base model
+    # KV migration (core/migration.py): a queued request's KV lent by the executor it left; while the
+    # destination's pull of it is in flight ``pulling`` is set and the request runs nothing. After a move,
+    # ``moved_at_ms`` is when it left its source, until its next token (the stall it saw).
+    kv: KvSource | None = None
+    pulling: bool = False
+    moved_at_ms: int = 0
 
     @property
     def adapter_digest(self) -> str:

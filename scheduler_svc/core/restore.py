@@ -60,8 +60,16 @@ def restore(
     blocks that moved to other requests).
     """
     caching = config.enable_prefix_caching
-    pools = [Pool.with_free(total, [b for b in free if b < total]) for total, free in zip(totals, snap.free)]
+    # Lends end with their leader: its executor forgets them at this leader's first plan (a reset), so
+    # their blocks are free again (and written so by the first commit).
+    lent = [[b for t, b in snap.lent if t == tier and b < total] for tier, total in zip(TIERS, totals)]
+    pools = [
+        Pool.with_free(total, sorted({b for b in free if b < total} | set(back)))
+        for total, free, back in zip(totals, snap.free, lent)
+    ]
     bm = BlockManager(block_size, *pools, caching=caching)
+    for tier, back in zip(TIERS, lent):
+        bm.changed[tier].update(back)
     held = [r for r, _ in snap.requests if r.status in (Status.RUNNING, Status.SWAPPED)]
     reset = (
         snap.pool != pool_fields(totals, block_size) or not consistent(bm, held, snap.cache) or applied_seq > snap.seq

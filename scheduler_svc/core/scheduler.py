@@ -38,6 +38,7 @@ admitted, or preempted for recompute) goes back to the shared queue
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from scheduler_svc.core import group, lora
@@ -50,6 +51,7 @@ from scheduler_svc.core.blocks import (
 from scheduler_svc.core.deadline import expired_among
 from scheduler_svc.core.fit import blocks_for, fits_ever
 from scheduler_svc.core.logprob import Logprob
+from scheduler_svc.core.migration import LEND_TTL_MS, KvSource, Lending, Lent, PullPlan, pull_for
 from scheduler_svc.core.output import Scheduled, SchedulerOutput
 from scheduler_svc.core.placement import PoolView
 from scheduler_svc.core.queue import make_queue
@@ -95,6 +97,7 @@ class Scheduler:
         self.spec = Speculator.of(config.spec) if config.spec is not None else None
         self._k = 0  # this step's draft length (``DraftPolicy``)
         self._spec_accepted = self._spec_rejections = 0  # drafts accepted and rows cut short, this update
+        self.lending = Lending()  # blocks of requests that left with their KV (core/migration.py)
 
     # -- intake ---------------------------------------------------------------
 
@@ -180,6 +183,28 @@ class Scheduler:
         for req in [*self.running, *self.swapped, *self.waiting]:
             self.requeue(req)
 
+    def migrate(
+        self, req: Request, source: Callable[[str, tuple[tuple[int, int], ...], int], KvSource], now_ms: int
+    ) -> None:
+        """``req`` (``migration.movable``) leaves for the shared queue with its KV: its blocks go to a
+        lend, and ``source(lend id, blocks, tokens)`` names them in ``req.kv`` for its next executor."""
+        tokens, blocks = req.num_computed, self.blocks.lend(req)
+        lent = Lent(f"{req.request_id}@{now_ms}", req.request_id, blocks, now_ms + LEND_TTL_MS)
+        self.lending.lend(lent)
+        self.record.lent.append(lent)
+        req.kv = source(lent.lend_id, tuple((int(t), b) for t, b in blocks), tokens)
+        self._count("migrations_out")
+        self.requeue(req)
+
+    def end_lend(self, lend_id: str) -> bool:
+        """The destination has read (or given up on) a lend: its blocks come free."""
+        lent = self.lending.end(lend_id)
+        if lent is None:
+            return False
+        self.blocks.unlend(lent.blocks)
+        self.record.unlent.append(lend_id)
+        return True
+
     def take_record(self) -> StepRecord:
         rec, self.record = self.record, StepRecord()
         rec.changed = self.blocks.take_changes()
@@ -192,7 +217,7 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.running or len(self.waiting) or len(self.swapped))
+        return bool(self.running or len(self.waiting) or len(self.swapped) or self.lending.pending)
 
     # -- one step -------------------------------------------------------------
 
@@ -228,6 +253,7 @@ class Scheduler:
         self.running.remove(victim)
         victim.num_preemptions += 1
         victim.source = None
+        victim.pulling = False  # a pull in flight for it no longer counts (``_pulled``)
         if (
             not recompute
             and self.config.preemption_mode == "swap"
@@ -270,9 +296,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            if self._ending(req):
+            if self._ending(req) or req.pulling:
                 i += 1
-                continue  # its token in flight ends it: nothing more to run (the pipelined loop)
+                continue  # its token in flight ends it (the pipelined loop), or its KV is on its way
             if req.source is not None and not self._fork(req, out):
                 i += 1
                 continue  # its source has not launched the whole prompt yet, or no block for the copy
@@ -443,7 +469,8 @@ class Scheduler:
             if not lora.admits(self.running, req, self.config.max_loras):
                 return  # head-of-line: its adapter waits for a slot (core/lora.py)
             hit = [] if from_swap else self.blocks.lookup(req)
-            n = min(budget, req.num_pending - len(hit) * self.blocks.block_size)
+            pull = 0 if from_swap else pull_for(req, hit, self.blocks.block_size)
+            n = pull or min(budget, req.num_pending - len(hit) * self.blocks.block_size)
             mates = [] if from_swap else group.mates_waiting(self.waiting, req)
             while not (
                 self._fits(req, n, from_swap, hit, mates) or self._make_room(req, n, from_swap, out, hit, mates)
@@ -462,8 +489,17 @@ class Scheduler:
                 self._start(req, hit, n)
             req.status = Status.RUNNING
             self.running.append(req)
-            out.scheduled.append(Scheduled(req, req.num_computed, n))
             self.record.touch(req)
+            if pull:  # its KV comes from a peer while this step runs; it computes from the next step
+                assert req.kv is not None
+                req.pulling = True
+                out.pulls.append(PullPlan(req, req.kv, len(hit), req.blocks[len(hit) :]))
+                continue
+            if req.kv is not None:  # its own prefix cache had at least what the peer lent
+                self.record.pulled.append((req, req.kv))
+                self.record.pull_ms.append((True, 0.0, 0))
+                req.kv = None
+            out.scheduled.append(Scheduled(req, req.num_computed, n))
             budget -= n
             for m in mates:  # they wait, holding nothing, to fork from ``req`` (``_fork``)
                 self.waiting.remove(m)
@@ -482,6 +518,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        out.lends, out.unlends = self.lending.take()
         self._choose_k()
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
         if not out.preempted:
@@ -507,6 +544,7 @@ class Scheduler:
         prompt_logprobs: dict[str, dict[int, Logprob]] | None = None,
         more: dict[str, list[int]] | None = None,
         more_logprobs: dict[str, list[Logprob]] | None = None,
+        pulled: dict[str, tuple[bool, float, int]] | None = None,
     ) -> list[Request]:
         """Apply the executor's report of a launched plan (launching it first if the caller did
         not): its swaps' sources come free, sampled tokens join their requests (with their
@@ -514,9 +552,10 @@ class Scheduler:
         request that ended or left this scheduler since the launch (an abort, an earlier finish, a
         requeue) is dropped: it was never streamed. ``more``: for a row with drafts, the tokens after
         its first (the accepted drafts, then the executor's own next token), taken one by one until
-        one finishes the request; ``more_logprobs``: theirs."""
+        one finishes the request; ``more_logprobs``: theirs. ``pulled``: each pull's (ok, ms, bytes)."""
         if not out.launched:
             self.launch(out)
+        self._pulled(out.pulls, pulled or {})
         self.blocks.release_pending(out.swap_out + out.swap_in)
         self.blocks.release_copies(out.copies)
         finished: list[Request] = []
@@ -543,6 +582,9 @@ class Scheduler:
                 emitted += (more or {}).get(rid, [])[: len(s.drafts)]
                 self._accept(req, s, len(emitted) - 1 if emitted else 0)
             reason = None
+            if emitted and req.moved_at_ms:
+                self.record.stalls.append(req.moved_at_ms)
+                req.moved_at_ms = 0
             for i, token in enumerate(emitted):
                 req.output_ids.append(token)
                 new_tokens.setdefault(rid, []).append(token)
@@ -564,6 +606,28 @@ class Scheduler:
             self.spec.policy.observe(self._spec_accepted, self._spec_rejections)
             self._spec_accepted = self._spec_rejections = 0
         return finished
+
+    def _pulled(self, pulls: list[PullPlan], results: dict[str, tuple[bool, float, int]]) -> None:
+        """Reported pulls: what came counts as computed (and is named in the prefix cache); a request
+        whose pull failed computes from its own prefix hit on. Either way its source's lend can end."""
+        for p in pulls:
+            req, rid = p.req, p.req.request_id
+            ok, ms, size = results.get(rid, (False, 0.0, 0))
+            self.record.pulled.append((req, p.src))
+            self.record.pull_ms.append((ok, ms, size))
+            req.kv = None
+            if self.requests.get(rid) is not req or not req.pulling or req.status != Status.RUNNING:
+                continue  # finished, preempted or gone since: nothing of the pull counts
+            req.pulling, req.moved_at_ms = False, p.src.at_ms
+            if ok:
+                req.num_computed = p.src.tokens
+                self.blocks.cache(req, req.num_computed)
+                self._count("migrations_in")
+                self._count("migrated_blocks", len(p.dst))
+                self._count("migrated_bytes", size)
+            else:
+                self._count("migrations_failed")
+            self.record.touch(req)
 
     def _accept(self, req: Request, s: Scheduled, accepted: int) -> None:
         """A row with drafts came back with ``accepted`` of them: only those count as computed, and

@@ -19,3 +19,4 @@ class Snapshot:
     seq: int = 0  # writes of this state so far
     cache: dict[int, bytes] = field(default_factory=dict)  # device block -> hash, every cached block
     ranks: dict[int, int] = field(default_factory=dict)  # evictable cached block -> LRU rank
+    lent: list[tuple[int, int]] = field(default_factory=list)  # (tier, block) of every lend (core/migration.py)

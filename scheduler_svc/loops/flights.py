@@ -69,8 +69,9 @@ class Flight:
 
     @property
     def moves(self) -> bool:
-        """It swaps or copies KV: a commit must not record that before the result says it happened."""
-        return bool(self.out.swap_out or self.out.swap_in or self.out.copies)
+        """It swaps or copies KV, or lends blocks (the commit that makes their request claimable must
+        follow the lend's registration): a commit must not record that before the result says it happened."""
+        return bool(self.out.swap_out or self.out.swap_in or self.out.copies or self.out.lends)
 
 
 class Pipeline:

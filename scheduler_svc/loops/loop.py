@@ -30,15 +30,16 @@ from pagedserve import logs
 from pagedserve.executor.v1 import executor_pb2 as pb
 from pagedserve.executor.v1 import executor_pb2_grpc as pb_grpc
 from pagedserve.members import Member, now_ms
-from scheduler_svc.core import placement
+from scheduler_svc.core import migration, placement
 from scheduler_svc.core.blocks import DEVICE
+from scheduler_svc.core.migration import KvSource
 from scheduler_svc.core.output import SchedulerOutput
 from scheduler_svc.core.request import Finish, Request
 from scheduler_svc.core.restore import intake, restore
 from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig
 from scheduler_svc.loops import steplog
 from scheduler_svc.loops.flights import Flight, Pipeline, StreamChannel, UnaryChannel
-from scheduler_svc.loops.plan import PlanBuilder, outputs
+from scheduler_svc.loops.plan import PlanBuilder, outputs, pulls_of
 from scheduler_svc.loops.stays import Placements
 from scheduler_svc.metrics import LoopMetrics
 from scheduler_svc.state.commit import CommitWriter
@@ -87,6 +88,7 @@ class Loop:
         tracer: Tracer | None = None,
         channel: grpc.aio.Channel | None = None,
         async_scheduling: bool = False,
+        migration: str = "kv",
     ) -> None:
         self.store = store
         self.info = info
@@ -104,6 +106,7 @@ class Loop:
         self.channel = channel  # for the Steps stream (async scheduling)
         # Plan a step ahead when asked to and the executor can (a channel to open its stream on).
         self.pipelined = async_scheduling and channel is not None and info.pipelined
+        self.migration = migration  # --migration: how a draining executor's requests move (kv, recompute, off)
         self._in_flight: list[str] = []  # requests of the plan whose result failed
         self._published: placement.PoolView | None = None
         self._step_id = 0
@@ -178,6 +181,8 @@ class Loop:
             if sched.finish(rid, Finish.ABORT) is not None:
                 self.log.error("aborting %s: the executor rejected its step", rid)
         ops = writer.reset_ops(totals, info.block_size, max(applied, snap.seq)) if restored.reset else []
+        if snap.lent and not restored.reset:  # freed by the restore: this leader lends nothing yet
+            ops.append(["DEL", self.store.keys.executor(self.executor).lent])
         if restored.reset and snap.requests:
             self.log.warning(
                 "executor %s: pool state unusable (the executor ran plans up to write %d, Redis has %d); "
@@ -282,14 +287,13 @@ class Loop:
         cancels = [(o.request_id, o.reason) for o in ops_in if o.op == "cancel" and o.reason is not None]
         claimed: list[tuple[Request, Finish | None]] = []
         s.retry, hold = False, False
+        for o in ops_in:
+            if o.op == "unlend":  # a destination read (or gave up on) blocks this executor lent
+                sched.end_lend(o.request_id)
+        for lend_id in sched.lending.due(now_ms()):
+            sched.end_lend(lend_id)
         if not member.serving:
-            if member.evacuate_at_ms and now_ms() >= member.evacuate_at_ms and sched.requests:
-                hold = bool(s.pipe)  # requests leave with nothing in flight: first take what is
-                if not hold:
-                    self.log.warning(
-                        "executor %s: drain deadline; moving %d requests elsewhere", self.executor, len(sched.requests)
-                    )
-                    sched.evacuate()
+            hold = await self._drain(sched, member)
         else:
             claimed, s.retry = await self._claim(sched, timer)
         intake(sched, claimed, [(rid, r) for rid, r in cancels if rid in sched.requests])
@@ -307,6 +311,37 @@ class Loop:
         if self.step_log is not None and done is not None:
             self._log_step(sched, done, queued, timer)
         return True
+
+    async def _drain(self, sched: Scheduler, member: Member) -> bool:
+        """A draining executor's turn: move what peers have room for now (``--migration``: with its KV,
+        or by recompute), and from ``evacuate_at_ms`` everything left by recompute. Requests leave with
+        nothing in flight; returns whether to hold plans until that is so."""
+        if self.migration != "off":
+            order = sorted(sched.running, key=lambda r: r.order_key) + list(sched.swapped)
+            movable = [r for r in order if migration.movable(r)]
+            picks = migration.pick(movable, await self.store.views(), self.executor, self.info.block_size)
+            if picks and self.s.pipe:
+                return True
+            at = now_ms()
+            for req in picks:
+                if self.migration == "kv":
+                    sched.migrate(
+                        req, lambda lid, b, n: KvSource(self.executor, member.address, self.epoch, lid, b, n, at), at
+                    )
+                else:
+                    sched.requeue(req)
+            if picks:
+                self.log.info(
+                    "executor %s: draining; %d requests move to peers (%s)", self.executor, len(picks), self.migration
+                )
+        if member.evacuate_at_ms and now_ms() >= member.evacuate_at_ms and sched.requests:
+            if self.s.pipe:
+                return True  # requests leave with nothing in flight: first take what is
+            self.log.warning(
+                "executor %s: drain deadline; moving %d requests elsewhere", self.executor, len(sched.requests)
+            )
+            sched.evacuate()
+        return False
 
     def _launch(self, out: SchedulerOutput) -> Flight | None:
         """Build ``out``'s plan, count its tokens as computed (``Scheduler.launch``) and send it."""
@@ -347,7 +382,7 @@ class Loop:
         result = await self._result()
         timer.executor = timer.since(t) - timer.decode
         s.pipe.flights.popleft()
-        s.sched.update(flight.out, *outputs(result))
+        s.sched.update(flight.out, *outputs(result), pulled=pulls_of(result))
         self.placements.stepped(flight.out)
         if self.metrics is not None:
             self.metrics.step(self.model, self.executor, flight.out.num_tokens)

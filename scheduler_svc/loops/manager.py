@@ -65,6 +65,7 @@ class Manager:
         tracer: Tracer | None = None,
         dial: DialFn = insecure,
         async_scheduling: bool = False,
+        migration: str = "kv",
     ) -> None:
         """``dial``: a channel to an executor's address (``pagedserve.security.Dialer.channel``:
         TLS and the internal token as configured). ``async_scheduling``: loops plan a step ahead
@@ -83,6 +84,7 @@ class Manager:
         self.tracer = tracer
         self.dial = dial
         self.async_scheduling = async_scheduling
+        self.migration = migration  # --migration (core/migration.py)
         self.members: dict[str, Member] = {}  # compatible members as of the last tick
         self.loops: dict[str, Led] = {}
         self._refused: set[str] = set()
@@ -214,6 +216,7 @@ class Manager:
             tracer=self.tracer,
             channel=channel,
             async_scheduling=self.async_scheduling,
+            migration=self.migration,
         )
         log.info("replica %s leads executor %s at %s (epoch %d)", self.replica, m.instance_id, m.address, epoch)
         self.loops[m.instance_id] = Led(

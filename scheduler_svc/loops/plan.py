@@ -11,9 +11,13 @@ not reported yet (the pipelined loop plans one step ahead) travels as
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from typing import cast
+
 from pagedserve.executor.v1 import executor_pb2 as pb
 from pagedserve.tiers import BlockMove
 from scheduler_svc.core.logprob import Logprob
+from scheduler_svc.core.migration import Lent, PullPlan
 from scheduler_svc.core.output import Scheduled, SchedulerOutput
 from scheduler_svc.core.request import Params, Request
 
@@ -24,6 +28,34 @@ def _grammar(p: Params) -> pb.Grammar | None:
 
 def _moves(moves: list[BlockMove]) -> list[pb.BlockMove]:
     return [pb.BlockMove(src_tier=m.src_tier.to_pb(), src=m.src, dst_tier=m.dst_tier.to_pb(), dst=m.dst) for m in moves]
+
+
+def _refs(blocks: Iterable[tuple[int, int]]) -> list[pb.BlockRef]:
+    return [pb.BlockRef(tier=cast(pb.Tier, int(t)), block=b) for t, b in blocks]
+
+
+def _lends(lends: list[Lent]) -> list[pb.Lend]:
+    return [pb.Lend(lend_id=x.lend_id, blocks=_refs(x.blocks)) for x in lends]
+
+
+def _pulls(pulls: list[PullPlan]) -> list[pb.Pull]:
+    return [
+        pb.Pull(
+            request_id=p.req.request_id,
+            address=p.src.address,
+            src_instance_id=p.src.executor,
+            src_epoch=p.src.epoch,
+            lend_id=p.src.lend,
+            src=_refs(p.src_blocks),
+            dst=p.dst,
+        )
+        for p in pulls
+    ]
+
+
+def pulls_of(result: pb.StepResult | None) -> dict[str, tuple[bool, float, int]]:
+    """Each reported pull's (ok, ms, bytes), by request."""
+    return {} if result is None else {p.request_id: (p.ok, p.ms, p.bytes) for p in result.pulls}
 
 
 def needs_history(params: Params) -> bool:
@@ -138,6 +170,10 @@ class PlanBuilder:
             instance_id=self.instance_id,
             seq=seq,
         )
+        if out.lends or out.unlends or out.pulls:
+            plan.lends.extend(_lends(out.lends))
+            plan.unlends.extend(out.unlends)
+            plan.pulls.extend(_pulls(out.pulls))
         add = plan.seqs.add
         for s in out.scheduled:
             req = s.req

@@ -70,6 +70,7 @@ async def run_loops(args: argparse.Namespace) -> None:
         tracer=traces.tracer if traces else None,
         dial=args.dialer.channel,
         async_scheduling=args.async_scheduling,
+        migration=args.migration,
     )
     stop = await rpc.stop_on_signals()
     reload_on_sighup([args.internal_token])

@@ -16,6 +16,7 @@ import numpy as np
 
 from pagedserve.lora import Adapter
 from pagedserve.tiers import Tier
+from scheduler_svc.core.migration import KvSource, Lent
 from scheduler_svc.core.placement import Candidate, PoolView
 from scheduler_svc.core.record import StepRecord
 from scheduler_svc.core.request import Finish, Params, Request, Status
@@ -100,7 +101,48 @@ def request_from(request_id: str, fields: dict[str, str], output: list[str], com
         group=group,
         index=index,
         lora=Adapter(str(lora[0]), str(lora[1]), str(lora[2]), int(lora[3])) if lora else None,
+        kv=kv_from(fields.get("kv", "")),
     )
+
+
+def _refs(text: str) -> tuple[tuple[int, int], ...]:
+    return tuple((int(t), int(b)) for t, b in (x.split(":") for x in text.split(",") if x))
+
+
+def _refs_text(blocks: object) -> str:
+    return ",".join(f"{int(t)}:{b}" for t, b in blocks)  # type: ignore[attr-defined]
+
+
+def kv_json(src: KvSource) -> str:
+    """A request hash's ``kv`` field: where its KV is lent (core/migration.py)."""
+    return json.dumps(
+        {
+            "x": src.executor,
+            "a": src.address,
+            "e": src.epoch,
+            "l": src.lend,
+            "b": _refs_text(src.blocks),
+            "n": src.tokens,
+            "at": src.at_ms,
+            "c": src.cause,
+        }
+    )
+
+
+def kv_from(text: str) -> KvSource | None:
+    if not text:
+        return None
+    d = json.loads(text)
+    return KvSource(d["x"], d["a"], int(d["e"]), d["l"], _refs(d["b"]), int(d["n"]), int(d["at"]), d.get("c", "drain"))
+
+
+def lent_json(lent: Lent) -> str:
+    """An executor's ``lent`` hash entry: what a new leader frees (its executor forgets the lend)."""
+    return json.dumps({"r": lent.request_id, "b": _refs_text(lent.blocks), "d": lent.deadline_ms})
+
+
+def lent_blocks(text: str) -> tuple[tuple[int, int], ...]:
+    return _refs(json.loads(text)["b"])
 
 
 def stop_of(fields: dict[str, str]) -> list[str]:

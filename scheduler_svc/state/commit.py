@@ -9,7 +9,7 @@ from pagedserve.tiers import TIERS
 from scheduler_svc.core.placement import PoolView
 from scheduler_svc.core.record import CacheDelta, StepRecord
 from scheduler_svc.core.request import Finish, Request, Status
-from scheduler_svc.state.codec import entry_json, event_of, queue_entry, view_json
+from scheduler_svc.state.codec import entry_json, event_of, kv_json, lent_json, queue_entry, view_json
 from scheduler_svc.state.schema import (
     BITS,
     EVENTS_MAXLEN,
@@ -52,7 +52,7 @@ class CommitWriter:
         """Bind the state to a fresh pool: every block free, nothing computed; the write
         sequence goes to ``seq`` (at least what the executor has executed)."""
         ops: list[list[str]] = [
-            ["DEL", self.x.pool, self.x.computed, self.x.cache, self.x.lru, self.x.hashes],
+            ["DEL", self.x.pool, self.x.computed, self.x.cache, self.x.lru, self.x.hashes, self.x.lent],
             ["HSET", self.x.pool, "blocks", ",".join(map(str, totals)), "block_size", str(block_size)],
             ["SET", self.x.seq, str(seq)],
         ]
@@ -120,6 +120,7 @@ class CommitWriter:
         for req in rec.finished:
             self._saved.pop(req.request_id, None)
             ops += self._finish(req)
+        ops += self._moves(rec)
         if rec.requeued:  # one doorbell for every loop: work is queued
             ring = ["XADD", self.k.incoming, "MAXLEN", "~", str(INCOMING_MAXLEN), "*"]
             ops.append([*ring, "op", "requeue", "id", rec.requeued[0].request_id])
@@ -129,12 +130,24 @@ class CommitWriter:
         rid = req.request_id
         score, member = queue_entry(req.arrival, rid, req.priority, self.policy)
         fields = {"status": Status.WAITING.value, "executor": "", "blocks": "", "swap": ""}
+        kv = ["HSET", self.k.req(rid), "kv", kv_json(req.kv)] if req.kv else ["HDEL", self.k.req(rid), "kv"]
         return [
             ["HSET", self.k.req(rid), *_flat(fields), "preemptions", str(req.num_preemptions)],
+            kv,
             ["SREM", self.x.live, rid],
             ["HDEL", self.x.computed, rid],
             ["ZADD", self.k.queue, repr(score), member],
         ]
+
+    def _moves(self, rec: StepRecord) -> list[list[str]]:
+        """KV migration (core/migration.py): lends made and ended here, and for each pull done here
+        the request forgets its source and the source's loop hears that its lend can end."""
+        ops = _chunks("HSET", self.x.lent, [v for x in rec.lent for v in (x.lend_id, lent_json(x))])
+        ops += _chunks("HDEL", self.x.lent, rec.unlent)
+        ring = ["XADD", self.k.incoming, "MAXLEN", "~", str(INCOMING_MAXLEN), "*"]
+        for req, src in rec.pulled:
+            ops += [["HDEL", self.k.req(req.request_id), "kv"], [*ring, "op", "unlend", "id", src.lend]]
+        return ops
 
     def _finish(self, req: Request) -> list[list[str]]:
         rid = req.request_id

@@ -298,7 +298,15 @@ class RedisStore:
                 )
         cache = {int(b): bytes.fromhex(h.decode()) for b, h in zip(raw[4][::2], raw[4][1::2])}
         ranks = {int(b): int(float(r)) for b, r in zip(raw[5][::2], raw[5][1::2])}
-        return Snapshot(pool, free, requests, int(raw[3]), cache, ranks)
+        # Lends change only in this executor's fenced commits, and this loop holds its lease: read apart.
+        texts = cast(list[str], await self.r.hvals(x.lent))
+        lent = [ref for text in texts for ref in codec.lent_blocks(text)]
+        return Snapshot(pool, free, requests, int(raw[3]), cache, ranks, lent)
+
+    async def views(self) -> dict[str, PoolView]:
+        """Every pool's published view (placement's, and migration's choice of peers)."""
+        usage = cast(dict[str, str], await self.r.hgetall(self.keys.usage))
+        return {e: codec.view_from(e, v) for e, v in usage.items()}
 
     async def tail_incoming(self) -> str:
         last: Any = await self.r.xrevrange(self.keys.incoming, count=1)

@@ -48,6 +48,7 @@ async def serve(rec: Recorder) -> tuple[grpc.aio.Server, grpc.aio.Channel]:
             "Info": handlers.unary(rec.Step, pb.InfoRequest),  # unused here
             "Step": handlers.unary(rec.Step, pb.StepPlan),
             "Steps": handlers.bidi(rec.Steps, pb.StepPlan),
+            "ReadBlocks": handlers.stream(rec.Steps, pb.ReadBlocksRequest),  # unused here
         },
     )
     port = server.add_insecure_port("127.0.0.1:0")
