@@ -140,6 +140,7 @@ def test_json_shape() -> None:
         "swapped": 0,
         "max_num_seqs": 8,
         "placed": 4,
+        "migrating": 0,
         "steps": 40,
         "generated": None,
         "preemptions": {"swap": 2, "recompute": 0},

@@ -80,6 +80,7 @@ def to_json(snap: Deployment, rate: tuple[dict[str, Rate], Rate] | None = None) 
             "swapped": e.swapped,
             "max_num_seqs": e.max_num_seqs,
             "placed": e.placed,
+            "migrating": e.lent,
             **_counters_json(e.counters, snap.counts_tokens),
             "evacuate_at_ms": e.evacuate_at_ms,
             **({"lora_adapters": list(e.lora)} if e.lora is not None else {}),
@@ -162,6 +163,7 @@ def _text(doc: dict[str, object]) -> str:
         lines.append(
             f"  {e['id']}  {e['address']}  {e['state']}  kv {usage}  running {e['running']}  "
             f"swapped {e['swapped']}  placed {e['placed']}  steps {e['steps']}  leader {e['leader']}"
+            + (f"  migrating {e['migrating']}" if e.get("migrating") else "")
             + (f"  lora {','.join(e['lora_adapters']) or '-'}" if "lora_adapters" in e else "")
         )
     for r in cast(list[dict[str, Any]], doc["replicas"]):

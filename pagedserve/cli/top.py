@@ -73,6 +73,8 @@ def _state(e: ExecutorStatus, at_ms: int) -> Text:
     if e.state == DRAINING and e.evacuate_at_ms:
         left = (e.evacuate_at_ms - at_ms) / 1000
         t.append(f" {left:.0f}s" if left > 0 else " evac", style="yellow")
+    if e.lent:
+        t.append(f" ⇢{e.lent}", style="cyan")  # migrations in flight: requests whose KV a peer is reading
     return t
 
 
@@ -205,7 +207,7 @@ class _Frame:
             "blocks: device blocks used/total; "
             + ("swap: CPU+disk swap used; " if wide else "")
             + "run/swp: running/swapped requests; placed: requests on it; preempt: preemptions by "
-            "swap/recompute; rates between the last two reads"
+            "swap/recompute; ⇢N: requests moving to peers with their KV; rates between the last two reads"
             + ("; lora: adapters in its slots" if any(e.lora is not None for e in self.snap.executors) else "")
         )
         if not self.snap.counts_tokens:
