@@ -110,3 +110,46 @@ def test_a_drain_moves_running_requests_with_their_kv(
     assert after.get("migrations_failed", 0) == before.get("migrations_failed", 0) == 0
     assert after.get("migrated_bytes", 0) > 0
     assert free == totals, "every block of the surviving pool is free: none lent, none leaked"
+
+
+def test_a_source_and_a_destination_killed_mid_move_lose_nothing(
+    tiny_llama: Path, redis_url: str, tmp_path: Path, expected: list[list[int]]
+) -> None:
+    """SIGTERM starts the move; as soon as the source has lent its requests' KV it is SIGKILLed (its
+    lends die with it: pulls still to come fail and recompute), and so is the busiest destination
+    (its requests go back to the queue, their KV named on a dead source: recomputed). The third
+    executor finishes every request with transformers' tokens; no block is left held."""
+    ns = "migrate-kill"
+    client = redis.Redis.from_url(redis_url, decode_responses=True)
+    with make_cluster(
+        tiny_llama,
+        redis_url,
+        ns,
+        tmp_path,
+        blocks=POOL,
+        executors=3,
+        executor_args=[*FAST, "--drain-timeout", "60"],
+        scheduler_args=FAST,
+    ) as cluster:
+        wait_for(lambda: len(executors(client, ns)) == 3, what="three loops")
+        before = counters(client, ns)
+        worker, results = run_in_background(cluster.address, [greedy(p, n) for p, n in zip(PROMPTS, MAX_TOKENS)])
+        wait_for(lambda: sum(placed(client, ns).values()) == N, what="every request placed")
+        source, source_id = busiest(cluster, client, ns)
+        source.proc.send_signal(signal.SIGTERM)
+        wait_for(
+            lambda: counters(client, ns).get("migrations_out", 0) > before.get("migrations_out", 0),
+            what="the source to lend its requests' KV",
+        )
+        source.proc.send_signal(signal.SIGKILL)
+        counts = {e: n for e, n in placed(client, ns).items() if e != source_id}
+        dest_id = max(counts, key=counts.get)
+        address = client.hget(Keys(ns).member(dest_id), "address")
+        (dest,) = [s for s in cluster.executors if s.address == address]
+        dest.proc.send_signal(signal.SIGKILL)
+        worker.join(180)
+        assert not worker.is_alive()
+        wait_for(lambda: len(executors(client, ns)) == 1, what="the dead executors to be reaped")
+        free, totals = wait_all_free(client, ns)
+    assert [r.token_ids for r in results] == expected, "no token lost, duplicated or changed"
+    assert free == totals, "the survivor's pool is all free"
