@@ -41,6 +41,18 @@ if TYPE_CHECKING:
     from benchmarks.arm_pagedserve import ServeConfig
 
 
+MIGRATION_KEYS = (
+    "drain_recomputed_tokens",
+    "drain_recomputed_tokens_recompute_arm",
+    "migration_stall_ms_p50",
+    "recompute_stall_ms_p50",
+    "migration_stall_ratio",
+    "migration_drain_s",
+    "recompute_drain_s",
+    "migration_tokens_identical",
+)
+
+
 def short_spec(args: argparse.Namespace, cfg: Config) -> WorkloadSpec:
     return WorkloadSpec(
         args.distribution,
@@ -283,6 +295,7 @@ def run_all(args: argparse.Namespace, cfg: Config, out: Path, started: float) ->
     shared: SharedPrefixResult | None = None
     par: ParallelResult | None = None
     peer: PeerResult | None = None
+    moved: dict[str, object] | None = None  # the migration arm (benchmarks/migration.py)
     scale_cfg = ScaleOutConfig(
         executors=cfg.scale_out_executors,
         running=cfg.scale_out_running,
@@ -389,6 +402,13 @@ def run_all(args: argparse.Namespace, cfg: Config, out: Path, started: float) ->
             logs / "kv_spread",
         )
         (out / "kv_spread_series.json").write_text(json.dumps(spread.series))
+
+    def migration() -> None:
+        from benchmarks import migration as mg
+
+        nonlocal moved
+        r = mg.run(model_dir, mg.MigrationConfig(seed=args.seed), logs / "migration")
+        moved = {**r.keys(), "modes": {m: x.as_dict() for m, x in r.modes.items()}}
 
     def reattach() -> None:
         from benchmarks import reattach as ra
@@ -507,6 +527,8 @@ def run_all(args: argparse.Namespace, cfg: Config, out: Path, started: float) ->
         attempt("LoRA adapters: mixed and single-adapter throughput vs the base model", lora_cost)
     if "kv_spread" in cfg.arms:
         attempt("KV usage spread", kv_spread)
+    if "migration" in cfg.arms:
+        attempt("drain: KV migration against recompute", migration)
     if "overhead" in cfg.arms:
         attempt("scheduler overhead sweep", sweep)
     if "scale_out" in cfg.arms:
@@ -653,6 +675,8 @@ def run_all(args: argparse.Namespace, cfg: Config, out: Path, started: float) ->
         "scale_out_efficiency_4": efficiency(scale, 4),
         "scale_out_efficiency_8": efficiency(scale, 8),
         "kv_usage_spread": spread.as_dict() if spread else None,
+        "migration": moved,
+        **{k: (moved or {}).get(k) for k in MIGRATION_KEYS},
         "reattach": re_dict,
         "reattach_ms_p50": re_dict["reattach_ms"]["p50"] if re_dict else None,
         "reattach_ms_p99": re_dict["reattach_ms"]["p99"] if re_dict else None,

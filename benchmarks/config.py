@@ -66,6 +66,7 @@ ARMS = (
     "overhead",
     "scale_out",
     "kv_spread",
+    "migration",
     "reattach",
     "sampling_cost",
     "logprobs_cost",

@@ -39,6 +39,7 @@ class Counters:
     migrations_failed: int = 0  # pulls that failed: those requests recompute
     migrated_blocks: int = 0  # blocks pulled
     migrated_bytes: int = 0
+    moved_recomputed_tokens: int = 0  # computed tokens whose KV requests lost by leaving (requeue, failed pull)
 
     def as_dict(self) -> dict[str, int]:
         return {f.name: getattr(self, f.name) for f in fields(self)}

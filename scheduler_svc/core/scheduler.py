@@ -162,7 +162,10 @@ class Scheduler:
         return gone
 
     def requeue(self, req: Request) -> None:
-        """``req`` leaves this executor for the shared queue, holding nothing: recomputed wherever it runs next."""
+        """``req`` leaves this executor for the shared queue, holding nothing: recomputed wherever it runs next
+        (unless it left with its KV lent: ``migrate``)."""
+        if req.kv is None or req.kv.lend not in self.lending.lends:
+            self._count("moved_recomputed_tokens", req.num_computed)  # KV it loses by leaving
         self._remove(req)
         self._orphan(req)
         self.blocks.free(req)
@@ -627,6 +630,7 @@ class Scheduler:
                 self._count("migrated_bytes", size)
             else:
                 self._count("migrations_failed")
+                self._count("moved_recomputed_tokens", p.src.tokens - req.num_computed)
             self.record.touch(req)
 
     def _accept(self, req: Request, s: Scheduled, accepted: int) -> None:
