@@ -319,7 +319,8 @@ class Loop:
         if self.migration != "off":
             order = sorted(sched.running, key=lambda r: r.order_key) + list(sched.swapped)
             movable = [r for r in order if migration.movable(r)]
-            picks = migration.pick(movable, await self.store.views(), self.executor, self.info.block_size)
+            views = await self.store.views() if movable else {}
+            picks = migration.pick(movable, views, self.executor, self.info.block_size)
             if picks and self.s.pipe:
                 return True
             at = now_ms()
