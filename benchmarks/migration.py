@@ -145,11 +145,11 @@ async def _mode(model_dir: Path, mode: str, cfg: MigrationConfig, log_dir: Path)
                 for i, (p, rid) in enumerate(zip(prompts, rids))
             ]
             while min(len(t) for t in times) < cfg.decoding_tokens:
-                ended = [c for c in calls if c.done()]
-                if ended:  # refused (too long for the model?) or failed: never wait on a stream that is over
+                short = [i for i, c in enumerate(calls) if c.done() and len(times[i]) < cfg.decoding_tokens]
+                if short:  # refused (too long for the model?) or failed: never wait on a stream that is over
                     for c in calls:
                         c.cancel()
-                    exc = ended[0].exception()
+                    exc = calls[short[0]].exception()
                     raise RuntimeError(f"a stream ended before its {cfg.decoding_tokens}th token: {exc!r}")
                 await asyncio.sleep(0.01)
             placed = {e: await client.scard(keys.executor(e).live) for e in await client.hkeys(keys.usage)}
