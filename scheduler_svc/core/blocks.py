@@ -314,6 +314,7 @@ class BlockManager:
         if extra:
             del req.blocks[keep:]
             req.num_registered = min(req.num_registered, keep)
+            req.table_cuts += 1
             self._unref(extra)
         return extra
 

@@ -93,6 +93,10 @@ class Request:
     # not persisted: a new leader recomputes it from the tokens and the salt.
     block_hashes: list[bytes] = field(default_factory=list)
     num_registered: int = 0  # of its blocks, how many the cache has seen (registered or found a twin)
+    # Times its device table lost blocks at its end while it ran (lookahead of rejected drafts:
+    # ``BlockManager.trim``). The executor's copy, kept by diffs, still holds them: a plan built after a
+    # cut sends the table whole (``loops/plan.py``), else the next lookahead block's diff lands after them.
+    table_cuts: int = 0
     # Parallel sampling (SamplingParams.n): the group's id (the request id the client knows; "" for a
     # request of its own) and this completion's index in it. Group mates share one prompt.
     group: str = ""

@@ -146,7 +146,8 @@ class PlanBuilder:
     def __init__(self, epoch: int = 0, instance_id: str = "") -> None:
         self.epoch = epoch  # the loop's fencing epoch and the executor's instance, both checked there
         self.instance_id = instance_id
-        self._sent: dict[str, int] = {}  # request id -> blocks of its table the executor holds
+        # request id -> (blocks of its table the executor holds, the request's ``table_cuts`` when they were sent)
+        self._sent: dict[str, tuple[int, int]] = {}
         # request id -> its Sampling message, built once (a decode step's plan is built 256 times a step;
         # copying a built message is a third of building it)
         self._sampling: dict[str, pb.Sampling] = {}
@@ -181,10 +182,10 @@ class PlanBuilder:
             sampling = self._sampling.get(rid)
             if sampling is None:
                 sampling = self._sampling[rid] = sampling_of(req.params)
-            known = self._sent.get(rid)
-            if known is not None and known > len(req.blocks):
-                known = None  # blocks reserved for rejected drafts were freed: the table goes in full
-            self._sent[rid] = len(req.blocks)
+            sent = self._sent.get(rid)
+            # Blocks reserved for rejected drafts were freed since (and maybe others taken): the table goes in full.
+            known = sent[0] if sent is not None and sent[1] == req.table_cuts else None
+            self._sent[rid] = (len(req.blocks), req.table_cuts)
             end = s.end
             unreported = end - req.num_known  # 1: the last position's token is in flight; else 0 or less
             if unreported > 1:

@@ -368,6 +368,49 @@ def test_the_plan_carries_drafts_and_resends_a_trimmed_table() -> None:
     assert pipe.can_launch() == (not out.has_drafts)
 
 
+def test_the_executors_tables_follow_trims_and_new_lookahead() -> None:
+    """Every plan's table diffs, applied as the executor applies them, give each scheduled request the
+    table the scheduler planned with, while rejected drafts free lookahead blocks, other requests take
+    them, and the next drafts reserve new ones. (A diff after a trim once named only the blocks past
+    the old length: the executor kept the freed block, wrote the drafts' KV into another request's
+    block and read its own from there; SmolLM2's outputs at batch 32 diverged from transformers.)"""
+    s = make(blocks=40)
+    for r in requests(6, 40):
+        s.add(r)
+    plans, tables, ended = PlanBuilder(), dict[str, list[int]](), list[str]()
+    trims = 0
+    for step_id in range(400):
+        if not s.has_work:
+            break
+        out = s.schedule()
+        plan = plans.build(out, step_id, ended)
+        for rid in plan.forget:
+            tables.pop(rid, None)
+        for seq in plan.seqs:
+            if seq.full_table:
+                tables[seq.request_id] = list(seq.block_table)
+            else:
+                tables[seq.request_id] += list(seq.block_table)
+        for x in out.scheduled:
+            assert tables[x.req.request_id] == x.req.blocks, f"step {step_id}: {x.req.request_id}'s table"
+        held = {rid: len(s.requests[rid].blocks) for rid in s.requests}
+        first, more = {}, {}
+        for x in out.scheduled:
+            ctx = x.req.prompt_ids + x.req.output_ids
+            emitted = []
+            for j in range(len(x.drafts) + 1):
+                emitted.append(cyclic(ctx + x.drafts[:j]))
+                if j == len(x.drafts) or emitted[-1] != x.drafts[j]:
+                    break
+            first[x.req.request_id], more[x.req.request_id] = emitted[0], emitted[1:]
+        s.update(out, first, more=more)
+        trims += sum(len(r.blocks) < held[rid] for rid, r in s.requests.items() if rid in held)
+        rec = s.take_record()
+        ended = [r.request_id for r in rec.finished]
+    assert not s.has_work
+    assert trims > 5, "rejected drafts freed lookahead blocks"
+
+
 def test_the_flag_is_refused_at_start_naming_the_key(capsys: pytest.CaptureFixture[str]) -> None:
     from scheduler_svc.__main__ import parse_args
 
