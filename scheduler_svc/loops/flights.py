@@ -26,7 +26,9 @@ next plan's positions start) is known only then. And drafting needs each
 request's last token, so while the draft length policy would draft
 (``Scheduler.wants_drafts``) no plan is built with another in flight: with
 speculation drafting, the loop is serial; when the policy picks k = 0 (large
-batches) it pipelines as before.
+batches) it pipelines as before. A turn that had to wait for such a result
+sends the next plan right after it (``launch_again``), before its commit, so
+the executor waits only for the plan to be built.
 After any failure the stream is cancelled; the executor drops the plans queued
 on it, and the reloaded loop opens a new one.
 """
@@ -102,6 +104,13 @@ class Pipeline:
         """After planning: serial, the result of the plan just sent; pipelined, the oldest result only
         when nothing new went out (the pipeline drains)."""
         return bool(self.flights) and (self.depth == 1 or not launched)
+
+    def launch_again(self, launched: bool) -> bool:
+        """Pipelined: a turn that sent nothing (a plan in flight moved KV or ran drafts) and then took
+        that plan's result tries to send the next plan at once, before its commit: the executor then
+        waits only for the plan, not for the commit and the next turn's reads from Redis (speculation at
+        small batches makes every turn such a turn)."""
+        return self.depth > 1 and not launched
 
     def can_commit(self) -> bool:
         """A commit may not record a swap the executor might not have done."""

@@ -303,6 +303,8 @@ class Loop:
             launched = self._launch(sched.schedule())
         if done is None and s.pipe.wait_after(launched is not None):
             done = await self._complete()
+            if s.pipe.launch_again(launched is not None) and not hold and s.pipe.can_launch() and sched.has_work:
+                launched = self._launch(sched.schedule())  # before the commit: the executor waits only for this
         sched.expire(now_ms())  # what would go back to the queue (or stays swapped) past its deadline ends here
         sched.requeue_waiting()
         if s.pipe.can_commit():
@@ -384,6 +386,7 @@ class Loop:
         timer.executor = timer.since(t) - timer.decode
         s.pipe.flights.popleft()
         s.sched.update(flight.out, *outputs(result), pulled=pulls_of(result))
+        s.sched.observe_step(flight.out, result.step_ms, result.idle_ms)
         self.placements.stepped(flight.out)
         if self.metrics is not None:
             self.metrics.step(self.model, self.executor, flight.out.num_tokens)

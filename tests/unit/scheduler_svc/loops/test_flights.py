@@ -72,17 +72,11 @@ def drive(s: Scheduler, depth: int, executor: Markov, abort_at: dict[int, str] |
             take(s, pipe, executor, ended)
         launched = False
         if pipe.can_launch() and s.has_work:
-            out = s.schedule()
-            if out.has_work:
-                plan = plans.build(out, step, ended)
-                ended = []
-                s.launch(out)
-                pipe.flights.append(Flight.of(out, step))
-                flight_plans.append(plan)
-                launched = True
-                step += 1
+            launched, step, ended = launch(s, pipe, plans, step, ended)
         if not done and pipe.wait_after(launched):
             take(s, pipe, executor, ended)
+            if pipe.launch_again(launched) and pipe.can_launch() and s.has_work:  # before the commit, as the loop
+                launched, step, ended = launch(s, pipe, plans, step, ended)
         if pipe.can_commit():
             in_flight_at_commit.append(len(pipe))
             stored = pipe.starts()
@@ -96,6 +90,19 @@ def drive(s: Scheduler, depth: int, executor: Markov, abort_at: dict[int, str] |
 
 
 flight_plans: deque = deque()
+
+
+def launch(
+    s: Scheduler, pipe: Pipeline, plans: PlanBuilder, step: int, ended: list[str]
+) -> tuple[bool, int, list[str]]:
+    """Schedule, build and send a plan (if there is work): (launched, the next step id, ended still to send)."""
+    out = s.schedule()
+    if not out.has_work:
+        return False, step, ended
+    flight_plans.append(plans.build(out, step, ended))
+    s.launch(out)
+    pipe.flights.append(Flight.of(out, step))
+    return True, step + 1, []
 
 
 def take(s: Scheduler, pipe: Pipeline, executor: Markov, ended: list[str]) -> None:
