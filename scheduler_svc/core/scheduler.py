@@ -356,6 +356,14 @@ class Scheduler:
         tokens = min(self.config.max_num_batched_tokens, sum(max(0, r.num_pending) for r in self.running))
         self._k = self.spec.policy.choose(rows, tokens)
 
+    def observe_step(self, out: SchedulerOutput, step_ms: float, wait_ms: float) -> None:
+        """The executor's time for a reported plan and its wait for it, for the draft length's cost model
+        (``StepCost``): only plans whose rows all decode (a prompt chunk's cost is another matter)."""
+        if self.spec is None or not out.scheduled:
+            return
+        if all(s.samples and s.num_tokens - len(s.drafts) == 1 for s in out.scheduled):
+            self.spec.policy.cost.observe(out.num_tokens, step_ms, out.has_drafts, wait_ms)
+
     def _drafts(self, req: Request, budget: int) -> list[int]:
         """Up to ``self._k`` drafts for ``req``, within the budget, its max_tokens, the context and the free
         blocks above the watermark (drafts never preempt anyone)."""

@@ -35,6 +35,8 @@ PRIOR_ACCEPTANCE = 0.6  # what the policy assumes before it has measured anythin
 DECAY = 0.9  # weight of the acceptance measured so far against a new step's
 FORGET = 0.02  # per step without drafts, the acceptance estimate drifts this far back to the prior
 MIN_GAIN = 1.05  # drafts must promise this many times the tokens per unit of step cost (their own overheads)
+COST_DECAY = 0.97  # weight of the step costs measured so far against a new step's (a memory of ~30 steps)
+COST_MIN_WEIGHT = 3.0  # the measured line replaces the prior once this much weight is in
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,8 +54,10 @@ class SpecConfig:
     # No drafts in a step of more running requests than this (vLLM's key); 0: no such limit.
     disable_by_batch_size: int = 0
     # The policy's cost model: a step of T tokens costs max(1, T / compute_bound_tokens) decode steps of one
-    # token (the weights are read once either way until the step is compute-bound).
+    # token (the weights are read once either way until the step is compute-bound). Given in the JSON, it is
+    # the model; unset (``measure_step_cost``), it is the prior of the step cost measured on the executor.
     compute_bound_tokens: int = 256
+    measure_step_cost: bool = True  # not a key: whether compute_bound_tokens was left out
 
 
 _INT_KEYS = (
@@ -112,6 +116,7 @@ def parse(text: str) -> SpecConfig:
     vals["prompt_lookup_min"], vals["prompt_lookup_max"] = lo, hi
     if vals.get("compute_bound_tokens", 256) < 1:
         raise ValueError("compute_bound_tokens: must be at least 1")
+    vals["measure_step_cost"] = "compute_bound_tokens" not in vals
     if vals.get("suffix_decoding_max_tree_depth", 24) < 2:
         raise ValueError("suffix_decoding_max_tree_depth: must be at least 2")
     if not 0 <= vals.get("suffix_decoding_min_token_prob", 0.1) <= 1:
@@ -318,11 +323,78 @@ def expected_tokens(alpha: float, k: int) -> float:
 
 
 @dataclass(slots=True)
+class StepCost:
+    """What a step of ``T`` tokens costs the executor, in ms: measured, as the line ``fixed + per_token x
+    T`` fitted by least squares to recent steps whose rows all decode (weights decaying by
+    ``COST_DECAY`` per step), and for a step that drafts, plus how much longer the executor waits for
+    its plan than for a plan without drafts (a drafting plan is built only after the last result is in:
+    the pipelined loop's overlap is lost). On a GPU the line is flat for hundreds of tokens (the weights
+    are read once either way); on a CPU of a few cores the step is compute-bound from a few dozen, and a
+    drafted token costs nearly what a sampled one does.
+
+    Before ``COST_MIN_WEIGHT`` of measurements, and always unless ``measured``, the prior: ``max(1, T /
+    compute_bound_tokens)`` decode steps. Measured steps of one size only (no spread to fit a slope to)
+    give the line through their mean that doubles at ``compute_bound_tokens``.
+    """
+
+    compute_bound_tokens: int = 256
+    measured: bool = True
+    _w: float = 0.0  # decayed sums of the weights, tokens, ms, tokens^2 and tokens x ms of measured steps
+    _x: float = 0.0
+    _y: float = 0.0
+    _xx: float = 0.0
+    _xy: float = 0.0
+    _waits: dict[bool, tuple[float, float]] = field(default_factory=dict)  # drafted -> (weight, sum of waits)
+
+    def observe(self, tokens: int, step_ms: float, drafted: bool, wait_ms: float) -> None:
+        """A reported step of ``tokens`` (every row decoding, with or without drafts): the executor's
+        ``step_ms``, and ``wait_ms``, its wait for the plan after its previous step."""
+        if not self.measured or tokens < 1 or step_ms <= 0:
+            return
+        if self.fitted:  # one step slowed by a passing process must not swing the line
+            step_ms = min(max(step_ms, 0.25 * self(tokens)), 4.0 * self(tokens))
+        d = COST_DECAY
+        self._w = d * self._w + 1
+        self._x = d * self._x + tokens
+        self._y = d * self._y + step_ms
+        self._xx = d * self._xx + tokens * tokens
+        self._xy = d * self._xy + tokens * step_ms
+        w, total = self._waits.get(drafted, (0.0, 0.0))
+        self._waits[drafted] = (d * w + 1, d * total + min(wait_ms, step_ms))  # a longer wait was an idle loop
+
+    @property
+    def fitted(self) -> bool:
+        return self._w >= COST_MIN_WEIGHT
+
+    def line(self) -> tuple[float, float]:
+        """(fixed, per_token) ms of the measured line; only when ``fitted``."""
+        mx, my = self._x / self._w, self._y / self._w
+        var = self._xx / self._w - mx * mx
+        if var >= 1.0:
+            per_token = max(0.0, (self._xy / self._w - mx * my) / var)
+        else:
+            per_token = my / (self.compute_bound_tokens + mx)
+        return max(0.0, my - per_token * mx), per_token
+
+    def draft_wait(self) -> float:
+        """ms the executor waits longer for a drafting plan than for one without drafts."""
+        (wd, sd), (wp, sp) = self._waits.get(True, (0.0, 0.0)), self._waits.get(False, (0.0, 0.0))
+        return max(0.0, (sd / wd if wd else 0.0) - (sp / wp if wp else 0.0))
+
+    def __call__(self, tokens: int, drafting: bool = False) -> float:
+        if not self.fitted:
+            return max(1.0, tokens / self.compute_bound_tokens)
+        fixed, per_token = self.line()
+        return fixed + per_token * tokens + (self.draft_wait() if drafting else 0.0)
+
+
+@dataclass(slots=True)
 class DraftPolicy:
     """The step's draft length: the k in [0, k_max] that maximises output tokens per unit of step
-    cost, ``expected_tokens(alpha, k) / cost(tokens + rows * k)`` with ``cost(T) = max(1, T /
-    compute_bound_tokens)``, against k = 0 (one token per row at ``cost(tokens)``); a k > 0 must
-    promise ``MIN_GAIN`` times k = 0's, which also turns drafting off when little is accepted.
+    cost, ``expected_tokens(alpha, k) / cost(tokens + rows * k)`` (``StepCost``: measured, from a
+    prior of ``max(1, T / compute_bound_tokens)``), against k = 0 (one token per row at
+    ``cost(tokens)``); a k > 0 must promise ``MIN_GAIN`` times k = 0's, which also turns drafting off
+    when little is accepted or the step is compute-bound.
 
     ``alpha``: the measured per-draft acceptance, ``accepted / (accepted + rejections)`` over the
     recent drafting steps (the estimate of a geometric acceptance from truncated runs), starting
@@ -334,24 +406,26 @@ class DraftPolicy:
     k_max: int
     compute_bound_tokens: int = 256
     disable_by_batch_size: int = 0
+    measured: bool = True  # the step cost is measured (else ``compute_bound_tokens``' model, fixed)
     alpha: float = PRIOR_ACCEPTANCE
+    cost: StepCost = field(init=False)
     _accepted: float = 0.0
     _rejected: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.cost = StepCost(self.compute_bound_tokens, self.measured)
 
     def choose(self, rows: int, tokens: int) -> int:
         """``rows``: decoding rows that could draft; ``tokens``: the step's tokens without drafts."""
         if rows < 1 or (self.disable_by_batch_size and rows > self.disable_by_batch_size):
             return 0
-        base = self._cost(tokens)
+        base = self.cost(tokens)
         best_k, best = 0, MIN_GAIN
         for k in range(1, self.k_max + 1):
-            gain = expected_tokens(self.alpha, k) * base / self._cost(tokens + rows * k)
+            gain = expected_tokens(self.alpha, k) * base / self.cost(tokens + rows * k, drafting=True)
             if gain > best * (1 + 1e-9):
                 best_k, best = k, gain
         return best_k
-
-    def _cost(self, tokens: int) -> float:
-        return max(1.0, tokens / self.compute_bound_tokens)
 
     def observe(self, accepted: int, rejections: int) -> None:
         """A step's outcome: drafts accepted, and rows whose drafts were cut by a rejection."""
@@ -373,5 +447,7 @@ class Speculator:
 
     @classmethod
     def of(cls, cfg: SpecConfig) -> Speculator:
-        policy = DraftPolicy(cfg.num_speculative_tokens, cfg.compute_bound_tokens, cfg.disable_by_batch_size)
+        policy = DraftPolicy(
+            cfg.num_speculative_tokens, cfg.compute_bound_tokens, cfg.disable_by_batch_size, cfg.measure_step_cost
+        )
         return cls(cfg, proposer(cfg), policy)

@@ -37,6 +37,10 @@ def test_parse_takes_vllms_json() -> None:
     assert (c.method, c.num_speculative_tokens, c.prompt_lookup_min, c.prompt_lookup_max) == ("ngram", 3, 4, 4)
     c = spec.parse('{"method": "suffix"}')
     assert c.num_speculative_tokens == c.suffix_decoding_max_tree_depth == 24
+    assert c.measure_step_cost and c.compute_bound_tokens == 256  # the measured cost's prior
+    c = spec.parse('{"method": "suffix", "compute_bound_tokens": 64}')
+    assert not c.measure_step_cost and c.compute_bound_tokens == 64  # given: the model, fixed
+    assert not spec.Speculator.of(c).policy.cost.measured
 
 
 @pytest.mark.parametrize(
@@ -120,6 +124,70 @@ def test_policy_drafts_at_small_batches_and_stops_when_compute_bound() -> None:
         pol.observe(0, 0)  # steps without drafts: back towards the prior
     assert pol.choose(1, 1) > 0
     assert spec.expected_tokens(0.5, 2) == 1.75 and spec.expected_tokens(1.0, 3) == 4
+
+
+def feed(pol: spec.DraftPolicy, fixed: float, per_token: float, wait: float = 0.0, rows: int = 32) -> None:
+    """Steps of every size from 1 to ``rows`` x 6 tokens, costing ``fixed + per_token x T`` ms; drafting
+    steps (more tokens than rows) waited ``wait`` ms for their plan, the others none."""
+    for i in range(200):
+        t = 1 + (i * 7) % (rows * 6)
+        pol.cost.observe(t, fixed + per_token * t, t > rows, wait if t > rows else 0.0)
+
+
+def test_the_draft_length_follows_the_measured_step_cost() -> None:
+    """SmolLM2 on 2 CPU cores (~26 ms + 0.9 ms per token): drafts at batch 1, none at 32 (a drafted
+    token costs nearly what a sampled one does); a flat step (a GPU's, the weights read once) drafts
+    at 32 too; the executor's longer wait for a drafting plan counts against drafts."""
+    cpu = spec.DraftPolicy(k_max=5, compute_bound_tokens=256)
+    feed(cpu, 26.0, 0.94)
+    fixed, per_token = cpu.cost.line()
+    assert fixed == pytest.approx(26.0) and per_token == pytest.approx(0.94)
+    assert cpu.choose(1, 1) == 5
+    assert cpu.choose(32, 32) == 0 and not cpu.choose(16, 16) > 2
+    flat = spec.DraftPolicy(k_max=5, compute_bound_tokens=256)
+    feed(flat, 20.0, 0.01)
+    assert flat.choose(32, 32) == 5
+    slow_loop = spec.DraftPolicy(k_max=5, compute_bound_tokens=256)
+    feed(slow_loop, 20.0, 0.01, wait=10.0)
+    assert slow_loop.cost.draft_wait() == pytest.approx(10.0)
+    flat.alpha = slow_loop.alpha = 0.3  # drafts that pay for a flat step, not for a 50% longer wait as well
+    assert flat.choose(32, 32) > 0 and slow_loop.choose(32, 32) == 0
+    waits = spec.DraftPolicy(k_max=5, compute_bound_tokens=256)
+    feed(waits, 20.0, 0.01, wait=25.0)
+    assert waits.cost.draft_wait() < 22.0  # a wait longer than the step was an idle loop: capped at the step
+    for _ in range(3):  # one step slowed 100x by another process moves the line a little only
+        cpu.cost.observe(32, 5000.0, False, 0.0)
+    assert cpu.cost.line()[1] < 2 * 0.94 and cpu.choose(1, 1) == 5
+
+
+def test_a_given_compute_bound_is_the_model_whatever_is_measured() -> None:
+    fixed = spec.DraftPolicy(k_max=5, compute_bound_tokens=256, measured=False)
+    feed(fixed, 26.0, 0.94)
+    assert not fixed.cost.fitted and fixed.cost(32) == 1.0 and fixed.choose(32, 32) == 5
+
+
+def test_one_size_of_step_gives_the_line_through_it() -> None:
+    pol = spec.DraftPolicy(k_max=4, compute_bound_tokens=64)
+    assert pol.cost(32) == 1.0 and pol.cost(128) == 2.0  # the prior, in decode steps
+    for _ in range(10):
+        pol.cost.observe(8, 30.0, False, 0.0)
+    fixed, per_token = pol.cost.line()
+    assert per_token == pytest.approx(30.0 / 72) and fixed + 8 * per_token == pytest.approx(30.0)
+
+
+def test_only_all_decode_steps_are_measured() -> None:
+    s = make()
+    r = Request("r", [5, 6, 7, 8, 5, 6, 7], Params(max_tokens=20))
+    s.add(r)
+    out = s.schedule()  # the prompt: not a decode step
+    s.update(out, {"r": 8})
+    s.observe_step(out, 100.0, 0.0)
+    assert s.spec is not None and s.spec.policy.cost._w == 0
+    out = s.schedule()
+    assert out.scheduled[0].drafts
+    s.update(out, {"r": 5}, more={"r": []})
+    s.observe_step(out, 30.0, 2.0)
+    assert s.spec.policy.cost._w == 1 and s.spec.policy.cost._waits == {True: (1.0, 2.0)}
 
 
 # -- the scheduler ----------------------------------------------------------------------------
