@@ -29,7 +29,7 @@ from pagedserve.keys import Keys
 from pagedserve.v1 import generation_pb2 as pb
 from pagedserve.v1 import generation_pb2_grpc as pb_grpc
 from tests.conftest import make_cluster
-from tests.helpers import greedy, run_all, wait_all_free
+from tests.helpers import counters, greedy, run_all, wait_all_free
 from tests.test_e2e_oracle import _hf_model, hf_greedy
 
 NS = "spec"
@@ -235,3 +235,52 @@ def test_seeded_requests_give_the_same_tokens_without_speculation(stack: Stack) 
         for on, off in zip(LOGPROBS[name], LOGPROBS["off"]):
             assert [(t, r) for t, _, r in on] == [(t, r) for t, _, r in off]
             assert [lp for _, lp, _ in on] == pytest.approx([lp for _, lp, _ in off], abs=1e-4)
+
+
+# SmolLM2 asked to hand back what it was given (the benchmark's kind of request, short): its greedy answers quote.
+QUOTING = [
+    "Rewrite this sentence, keeping every word: The quick brown fox jumps over the lazy dog while the old farmer "
+    "sleeps in the shade of the barn.",
+    "Add type hints to this function and reply with the whole function:\n\ndef area(width, height):\n"
+    "    if width < 0 or height < 0:\n        raise ValueError('negative size')\n    return width * height\n",
+    "Correct the spelling and reply with the corrected text in full: The comittee recieved the report on "
+    "wensday and decided to adress the isues at the next meating.",
+    "Rename the variable x to total in this code and reply with the code:\n\nx = 0\nfor item in items:\n"
+    "    x += item.price * item.quantity\nprint(x)\n",
+    "Summarise: A KV cache stores the keys and values of every token a model has seen, so that each new token "
+    "attends to them without computing them again. PagedAttention stores them in fixed-size blocks.",
+    "Repeat the list in reverse order: apple, banana, cherry, date, elderberry, fig, grape.",
+]
+SMOL_MAX_TOKENS = 48
+
+
+def test_smollm2_greedy_with_drafts_matches_transformers(smol_dir: Path, redis_url: str, tmp_path: Path) -> None:
+    """SmolLM2 with each proposer, six concurrent chat requests on a pool too small for all of them
+    (preempted, and rejected drafts' blocks taken by others): transformers' tokens, drafts accepted."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(smol_dir)
+    prompts = [
+        tok(tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False))[
+            "input_ids"
+        ]
+        for q in QUOTING
+    ]
+    expected = hf_greedy(smol_dir, prompts, [SMOL_MAX_TOKENS] * len(prompts))
+    ns = "spec-smol"
+    client = redis.Redis.from_url(redis_url, decode_responses=True)
+    reqs = [greedy(p, SMOL_MAX_TOKENS) for p in prompts]
+    args = ["--speculative-config", json.dumps(NGRAM)]
+    with make_cluster(smol_dir, redis_url, ns, tmp_path, blocks=24, scheduler_args=args) as cluster:
+        for cfg in (NGRAM, SUFFIX):
+            if cfg is SUFFIX:  # the next scheduler (its loop hands the executor's lease back as it stops)
+                cluster.schedulers.pop(0).stop()
+                cluster.start_scheduler(["--speculative-config", json.dumps(cfg)])
+            before = counters(client, ns)
+            results = run_all(cluster.address, reqs)
+            free, totals = wait_all_free(client, ns)
+            after = counters(client, ns)
+            assert [r.token_ids for r in results] == expected, cfg["method"]
+            assert after.get("spec_accepted_tokens", 0) > before.get("spec_accepted_tokens", 0), cfg["method"]
+            assert free == totals
+    assert after.get("preemptions_recompute", 0) > 0, "the small pool preempted"
