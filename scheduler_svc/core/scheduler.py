@@ -97,6 +97,7 @@ class Scheduler:
         self.spec = Speculator.of(config.spec) if config.spec is not None else None
         self._k = 0  # this step's draft length (``DraftPolicy``)
         self._spec_accepted = self._spec_rejections = 0  # drafts accepted and rows cut short, this update
+        self._spec_asked = self._spec_proposed = 0  # rows drafts were asked for, and got some, this step
         self.lending = Lending()  # blocks of requests that left with their KV (core/migration.py)
 
     # -- intake ---------------------------------------------------------------
@@ -379,6 +380,8 @@ class Scheduler:
         if k < 1:
             return []
         drafts = self.spec.proposer.propose(req.request_id, req.prompt_ids + req.output_ids, k)[:k]
+        self._spec_asked += 1
+        self._spec_proposed += bool(drafts)
         free = self.blocks.num_free(DEVICE) - self._watermark
         while drafts and self.blocks.needed(req, 1 + len(drafts)) > free:
             drafts.pop()
@@ -536,6 +539,9 @@ class Scheduler:
             self._admit(out, budget)
         if out.has_work:
             self._count("steps")
+        if self.spec is not None:
+            self.spec.policy.observe_proposals(self._spec_proposed, self._spec_asked)
+            self._spec_asked = self._spec_proposed = 0
         return out
 
     def launch(self, out: SchedulerOutput) -> None:

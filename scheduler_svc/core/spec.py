@@ -32,8 +32,12 @@ from typing import Any, Protocol
 
 METHODS = ("ngram", "suffix")
 PRIOR_ACCEPTANCE = 0.6  # what the policy assumes before it has measured anything
+PRIOR_COVERAGE = 1.0  # the share of rows the proposer finds drafts for, before anything is measured
 DECAY = 0.9  # weight of the acceptance measured so far against a new step's
 FORGET = 0.02  # per step without drafts, the acceptance estimate drifts this far back to the prior
+# Per step that asks for no drafts, the coverage estimate drifts this far back to its prior: slower, as each retry
+# costs a step of the loop's pipelining while the proposer may well find nothing again (one step in ~20 at batch 1).
+COVERAGE_FORGET = 0.005
 MIN_GAIN = 1.05  # drafts must promise this many times the tokens per unit of step cost (their own overheads)
 COST_DECAY = 0.97  # weight of the step costs measured so far against a new step's (a memory of ~30 steps)
 COST_MIN_WEIGHT = 3.0  # the measured line replaces the prior once this much weight is in
@@ -381,7 +385,7 @@ class StepCost:
         (wd, sd), (wp, sp) = self._waits.get(True, (0.0, 0.0)), self._waits.get(False, (0.0, 0.0))
         return max(0.0, (sd / wd if wd else 0.0) - (sp / wp if wp else 0.0))
 
-    def __call__(self, tokens: int, drafting: bool = False) -> float:
+    def __call__(self, tokens: float, drafting: bool = False) -> float:
         if not self.fitted:
             return max(1.0, tokens / self.compute_bound_tokens)
         fixed, per_token = self.line()
@@ -391,16 +395,21 @@ class StepCost:
 @dataclass(slots=True)
 class DraftPolicy:
     """The step's draft length: the k in [0, k_max] that maximises output tokens per unit of step
-    cost, ``expected_tokens(alpha, k) / cost(tokens + rows * k)`` (``StepCost``: measured, from a
-    prior of ``max(1, T / compute_bound_tokens)``), against k = 0 (one token per row at
+    cost, ``(1 + coverage x (expected_tokens(alpha, k) - 1)) / cost(tokens + coverage x rows x k)``
+    (``StepCost``: measured, from a prior of ``max(1, T / compute_bound_tokens)``; a drafting step
+    also pays the executor's longer wait for its plan), against k = 0 (one token per row at
     ``cost(tokens)``); a k > 0 must promise ``MIN_GAIN`` times k = 0's, which also turns drafting off
-    when little is accepted or the step is compute-bound.
+    when little is accepted, when the proposer finds little to draft, or when the step is
+    compute-bound. k = 0 matters beyond the step: a loop that would draft plans only with no plan
+    in flight (the drafts follow each request's last token), one that would not pipelines.
 
     ``alpha``: the measured per-draft acceptance, ``accepted / (accepted + rejections)`` over the
-    recent drafting steps (the estimate of a geometric acceptance from truncated runs), starting
-    from a prior and drifting back to it while nothing is drafted (else one bad stretch would turn
-    speculation off for good). A step of more than ``disable_by_batch_size`` running requests drafts
-    nothing; with large batches the cost model gives k = 0 on its own.
+    recent drafting steps (the estimate of a geometric acceptance from truncated runs); ``coverage``:
+    the measured share of the rows drafts were asked for that got some (prompt lookup finds nothing
+    in text that repeats nothing). Both start from a prior and drift back to it while nothing is
+    drafted (else one bad stretch would turn speculation off for good: the drift is how the policy
+    tries again). A step of more than ``disable_by_batch_size`` running requests drafts nothing; with
+    large batches the cost model gives k = 0 on its own.
     """
 
     k_max: int
@@ -408,9 +417,12 @@ class DraftPolicy:
     disable_by_batch_size: int = 0
     measured: bool = True  # the step cost is measured (else ``compute_bound_tokens``' model, fixed)
     alpha: float = PRIOR_ACCEPTANCE
+    coverage: float = PRIOR_COVERAGE
     cost: StepCost = field(init=False)
     _accepted: float = 0.0
     _rejected: float = 0.0
+    _proposed: float = 0.0
+    _asked: float = 0.0
 
     def __post_init__(self) -> None:
         self.cost = StepCost(self.compute_bound_tokens, self.measured)
@@ -419,10 +431,10 @@ class DraftPolicy:
         """``rows``: decoding rows that could draft; ``tokens``: the step's tokens without drafts."""
         if rows < 1 or (self.disable_by_batch_size and rows > self.disable_by_batch_size):
             return 0
-        base = self.cost(tokens)
+        base, c = self.cost(tokens), self.coverage
         best_k, best = 0, MIN_GAIN
         for k in range(1, self.k_max + 1):
-            gain = expected_tokens(self.alpha, k) * base / self.cost(tokens + rows * k, drafting=True)
+            gain = (1 + c * (expected_tokens(self.alpha, k) - 1)) * base / self.cost(tokens + c * rows * k, True)
             if gain > best * (1 + 1e-9):
                 best_k, best = k, gain
         return best_k
@@ -435,6 +447,15 @@ class DraftPolicy:
         self._accepted = DECAY * self._accepted + accepted
         self._rejected = DECAY * self._rejected + rejections
         self.alpha = self._accepted / (self._accepted + self._rejected)
+
+    def observe_proposals(self, proposed: int, asked: int) -> None:
+        """A step's proposals: rows that got drafts of the ``asked`` rows drafts were asked for."""
+        if asked == 0:
+            self.coverage += COVERAGE_FORGET * (PRIOR_COVERAGE - self.coverage)
+            return
+        self._proposed = DECAY * self._proposed + proposed
+        self._asked = DECAY * self._asked + asked
+        self.coverage = self._proposed / self._asked
 
 
 @dataclass(slots=True)

@@ -160,6 +160,26 @@ def test_the_draft_length_follows_the_measured_step_cost() -> None:
     assert cpu.cost.line()[1] < 2 * 0.94 and cpu.choose(1, 1) == 5
 
 
+def test_no_drafts_while_the_proposer_finds_none_then_it_tries_again() -> None:
+    """Text that repeats nothing: prompt lookup finds no drafts, so the policy stops asking (the loop
+    pipelines again instead of waiting for each result to draft from it), and later tries again."""
+    s = make(cfg=spec.SpecConfig("ngram", 4, prompt_lookup_min=2, prompt_lookup_max=2))
+    r = Request("r", list(range(100, 140)), Params(max_tokens=200))
+    s.add(r)
+    s.update(s.schedule(), {"r": 1000})
+    assert s.spec is not None and s.wants_drafts()
+    asked = []
+    for i in range(120):  # every token new: nothing to look up
+        asked.append(s.wants_drafts())
+        out = s.schedule()
+        assert not out.has_drafts
+        s.update(out, {"r": 1001 + i})
+    assert s.spec.policy.coverage < 0.2
+    assert asked[:2] == [True, False], "it stopped asking"
+    assert any(asked[2:]), "and tried again later"
+    assert sum(asked) < len(asked) / 8
+
+
 def test_a_given_compute_bound_is_the_model_whatever_is_measured() -> None:
     fixed = spec.DraftPolicy(k_max=5, compute_bound_tokens=256, measured=False)
     feed(fixed, 26.0, 0.94)
