@@ -1,11 +1,13 @@
 """Speculative decoding on the real stack (tiny random Llama, one executor with a small pool): greedy
-output with drafts is token-identical to transformers for both proposers, under preemption and
-prefix caching; seeded sampled requests give the same tokens with speculation on and off; and the
-sampled distribution over a two-token vocabulary (``allowed_token_ids``) matches the model's.
+output with drafts is token-identical to transformers for both proposers, under preemption (recompute and
+swap) and prefix caching; seeded sampled requests give the same tokens with speculation on and off; and the
+sampled distribution over a two-token vocabulary (``allowed_token_ids``) matches the model's. Last, SmolLM2
+with both proposers equals transformers (a deployment of its own).
 
-One deployment: the executor stays, the scheduler in front of it is replaced (ngram, suffix, then
-speculation off) between tests, which run in order; each counts the drafts it accepted (Redis' namespace counters), so
-no test can pass with speculation silently off.
+One tiny deployment: the executor stays, the scheduler in front of it is replaced (ngram, suffix, ngram with
+swap preemption, then speculation off) between tests, which run in order; each counts the drafts it accepted
+(Redis' namespace counters), so no test can pass with speculation silently off. Faults mid-speculation:
+tests/test_spec_faults.py.
 """
 
 from __future__ import annotations
