@@ -39,7 +39,7 @@ FORGET = 0.02  # per step without drafts, the acceptance estimate drifts this fa
 # costs a step of the loop's pipelining while the proposer may well find nothing again (one step in ~20 at batch 1).
 COVERAGE_FORGET = 0.005
 MIN_GAIN = 1.05  # drafts must promise this many times the tokens per unit of step cost (their own overheads)
-COST_DECAY = 0.97  # weight of the step costs measured so far against a new step's (a memory of ~30 steps)
+COST_DECAY = 0.9  # weight of a range's step costs measured so far against a new step's in it
 COST_MIN_WEIGHT = 3.0  # the measured line replaces the prior once this much weight is in
 
 
@@ -328,26 +328,27 @@ def expected_tokens(alpha: float, k: int) -> float:
 
 @dataclass(slots=True)
 class StepCost:
-    """What a step of ``T`` tokens costs the executor, in ms: measured, as the line ``fixed + per_token x
-    T`` fitted by least squares to recent steps whose rows all decode (weights decaying by
-    ``COST_DECAY`` per step), and for a step that drafts, plus how much longer the executor waits for
-    its plan than for a plan without drafts (a drafting plan is built only after the last result is in:
-    the pipelined loop's overlap is lost). On a GPU the line is flat for hundreds of tokens (the weights
-    are read once either way); on a CPU of a few cores the step is compute-bound from a few dozen, and a
-    drafted token costs nearly what a sampled one does.
+    """What a step of ``T`` tokens costs the executor, in ms, measured on recent steps whose rows all
+    decode (with or without drafts), and for a step that drafts, plus how much longer the executor
+    waits for its plan than for a plan without drafts (a drafting plan is built only after the last
+    result is in: the pipelined loop's overlap is lost).
+
+    The curve is a set of points, one per power-of-two range of T (the decayed means of the steps'
+    tokens and times in it, ``COST_DECAY`` per step in that range), made non-decreasing, joined by
+    straight lines, flat below the first, and continued past the last along the last two's slope (one
+    point alone: along the prior's shape). A straight line over every size would not do: the step is
+    flat while the weights' reading dominates and rises once it is compute-bound (on a 2-core CPU from
+    a dozen tokens, on a GPU from hundreds), and a line fitted to batch-1 steps would call drafts at
+    32 rows cheap. Near the batch that runs, the points are fresh; a range left unused keeps its last
+    figure until a step lands there again.
 
     Before ``COST_MIN_WEIGHT`` of measurements, and always unless ``measured``, the prior: ``max(1, T /
-    compute_bound_tokens)`` decode steps. Measured steps of one size only (no spread to fit a slope to)
-    give the line through their mean that doubles at ``compute_bound_tokens``.
+    compute_bound_tokens)`` decode steps (a GPU's shape).
     """
 
     compute_bound_tokens: int = 256
     measured: bool = True
-    _w: float = 0.0  # decayed sums of the weights, tokens, ms, tokens^2 and tokens x ms of measured steps
-    _x: float = 0.0
-    _y: float = 0.0
-    _xx: float = 0.0
-    _xy: float = 0.0
+    _ranges: dict[int, tuple[float, float, float]] = field(default_factory=dict)  # T.bit_length() -> w, sum T, ms
     _waits: dict[bool, tuple[float, float]] = field(default_factory=dict)  # drafted -> (weight, sum of waits)
 
     def observe(self, tokens: int, step_ms: float, drafted: bool, wait_ms: float) -> None:
@@ -355,41 +356,47 @@ class StepCost:
         ``step_ms``, and ``wait_ms``, its wait for the plan after its previous step."""
         if not self.measured or tokens < 1 or step_ms <= 0:
             return
-        if self.fitted:  # one step slowed by a passing process must not swing the line
-            step_ms = min(max(step_ms, 0.25 * self(tokens)), 4.0 * self(tokens))
+        if self.fitted:  # one step slowed by a passing process must not swing the curve
+            step_ms = min(max(step_ms, 0.5 * self(tokens)), 2.0 * self(tokens))
         d = COST_DECAY
-        self._w = d * self._w + 1
-        self._x = d * self._x + tokens
-        self._y = d * self._y + step_ms
-        self._xx = d * self._xx + tokens * tokens
-        self._xy = d * self._xy + tokens * step_ms
+        w, t, ms = self._ranges.get(tokens.bit_length(), (0.0, 0.0, 0.0))
+        self._ranges[tokens.bit_length()] = (d * w + 1, d * t + tokens, d * ms + step_ms)
         w, total = self._waits.get(drafted, (0.0, 0.0))
         self._waits[drafted] = (d * w + 1, d * total + min(wait_ms, step_ms))  # a longer wait was an idle loop
 
     @property
     def fitted(self) -> bool:
-        return self._w >= COST_MIN_WEIGHT
+        return sum(w for w, _, _ in self._ranges.values()) >= COST_MIN_WEIGHT
 
-    def line(self) -> tuple[float, float]:
-        """(fixed, per_token) ms of the measured line; only when ``fitted``."""
-        mx, my = self._x / self._w, self._y / self._w
-        var = self._xx / self._w - mx * mx
-        if var >= 1.0:
-            per_token = max(0.0, (self._xy / self._w - mx * my) / var)
-        else:
-            per_token = my / (self.compute_bound_tokens + mx)
-        return max(0.0, my - per_token * mx), per_token
+    def points(self) -> list[tuple[float, float]]:
+        """(tokens, ms) per measured range, by tokens, each ms at least the one before."""
+        out: list[tuple[float, float]] = []
+        for _, (w, t, ms) in sorted(self._ranges.items()):
+            out.append((t / w, max(ms / w, out[-1][1] if out else 0.0)))
+        return out
 
     def draft_wait(self) -> float:
         """ms the executor waits longer for a drafting plan than for one without drafts."""
         (wd, sd), (wp, sp) = self._waits.get(True, (0.0, 0.0)), self._waits.get(False, (0.0, 0.0))
         return max(0.0, (sd / wd if wd else 0.0) - (sp / wp if wp else 0.0))
 
+    def _prior(self, tokens: float) -> float:
+        return max(1.0, tokens / self.compute_bound_tokens)
+
     def __call__(self, tokens: float, drafting: bool = False) -> float:
         if not self.fitted:
-            return max(1.0, tokens / self.compute_bound_tokens)
-        fixed, per_token = self.line()
-        return fixed + per_token * tokens + (self.draft_wait() if drafting else 0.0)
+            return self._prior(tokens)
+        pts = self.points()
+        (x0, y0), (x1, y1) = pts[-2] if len(pts) > 1 else pts[-1], pts[-1]
+        if tokens <= pts[0][0]:
+            ms = pts[0][1]
+        elif tokens >= x1:
+            ms = y1 + (y1 - y0) / (x1 - x0) * (tokens - x1) if x1 > x0 else y1 * self._prior(tokens) / self._prior(x1)
+        else:
+            i = next(i for i, (x, _) in enumerate(pts) if x >= tokens)
+            (xa, ya), (xb, yb) = pts[i - 1], pts[i]
+            ms = ya + (yb - ya) * (tokens - xa) / (xb - xa)
+        return ms + (self.draft_wait() if drafting else 0.0)
 
 
 @dataclass(slots=True)
