@@ -34,8 +34,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import grpc
+import psutil
 import redis
 
+from benchmarks import cpu
 from benchmarks.spec_tasks import Task, tasks
 from benchmarks.stack import Stack, StackConfig, start
 from pagedserve.keys import Keys
@@ -112,6 +114,10 @@ class SpecBenchResult:
     config: SpecBenchConfig
     phases: dict[str, dict[str, PhaseResult]] = field(default_factory=dict)  # "batch1"/"batchN" -> mode -> result
     load: dict[str, list[float]] = field(default_factory=dict)  # os.getloadavg(): before the arm, each phase, after
+    # Per phase: CPU cores busy with anything but this arm's processes (the machine's busy time minus the arm's own
+    # CPU time, over the phase's wall time): the load the figures were measured under, which a load average that
+    # counts the arm itself does not say.
+    others_cores: dict[str, float] = field(default_factory=dict)
     python: str = sys.version.split()[0]
 
     def speedup(self, phase: str, mode: str) -> float | None:
@@ -171,6 +177,7 @@ class SpecBenchResult:
             "spec_configs": {m: self.config.spec_config(m) for m in MODES},
             "python": self.python,
             "load_avg": self.load,
+            "others_cores": self.others_cores,
             "phases": {ph: {m: r.as_dict() for m, r in got.items()} for ph, got in self.phases.items()},
             "tokens_identical": {
                 ph: {m: self.identical(ph, m) for m in MODES[1:]} for ph in self.phases if "off" in self.phases[ph]
@@ -288,6 +295,29 @@ def _loadavg() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
 
 
+@dataclass(slots=True)
+class _Others:
+    """CPU seconds the machine spent on other processes than the arm's (its deployments and this one)."""
+
+    meter: cpu.Meter
+    t0: float = 0.0
+    busy0: float = 0.0
+    ours0: float = 0.0
+
+    @staticmethod
+    def _busy() -> float:
+        t = psutil.cpu_times()
+        return sum(getattr(t, k, 0.0) for k in ("user", "nice", "system", "irq", "softirq", "steal"))
+
+    def begin(self) -> None:
+        self.t0, self.busy0, self.ours0 = time.monotonic(), self._busy(), sum(self.meter.snapshot().values())
+
+    def cores(self) -> float:
+        """Cores busy with other processes since ``begin``, on average."""
+        others = (self._busy() - self.busy0) - (sum(self.meter.snapshot().values()) - self.ours0)
+        return round(max(0.0, others) / max(1e-9, time.monotonic() - self.t0), 2)
+
+
 def _rotated(i: int) -> tuple[str, ...]:
     return MODES[i % len(MODES) :] + MODES[: i % len(MODES)]
 
@@ -299,6 +329,8 @@ def run(model_dir: Path, cfg: SpecBenchConfig, log_dir: Path) -> SpecBenchResult
     out = SpecBenchResult(cfg)
     out.load["before"] = _loadavg()
     deps = _start(model_dir, cfg, log_dir)
+    roots = [p.pid for d in deps.values() for p in (d.stack.redis.proc, *(x.proc for x in d.stack.services))]
+    others = _Others(cpu.Meter(roots, cpu.pagedserve_role))
 
     def send(mode: str, batch: list[Task], tally: _Tally) -> None:
         d = deps[mode]
@@ -314,18 +346,22 @@ def run(model_dir: Path, cfg: SpecBenchConfig, log_dir: Path) -> SpecBenchResult
             asyncio.run(_batch(d.stack.address, [request(warm, 8)]))
         # batch 1: each task on every deployment before the next task, the modes' order rotating
         out.load["batch1"] = _loadavg()
+        others.begin()
         solo_tally = {m: _Tally() for m in MODES}
         for i, task in enumerate(solo):
             for mode in _rotated(i):
                 send(mode, [task], solo_tally[mode])
+        out.others_cores["batch1"] = others.cores()
         out.phases["batch1"] = {m: solo_tally[m].result(deps[m].step_log) for m in MODES}
         # batch N: rounds of fresh tasks sent at once, each round on every deployment, the order rotating
         out.load["batchN"] = _loadavg()
+        others.begin()
         many_tally = {m: _Tally() for m in MODES}
         for r in range(cfg.rounds):
             batch = work[n1 + r * nb : n1 + (r + 1) * nb]
             for mode in _rotated(r):
                 send(mode, batch, many_tally[mode])
+        out.others_cores["batchN"] = others.cores()
         out.phases["batchN"] = {m: many_tally[m].result(deps[m].step_log) for m in MODES}
         out.load["after"] = _loadavg()
     finally:
@@ -348,7 +384,9 @@ def section(summary: dict) -> list[str]:
         f"{c['requests']} tasks one at a time, then {c['rounds']} rounds of {c['batch']} others at once, greedy, at "
         f"most {c['max_tokens']} tokens each: chat requests quoting a passage or a function (Python {s['python']}'s "
         f"standard library); one deployment per mode. 1-minute load average (this arm's own processes included) "
-        f"at: {one_min}.",
+        f"at: {one_min}; CPU cores busy with other processes, on average: "
+        + ", ".join(f"{k} {v:.2f}" for k, v in s.get("others_cores", {}).items())
+        + ".",
         "",
         "| phase | mode | output tok/s | speedup | acceptance | mean accepted length | step p50 ms | executor "
         "wait p50 ms | tokens / step | identical to off |",

@@ -43,8 +43,12 @@ class Stack:
     def address(self) -> str:
         return self.scheduler.address
 
+    @property
+    def services(self) -> list[Service]:
+        return [self.scheduler, *self.executors]
+
     def stop(self) -> None:
-        stop_all([self.scheduler, *self.executors])
+        stop_all(self.services)
         self.redis.stop()
 
     def __enter__(self) -> Stack:
