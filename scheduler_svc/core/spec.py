@@ -356,10 +356,10 @@ class StepCost:
         ``step_ms``, and ``wait_ms``, its wait for the plan after its previous step."""
         if not self.measured or tokens < 1 or step_ms <= 0:
             return
-        if self.fitted:  # one step slowed by a passing process must not swing the curve
-            step_ms = min(max(step_ms, 0.5 * self(tokens)), 2.0 * self(tokens))
         d = COST_DECAY
         w, t, ms = self._ranges.get(tokens.bit_length(), (0.0, 0.0, 0.0))
+        if w >= 1.0:  # one step slowed by a passing process must not swing its range (a new range takes it whole)
+            step_ms = min(max(step_ms, 0.5 * ms / w), 2.0 * ms / w)
         self._ranges[tokens.bit_length()] = (d * w + 1, d * t + tokens, d * ms + step_ms)
         w, total = self._waits.get(drafted, (0.0, 0.0))
         self._waits[drafted] = (d * w + 1, d * total + min(wait_ms, step_ms))  # a longer wait was an idle loop

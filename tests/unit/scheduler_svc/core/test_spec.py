@@ -178,6 +178,20 @@ def test_batch_1_steps_do_not_make_drafts_at_32_rows_look_cheap() -> None:
     assert pol.cost(64) > 1.5 * pol.cost(32) and pol.choose(32, 32) == 0
 
 
+def test_a_step_in_a_new_range_counts_whole() -> None:
+    """The curve extrapolated from batch-1 steps in the flat region calls a 32-row step with drafts
+    cheap; the first one measured there, several times that, counts whole (only a range's own figure
+    bounds a step's: bounded by the extrapolation, the suffix loop drafted at 32 rows on and on), and
+    drafts at 32 rows stop."""
+    pol = spec.DraftPolicy(k_max=24, compute_bound_tokens=256)
+    feed(pol, lambda t: 22.0 + 0.05 * t, range(1, 26))  # suffix at batch 1, up to 24 drafts: flat
+    k = pol.choose(32, 32)
+    assert k > 0 and pol.cost(32 * (1 + k)) < 2 * pol.cost(32), "extrapolated from batch 1, drafts look cheap"
+    pol.cost.observe(32 * (1 + k), smollm2_on_2_cores(32 * (1 + k)), True, 5.0)
+    assert pol.cost(32 * (1 + k)) == pytest.approx(smollm2_on_2_cores(32 * (1 + k)))
+    assert pol.choose(32, 32) == 0
+
+
 def test_no_drafts_while_the_proposer_finds_none_then_it_tries_again() -> None:
     """Text that repeats nothing: prompt lookup finds no drafts, so the policy stops asking (the loop
     pipelines again instead of waiting for each result to draft from it), and later tries again."""
