@@ -12,10 +12,11 @@ Two proposers, neither with a model:
   followed its earliest occurrence.
 - ``suffix`` (SuffixDecoding, arXiv 2411.04975): a suffix trie of bounded depth over the request's
   own tokens, and one over the outputs of the last ``suffix_decoding_max_cached_requests`` finished
-  requests; the longest suffix of the request's tokens found in a trie is followed along its most
-  frequent continuation while the path's probability stays above ``suffix_decoding_min_token_prob``,
-  for at most ``suffix_decoding_max_spec_factor`` x the match length tokens (the draft length follows
-  how much matched).
+  requests; the longest suffix of the request's tokens found in a trie (and shorter ones, by halves)
+  is followed along its most frequent continuation while the path's probability stays above
+  ``suffix_decoding_min_token_prob``, for at most ``suffix_decoding_max_spec_factor`` x the match length
+  tokens and the depth left below the match (the draft length follows how much matched); the best
+  scoring path wins.
 
 ``DraftPolicy`` picks the step's draft length k from the step's size and the measured acceptance.
 """
@@ -215,6 +216,13 @@ class SuffixTrie:
                 return node, m
         return None
 
+    def find(self, tokens: Sequence[int]) -> _Node | None:
+        """The node of ``tokens`` (at most ``depth`` long), if the trie holds them."""
+        node: _Node | None = self.root
+        for t in tokens:
+            node = node.kids.get(t) if node is not None else None
+        return node
+
     def follow(self, node: _Node, limit: int, min_prob: float) -> tuple[list[int], float]:
         """The most frequent continuation from ``node``: tokens, and the sum of their path probabilities."""
         out: list[int] = []
@@ -278,18 +286,27 @@ class SuffixProposer:
         # Match on what the request had before its last token was added, so that the match's own
         # occurrence (the suffix just added) is not its only continuation.
         best: tuple[list[int], float] = ([], 0.0)
-        longest = max(1, self.depth - k)  # a longer match would leave no room in the trie for k drafts
         own.extend(tokens[:-1])
         assert self._cache is not None
         for trie in (own.trie, self._cache):
-            hit = trie.match(tokens, longest)
+            hit = trie.match(tokens, self.depth - 1)  # a token of room at least below the match
             if hit is None:
                 continue
+            # The longest suffix found, and shorter ones by halves: a match of m tokens leaves depth - m
+            # below it for drafts (a whole quoted line matched 23 deep in a trie of 24 drafts one token),
+            # and SuffixDecoding takes the match length whose path scores best.
             node, m = hit
-            limit = min(k, max(1, math.ceil(self.spec_factor * m)))
-            drafts, score = trie.follow(node, limit, self.min_prob)
-            if score > best[1]:
-                best = (drafts, score)
+            while True:
+                limit = min(k, self.depth - m, max(1, math.ceil(self.spec_factor * m)))
+                drafts, score = trie.follow(node, limit, self.min_prob)
+                if score > best[1]:
+                    best = (drafts, score)
+                if m == 1 or limit >= k:
+                    break
+                m //= 2
+                found = trie.find(tokens[len(tokens) - m :])
+                assert found is not None  # a suffix of a substring the trie holds is one too
+                node = found
         return best[0]
 
     def finished(self, request_id: str, output: Sequence[int]) -> None:

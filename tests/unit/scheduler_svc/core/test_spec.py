@@ -106,6 +106,15 @@ def test_suffix_draft_length_follows_the_match() -> None:
     assert p.propose("s", [*toks, 2, 3], 5) == [4, 5, 6]
 
 
+def test_a_long_match_leaves_room_for_drafts() -> None:
+    """A quoted passage matched as deep as the trie goes leaves one token below it; a shorter suffix of
+    the match, whose continuation is as sure, drafts more."""
+    p = spec.SuffixProposer(depth=8, spec_factor=1.0)
+    passage = list(range(100, 120))
+    toks = [*passage, 7, *passage[:9]]  # the request quotes the passage: its last 9 tokens occurred before
+    assert p.propose("r", toks, 6) == passage[9:12]  # a 7-token match drafts 1; its last 3 (by halves) draft 3
+
+
 # -- the draft length -----------------------------------------------------------------------
 
 
