@@ -38,7 +38,7 @@ import psutil
 import redis
 
 from benchmarks import cpu
-from benchmarks.spec_tasks import Task, tasks
+from benchmarks.spec_tasks import Task, provenance, tasks
 from benchmarks.stack import Stack, StackConfig, start
 from pagedserve.keys import Keys
 from pagedserve.rpc import CHANNEL_OPTIONS
@@ -118,6 +118,9 @@ class SpecBenchResult:
     # CPU time, over the phase's wall time): the load the figures were measured under, which a load average that
     # counts the arm itself does not say.
     others_cores: dict[str, float] = field(default_factory=dict)
+    # Per phase: the shares of speculation off's output tokens whose 4-gram occurs in the prompt (quoted), only
+    # earlier in the output (repeated), or nowhere before (``spec_tasks.provenance``).
+    provenance: dict[str, dict[str, float]] = field(default_factory=dict)
     python: str = sys.version.split()[0]
 
     def speedup(self, phase: str, mode: str) -> float | None:
@@ -178,6 +181,7 @@ class SpecBenchResult:
             "python": self.python,
             "load_avg": self.load,
             "others_cores": self.others_cores,
+            "output_provenance": self.provenance,
             "phases": {ph: {m: r.as_dict() for m, r in got.items()} for ph, got in self.phases.items()},
             "tokens_identical": {
                 ph: {m: self.identical(ph, m) for m in MODES[1:]} for ph in self.phases if "off" in self.phases[ph]
@@ -318,6 +322,22 @@ class _Others:
         return round(max(0.0, others) / max(1e-9, time.monotonic() - self.t0), 2)
 
 
+def _provenance(model_dir: Path, asked: list[Task], outputs: list[list[int]]) -> dict[str, float]:
+    """``spec_tasks.provenance`` over the outputs, as shares of their tokens; prompts as the frontend makes them
+    (the model's chat template)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    total = {"quoted": 0, "repeated": 0, "new": 0}
+    for task, output in zip(asked, outputs):
+        chat = [{"role": "user", "content": task.prompt}]
+        text = tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+        for k, v in provenance(tok(text, add_special_tokens=False)["input_ids"], output).items():
+            total[k] += v
+    n = max(1, sum(total.values()))
+    return {k: round(v / n, 3) for k, v in total.items()}
+
+
 def _rotated(i: int) -> tuple[str, ...]:
     return MODES[i % len(MODES) :] + MODES[: i % len(MODES)]
 
@@ -353,6 +373,7 @@ def run(model_dir: Path, cfg: SpecBenchConfig, log_dir: Path) -> SpecBenchResult
                 send(mode, [task], solo_tally[mode])
         out.others_cores["batch1"] = others.cores()
         out.phases["batch1"] = {m: solo_tally[m].result(deps[m].step_log) for m in MODES}
+        out.provenance["batch1"] = _provenance(model_dir, solo, solo_tally["off"].outputs)
         # batch N: rounds of fresh tasks sent at once, each round on every deployment, the order rotating
         out.load["batchN"] = _loadavg()
         others.begin()
@@ -363,6 +384,8 @@ def run(model_dir: Path, cfg: SpecBenchConfig, log_dir: Path) -> SpecBenchResult
                 send(mode, batch, many_tally[mode])
         out.others_cores["batchN"] = others.cores()
         out.phases["batchN"] = {m: many_tally[m].result(deps[m].step_log) for m in MODES}
+        together = [t for r in range(cfg.rounds) for t in work[n1 + r * nb : n1 + (r + 1) * nb]]
+        out.provenance["batchN"] = _provenance(model_dir, together, many_tally["off"].outputs)
         out.load["after"] = _loadavg()
     finally:
         for d in deps.values():
@@ -380,13 +403,20 @@ def section(summary: dict) -> list[str]:
         return [*lines, "Not run.", ""]
     c, load = s["config"], s["load_avg"]
     one_min = ", ".join(f"{k} {v[0]:.2f}" for k, v in load.items())
+    others = ", ".join(f"{k} {v:.2f}" for k, v in s.get("others_cores", {}).items())
+    prov = "; ".join(
+        f"{ph}: quoted from the prompt {p['quoted']:.0%}, repeating earlier output only {p['repeated']:.0%}, "
+        f"new {p['new']:.0%}"
+        for ph, p in s.get("output_provenance", {}).items()
+    )
     lines += [
         f"{c['requests']} tasks one at a time, then {c['rounds']} rounds of {c['batch']} others at once, greedy, at "
         f"most {c['max_tokens']} tokens each: chat requests quoting a passage or a function (Python {s['python']}'s "
         f"standard library); one deployment per mode. 1-minute load average (this arm's own processes included) "
-        f"at: {one_min}; CPU cores busy with other processes, on average: "
-        + ", ".join(f"{k} {v:.2f}" for k, v in s.get("others_cores", {}).items())
-        + ".",
+        f"at: {one_min}; CPU cores busy with other processes, on average: {others}.",
+        "",
+        f"Where the output comes from (speculation off's tokens, each with the 3 before it): {prov}. Drafts predict "
+        "the first two; the second is the model's own loops.",
         "",
         "| phase | mode | output tok/s | speedup | acceptance | mean accepted length | step p50 ms | executor "
         "wait p50 ms | tokens / step | identical to off |",

@@ -14,6 +14,7 @@ import importlib
 import inspect
 import random
 import textwrap
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 MODULES = (
@@ -121,3 +122,24 @@ def tasks(n: int, seed: int = 0) -> list[Task]:
     if n > len(both):
         raise ValueError(f"only {len(both)} tasks can be made, {n} asked")
     return both[:n]
+
+
+def provenance(prompt: Sequence[int], output: Sequence[int], n: int = 4) -> dict[str, int]:
+    """Where each output token's ``n``-gram (it and the ``n - 1`` tokens before it) comes from: ``quoted``
+    (it occurs in the prompt), ``repeated`` (only earlier in the output: a small model's loops), ``new``.
+    It says how much of a speedup is the quoting the workload asks for and how much the model's own
+    repetition, which drafts predict as well."""
+    seen_prompt = {tuple(prompt[i : i + n]) for i in range(len(prompt) - n + 1)}
+    seq = [*prompt, *output]
+    seen_output: set[tuple[int, ...]] = set()
+    out = {"quoted": 0, "repeated": 0, "new": 0}
+    for p in range(len(prompt), len(seq)):
+        gram = tuple(seq[max(0, p - n + 1) : p + 1])
+        if gram in seen_prompt:
+            out["quoted"] += 1
+        elif gram in seen_output:
+            out["repeated"] += 1
+        else:
+            out["new"] += 1
+        seen_output.add(gram)
+    return out

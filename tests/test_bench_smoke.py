@@ -256,6 +256,8 @@ def test_harness_writes_report(tiny_model: Path, tmp_path: Path, capsys: pytest.
     for phase in sd["phases"].values():
         assert set(phase) == {"off", "ngram", "suffix"} and phase["off"]["counters"]["spec_draft_tokens"] == 0
         assert all(r["tokens"] > 0 and r["steps"]["steps"] > 0 for r in phase.values())
+    for shares in sd["output_provenance"].values():
+        assert set(shares) == {"quoted", "repeated", "new"} and sum(shares.values()) == pytest.approx(1, abs=0.01)
     methods = {"ngram", "suffix"}
     assert set(summary["spec_acceptance_rate"]) == set(summary["spec_speedup_batch1_by_method"]) == methods
     assert all(v is None or 0 <= v <= 1 for v in summary["spec_acceptance_rate"].values())
