@@ -395,6 +395,13 @@ class StepCost:
             out.append((t / w, max(ms / w, out[-1][1] if out else 0.0)))
         return out
 
+    def trusted(self) -> float:
+        """Steps up to how many tokens the curve may be taken at its word for: twice the largest measured
+        (the prior, before any: as many as any)."""
+        if not self.fitted:
+            return math.inf
+        return 2 * max(t / w for w, t, _ in self._ranges.values())
+
     def draft_wait(self) -> float:
         """ms the executor waits longer for a drafting plan than for one without drafts."""
         (wd, sd), (wp, sp) = self._waits.get(True, (0.0, 0.0)), self._waits.get(False, (0.0, 0.0))
@@ -458,9 +465,11 @@ class DraftPolicy:
         """``rows``: decoding rows that could draft; ``tokens``: the step's tokens without drafts."""
         if rows < 1 or (self.disable_by_batch_size and rows > self.disable_by_batch_size):
             return 0
-        base, c = self.cost(tokens), self.coverage
+        base, c, trusted = self.cost(tokens), self.coverage, self.cost.trusted()
         best_k, best = 0, MIN_GAIN
         for k in range(1, self.k_max + 1):
+            if tokens + c * rows * k > trusted:
+                break  # past what the curve has seen: found out a doubling at a time, never with one huge step
             gain = (1 + c * (expected_tokens(self.alpha, k) - 1)) * base / self.cost(tokens + c * rows * k, True)
             if gain > best * (1 + 1e-9):
                 best_k, best = k, gain
