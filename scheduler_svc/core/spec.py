@@ -34,6 +34,8 @@ from typing import Any, Protocol
 METHODS = ("ngram", "suffix")
 PRIOR_ACCEPTANCE = 0.6  # what the policy assumes before it has measured anything
 PRIOR_COVERAGE = 1.0  # the share of rows the proposer finds drafts for, before anything is measured
+# ... held as this many rows asked: a request's first tokens, which repeat nothing yet, must not end drafting at once
+PRIOR_COVERAGE_WEIGHT = 4.0
 DECAY = 0.9  # weight of the acceptance measured so far against a new step's
 FORGET = 0.02  # per step without drafts, the acceptance estimate drifts this far back to the prior
 # Per step that asks for no drafts, the coverage estimate drifts this far back to its prior: slower, as each retry
@@ -455,8 +457,8 @@ class DraftPolicy:
     cost: StepCost = field(init=False)
     _accepted: float = 0.0
     _rejected: float = 0.0
-    _proposed: float = 0.0
-    _asked: float = 0.0
+    _proposed: float = PRIOR_COVERAGE * PRIOR_COVERAGE_WEIGHT
+    _asked: float = PRIOR_COVERAGE_WEIGHT
 
     def __post_init__(self) -> None:
         self.cost = StepCost(self.compute_bound_tokens, self.measured)

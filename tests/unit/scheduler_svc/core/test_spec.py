@@ -220,9 +220,10 @@ def test_no_drafts_while_the_proposer_finds_none_then_it_tries_again() -> None:
         assert not out.has_drafts
         s.update(out, {"r": 1001 + i})
     assert s.spec.policy.coverage < 0.2
-    assert asked[:2] == [True, False], "it stopped asking"
-    assert any(asked[2:]), "and tried again later"
-    assert sum(asked) < len(asked) / 8
+    stopped = asked.index(False)
+    assert 3 <= stopped <= 20, "it asked a few times (a request's first tokens repeat nothing yet), then stopped"
+    assert any(asked[stopped:]), "and tried again later"
+    assert sum(asked) < len(asked) / 4
 
 
 def test_a_given_compute_bound_is_the_model_whatever_is_measured() -> None:
