@@ -109,6 +109,10 @@ def test_a_drain_moves_running_requests_with_their_kv(
     assert after.get("migrations_in", 0) - before.get("migrations_in", 0) == moved, "each one's KV was pulled"
     assert after.get("migrations_failed", 0) == before.get("migrations_failed", 0) == 0
     assert after.get("migrated_bytes", 0) > 0
+    delta = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+    assert delta.get("migrations_drain", 0) == moved, "by cause: all of them left for the drain"
+    assert delta.get("precopy_blocks", 0) > 0, "full blocks were pre-copied while their requests kept decoding"
+    assert delta.get("fetches_failed", 0) == 0
     assert free == totals, "every block of the surviving pool is free: none lent, none leaked"
 
 

@@ -34,6 +34,10 @@ that adapter (``LORA_RESIDENT``), then one with a free adapter slot
 (``LORA_FREE_SLOT``), as a bonus subtracted from the pool's load
 (``lora_preference``; each pool publishes its adapters and ``--max-loras``).
 
+A request moving with its KV (core/migration.py) whose full blocks were
+pre-copied to one executor (``target``) goes to that executor whenever it can
+take it now: anywhere else it would pull every block again.
+
 An extra rule can slot in as ``affinity``: a per-executor bonus subtracted
 from a pool's load for one request.
 """
@@ -87,6 +91,7 @@ class Candidate:
     priority: int = 0
     hits: dict[str, int] = field(default_factory=dict)  # executor -> leading prompt blocks it caches
     adapter: str = ""  # its LoRA adapter's digest; '': the base model
+    target: str = ""  # the executor its KV was pre-copied to (a move): that one takes it if it can now
 
     def cached_tokens(self, executor: str, block_size: int) -> int:
         """Tokens of its prefix ``executor`` caches (never all of them: one is always computed)."""
@@ -203,7 +208,10 @@ def pick(
         best = min(now, key=load)
         cached = _cache_holder(c, now, best)
         own = sims[me]
-        if cached is not None:
+        target = sims.get(c.target)
+        if target is not None and target in now:
+            best = target
+        elif cached is not None:
             best = cached
         elif own in now and own.running == 0 and best.running > 0:
             best = own  # idle here, busy there: do not let it wait

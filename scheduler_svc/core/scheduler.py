@@ -39,27 +39,42 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from scheduler_svc.core import group, lora
+from scheduler_svc.core import group, lora, prefix
 from scheduler_svc.core.blocks import (
     DEVICE,
     DISK,
     TIERS,
     BlockManager,
 )
+from scheduler_svc.core.costs import Costs
 from scheduler_svc.core.deadline import expired_among
 from scheduler_svc.core.fit import blocks_for, fits_ever
 from scheduler_svc.core.logprob import Logprob
-from scheduler_svc.core.migration import LEND_TTL_MS, KvSource, Lending, Lent, PullPlan, pull_for
+from scheduler_svc.core.migration import (
+    LEND_TTL_MS,
+    OFFER_TTL_MS,
+    Ask,
+    KvSource,
+    Lending,
+    Lent,
+    Offer,
+    Precopy,
+    PullPlan,
+    pull_for,
+)
 from scheduler_svc.core.output import Scheduled, SchedulerOutput
 from scheduler_svc.core.placement import PoolView
+from scheduler_svc.core.prefetch import FETCH_TTL_MS, Fetch, Fetches
 from scheduler_svc.core.queue import make_queue
 from scheduler_svc.core.record import Counters, StepRecord
 from scheduler_svc.core.request import Finish, Request, Status
 from scheduler_svc.core.spec import SpecConfig, Speculator
 
 PREEMPTION_MODES = ("swap", "recompute")
+ASK_TIMEOUT_MS = 2_000  # a request waiting for a peer's offer computes its prefix itself after this (a bound)
+Source = Callable[[str, tuple[tuple[int, int], ...], int], KvSource]  # (lend id, blocks, tokens) -> where to read them
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,6 +113,9 @@ class Scheduler:
         self._k = 0  # this step's draft length (``DraftPolicy``)
         self._spec_accepted = self._spec_rejections = 0  # drafts accepted and rows cut short, this update
         self.lending = Lending()  # blocks of requests that left with their KV (core/migration.py)
+        self.fetches = Fetches()  # blocks pulled from peers ahead of their requests (core/prefetch.py)
+        self.asking: dict[str, tuple[Request, int]] = {}  # waiting for a peer's offer of their prefix -> since
+        self.costs = Costs.fresh()  # prefill against pulls, measured (core/costs.py)
 
     # -- intake ---------------------------------------------------------------
 
@@ -130,6 +148,10 @@ class Scheduler:
 
     def _remove(self, req: Request) -> None:
         del self.requests[req.request_id]
+        self.lending.forget(req.request_id)
+        self._drop_fetch(req.request_id)
+        if self.asking.pop(req.request_id, None) is not None:
+            return
         if req.status == Status.RUNNING:
             self.running.remove(req)
         elif req.status == Status.SWAPPED:
@@ -156,7 +178,7 @@ class Scheduler:
     def expire(self, now_ms: int) -> list[Request]:
         """Finish (``deadline``) the waiting and swapped requests whose queue deadline passed
         before they started; their blocks, swapped ones included, are freed."""
-        gone = expired_among([*self.waiting, *self.swapped], now_ms)
+        gone = expired_among([*self.waiting, *self.swapped, *(r for r, _ in self.asking.values())], now_ms)
         for req in gone:
             self.finish(req.request_id, Finish.DEADLINE)
         return gone
@@ -177,26 +199,29 @@ class Scheduler:
         self.record.requeued.append(req)
 
     def requeue_waiting(self) -> None:
-        """End of a step: what was claimed but not admitted, or preempted for recompute, goes back."""
+        """End of a step: what was claimed but not admitted, or preempted for recompute, goes back (but
+        for a request whose prefix was just fetched here: it is admitted here as soon as it fits)."""
         for req in list(self.waiting):
-            self.requeue(req)
+            f = self.fetches.by_request.get(req.request_id)
+            if f is None or not f.pulled:
+                self.requeue(req)
 
     def evacuate(self) -> None:
         """BlockMove every request elsewhere (the executor is draining and out of time)."""
-        for req in [*self.running, *self.swapped, *self.waiting]:
+        for req in [*self.running, *self.swapped, *self.waiting, *(r for r, _ in self.asking.values())]:
             self.requeue(req)
 
-    def migrate(
-        self, req: Request, source: Callable[[str, tuple[tuple[int, int], ...], int], KvSource], now_ms: int
-    ) -> None:
+    def migrate(self, req: Request, source: Source, now_ms: int, cause: str = "drain", to: str = "") -> None:
         """``req`` (``migration.movable``) leaves for the shared queue with its KV: its blocks go to a
-        lend, and ``source(lend id, blocks, tokens)`` names them in ``req.kv`` for its next executor."""
+        lend, and ``source(lend id, blocks, tokens)`` names them in ``req.kv`` for its next executor
+        (``to``, if its full blocks were pre-copied there: placement gives it that one)."""
         tokens, blocks = req.num_computed, self.blocks.lend(req)
         lent = Lent(f"{req.request_id}@{now_ms}", req.request_id, blocks, now_ms + LEND_TTL_MS)
         self.lending.lend(lent)
         self.record.lent.append(lent)
-        req.kv = source(lent.lend_id, tuple((int(t), b) for t, b in blocks), tokens)
+        req.kv = replace(source(lent.lend_id, tuple((int(t), b) for t, b in blocks), tokens), cause=cause, to=to)
         self._count("migrations_out")
+        self._count(f"migrations_{cause}")
         self.requeue(req)
 
     def end_lend(self, lend_id: str) -> bool:
@@ -207,6 +232,148 @@ class Scheduler:
         self.blocks.unlend(lent.blocks)
         self.record.unlent.append(lend_id)
         return True
+
+    # -- KV that moves ahead of a request (core/migration.py: Offer, Ask; core/prefetch.py) -------
+
+    def precopy(self, req: Request, to: str, source: Source, now_ms: int, cause: str) -> bool:
+        """Start moving running ``req`` to ``to``: lend its full blocks whose KV a reported step wrote (the
+        ones named for the prefix cache: they never change) while it keeps decoding here, and offer them to
+        ``to``. When that lend ends (``Lending.copied``), ``migrate`` lends only the rest. False: nothing to
+        pre-copy (caching off, no full block yet, or a pre-copy of it already under way)."""
+        n = min(req.num_registered, len(req.blocks))
+        if n == 0 or req.status != Status.RUNNING or self.lending.moving(req.request_id):
+            return False
+        blocks, hashes = req.blocks[:n], self.blocks.hashes(req, n)[:n]
+        self.blocks.hold(blocks)
+        refs = [(DEVICE, b) for b in blocks]
+        lent = Lent(f"{req.request_id}@{now_ms}/pre", req.request_id, refs, now_ms + OFFER_TTL_MS)
+        src = source(lent.lend_id, tuple((int(t), b) for t, b in refs), n * self.blocks.block_size)
+        src = replace(src, cause="precopy", to=to)
+        self.lending.lend(lent, Offer(to, req.request_id, src, tuple(h.hex() for h in hashes)))
+        self.lending.precopies[req.request_id] = Precopy(req.request_id, to, lent.lend_id, cause)
+        self.record.lent.append(lent)
+        self._count("precopies")
+        return True
+
+    def answer(self, ask: Ask, source: Source, now_ms: int) -> None:
+        """A peer asks for blocks of a prefix this pool caches (a peer prefix hit): lend the leading ones
+        still cached here (held until the reader ends the lend) and offer them; with none, say so at once."""
+        blocks = self.blocks.cached_prefix([bytes.fromhex(h) for h in ask.hashes]) if self.blocks.caching else []
+        lend_id = f"{ask.request_id}@{now_ms}/{ask.reader}"
+        tokens = (ask.start + len(blocks)) * self.blocks.block_size
+        src = replace(source(lend_id, tuple((int(DEVICE), b) for b in blocks), tokens), cause="prefix", to=ask.reader)
+        offer = Offer(ask.reader, ask.request_id, src, ask.hashes[: len(blocks)], ask.start)
+        if not blocks:
+            self.record.offers.append(offer)
+            return
+        self.blocks.hold(blocks)
+        lent = Lent(lend_id, ask.request_id, [(DEVICE, b) for b in blocks], now_ms + OFFER_TTL_MS)
+        self.lending.lend(lent, offer)
+        self.record.lent.append(lent)
+
+    def ask(self, req: Request, hits: dict[str, int], me: str, now_ms: int) -> Ask | None:
+        """``req`` (just claimed, waiting) starts with more blocks cached on a peer than here: if pulling
+        them costs less than computing them (``costs``), it waits for the peer's offer (``ASK_TIMEOUT_MS``
+        at most) instead of being admitted, and the returned ``Ask`` goes to that peer."""
+        if not self._may_ask(req):
+            return None
+        holder, n = max(((e, k) for e, k in hits.items() if e != me), key=lambda x: (x[1], x[0]), default=("", 0))
+        bs = self.blocks.block_size
+        n = min(n, prefix.lookup_limit(req.num_tokens, bs))
+        mine = len(self.blocks.lookup(req))
+        if n <= mine or not self.costs.pull_pays(n - mine, bs):
+            return None
+        hashes = self.blocks.hashes(req, n)[mine:n]
+        self.waiting.remove(req)
+        self.asking[req.request_id] = (req, now_ms)
+        a = Ask(holder, req.request_id, me, tuple(h.hex() for h in hashes), mine)
+        self.record.asks.append(a)
+        self._count("peer_prefix_asks")
+        return a
+
+    def _may_ask(self, req: Request) -> bool:
+        return (
+            self.blocks.caching
+            and self.requests.get(req.request_id) is req
+            and req.status == Status.WAITING
+            and req.request_id not in self.asking
+            and req.request_id not in self.fetches
+            and req.kv is None
+            and not req.group
+            and not req.num_computed
+            and req.params.prompt_logprobs is None
+        )
+
+    def fetch(self, offer: Offer, now_ms: int) -> bool:
+        """A peer lent blocks for this pool (``Offer``): the next plan pulls the ones not cached here yet
+        into new blocks, named in the cache once the pull is reported (core/prefetch.py). False (none
+        to pull, no room, caching off): the lend is ended at once, and an asking request computes."""
+        asked = self.asking.get(offer.request_id)
+        if asked is not None:
+            self.costs.answered(now_ms - asked[1])
+        hashes = [bytes.fromhex(h) for h in offer.hashes]
+        kept = self.blocks.cached_prefix(hashes) if self.blocks.caching else []
+        need = len(hashes) - len(kept)
+        free = self.blocks.num_free(DEVICE) - sum(1 for b in kept if b in self.blocks.lru)
+        if not self.blocks.caching or need <= 0 or offer.request_id in self.fetches or need + self._watermark > free:
+            if offer.src.blocks:
+                self.record.rung.append(offer.src.lend)
+            self._asked(offer.request_id)
+            return False
+        self.blocks.hold(kept)
+        blocks = kept + self.blocks.reserve(need)
+        f = Fetch(offer.request_id, offer.src, len(kept), hashes[len(kept) :], blocks, now_ms + FETCH_TTL_MS)
+        self.fetches.add(f)
+        self.record.lent.append(Lent(f.fid, f.request_id, [(DEVICE, b) for b in blocks], f.deadline_ms))
+        return True
+
+    def _asked(self, request_id: str) -> None:
+        """An asking request's wait is over (its fetch came back, or none came): it may be admitted."""
+        entry = self.asking.pop(request_id, None)
+        if entry is not None and self.requests.get(request_id) is entry[0]:
+            self.waiting.add(entry[0])
+
+    def _drop_fetch(self, request_id: str) -> None:
+        """A fetch's request was admitted here (it holds the blocks itself now), left, or never came."""
+        f = self.fetches.by_request.get(request_id)
+        if f is None or f.in_flight:
+            return  # a pull in flight may still write its blocks: it ends when reported
+        self.fetches.pop(request_id)
+        self.blocks.release(f.blocks)
+        self.record.unlent.append(f.fid)
+
+    def expire_moves(self, now_ms: int) -> None:
+        """Lends nobody ended, fetches whose request never came, asks nobody answered: past their time."""
+        for lend_id in self.lending.due(now_ms):
+            self.end_lend(lend_id)
+        for rid in self.fetches.due(now_ms):
+            self._drop_fetch(rid)
+        for rid, (_, since) in list(self.asking.items()):
+            if now_ms - since >= ASK_TIMEOUT_MS:
+                self._count("peer_prefix_timeouts")
+                self._asked(rid)
+
+    def _fetched(self, p: PullPlan, ok: bool, ms: float, size: int) -> None:
+        """A fetch's pull was reported: its blocks are named in the cache (or freed), the source's lend can
+        end, and the request that asked for it may be admitted."""
+        rid = p.fetch.removeprefix("fetch/")
+        self.record.rung.append(p.src.lend)
+        f = self.fetches.by_request.get(rid)
+        if f is None or f.fid != p.fetch:
+            return
+        f.in_flight = False
+        self.costs.pulled(len(p.dst), ms)
+        if ok:
+            f.pulled = True
+            self.blocks.name(p.dst, f.hashes)
+            self._count("fetched_blocks", len(p.dst))
+            self._count("migrated_bytes", size)
+            self._count(f"{p.src.cause}_blocks", len(p.dst))
+        else:
+            self._count("fetches_failed")
+            self._drop_fetch(rid)
+        self.record.pull_ms.append((ok, ms, size))
+        self._asked(rid)
 
     def take_record(self) -> StepRecord:
         rec, self.record = self.record, StepRecord()
@@ -220,7 +387,13 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.running or len(self.waiting) or len(self.swapped) or self.lending.pending)
+        return bool(self.running or len(self.waiting) or len(self.swapped) or self.lending.pending or self.fetches.new)
+
+    def victim_order(self) -> list[Request]:
+        """The running requests, the one preemption would take first first (``_victim``'s order)."""
+        if self.config.policy == "fcfs":
+            return self.running[::-1]
+        return sorted(self.running, key=lambda r: r.order_key, reverse=True)
 
     # -- one step -------------------------------------------------------------
 
@@ -513,6 +686,7 @@ class Scheduler:
     def _start(self, req: Request, hit: list[int], n: int) -> None:
         """A waiting request (holding nothing) takes its cached prefix and room for ``n`` tokens."""
         self.blocks.allocate(req, hit, n)
+        self._drop_fetch(req.request_id)  # its hit holds what was fetched for it
         if self.blocks.caching:
             self._count("prefix_cache_queries", req.num_tokens)
             self._count("prefix_cache_hits", req.num_computed)
@@ -521,7 +695,11 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        out.lends, out.unlends = self.lending.take()
+        out.lends, out.unlends, offers = self.lending.take()
+        self.record.offers += offers  # told once this plan (lending their blocks) is reported: the commit waits
+        for f in self.fetches.take():
+            f.in_flight = True
+            out.pulls.append(PullPlan(None, f.src, f.first, f.blocks[f.first :], f.fid))
         self._choose_k()
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
         if not out.preempted:
@@ -614,8 +792,11 @@ class Scheduler:
         """Reported pulls: what came counts as computed (and is named in the prefix cache); a request
         whose pull failed computes from its own prefix hit on. Either way its source's lend can end."""
         for p in pulls:
+            ok, ms, size = results.get(p.key, (False, 0.0, 0))
+            if p.req is None:
+                self._fetched(p, ok, ms, size)
+                continue
             req, rid = p.req, p.req.request_id
-            ok, ms, size = results.get(rid, (False, 0.0, 0))
             self.record.pulled.append((req, p.src))
             self.record.pull_ms.append((ok, ms, size))
             req.kv = None
@@ -625,6 +806,7 @@ class Scheduler:
             if ok:
                 req.num_computed = p.src.tokens
                 self.blocks.cache(req, req.num_computed)
+                self.costs.pulled(len(p.dst), ms)
                 self._count("migrations_in")
                 self._count("migrated_blocks", len(p.dst))
                 self._count("migrated_bytes", size)

@@ -30,15 +30,16 @@ from pagedserve import logs
 from pagedserve.executor.v1 import executor_pb2 as pb
 from pagedserve.executor.v1 import executor_pb2_grpc as pb_grpc
 from pagedserve.members import Member, now_ms
-from scheduler_svc.core import migration, placement
+from scheduler_svc.core import placement
 from scheduler_svc.core.blocks import DEVICE
-from scheduler_svc.core.migration import KvSource
+from scheduler_svc.core.migration import MoveConfig
 from scheduler_svc.core.output import SchedulerOutput
 from scheduler_svc.core.request import Finish, Request
 from scheduler_svc.core.restore import intake, restore
 from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig
 from scheduler_svc.loops import steplog
 from scheduler_svc.loops.flights import Flight, Pipeline, StreamChannel, UnaryChannel
+from scheduler_svc.loops.moves import Mover
 from scheduler_svc.loops.plan import PlanBuilder, outputs, pulls_of
 from scheduler_svc.loops.stays import Placements
 from scheduler_svc.metrics import LoopMetrics
@@ -88,7 +89,7 @@ class Loop:
         tracer: Tracer | None = None,
         channel: grpc.aio.Channel | None = None,
         async_scheduling: bool = False,
-        migration: str = "kv",
+        moves: MoveConfig | None = None,
     ) -> None:
         self.store = store
         self.info = info
@@ -106,7 +107,8 @@ class Loop:
         self.channel = channel  # for the Steps stream (async scheduling)
         # Plan a step ahead when asked to and the executor can (a channel to open its stream on).
         self.pipelined = async_scheduling and channel is not None and info.pipelined
-        self.migration = migration  # --migration: how a draining executor's requests move (kv, recompute, off)
+        self.moves = moves or MoveConfig()  # --migration, --peer-prefix, --rebalance (loops/moves.py)
+        self.mover = Mover(self.executor, epoch, info.block_size, self.moves)
         self._in_flight: list[str] = []  # requests of the plan whose result failed
         self._published: placement.PoolView | None = None
         self._step_id = 0
@@ -234,14 +236,15 @@ class Loop:
                 self.metrics.loras(self.model, self.executor, view.max_loras, running, waiting)
         return view
 
-    async def _claim(self, sched: Scheduler, timer: steplog.Timer) -> tuple[list, bool]:
-        """Claim what placement gives this executor; also whether some were lost to other loops."""
+    async def _claim(self, sched: Scheduler, timer: steplog.Timer) -> tuple[list, bool, dict[str, placement.Candidate]]:
+        """Claim what placement gives this executor; also whether some were lost to other loops, and the
+        claimed requests' candidates (their prefix hits on each executor)."""
         seats, tokens = sched.room()
         if seats <= 0 or tokens <= 0:
-            return [], False
+            return [], False, {}
         candidates, views = await timer.redis_call(self.store.look(PEEK_DEPTH))
         if not candidates:
-            return [], False
+            return [], False, {}
         views[self.executor] = sched.view(self.executor, True)
         picks = placement.pick(candidates, self.executor, views, policy=self.config.policy, seats=seats, budget=tokens)
         self.log.debug(
@@ -252,13 +255,13 @@ class Loop:
             [c.request_id for c in picks],
         )
         if not picks:
-            return [], False
+            return [], False, {}
         claimed = await timer.redis_call(
             self.store.claim(self.executor, self.epoch, self.s.seq, [c.queue_key for c in picks])
         )
         self.s.seq += 1
         self.placements.claimed(claimed)
-        return [(c.req, c.cancel) for c in claimed], len(claimed) < len(picks)
+        return [(c.req, c.cancel) for c in claimed], len(claimed) < len(picks), {c.request_id: c for c in picks}
 
     async def _run(self, stop: asyncio.Event, rejected: list[str]) -> None:
         await self.start(rejected)
@@ -287,16 +290,17 @@ class Loop:
         cancels = [(o.request_id, o.reason) for o in ops_in if o.op == "cancel" and o.reason is not None]
         claimed: list[tuple[Request, Finish | None]] = []
         s.retry, hold = False, False
-        for o in ops_in:
-            if o.op == "unlend":  # a destination read (or gave up on) blocks this executor lent
-                sched.end_lend(o.request_id)
-        for lend_id in sched.lending.due(now_ms()):
-            sched.end_lend(lend_id)
+        candidates: dict[str, placement.Candidate] = {}
+        self.mover.doorbells(sched, ops_in, member)
+        views = await timer.redis_call(self.store.views()) if self.mover.wants_views(sched, member) else None
         if not member.serving:
-            hold = await self._drain(sched, member)
+            hold = self._drain(sched, member, views or {})
         else:
-            claimed, s.retry = await self._claim(sched, timer)
+            claimed, s.retry, candidates = await self._claim(sched, timer)
+            if self.moves.rebalance:
+                hold = self.mover.rebalance(sched, member, views, bool(s.pipe))
         intake(sched, claimed, [(rid, r) for rid, r in cancels if rid in sched.requests])
+        self.mover.ask(sched, [r for r, cancel in claimed if cancel is None], candidates)
         sched.expire(now_ms())  # queue deadlines: nothing past its own starts now
         launched = None
         if not hold and s.pipe.can_launch(bool(s.pipe) and sched.wants_drafts()) and sched.has_work:
@@ -312,29 +316,12 @@ class Loop:
             self._log_step(sched, done, queued, timer)
         return True
 
-    async def _drain(self, sched: Scheduler, member: Member) -> bool:
+    def _drain(self, sched: Scheduler, member: Member, views: dict[str, placement.PoolView]) -> bool:
         """A draining executor's turn: move what peers have room for now (``--migration``: with its KV,
-        or by recompute), and from ``evacuate_at_ms`` everything left by recompute. Requests leave with
-        nothing in flight; returns whether to hold plans until that is so."""
-        if self.migration != "off":
-            order = sorted(sched.running, key=lambda r: r.order_key) + list(sched.swapped)
-            movable = [r for r in order if migration.movable(r)]
-            views = await self.store.views() if movable else {}
-            picks = migration.pick(movable, views, self.executor, self.info.block_size)
-            if picks and self.s.pipe:
-                return True
-            at = now_ms()
-            for req in picks:
-                if self.migration == "kv":
-                    sched.migrate(
-                        req, lambda lid, b, n: KvSource(self.executor, member.address, self.epoch, lid, b, n, at), at
-                    )
-                else:
-                    sched.requeue(req)
-            if picks:
-                self.log.info(
-                    "executor %s: draining; %d requests move to peers (%s)", self.executor, len(picks), self.migration
-                )
+        pre-copied, or by recompute; loops/moves.py), and from ``evacuate_at_ms`` everything left by
+        recompute. Requests leave with nothing in flight; returns whether to hold plans until that is so."""
+        if self.mover.drain(sched, member, views, bool(self.s.pipe)):
+            return True
         if member.evacuate_at_ms and now_ms() >= member.evacuate_at_ms and sched.requests:
             if self.s.pipe:
                 return True  # requests leave with nothing in flight: first take what is
@@ -384,6 +371,7 @@ class Loop:
         timer.executor = timer.since(t) - timer.decode
         s.pipe.flights.popleft()
         s.sched.update(flight.out, *outputs(result), pulled=pulls_of(result))
+        s.sched.costs.stepped(flight.out.num_tokens, result.forward_ms)
         self.placements.stepped(flight.out)
         if self.metrics is not None:
             self.metrics.step(self.model, self.executor, flight.out.num_tokens)

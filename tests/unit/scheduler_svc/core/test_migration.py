@@ -121,4 +121,4 @@ def test_pick_moves_what_serving_peers_have_room_for() -> None:
 
     rs = [req(f"r{i}", prompt=10) for i in range(3)]  # 11 tokens with the next: 3 blocks each
     views = {"me": view("me", 64), "b": view("b", 7), "c": view("c", 40, serving=False)}
-    assert migration.pick(rs, views, "me", 4) == rs[:2]
+    assert [r for r, _ in migration.pick(rs, views, "me", 4)] == rs[:2]

@@ -1,0 +1,148 @@
+"""One loop's side of KV that moves between executors (docs/architecture.md, "KV that moves").
+
+Every turn the loop hands its doorbells to ``Mover.doorbells``: a peer's
+``unlend`` ends a lend of ours, an ``offer`` addressed to us becomes a fetch
+(core/prefetch.py), an ``ask`` addressed to us is answered with a lend of the
+cached blocks asked for. Then, by the executor's state:
+
+- **draining** (``drain``): requests a serving peer has room for leave with
+  their KV (``--migration kv``) or by recompute. A running request is first
+  pre-copied (its full blocks lent to the chosen peer, which pulls them into
+  its cache while the request keeps decoding here); once that lend ends, one
+  short stop lends the rest and requeues it for that peer. A swapped request,
+  or one with nothing to pre-copy, makes the short stop at once;
+- **serving, with ``--rebalance``** (``rebalance``): the same moves, for the
+  requests ``core/rebalance.py`` picks (before a preemption, or over a usage
+  gap), at most every ``--rebalance-every-ms``;
+- **serving, with ``--peer-prefix``** (``ask``): each request just claimed whose
+  prefix a peer caches further than we do waits for that peer's offer when the
+  pull costs less than the prefill (``core/costs.py``).
+
+A short stop needs nothing of its request in flight, so the loop holds its next
+plan until the pipeline is empty (``drain``/``rebalance`` return ``True``).
+Decisions are the pure core's; this module reads views and calls the scheduler.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from pagedserve.members import Member, now_ms
+from scheduler_svc.core import migration
+from scheduler_svc.core import rebalance as balance
+from scheduler_svc.core.migration import KvSource, MoveConfig
+from scheduler_svc.core.placement import Candidate, PoolView
+from scheduler_svc.core.request import Request
+from scheduler_svc.core.scheduler import Scheduler, Source
+from scheduler_svc.state import codec
+from scheduler_svc.state.store import Op
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class Mover:
+    executor: str
+    epoch: int
+    block_size: int
+    config: MoveConfig
+    _next_rebalance_ms: int = 0
+
+    def source(self, member: Member) -> Source:
+        """Names a lend of ours for a reader: this executor's address and our epoch."""
+        at = now_ms()
+        return lambda lend_id, blocks, tokens: KvSource(
+            self.executor, member.address, self.epoch, lend_id, blocks, tokens, at
+        )
+
+    def doorbells(self, sched: Scheduler, ops: list[Op], member: Member) -> None:
+        """Peers' doorbells about moving KV, then whatever outlived its time."""
+        now = now_ms()
+        for o in ops:
+            if o.op == "unlend":  # a reader read (or gave up on) blocks this executor lent
+                sched.end_lend(o.request_id)
+            elif o.to != self.executor:
+                continue
+            elif o.op == "offer":
+                sched.fetch(codec.offer_from(o.to, o.request_id, o.data), now)
+            elif o.op == "ask":
+                sched.answer(codec.ask_from(o.to, o.request_id, o.data), self.source(member), now)
+        sched.expire_moves(now)
+
+    def ask(self, sched: Scheduler, claimed: list[Request], candidates: dict[str, Candidate]) -> None:
+        """Requests just claimed whose prefix a peer caches further: ask it, if pulling pays."""
+        if not self.config.peer_prefix:
+            return
+        now = now_ms()
+        for req in claimed:
+            c = candidates.get(req.request_id)
+            if c is not None and c.hits:
+                sched.ask(req, c.hits, self.executor, now)
+
+    def drain(self, sched: Scheduler, member: Member, views: dict[str, PoolView], busy: bool) -> bool:
+        """A draining executor's moves (``--migration``); ``busy``: a plan is in flight. Returns whether
+        to hold plans until none is (a short stop is due)."""
+        if self.config.migration == "off":
+            return False
+        order = sorted(sched.running, key=lambda r: r.order_key) + list(sched.swapped)
+        candidates = [r for r in order if migration.movable(r) and not sched.lending.moving(r.request_id)]
+        picks = [
+            balance.Move(req, to, "drain")
+            for req, to in migration.pick(candidates, views, self.executor, self.block_size)
+        ]
+        return self._move(sched, member, picks, busy)
+
+    def wants_views(self, sched: Scheduler, member: Member) -> bool:
+        """Whether this turn needs the peers' views (one Redis read): a drain with something to move, or a
+        rebalance check that is due."""
+        if not member.serving:
+            return self.config.migration != "off" and any(
+                migration.movable(r) and not sched.lending.moving(r.request_id)
+                for r in [*sched.running, *sched.swapped]
+            )
+        return self.config.rebalance and now_ms() >= self._next_rebalance_ms and bool(sched.running)
+
+    def rebalance(self, sched: Scheduler, member: Member, views: dict[str, PoolView] | None, busy: bool) -> bool:
+        """A serving executor's moves (``--rebalance``); ``views``: the pools' views when ``wants_views``
+        said so. Returns whether to hold plans (a short stop is due)."""
+        picks: list[balance.Move] = []
+        if views is not None:
+            self._next_rebalance_ms = now_ms() + self.config.rebalance_every_ms
+            mine = sched.view(self.executor, True)
+            victims = [r for r in sched.victim_order() if not sched.lending.moving(r.request_id)]
+            picks = balance.pick(victims, mine, views, self.config.rebalance_gap, self.block_size)
+        return self._move(sched, member, picks, busy)
+
+    def _move(self, sched: Scheduler, member: Member, picks: list[balance.Move], busy: bool) -> bool:
+        """Pre-copy what can be; short stops for the rest, and for the pre-copies done."""
+        kv = self.config.migration == "kv"
+        now = now_ms()
+        stops: list[balance.Move] = []
+        for m in picks:
+            if not (kv and sched.precopy(m.req, m.to, self.source(member), now, m.cause)):
+                stops.append(m)
+        for rid, pre in list(sched.lending.copied.items()):
+            req = sched.requests.get(rid)
+            if req is None:
+                sched.lending.forget(rid)
+            else:
+                stops.append(balance.Move(req, pre.to, pre.cause))
+        if not stops:
+            return False
+        if busy:
+            return True  # a request leaves with nothing in flight: first take what is
+        for m in stops:
+            sched.lending.forget(m.req.request_id)
+            if kv:
+                sched.migrate(m.req, self.source(member), now, m.cause, m.to)
+            else:
+                sched.requeue(m.req)
+        log.info(
+            "executor %s: %d requests move to peers (%s: %s)",
+            self.executor,
+            len(stops),
+            self.config.migration,
+            ", ".join(sorted({m.cause for m in stops})),
+        )
+        return False
