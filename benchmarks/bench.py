@@ -51,6 +51,12 @@ MIGRATION_KEYS = (
     "recompute_drain_s",
     "migration_tokens_identical",
 )
+PEER_PREFIX_KEYS = (
+    "peer_prefix_ttft_ratio",
+    "peer_prefix_ttft_ms_p50",
+    "recompute_prefix_ttft_ms_p50",
+    "peer_prefix_tokens_identical",
+)
 
 
 def short_spec(args: argparse.Namespace, cfg: Config) -> WorkloadSpec:
@@ -296,6 +302,7 @@ def run_all(args: argparse.Namespace, cfg: Config, out: Path, started: float) ->
     par: ParallelResult | None = None
     peer: PeerResult | None = None
     moved: dict[str, object] | None = None  # the migration arm (benchmarks/migration.py)
+    pulled: dict[str, object] | None = None  # the peer_prefix arm (benchmarks/peer_prefix.py)
     scale_cfg = ScaleOutConfig(
         executors=cfg.scale_out_executors,
         running=cfg.scale_out_running,
@@ -412,6 +419,16 @@ def run_all(args: argparse.Namespace, cfg: Config, out: Path, started: float) ->
         )
         r = mg.run(model_dir, mcfg, logs / "migration")
         moved = {**r.keys(), "modes": {m: x.as_dict() for m, x in r.modes.items()}}
+
+    def peer_prefix() -> None:
+        from benchmarks import peer_prefix as pp
+
+        nonlocal pulled
+        pcfg = pp.PeerPrefixConfig(
+            cfg.peer_prefix_trials, cfg.peer_prefix_len, kv_budget_tokens=cfg.peer_prefix_budget_tokens, seed=args.seed
+        )
+        r = pp.run(model_dir, pcfg, logs / "peer_prefix")
+        pulled = {**r.keys(), "config": asdict(pcfg), "modes": {m: x.as_dict() for m, x in r.modes.items()}}
 
     def reattach() -> None:
         from benchmarks import reattach as ra
@@ -532,6 +549,8 @@ def run_all(args: argparse.Namespace, cfg: Config, out: Path, started: float) ->
         attempt("KV usage spread", kv_spread)
     if "migration" in cfg.arms:
         attempt("drain: KV migration against recompute", migration)
+    if "peer_prefix" in cfg.arms:
+        attempt("peer prefix: a cached prefix pulled from a peer against recomputed", peer_prefix)
     if "overhead" in cfg.arms:
         attempt("scheduler overhead sweep", sweep)
     if "scale_out" in cfg.arms:
@@ -617,6 +636,20 @@ def run_all(args: argparse.Namespace, cfg: Config, out: Path, started: float) ->
         ),
         analysis.Target("KV blocks at peak, n=8 / 8 requests", "<= 0.3", par.ratio() if par else None, 0.3, False),
         analysis.Target(
+            "drain stall p50, KV migration / recompute",
+            "<= 0.25",
+            (moved or {}).get("migration_stall_ratio"),  # type: ignore[arg-type]
+            0.25,
+            False,
+        ),
+        analysis.Target(
+            "TTFT p50, 1,024-token prefix pulled from a peer / recomputed",
+            "<= 0.5",
+            (pulled or {}).get("peer_prefix_ttft_ratio"),  # type: ignore[arg-type]
+            0.5,
+            False,
+        ),
+        analysis.Target(
             "throughput vs vLLM (CPU build), long workload, one HTTP client",
             ">= 1.0x",
             peer.ratio("long", "output_tokens_per_s") if peer else None,
@@ -680,6 +713,8 @@ def run_all(args: argparse.Namespace, cfg: Config, out: Path, started: float) ->
         "kv_usage_spread": spread.as_dict() if spread else None,
         "migration": moved,
         **{k: (moved or {}).get(k) for k in MIGRATION_KEYS},
+        "peer_prefix": pulled,
+        **{k: (pulled or {}).get(k) for k in PEER_PREFIX_KEYS},
         "reattach": re_dict,
         "reattach_ms_p50": re_dict["reattach_ms"]["p50"] if re_dict else None,
         "reattach_ms_p99": re_dict["reattach_ms"]["p99"] if re_dict else None,

@@ -32,6 +32,9 @@ class Config:
     migration_requests: int = 4  # the migration arm: long-context streams, about half on the drained executor
     migration_prompt_len: int = 1024  # their context at the move is at least this
     migration_output_len: int = 160
+    peer_prefix_trials: int = 3  # the peer_prefix arm: probes per mode (pull, recompute), a fresh prefix each
+    peer_prefix_len: int = 1024
+    peer_prefix_budget_tokens: int = 3072  # per executor: the busy holder's filler is a third of it
     reattach_requests: int = 32  # per round
     reattach_rounds: int = 3
     reattach_failover_rounds: int = 2  # rounds in which the front replica is SIGKILLed
@@ -70,6 +73,7 @@ ARMS = (
     "scale_out",
     "kv_spread",
     "migration",
+    "peer_prefix",
     "reattach",
     "sampling_cost",
     "logprobs_cost",

@@ -425,6 +425,53 @@ def _long_lines(summary: dict, plots: dict[str, str]) -> list[str]:
     ]
 
 
+def _moves_lines(summary: dict) -> list[str]:
+    """KV that moves between executors: the drain arm (benchmarks/migration.py) and the peer prefix arm
+    (benchmarks/peer_prefix.py), each against recompute."""
+    moved, pulled = summary.get("migration"), summary.get("peer_prefix")
+    if not moved and not pulled:
+        return []
+    lines = ["## KV that moves between executors", ""]
+    if moved:
+        kv, rc = moved["modes"].get("kv", {}), moved["modes"].get("recompute", {})
+        lines += [
+            "Drain of the busier of 2 executors holding long-context streams (SIGTERM; stall = the longest gap in "
+            "a moved stream from the SIGTERM on):",
+            "",
+            "| mode | stall p50 ms | drain s | recomputed tokens | bytes moved | streams moved |",
+            "|---|---|---|---|---|---|",
+            *(
+                f"| {m['mode']} | {_f(m.get('stall_p50_ms'))} | {_f(m.get('drain_s'), 2)} | "
+                f"{m.get('recomputed_tokens')} | {m.get('migrated_bytes'):,} | {m.get('moved')} |"
+                for m in (kv, rc)
+                if m
+            ),
+            "",
+            f"Stall ratio **{_f(moved.get('migration_stall_ratio'), 3)}**; the streams' tokens are the same in "
+            f"both modes: {moved.get('migration_tokens_identical')}.",
+            "",
+        ]
+    if pulled:
+        pull, rc = pulled["modes"].get("pull", {}), pulled["modes"].get("recompute", {})
+        lines += [
+            "A request whose prefix a busy peer caches, placed on the idle executor (TTFT from the call):",
+            "",
+            "| mode | TTFT p50 ms | TTFT per probe ms | blocks pulled | asks |",
+            "|---|---|---|---|---|",
+            *(
+                f"| {m['mode']} | {_f(m.get('ttft_p50_ms'))} | {', '.join(_f(x) for x in m.get('ttft_ms', []))} | "
+                f"{m.get('pulled_blocks')} | {m.get('asks')} |"
+                for m in (pull, rc)
+                if m
+            ),
+            "",
+            f"TTFT ratio **{_f(pulled.get('peer_prefix_ttft_ratio'), 3)}**; the probes' tokens are the same in "
+            f"both modes: {pulled.get('peer_prefix_tokens_identical')}.",
+            "",
+        ]
+    return lines
+
+
 def write_markdown(
     summary: dict,
     arms: dict[str, dict],
@@ -517,6 +564,7 @@ def write_markdown(
         for p in preemption
     ]
     lines += ["", f"![preemption]({plots.get('preemption', '')})", ""]
+    lines += _moves_lines(summary)
     lines += _scale_out_lines(summary, scale or [], plots)
     lines += _streams_lines(summary, sampling or [], plots)
     lines += _structured_lines(summary)

@@ -85,6 +85,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--migration-output-len", type=int, default=None, help="output tokens of the migration arm's streams (160)"
     )
+    p.add_argument("--peer-prefix-trials", type=int, default=None, help="probes per mode of the peer_prefix arm (3)")
+    p.add_argument("--peer-prefix-len", type=int, default=None, help="the peer_prefix arm's prefix tokens (1024)")
+    p.add_argument(
+        "--peer-prefix-budget-tokens", type=int, default=None, help="KV per executor of the peer_prefix arm (3072)"
+    )
     p.add_argument(
         "--reattach-requests", type=int, default=None, help="requests per round of the reattach arm (default: 32)"
     )
@@ -233,6 +238,9 @@ def build_config(args: argparse.Namespace) -> Config:
         migration_requests=pick(args.migration_requests, base.migration_requests),
         migration_prompt_len=pick(args.migration_prompt_len, base.migration_prompt_len),
         migration_output_len=pick(args.migration_output_len, base.migration_output_len),
+        peer_prefix_trials=pick(args.peer_prefix_trials, base.peer_prefix_trials),
+        peer_prefix_len=pick(args.peer_prefix_len, base.peer_prefix_len),
+        peer_prefix_budget_tokens=pick(args.peer_prefix_budget_tokens, base.peer_prefix_budget_tokens),
         reattach_requests=pick(args.reattach_requests, base.reattach_requests),
         reattach_rounds=pick(args.reattach_rounds, base.reattach_rounds),
         reattach_failover_rounds=pick(args.reattach_failover_rounds, base.reattach_failover_rounds),

@@ -135,3 +135,14 @@ def kill_loop(client: redis.Redis, namespace: str, scheduler_pid: int) -> tuple[
     (loop_proc,) = psutil.Process(scheduler_pid).children()
     os.kill(loop_proc.pid, signal.SIGKILL)
     return key, epoch
+
+
+def loop_failures(log_dir: Path) -> list[str]:
+    """Lines where a scheduler's loop died of an error (the manager restarts it, and a reload hides the
+    failure from every client): a test of a loop's path asserts there are none."""
+    return [
+        line
+        for log in sorted(Path(log_dir).glob("scheduler*.log"))
+        for line in log.read_text(errors="replace").splitlines()
+        if "ERROR loop for executor" in line
+    ]

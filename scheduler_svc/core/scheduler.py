@@ -372,7 +372,7 @@ class Scheduler:
         else:
             self._count("fetches_failed")
             self._drop_fetch(rid)
-        self.record.pull_ms.append((ok, ms, size))
+        self.record.fetched.append((p.src.cause, ok, ms, len(p.dst)))
         self._asked(rid)
 
     def take_record(self) -> StepRecord:
