@@ -140,8 +140,10 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
         lifecycle: Lifecycle | None = None,
         metrics: ExecutorMetrics | None = None,
         puller: Puller | None = None,
+        read_delay_s: float = 0.0,
     ) -> None:
         self.engine = engine
+        self.read_delay_s = read_delay_s  # --read-blocks-delay-ms: fault injection (transfer.chunks)
         self.lends = Lends()  # blocks this executor's loop lent to peers (executor_svc/transfer.py)
         self.puller = puller  # None: pulls from peers fail (no way to dial them), and recompute
         self.lifecycle = lifecycle or Lifecycle()
@@ -287,7 +289,7 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
             self.lends.check(request.lend_id, blocks)
 
         try:
-            for chunk in chunks(self.engine.pool, blocks, still_lent):
+            async for chunk in chunks(self.engine.pool, blocks, still_lent, self.read_delay_s):
                 yield chunk
         except LendError as exc:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))

@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import random
 import signal
+import time
 from pathlib import Path
 
 import pytest
 import redis
 
+from pagedserve.dev.procs import RedisServer
 from pagedserve.keys import Keys
 from pagedserve.v1 import generation_pb2 as pb
 from tests.conftest import make_cluster
@@ -236,5 +238,102 @@ def test_a_request_pulls_its_prefix_from_a_busier_peer(tiny_llama: Path, redis_u
     delta = {k: after.get(k, 0) - before.get(k, 0) for k in after}
     assert delta.get("peer_prefix_asks", 0) == 1 and delta.get("prefix_blocks", 0) == 16, delta
     assert delta.get("prefix_cache_hits", 0) >= 256, "the pulled blocks were its prefix hit"
+    assert free == totals
+    assert loop_failures(tmp_path) == []
+
+
+SLOW = ["--read-blocks-delay-ms", "250"]  # every executor serves one block a chunk, a chunk every 250 ms
+
+
+def fetching(client: redis.Redis, ns: str) -> list[str]:
+    """Executors with a fetch in flight or held (its blocks named in their ``lent`` hash)."""
+    return [
+        e for e in executors(client, ns) if any(k.startswith("fetch/") for k in client.hkeys(Keys(ns).executor(e).lent))
+    ]
+
+
+@pytest.mark.parametrize("victim", ["source", "reader"])
+def test_a_party_killed_mid_copy_loses_nothing(
+    tiny_llama: Path, redis_url: str, tmp_path: Path, expected: list[list[int]], victim: str
+) -> None:
+    """SIGTERM drains the busiest executor; its requests' full blocks are being pre-copied to a peer
+    (slowly: ``--read-blocks-delay-ms``) when the source, or the reader, is SIGKILLed mid-copy. A dead
+    source: the reader's pull fails, the source's requests are reaped and recomputed elsewhere. A dead
+    reader: the source ends the pre-copy once the reader leaves the views and moves the requests to the
+    third executor. Either way every request ends with transformers' tokens and no block stays held."""
+    ns = f"migrate-mid-{victim}"
+    client = redis.Redis.from_url(redis_url, decode_responses=True)
+    with make_cluster(
+        tiny_llama,
+        redis_url,
+        ns,
+        tmp_path,
+        blocks=POOL,
+        executors=3,
+        executor_args=[*FAST, *SLOW, "--drain-timeout", "60"],
+        scheduler_args=FAST,
+    ) as cluster:
+        wait_for(lambda: len(executors(client, ns)) == 3, what="three loops")
+        before = counters(client, ns)
+        worker, results = run_in_background(cluster.address, [greedy(p, n) for p, n in zip(PROMPTS, MAX_TOKENS)])
+        wait_for(lambda: sum(placed(client, ns).values()) == N, what="every request placed")
+        source, source_id = busiest(cluster, client, ns)
+        source.proc.send_signal(signal.SIGTERM)
+        wait_for(lambda: fetching(client, ns), what="a pre-copy under way")
+        (reader_id,) = fetching(client, ns)[:1]
+        if victim == "source":
+            source.proc.send_signal(signal.SIGKILL)
+        else:
+            address = client.hget(Keys(ns).member(reader_id), "address")
+            (reader,) = [s for s in cluster.executors if s.address == address]
+            reader.proc.send_signal(signal.SIGKILL)
+        worker.join(180)
+        assert not worker.is_alive()
+        after = counters(client, ns)
+        free, totals = wait_all_free(client, ns, timeout=60)
+    assert [r.token_ids for r in results] == expected, "no token lost, duplicated or changed"
+    assert free == totals, "the survivors' pools are all free"
+    assert after.get("precopies", 0) > before.get("precopies", 0)
+    assert loop_failures(tmp_path) == []
+
+
+def test_redis_killed_mid_copy_restarts_from_its_aof(
+    tiny_llama: Path, tmp_path: Path, expected: list[list[int]]
+) -> None:
+    """The same drain with a slow pre-copy, on a Redis of its own with an AOF (``appendfsync always``):
+    SIGKILL mid-copy, restart from the AOF on the same port. Loops retry until it is back; the fenced
+    commits and the lends' and fetches' records in Redis bring every pool back to a consistent state.
+    Every request ends with transformers' tokens; no block stays held."""
+    ns = "migrate-mid-redis"
+    server = RedisServer(appendfsync="always")
+    client = redis.Redis.from_url(server.url, decode_responses=True)
+    try:
+        with make_cluster(
+            tiny_llama,
+            server.url,
+            ns,
+            tmp_path,
+            blocks=POOL,
+            executors=2,
+            executor_args=[*FAST, *SLOW, "--drain-timeout", "60"],
+            scheduler_args=FAST,
+        ) as cluster:
+            wait_for(lambda: len(executors(client, ns)) == 2, what="two loops")
+            worker, results = run_in_background(cluster.address, [greedy(p, n) for p, n in zip(PROMPTS, MAX_TOKENS)])
+            wait_for(lambda: sum(placed(client, ns).values()) == N, what="every request placed")
+            source, _ = busiest(cluster, client, ns)
+            source.proc.send_signal(signal.SIGTERM)
+            wait_for(lambda: fetching(client, ns), what="a pre-copy under way")
+            server.kill()
+            time.sleep(1.0)
+            server.restart()
+            worker.join(180)
+            assert not worker.is_alive()
+            assert source.proc.wait(timeout=90) == 0, "the drained executor exits 0"
+            free, totals = wait_all_free(client, ns, timeout=60)
+    finally:
+        client.close()
+        server.stop()
+    assert [r.token_ids for r in results] == expected, "no token lost, duplicated or changed"
     assert free == totals
     assert loop_failures(tmp_path) == []

@@ -91,17 +91,34 @@ class Mover:
             balance.Move(req, to, "drain")
             for req, to in migration.pick(candidates, views, self.executor, self.block_size)
         ]
+        self._readers_gone(sched, views if views else None)
         return self._move(sched, member, picks, busy)
 
     def wants_views(self, sched: Scheduler, member: Member) -> bool:
-        """Whether this turn needs the peers' views (one Redis read): a drain with something to move, or a
-        rebalance check that is due."""
+        """Whether this turn needs the peers' views (one Redis read): a drain with something to move or a
+        pre-copy whose reader may have left, or a rebalance check that is due."""
         if not member.serving:
-            return self.config.migration != "off" and any(
-                migration.movable(r) and not sched.lending.moving(r.request_id)
-                for r in [*sched.running, *sched.swapped]
+            return self.config.migration != "off" and (
+                bool(sched.lending.precopies)
+                or any(
+                    migration.movable(r) and not sched.lending.moving(r.request_id)
+                    for r in [*sched.running, *sched.swapped]
+                )
             )
-        return self.config.rebalance and now_ms() >= self._next_rebalance_ms and bool(sched.running)
+        due = now_ms() >= self._next_rebalance_ms
+        return self.config.rebalance and due and bool(sched.running or sched.lending.precopies)
+
+    @staticmethod
+    def _readers_gone(sched: Scheduler, views: dict[str, PoolView] | None) -> None:
+        """A pre-copy whose reader no longer serves (it died, or drains) will never be read: end its lend,
+        and the request makes its short stop for any executor."""
+        if views is None:
+            return
+        for pre in list(sched.lending.precopies.values()):
+            v = views.get(pre.to)
+            if v is None or not v.serving:
+                pre.to = ""
+                sched.end_lend(pre.lend_id)
 
     def rebalance(self, sched: Scheduler, member: Member, views: dict[str, PoolView] | None, busy: bool) -> bool:
         """A serving executor's moves (``--rebalance``); ``views``: the pools' views when ``wants_views``
@@ -112,6 +129,7 @@ class Mover:
             mine = sched.view(self.executor, True)
             victims = [r for r in sched.victim_order() if not sched.lending.moving(r.request_id)]
             picks = balance.pick(victims, mine, views, self.config.rebalance_gap, self.block_size)
+        self._readers_gone(sched, views)
         return self._move(sched, member, picks, busy)
 
     def _move(self, sched: Scheduler, member: Member, picks: list[balance.Move], busy: bool) -> bool:
