@@ -49,6 +49,8 @@ MIGRATION_KEYS = (
     "migration_stall_ratio",
     "migration_drain_s",
     "recompute_drain_s",
+    "migration_resumed_s",
+    "recompute_resumed_s",
     "migration_tokens_identical",
 )
 PEER_PREFIX_KEYS = (

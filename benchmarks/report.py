@@ -438,10 +438,11 @@ def _moves_lines(summary: dict) -> list[str]:
             "Drain of the busier of 2 executors holding long-context streams (SIGTERM; stall = the longest gap in "
             "a moved stream from the SIGTERM on):",
             "",
-            "| mode | stall p50 ms | drain s | recomputed tokens | bytes moved | streams moved |",
-            "|---|---|---|---|---|---|",
+            "| mode | stall p50 ms | drain s (exit) | resumed s | recomputed tokens | bytes moved | streams moved |",
+            "|---|---|---|---|---|---|---|",
             *(
                 f"| {m['mode']} | {_f(m.get('stall_p50_ms'))} | {_f(m.get('drain_s'), 2)} | "
+                f"{_f(m.get('resumed_s'), 2)} | "
                 f"{m.get('recomputed_tokens')} | {m.get('migrated_bytes'):,} | {m.get('moved')} |"
                 for m in (kv, rc)
                 if m

@@ -218,6 +218,7 @@ async def _drain(args: argparse.Namespace, servicer: ExecutorServicer, registrat
     log.info("draining: no new requests; running ones have %.0f s to finish or move", args.drain_timeout)
     if registration is not None:
         await registration.beat()  # schedulers see "draining" now, not a heartbeat later
+        await registration.announce_drain()  # and its loop, at its next turn
         await registration.drained(lambda: bool(servicer.lends))  # peers may still read what moved
     else:
         await quiet(servicer.lifecycle, lambda: servicer.last_step)

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import redis.asyncio as aioredis
 
 from pagedserve.executor.v1 import executor_pb2 as epb
-from pagedserve.keys import Keys
+from pagedserve.keys import INCOMING_MAXLEN, Keys
 
 SERVING, DRAINING = "serving", "draining"
 
@@ -203,6 +203,13 @@ class Registry:
         """The namespace identity, set from ``member`` if there is none yet."""
         got = await self._identity(keys=[self.keys.identity], args=[x for kv in member.identity.items() for x in kv])
         return dict(zip(got[::2], got[1::2]))
+
+    async def ring_drain(self, instance_id: str) -> None:
+        """Tell the loops at once that this executor drains (a ``drain`` doorbell): its loop starts moving
+        its requests now instead of at the next membership read."""
+        await self.r.xadd(
+            self.keys.incoming, {"op": "drain", "id": instance_id}, maxlen=INCOMING_MAXLEN, approximate=True
+        )
 
     async def placed(self, instance_id: str) -> int:
         """Requests still placed on an executor (what a draining executor waits for)."""

@@ -59,6 +59,15 @@ def _counters_json(c: Mapping[str, int], counts_tokens: bool) -> dict[str, objec
             "draft_tokens": c.get("spec_draft_tokens", 0),
             "accepted_tokens": c.get("spec_accepted_tokens", 0),
         },
+        # KV that moves: requests that left with their KV, by cause; pulls ahead of requests, by cause.
+        "moves": {
+            "out": {cause: c.get(f"migrations_{cause}", 0) for cause in ("drain", "rebalance", "preempt")},
+            "in": c.get("migrations_in", 0),
+            "failed": c.get("migrations_failed", 0),
+            "precopied_blocks": c.get("precopy_blocks", 0),
+            "peer_prefix_blocks": c.get("prefix_blocks", 0),
+            "peer_prefix_asks": c.get("peer_prefix_asks", 0),
+        },
     }
 
 
@@ -81,6 +90,7 @@ def to_json(snap: Deployment, rate: tuple[dict[str, Rate], Rate] | None = None) 
             "max_num_seqs": e.max_num_seqs,
             "placed": e.placed,
             "migrating": e.lent,
+            "fetching": e.fetching,
             **_counters_json(e.counters, snap.counts_tokens),
             "evacuate_at_ms": e.evacuate_at_ms,
             **({"lora_adapters": list(e.lora)} if e.lora is not None else {}),
@@ -164,6 +174,7 @@ def _text(doc: dict[str, object]) -> str:
             f"  {e['id']}  {e['address']}  {e['state']}  kv {usage}  running {e['running']}  "
             f"swapped {e['swapped']}  placed {e['placed']}  steps {e['steps']}  leader {e['leader']}"
             + (f"  migrating {e['migrating']}" if e.get("migrating") else "")
+            + (f"  fetching {e['fetching']}" if e.get("fetching") else "")
             + (f"  lora {','.join(e['lora_adapters']) or '-'}" if "lora_adapters" in e else "")
         )
     for r in cast(list[dict[str, Any]], doc["replicas"]):

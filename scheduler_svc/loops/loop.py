@@ -29,7 +29,7 @@ from opentelemetry.trace import Tracer
 from pagedserve import logs
 from pagedserve.executor.v1 import executor_pb2 as pb
 from pagedserve.executor.v1 import executor_pb2_grpc as pb_grpc
-from pagedserve.members import Member, now_ms
+from pagedserve.members import DRAINING, Member, now_ms
 from scheduler_svc.core import placement
 from scheduler_svc.core.blocks import DEVICE
 from scheduler_svc.core.migration import MoveConfig
@@ -101,7 +101,8 @@ class Loop:
             eos_token_ids=tuple(info.eos_token_ids),
         )
         self.epoch = epoch
-        self.member = member  # the executor's current membership record (None once it left)
+        self._member = member  # the executor's current membership record (None once it left)
+        self._drain_rung = False  # its executor rang the ``drain`` doorbell: draining, whatever the record said
         self.executor_timeout = executor_timeout
         self.step_log = step_log
         self.channel = channel  # for the Steps stream (async scheduling)
@@ -118,6 +119,14 @@ class Loop:
         self.placements = Placements(self.executor, info.model, metrics, tracer)
         self.log = logs.for_executor(log, self.executor)
         self.s: Session
+
+    def member(self) -> Member | None:
+        """The executor's membership record as the manager last read it; draining as soon as the executor
+        rang the ``drain`` doorbell (the manager reads membership once a tick)."""
+        m = self._member()
+        if m is not None and m.serving and self._drain_rung:
+            return replace(m, state=DRAINING)
+        return m
 
     async def lead(self, stop: asyncio.Event) -> str:
         """Step the executor until ``stop``; returns why it ended: stopped, fenced or lost."""
@@ -287,6 +296,9 @@ class Loop:
             done, (ops_in, queued) = None, await timer.redis_call(self.store.read_incoming(s.cursor, block))
         if ops_in:
             s.cursor = ops_in[-1].stream_id
+        if any(o.op == "drain" and o.request_id == self.executor for o in ops_in) and member.serving:
+            self._drain_rung = True
+            member = self.member() or member
         cancels = [(o.request_id, o.reason) for o in ops_in if o.op == "cancel" and o.reason is not None]
         claimed: list[tuple[Request, Finish | None]] = []
         s.retry, hold = False, False
