@@ -1,12 +1,17 @@
-"""KV migration on a real stack: two tiny-Llama executors registered in a real redis-server, one
-scheduler, gRPC over sockets. SIGTERM drains the busier executor while its requests decode; the
-loop lends their blocks, the other executor pulls them over ``ReadBlocks`` while its own steps
-run, and decoding continues there from the next token.
+"""KV that moves between executors, on real stacks: tiny-Llama executors registered in a real
+redis-server, a scheduler, gRPC over sockets.
 
-Greedy output stays token-identical to transformers through the move; seeded sampled and
-regex-constrained requests give the same tokens as on a run without any move; the counters say
-every moved request's KV was pulled (none recomputed); afterwards no block is lent, owned twice or
-leaked.
+- A drain: SIGTERM on the busier executor while its requests decode; its loop pre-copies their full
+  blocks to the peer (which pulls them into its prefix cache while they keep decoding), then makes one
+  short stop each (the rest lent, the peer pulls it) and decoding continues there from the next token.
+- Failures mid-copy (a slow ``--read-blocks-delay-ms`` source): SIGKILL of the source, of the reader, and
+  Redis SIGKILL with an AOF restart.
+- ``--rebalance``: an executor joins, idle, and takes running requests with their KV.
+- A peer prefix hit: a request placed on the idle executor pulls its prefix from the busy one's cache.
+
+Greedy output stays token-identical to transformers throughout; seeded sampled, regex-constrained and
+penalized requests give the same tokens as on a run without any move; the counters say what moved and
+how; afterwards no block is lent, fetched, owned twice or leaked, and no loop died on the way.
 """
 
 from __future__ import annotations
@@ -43,6 +48,20 @@ def sampled(i: int) -> pb.GenerateRequest:
     )
 
 
+def penalized(i: int) -> pb.GenerateRequest:
+    """Greedy under penalties over the prompt and the output so far: the destination rebuilds the histories."""
+    return pb.GenerateRequest(
+        prompt_token_ids=PROMPTS[i],
+        sampling=pb.SamplingParams(
+            max_tokens=MAX_TOKENS[i],
+            temperature=0.0,
+            repetition_penalty=1.3,
+            presence_penalty=0.5,
+            frequency_penalty=0.4,
+        ),
+    )
+
+
 def constrained(i: int) -> pb.GenerateRequest:
     return pb.GenerateRequest(
         prompt_token_ids=PROMPTS[i],
@@ -65,7 +84,7 @@ def test_a_drain_moves_running_requests_with_their_kv(
 ) -> None:
     ns = "migrate-drain"
     client = redis.Redis.from_url(redis_url, decode_responses=True)
-    others = [sampled(0), sampled(1), constrained(2), constrained(3)]
+    others = [sampled(0), sampled(1), constrained(2), constrained(3), penalized(4)]
     with make_cluster(
         tiny_llama,
         redis_url,
@@ -101,7 +120,7 @@ def test_a_drain_moves_running_requests_with_their_kv(
         free, totals = wait_all_free(client, ns)
 
     assert [r.token_ids for r in results[:N]] == expected, "greedy: transformers' tokens through the move"
-    assert [r.token_ids for r in results[N:]] == unmoved, "seeded and constrained: the same tokens as unmoved"
+    assert [r.token_ids for r in results[N:]] == unmoved, "seeded, constrained, penalized: the tokens as unmoved"
     moved = after.get("migrations_out", 0) - before.get("migrations_out", 0)
     assert moved >= 1, "requests left the draining executor with their KV"
     assert after.get("migrations_in", 0) - before.get("migrations_in", 0) == moved, "each one's KV was pulled"
