@@ -25,7 +25,7 @@ from paged_kernels import BACKENDS
 from pagedserve import heap, logs, metrics, rpc
 from pagedserve.auth import SecretFile, internal_token_interceptor
 from pagedserve.keys import Keys
-from pagedserve.members import Registry
+from pagedserve.members import ROLES, Registry
 from pagedserve.redis_check import require as require_redis
 from pagedserve.security import Dialer, TLSFiles, reload_on_sighup, server_tls
 from pagedserve.tiers import Tier
@@ -133,6 +133,13 @@ def _membership_arguments(p: argparse.ArgumentParser) -> None:
 
 def _lora_arguments(p: argparse.ArgumentParser) -> None:
     """LoRA adapters (vLLM's names; docs/lora.md): the executor's capacity for them."""
+    p.add_argument(
+        "--role",
+        choices=ROLES,
+        default="mixed",
+        help="prefill: compute long prompts and hand their KV to a decode executor; decode: everything else, and "
+        "what prefill executors hand over; mixed: everything (docs/architecture.md, 'Prefill and decode')",
+    )
     p.add_argument(
         "--read-blocks-delay-ms",
         type=float,
@@ -297,7 +304,7 @@ async def serve(args: argparse.Namespace) -> None:
     executor_metrics.pools({t: engine.pool.count(t) for t in Tier})
     metrics.serve(args.metrics_port, registry, args.metrics_host)
     servicer = ExecutorServicer(
-        engine, Lifecycle(), executor_metrics, _puller(args, engine), args.read_blocks_delay_ms / 1000
+        engine, Lifecycle(), executor_metrics, _puller(args, engine), args.read_blocks_delay_ms / 1000, args.role
     )
     certificate = server_tls(args.tls, verify_clients=True)
     server, health, port = rpc.make_server(

@@ -23,6 +23,7 @@ from pagedserve.executor.v1 import executor_pb2 as epb
 from pagedserve.keys import INCOMING_MAXLEN, Keys
 
 SERVING, DRAINING = "serving", "draining"
+ROLES = ("mixed", "prefill", "decode")  # --role: what an executor takes (docs/architecture.md, "Prefill and decode")
 
 # Register or renew: refused once the instance was evicted; keeps the first
 # registration time in the index; returns the namespace identity.
@@ -67,6 +68,7 @@ class Member:
     lora_slots: int = 0
     lora_resident: tuple[str, ...] = ()
     lora_cached: tuple[str, ...] = ()
+    role: str = "mixed"  # --role (ROLES)
 
     @property
     def identity(self) -> dict[str, str]:
@@ -86,19 +88,23 @@ class Member:
         return self.state == SERVING
 
     def to_fields(self) -> dict[str, str]:
-        return {
-            "address": self.address,
-            "model": self.model,
-            "model_digest": self.model_digest,
-            "dtype": self.dtype,
-            "block_size": str(self.block_size),
-            "blocks": ",".join(map(str, self.blocks)),
-            "max_model_len": str(self.max_model_len),
-            "state": self.state,
-            "evacuate_at_ms": str(self.evacuate_at_ms),
-            "static": "1" if self.static else "0",
-            "model_path": self.model_path,
-        } | (self._lora_field() if self.lora_slots else {})
+        return (
+            {
+                "address": self.address,
+                "model": self.model,
+                "model_digest": self.model_digest,
+                "dtype": self.dtype,
+                "block_size": str(self.block_size),
+                "blocks": ",".join(map(str, self.blocks)),
+                "max_model_len": str(self.max_model_len),
+                "state": self.state,
+                "evacuate_at_ms": str(self.evacuate_at_ms),
+                "static": "1" if self.static else "0",
+                "model_path": self.model_path,
+            }
+            | (self._lora_field() if self.lora_slots else {})
+            | ({"role": self.role} if self.role != "mixed" else {})
+        )
 
     def _lora_field(self) -> dict[str, str]:
         """Only with --enable-lora: a record without it reads as it did before adapters."""
@@ -122,6 +128,7 @@ class Member:
             f.get("static") == "1",
             f.get("model_path", ""),
             *_lora_of(f.get("lora")),
+            f.get("role") or "mixed",
         )
 
     @classmethod
@@ -139,6 +146,7 @@ class Member:
             info.evacuate_at_ms,
             static,
             info.model_path,
+            role=info.role or "mixed",
         )
 
 

@@ -185,6 +185,19 @@ def _scheduling_arguments(p: argparse.ArgumentParser) -> None:
         default=500,
         help="how often a loop reads the peers' views to decide moves with --rebalance",
     )
+    p.add_argument(
+        "--disagg-min-prompt-tokens",
+        type=int,
+        default=0,
+        help="with prefill and decode executors (executor --role): a request whose uncached prompt is longer "
+        "runs its prefill on a prefill executor, which hands its KV to a decode executor (0: never)",
+    )
+    p.add_argument(
+        "--disagg-max-prefill-queue",
+        type=int,
+        default=4,
+        help="requests a prefill executor may hold before long prompts run mixed again",
+    )
     p.add_argument("--policy", choices=POLICIES, default="fcfs", help="the same on every replica of a namespace")
     p.add_argument("--preemption-mode", choices=PREEMPTION_MODES, default="recompute")
     p.add_argument(
@@ -250,6 +263,8 @@ def _check_limits(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error("--rebalance-gap must be in (0, 1]")
     if args.rebalance_every_ms < 1:
         p.error("--rebalance-every-ms must be positive")
+    if args.disagg_min_prompt_tokens < 0 or args.disagg_max_prefill_queue < 1:
+        p.error("--disagg-min-prompt-tokens must be >= 0 and --disagg-max-prefill-queue >= 1")
     if args.max_loras < 1 or args.max_lora_rank < 1:
         p.error("--max-loras and --max-lora-rank must be positive")
     if args.lora_modules and not args.enable_lora:

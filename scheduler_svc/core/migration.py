@@ -31,6 +31,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from pagedserve.tiers import Tier
+from scheduler_svc.core.disagg import DisaggConfig
 from scheduler_svc.core.fit import blocks_for
 from scheduler_svc.core.placement import PoolView
 from scheduler_svc.core.request import Request
@@ -38,20 +39,22 @@ from scheduler_svc.core.request import Request
 DEVICE = Tier.DEVICE
 LEND_TTL_MS = 30_000  # a lend nobody ended by then is freed (its reader died, or never came)
 OFFER_TTL_MS = 10_000  # an offer's lend: its reader pulls at once or never (then the move goes on without it)
-CAUSES = ("drain", "rebalance", "preempt", "precopy", "prefix")  # why blocks moved: metrics label by cause
+CAUSES = ("drain", "rebalance", "preempt", "disagg", "prefix")  # why blocks moved: metrics label by cause
 
 
 @dataclass(frozen=True, slots=True)
 class MoveConfig:
     """How a replica's loops move KV: ``--migration`` (a drain's moves: kv, recompute or off),
     ``--peer-prefix`` (ask a peer for a cached prefix when pulling it costs less than computing it),
-    ``--rebalance`` with ``--rebalance-gap`` and ``--rebalance-every-ms`` (core/rebalance.py)."""
+    ``--rebalance`` with ``--rebalance-gap`` and ``--rebalance-every-ms`` (core/rebalance.py), and
+    ``--disagg-min-prompt-tokens``/``--disagg-max-prefill-queue`` (core/disagg.py)."""
 
     migration: str = "kv"
     peer_prefix: bool = True
     rebalance: bool = False
     rebalance_gap: float = 0.25
     rebalance_every_ms: int = 500
+    disagg: DisaggConfig = field(default_factory=DisaggConfig)  # prefill and decode executors (core/disagg.py)
 
     def __post_init__(self) -> None:
         if self.migration not in ("kv", "recompute", "off"):
@@ -89,6 +92,7 @@ class Offer:
     src: KvSource  # src.tokens: the positions the prefix covers up to (its last block's end)
     hashes: tuple[str, ...]  # one per block of ``src.blocks``
     start: int = 0  # the prefix block ``src.blocks[0]`` is (the reader caches those before it)
+    reserve: int = 0  # blocks the whole prefix will take: the reader holds room for them from the first round
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,12 +108,14 @@ class Ask:
 
 @dataclass(slots=True)
 class Precopy:
-    """A request of this executor whose full blocks a peer is pulling while it keeps running."""
+    """A request of this executor whose full blocks a peer is pulling while it keeps running: the lends of
+    its rounds not ended yet, and how many of its blocks were offered."""
 
     request_id: str
     to: str
-    lend_id: str
     cause: str
+    lend_ids: list[str] = field(default_factory=list)
+    offered: int = 0
 
 
 @dataclass(slots=True)
@@ -174,8 +180,10 @@ class Lending:
             self.offers = [o for o in self.offers if o.src.lend != lend_id]
             self.ended.append(lend_id)
             pre = self.precopies.get(lent.request_id)
-            if pre is not None and pre.lend_id == lend_id:
-                self.copied[lent.request_id] = self.precopies.pop(lent.request_id)
+            if pre is not None and lend_id in pre.lend_ids:
+                pre.lend_ids.remove(lend_id)
+                if not pre.lend_ids and pre.cause != "disagg":  # a handoff stops at its first token instead
+                    self.copied[lent.request_id] = self.precopies.pop(lent.request_id)
         return lent
 
     def due(self, now_ms: int) -> list[str]:

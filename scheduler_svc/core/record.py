@@ -42,7 +42,8 @@ class Counters:
     moved_recomputed_tokens: int = 0  # computed tokens whose KV requests lost by leaving (requeue, failed pull)
     migrations_drain: int = 0  # migrations_out by cause: the executor drains,
     migrations_rebalance: int = 0  # its KV usage was over a peer's by --rebalance-gap,
-    migrations_preempt: int = 0  # or it would have preempted (core/rebalance.py)
+    migrations_preempt: int = 0  # or it would have preempted (core/rebalance.py),
+    migrations_disagg: int = 0  # or a prefill executor handed it to a decode executor (core/disagg.py)
     precopies: int = 0  # moves whose full blocks were lent to their destination while they kept running
     peer_prefix_asks: int = 0  # requests that waited for a peer's cached prefix instead of computing it
     peer_prefix_timeouts: int = 0  # ... and computed it after all: no offer came in time
@@ -50,6 +51,7 @@ class Counters:
     fetches_failed: int = 0
     precopy_blocks: int = 0  # of fetched_blocks: pre-copies of moving requests
     prefix_blocks: int = 0  # of fetched_blocks: peer prefix hits
+    handoff_blocks: int = 0  # of fetched_blocks: prompts a prefill executor computed for this one (core/disagg.py)
 
     def as_dict(self) -> dict[str, int]:
         return {f.name: getattr(self, f.name) for f in fields(self)}

@@ -66,7 +66,7 @@ from scheduler_svc.core.migration import (
 )
 from scheduler_svc.core.output import Scheduled, SchedulerOutput
 from scheduler_svc.core.placement import PoolView
-from scheduler_svc.core.prefetch import FETCH_TTL_MS, Fetch, Fetches
+from scheduler_svc.core.prefetch import FETCH_TTL_MS, Fetch, Fetches, Round, fetch_kind, pull_key, request_of
 from scheduler_svc.core.queue import make_queue
 from scheduler_svc.core.record import Counters, StepRecord
 from scheduler_svc.core.request import Finish, Request, Status
@@ -235,24 +235,34 @@ class Scheduler:
 
     # -- KV that moves ahead of a request (core/migration.py: Offer, Ask; core/prefetch.py) -------
 
-    def precopy(self, req: Request, to: str, source: Source, now_ms: int, cause: str) -> bool:
-        """Start moving running ``req`` to ``to``: lend its full blocks whose KV a reported step wrote (the
-        ones named for the prefix cache: they never change) while it keeps decoding here, and offer them to
-        ``to``. When that lend ends (``Lending.copied``), ``migrate`` lends only the rest. False: nothing to
-        pre-copy (caching off, no full block yet, or a pre-copy of it already under way)."""
+    def precopy(self, req: Request, to: str, source: Source, now_ms: int, cause: str, reserve: int = 0) -> bool:
+        """Lend ``req``'s full blocks whose KV a reported step wrote (the ones named for the prefix cache: they
+        never change) and not lent to ``to`` yet, while it keeps running here, and offer them to ``to``: one
+        pre-copy round. ``reserve``: the blocks ``to`` should hold for the whole prefix (a prefill executor's
+        handoff, whose later rounds fill them). A move (``cause`` drain, rebalance, preempt) makes one round;
+        when its lend ends (``Lending.copied``), ``migrate`` lends only the rest. False: nothing new to lend
+        (caching off, no full block yet, or no new one since the last round)."""
+        pre = self.lending.precopies.get(req.request_id)
+        start = pre.offered if pre is not None else 0
         n = min(req.num_registered, len(req.blocks))
-        if n == 0 or req.status != Status.RUNNING or self.lending.moving(req.request_id):
+        if n <= start or req.status != Status.RUNNING or req.request_id in self.lending.copied:
             return False
-        blocks, hashes = req.blocks[:n], self.blocks.hashes(req, n)[:n]
+        if pre is not None and (pre.to != to or pre.cause != cause):
+            return False
+        blocks, hashes = req.blocks[start:n], self.blocks.hashes(req, n)[start:n]
         self.blocks.hold(blocks)
         refs = [(DEVICE, b) for b in blocks]
-        lent = Lent(f"{req.request_id}@{now_ms}/pre", req.request_id, refs, now_ms + OFFER_TTL_MS)
+        lent = Lent(f"{req.request_id}@{now_ms}/pre{start}", req.request_id, refs, now_ms + OFFER_TTL_MS)
         src = source(lent.lend_id, tuple((int(t), b) for t, b in refs), n * self.blocks.block_size)
-        src = replace(src, cause="precopy", to=to)
-        self.lending.lend(lent, Offer(to, req.request_id, src, tuple(h.hex() for h in hashes)))
-        self.lending.precopies[req.request_id] = Precopy(req.request_id, to, lent.lend_id, cause)
+        src = replace(src, cause=cause, to=to)
+        offer = Offer(to, req.request_id, src, tuple(h.hex() for h in hashes), start, reserve)
+        self.lending.lend(lent, offer)
+        if pre is None:
+            pre = self.lending.precopies[req.request_id] = Precopy(req.request_id, to, cause)
+            self._count("precopies")
+        pre.lend_ids.append(lent.lend_id)
+        pre.offered = n
         self.record.lent.append(lent)
-        self._count("precopies")
         return True
 
     def answer(self, ask: Ask, source: Source, now_ms: int) -> None:
@@ -305,27 +315,55 @@ class Scheduler:
         )
 
     def fetch(self, offer: Offer, now_ms: int) -> bool:
-        """A peer lent blocks for this pool (``Offer``): the next plan pulls the ones not cached here yet
-        into new blocks, named in the cache once the pull is reported (core/prefetch.py). False (none
-        to pull, no room, caching off): the lend is ended at once, and an asking request computes."""
-        asked = self.asking.get(offer.request_id)
+        """A peer lent blocks of a prefix for this pool (``Offer``): keep the leading ones cached here, put
+        the rest into blocks of this pool (reserved by an earlier round, or new), pulled by the next plan
+        and named in the cache once reported (core/prefetch.py). False (nothing to pull, no room, caching
+        off): the lend is ended at once, and an asking request computes."""
+        rid = offer.request_id
+        asked = self.asking.get(rid)
         if asked is not None:
             self.costs.answered(now_ms - asked[1])
         hashes = [bytes.fromhex(h) for h in offer.hashes]
+        f = self.fetches.get(rid)
         kept = self.blocks.cached_prefix(hashes) if self.blocks.caching else []
         need = len(hashes) - len(kept)
-        free = self.blocks.num_free(DEVICE) - sum(1 for b in kept if b in self.blocks.lru)
-        if not self.blocks.caching or need <= 0 or offer.request_id in self.fetches or need + self._watermark > free:
+        if f is None and self.blocks.caching:
+            f = self._reserve(offer, need, now_ms)
+        if f is None or need <= 0 or not self._room(f, kept, need):
             if offer.src.blocks:
                 self.record.rung.append(offer.src.lend)
-            self._asked(offer.request_id)
+            if f is not None and not f.blocks:
+                self.fetches.pop(rid)
+            self._asked(rid)
             return False
         self.blocks.hold(kept)
-        blocks = kept + self.blocks.reserve(need)
-        f = Fetch(offer.request_id, offer.src, len(kept), hashes[len(kept) :], blocks, now_ms + FETCH_TTL_MS)
-        self.fetches.add(f)
-        self.record.lent.append(Lent(f.fid, f.request_id, [(DEVICE, b) for b in blocks], f.deadline_ms))
+        f.blocks += kept
+        dst = [f.spare.pop(0) for _ in range(min(need, len(f.spare)))]
+        fresh = self.blocks.reserve(need - len(dst))
+        f.blocks += fresh
+        dst += fresh
+        key = pull_key(rid, offer.start + len(kept))
+        f.rounds[key] = Round(key, offer.src, len(kept), dst, hashes[len(kept) :])
+        f.deadline_ms = now_ms + FETCH_TTL_MS
+        self.record.lent.append(Lent(f.fid, rid, [(DEVICE, b) for b in f.blocks], f.deadline_ms))
         return True
+
+    def _reserve(self, offer: Offer, need: int, now_ms: int) -> Fetch | None:
+        """A request's first round here: a new fetch, holding the blocks the offer asks to reserve (a
+        prefill executor's handoff: room for the whole prompt, committed now) when they fit."""
+        f = Fetch(offer.request_id, offer.src.executor, now_ms + FETCH_TTL_MS)
+        extra = offer.reserve - offer.start - need
+        if extra > 0 and need + extra + self._watermark <= self.blocks.num_free(DEVICE):
+            f.spare = self.blocks.reserve(extra)
+            f.blocks = list(f.spare)
+        self.fetches.add(f)
+        return f
+
+    def _room(self, f: Fetch, kept: list[int], need: int) -> bool:
+        """Whether this round's ``need`` blocks fit: reserved ones, or free ones above the watermark (taking a
+        kept block back from the evictable ones costs a free block too)."""
+        short = max(0, need - len(f.spare)) + sum(1 for b in kept if b in self.blocks.lru)
+        return short == 0 or short + self._watermark <= self.blocks.num_free(DEVICE)
 
     def _asked(self, request_id: str) -> None:
         """An asking request's wait is over (its fetch came back, or none came): it may be admitted."""
@@ -335,12 +373,18 @@ class Scheduler:
 
     def _drop_fetch(self, request_id: str) -> None:
         """A fetch's request was admitted here (it holds the blocks itself now), left, or never came."""
-        f = self.fetches.by_request.get(request_id)
+        f = self.fetches.get(request_id)
         if f is None or f.in_flight:
             return  # a pull in flight may still write its blocks: it ends when reported
         self.fetches.pop(request_id)
         self.blocks.release(f.blocks)
         self.record.unlent.append(f.fid)
+
+    def sources_gone(self, present: set[str]) -> None:
+        """Fetches whose source left (``present``: the executors with a view): nothing more comes; what was
+        pulled stays in the cache, and reserved blocks come free."""
+        for rid in self.fetches.from_gone(present):
+            self._drop_fetch(rid)
 
     def expire_moves(self, now_ms: int) -> None:
         """Lends nobody ended, fetches whose request never came, asks nobody answered: past their time."""
@@ -354,25 +398,28 @@ class Scheduler:
                 self._asked(rid)
 
     def _fetched(self, p: PullPlan, ok: bool, ms: float, size: int) -> None:
-        """A fetch's pull was reported: its blocks are named in the cache (or freed), the source's lend can
-        end, and the request that asked for it may be admitted."""
-        rid = p.fetch.removeprefix("fetch/")
+        """A fetch's pull was reported: its blocks are named in the cache (or go back to its spares), the
+        source's lend can end, and the request that asked for it may be admitted."""
+        rid = request_of(p.fetch)
         self.record.rung.append(p.src.lend)
-        f = self.fetches.by_request.get(rid)
-        if f is None or f.fid != p.fetch:
+        f = self.fetches.get(rid)
+        r = f.rounds.pop(p.fetch, None) if f is not None else None
+        if f is None or r is None:
             return
-        f.in_flight = False
         self.costs.pulled(len(p.dst), ms)
+        kind = fetch_kind(p.src.cause)
         if ok:
             f.pulled = True
-            self.blocks.name(p.dst, f.hashes)
+            self.blocks.name(r.dst, r.hashes)
             self._count("fetched_blocks", len(p.dst))
             self._count("migrated_bytes", size)
-            self._count(f"{p.src.cause}_blocks", len(p.dst))
+            self._count(f"{kind}_blocks", len(p.dst))
         else:
             self._count("fetches_failed")
-            self._drop_fetch(rid)
-        self.record.fetched.append((p.src.cause, ok, ms, len(p.dst)))
+            f.spare += r.dst
+            if not f.pulled and not f.rounds:
+                self._drop_fetch(rid)  # nothing came: its blocks are of no use to anyone
+        self.record.fetched.append((kind, ok, ms, len(p.dst)))
         self._asked(rid)
 
     def take_record(self) -> StepRecord:
@@ -388,6 +435,12 @@ class Scheduler:
     @property
     def has_work(self) -> bool:
         return bool(self.running or len(self.waiting) or len(self.swapped) or self.lending.pending or self.fetches.new)
+
+    @staticmethod
+    def handing_off(req: Request) -> bool:
+        """A prefill executor's request whose first token is sampled (or in flight): it runs nothing more
+        here, and leaves for its decode executor once nothing of it is in flight (core/disagg.py)."""
+        return bool(req.handoff) and bool(req.output_ids or req.num_unreported)
 
     def victim_order(self) -> list[Request]:
         """The running requests, the one preemption would take first first (``_victim``'s order)."""
@@ -472,9 +525,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            if self._ending(req) or req.pulling:
+            if self._ending(req) or req.pulling or self.handing_off(req):
                 i += 1
-                continue  # its token in flight ends it (the pipelined loop), or its KV is on its way
+                continue  # its token in flight ends it (the pipelined loop), its KV is on its way, or it leaves
             if req.source is not None and not self._fork(req, out):
                 i += 1
                 continue  # its source has not launched the whole prompt yet, or no block for the copy
@@ -697,9 +750,8 @@ class Scheduler:
         out = SchedulerOutput()
         out.lends, out.unlends, offers = self.lending.take()
         self.record.offers += offers  # told once this plan (lending their blocks) is reported: the commit waits
-        for f in self.fetches.take():
-            f.in_flight = True
-            out.pulls.append(PullPlan(None, f.src, f.first, f.blocks[f.first :], f.fid))
+        for r in self.fetches.take():
+            out.pulls.append(PullPlan(None, r.src, r.first, r.dst, r.key))
         self._choose_k()
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
         if not out.preempted:
@@ -849,7 +901,7 @@ class Scheduler:
         pending = sum(r.num_pending for r in self.running)
         return self.config.max_num_seqs - len(self.running), max(0, self.config.max_num_batched_tokens - pending)
 
-    def view(self, executor: str, serving: bool) -> PoolView:
+    def view(self, executor: str, serving: bool, role: str = "mixed") -> PoolView:
         """This pool as placement sees it (published for the other loops each step)."""
         held: Counter[int] = Counter()
         for r in self.running:
@@ -869,4 +921,5 @@ class Scheduler:
             held=dict(held),
             max_loras=self.config.max_loras,
             adapters=tuple(sorted(lora.adapters_of([*self.running, *self.swapped]))) if self.config.max_loras else (),
+            role=role,
         )

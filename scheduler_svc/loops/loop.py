@@ -109,13 +109,14 @@ class Loop:
         # Plan a step ahead when asked to and the executor can (a channel to open its stream on).
         self.pipelined = async_scheduling and channel is not None and info.pipelined
         self.moves = moves or MoveConfig()  # --migration, --peer-prefix, --rebalance (loops/moves.py)
-        self.mover = Mover(self.executor, epoch, info.block_size, self.moves)
+        self.mover = Mover(self.executor, epoch, info.block_size, self.moves, info.role or "mixed")
         self._in_flight: list[str] = []  # requests of the plan whose result failed
         self._published: placement.PoolView | None = None
         self._step_id = 0
         self.idle_block_ms: int | None = IDLE_BLOCK_MS  # how long an idle step waits for the doorbell
         self.metrics = metrics
         self.model = info.model
+        self.role = info.role or "mixed"  # its executor's --role (core/disagg.py)
         self.placements = Placements(self.executor, info.model, metrics, tracer)
         self.log = logs.for_executor(log, self.executor)
         self.s: Session
@@ -233,7 +234,7 @@ class Loop:
     def _view(self, sched: Scheduler) -> placement.PoolView | None:
         """This pool's view if it changed since it was last published."""
         m = self.member()
-        view = sched.view(self.executor, m is not None and m.serving)
+        view = sched.view(self.executor, m is not None and m.serving, self.role)
         if view == self._published:
             return None
         self._published = view
@@ -254,8 +255,16 @@ class Loop:
         candidates, views = await timer.redis_call(self.store.look(PEEK_DEPTH))
         if not candidates:
             return [], False, {}
-        views[self.executor] = sched.view(self.executor, True)
-        picks = placement.pick(candidates, self.executor, views, policy=self.config.policy, seats=seats, budget=tokens)
+        views[self.executor] = sched.view(self.executor, True, self.role)
+        picks = placement.pick(
+            candidates,
+            self.executor,
+            views,
+            policy=self.config.policy,
+            seats=seats,
+            budget=tokens,
+            disagg=self.moves.disagg,
+        )
         self.log.debug(
             "executor %s: %d queued, views %s, picks %s",
             self.executor,
@@ -309,8 +318,7 @@ class Loop:
             hold = self._drain(sched, member, views or {})
         else:
             claimed, s.retry, candidates = await self._claim(sched, timer)
-            if self.moves.rebalance:
-                hold = self.mover.rebalance(sched, member, views, bool(s.pipe))
+            hold = self.mover.serve(sched, member, views, bool(s.pipe))
         intake(sched, claimed, [(rid, r) for rid, r in cancels if rid in sched.requests])
         self.mover.ask(sched, [r for r, cancel in claimed if cancel is None], candidates)
         sched.expire(now_ms())  # queue deadlines: nothing past its own starts now

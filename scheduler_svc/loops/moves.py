@@ -29,8 +29,10 @@ import logging
 from dataclasses import dataclass
 
 from pagedserve.members import Member, now_ms
-from scheduler_svc.core import migration
+from scheduler_svc.core import disagg, migration
 from scheduler_svc.core import rebalance as balance
+from scheduler_svc.core.disagg import PREFILL
+from scheduler_svc.core.fit import blocks_for
 from scheduler_svc.core.migration import KvSource, MoveConfig
 from scheduler_svc.core.placement import Candidate, PoolView
 from scheduler_svc.core.request import Request
@@ -39,6 +41,7 @@ from scheduler_svc.state import codec
 from scheduler_svc.state.store import Op
 
 log = logging.getLogger(__name__)
+_NOT_SERVING = PoolView("", False, 0, (0, 0, 0), (0, 0, 0), 0, 0, 0, 0)  # a pool missing from the views
 
 
 @dataclass(slots=True)
@@ -47,7 +50,8 @@ class Mover:
     epoch: int
     block_size: int
     config: MoveConfig
-    _next_rebalance_ms: int = 0
+    role: str = "mixed"  # its executor's --role
+    _next_check_ms: int = 0  # when a serving loop next reads the views for rebalancing and sources gone
 
     def source(self, member: Member) -> Source:
         """Names a lend of ours for a reader: this executor's address and our epoch."""
@@ -95,8 +99,10 @@ class Mover:
         return self._move(sched, member, picks, busy)
 
     def wants_views(self, sched: Scheduler, member: Member) -> bool:
-        """Whether this turn needs the peers' views (one Redis read): a drain with something to move or a
-        pre-copy whose reader may have left, or a rebalance check that is due."""
+        """Whether this turn needs the pools' views (one Redis read): a drain with something to move or a
+        pre-copy whose reader may have left; a rebalance check that is due; a prefill executor's requests
+        (their decode executors); fetches whose source may have left (checked every rebalance period)."""
+        now = now_ms()
         if not member.serving:
             return self.config.migration != "off" and (
                 bool(sched.lending.precopies)
@@ -105,38 +111,72 @@ class Mover:
                     for r in [*sched.running, *sched.swapped]
                 )
             )
-        due = now_ms() >= self._next_rebalance_ms
-        return self.config.rebalance and due and bool(sched.running or sched.lending.precopies)
+        if self.role == PREFILL and sched.running:
+            return True
+        due = now >= self._next_check_ms
+        return due and bool((self.config.rebalance and sched.running) or sched.lending.precopies or sched.fetches)
+
+    def serve(self, sched: Scheduler, member: Member, views: dict[str, PoolView] | None, busy: bool) -> bool:
+        """A serving executor's moves: rebalancing (``--rebalance``), a prefill executor's handoffs, and
+        fetches whose source left. Returns whether to hold plans (a short stop is due)."""
+        picks: list[balance.Move] = []
+        if views is not None:
+            self._next_check_ms = now_ms() + self.config.rebalance_every_ms
+            sched.sources_gone(set(views))
+            self._readers_gone(sched, views)
+            if self.config.rebalance:
+                mine = sched.view(self.executor, True, self.role)
+                victims = [r for r in sched.victim_order() if not sched.lending.moving(r.request_id)]
+                picks = balance.pick(victims, mine, views, self.config.rebalance_gap, self.block_size)
+        stops = self._handoffs(sched, member, views) if self.role == PREFILL else []
+        return self._move(sched, member, picks, busy, stops)
+
+    def _handoffs(self, sched: Scheduler, member: Member, views: dict[str, PoolView] | None) -> list[balance.Move]:
+        """A prefill executor's requests (core/disagg.py): each gets a decode executor; while its prompt is
+        computed, each new round of full blocks is offered there (the first asking it to reserve room for
+        the whole prompt); after its first token it leaves (the short stop) for that executor."""
+        now, stops = now_ms(), []
+        if self.config.migration != "kv":
+            return []  # a handoff moves KV: without it the prefill executor decodes what it prefilled
+        for req in list(sched.running):
+            gone = req.handoff and views is not None and not (views.get(req.handoff) or _NOT_SERVING).serving
+            if (not req.handoff or gone) and views is not None:
+                req.handoff = disagg.handoff(views, self.executor, blocks_for(req.num_tokens + 1, self.block_size))
+            if not req.handoff:
+                continue
+            if sched.handing_off(req):
+                if req.output_ids and not req.num_unreported:
+                    stops.append(balance.Move(req, req.handoff, "disagg"))
+                continue
+            reserve = blocks_for(len(req.prompt_ids), self.block_size)
+            sched.precopy(req, req.handoff, self.source(member), now, "disagg", reserve)
+        return stops
 
     @staticmethod
     def _readers_gone(sched: Scheduler, views: dict[str, PoolView] | None) -> None:
-        """A pre-copy whose reader no longer serves (it died, or drains) will never be read: end its lend,
+        """A pre-copy whose reader no longer serves (it died, or drains) will never be read: end its lends,
         and the request makes its short stop for any executor."""
         if views is None:
             return
         for pre in list(sched.lending.precopies.values()):
-            v = views.get(pre.to)
-            if v is None or not v.serving:
+            if not (views.get(pre.to) or _NOT_SERVING).serving:
                 pre.to = ""
-                sched.end_lend(pre.lend_id)
+                for lend_id in list(pre.lend_ids):
+                    sched.end_lend(lend_id)
 
-    def rebalance(self, sched: Scheduler, member: Member, views: dict[str, PoolView] | None, busy: bool) -> bool:
-        """A serving executor's moves (``--rebalance``); ``views``: the pools' views when ``wants_views``
-        said so. Returns whether to hold plans (a short stop is due)."""
-        picks: list[balance.Move] = []
-        if views is not None:
-            self._next_rebalance_ms = now_ms() + self.config.rebalance_every_ms
-            mine = sched.view(self.executor, True)
-            victims = [r for r in sched.victim_order() if not sched.lending.moving(r.request_id)]
-            picks = balance.pick(victims, mine, views, self.config.rebalance_gap, self.block_size)
-        self._readers_gone(sched, views)
-        return self._move(sched, member, picks, busy)
-
-    def _move(self, sched: Scheduler, member: Member, picks: list[balance.Move], busy: bool) -> bool:
-        """Pre-copy what can be; short stops for the rest, and for the pre-copies done."""
+    def _move(
+        self,
+        sched: Scheduler,
+        member: Member,
+        picks: list[balance.Move],
+        busy: bool,
+        stops: list[balance.Move] | None = None,
+    ) -> bool:
+        """Pre-copy what can be of ``picks``; short stops for the rest, for the pre-copies done and for
+        ``stops`` (handoffs)."""
         kv = self.config.migration == "kv"
         now = now_ms()
-        stops: list[balance.Move] = []
+        stops = list(stops or [])
         for m in picks:
             if not (kv and sched.precopy(m.req, m.to, self.source(member), now, m.cause)):
                 stops.append(m)

@@ -149,14 +149,14 @@ def kv_from(text: str) -> KvSource | None:
 
 def offer_json(offer: Offer) -> str:
     """An ``offer`` doorbell's data: the lend to pull and the cache names of its blocks."""
-    return json.dumps({"kv": kv_json(offer.src), "h": ",".join(offer.hashes), "s": offer.start})
+    return json.dumps({"kv": kv_json(offer.src), "h": ",".join(offer.hashes), "s": offer.start, "r": offer.reserve})
 
 
 def offer_from(to: str, request_id: str, text: str) -> Offer:
     d = json.loads(text)
     src = kv_from(d["kv"])
     assert src is not None
-    return Offer(to, request_id, src, tuple(h for h in d["h"].split(",") if h), int(d["s"]))
+    return Offer(to, request_id, src, tuple(h for h in d["h"].split(",") if h), int(d["s"]), int(d.get("r", 0)))
 
 
 def ask_json(ask: Ask) -> str:
@@ -281,6 +281,7 @@ def view_json(v: PoolView) -> str:
             "watermark": v.watermark,
             "held": {str(p): n for p, n in v.held.items()},
             **({"loras": [v.max_loras, *v.adapters]} if v.max_loras else {}),
+            **({"role": v.role} if v.role != "mixed" else {}),
         },
         separators=(",", ":"),
     )
@@ -300,5 +301,7 @@ def view_from(executor: str, data: str) -> PoolView:
         d["max_num_seqs"],
         d["watermark"],
         {int(p): n for p, n in d["held"].items()},
-        *((d["loras"][0], tuple(d["loras"][1:])) if "loras" in d else ()),
+        max_loras=d["loras"][0] if "loras" in d else 0,
+        adapters=tuple(d["loras"][1:]) if "loras" in d else (),
+        role=d.get("role", "mixed"),
     )

@@ -65,7 +65,7 @@ def test_a_precopy_lends_the_full_blocks_while_the_request_keeps_decoding() -> N
     out = run_step(a)
     assert [x.lend_id for x in out.lends] == [lent.lend_id] and out.scheduled, "it decodes in the same plan"
     (offer,) = a.take_record().offers
-    assert offer.to == "B" and offer.src.cause == "precopy" and offer.src.tokens == 12 and len(offer.hashes) == 3
+    assert offer.to == "B" and offer.src.cause == "drain" and offer.src.tokens == 12 and len(offer.hashes) == 3
     accounted(a)
     run_step(a)
     assert a.lending.moving("r") and "r" not in a.lending.copied
@@ -88,9 +88,9 @@ def test_the_destination_fetches_the_precopy_and_pulls_only_the_rest() -> None:
     assert b.fetch(offer, 1000)
     out = b.schedule()
     (pull,) = out.pulls
-    assert pull.req is None and pull.key == "fetch/r" and len(pull.dst) == 3 and pull.src_blocks == offer.src.blocks
+    assert pull.req is None and pull.key == "fetch/r/0" and len(pull.dst) == 3 and pull.src_blocks == offer.src.blocks
     accounted(b)
-    b.update(out, {}, pulled={"fetch/r": (True, 2.0, 3000)})
+    b.update(out, {}, pulled={"fetch/r/0": (True, 2.0, 3000)})
     rec = b.take_record()
     assert rec.rung == [offer.src.lend] and rec.counters.precopy_blocks == 3 and len(rec.cache.added) == 3
     a.end_lend(offer.src.lend)
@@ -130,7 +130,7 @@ def test_an_unused_fetch_lets_its_blocks_go_after_its_ttl_but_never_mid_pull() -
     out = b.schedule()
     b.expire_moves(FETCH_TTL_MS * 2)
     assert "r" in b.fetches, "its pull is in flight: its blocks may still be written"
-    b.update(out, {}, pulled={"fetch/r": (True, 1.0, 100)})
+    b.update(out, {}, pulled={"fetch/r/0": (True, 1.0, 100)})
     assert b.blocks.num_free(DEVICE) == 14 and b.blocks.num_evictable() == 0, "named, and held by the fetch"
     b.expire_moves(FETCH_TTL_MS * 2)
     assert "r" not in b.fetches and b.blocks.num_evictable() == 2, "named, nobody's: evictable"
@@ -156,7 +156,7 @@ def test_a_peer_prefix_hit_asks_the_holder_and_computes_only_the_rest() -> None:
     p.fetch(offer, now_ms=400)
     assert p.costs.ask_ms.value == 300
     out = p.schedule()
-    p.update(out, {}, pulled={"fetch/x": (True, 8.0, 9000)})
+    p.update(out, {}, pulled={"fetch/x/0": (True, 8.0, 9000)})
     assert list(p.waiting) == [x], "its wait is over"
     out = run_step(p)
     assert [(s.start, s.num_tokens) for s in out.scheduled] == [(32, 1)], "only the last prompt token runs"
