@@ -53,6 +53,9 @@ MIGRATION_KEYS = (
     "recompute_resumed_s",
     "migration_tokens_identical",
 )
+PD_KEYS = tuple(
+    f"pd_{k}_ratio{suffix}" for suffix in ("", "_light", "_real") for k in ("itl_p99", "throughput", "ttft_p50")
+)
 PEER_PREFIX_KEYS = (
     "peer_prefix_ttft_ratio",
     "peer_prefix_ttft_ms_p50",
@@ -305,6 +308,7 @@ def run_all(args: argparse.Namespace, cfg: Config, out: Path, started: float) ->
     peer: PeerResult | None = None
     moved: dict[str, object] | None = None  # the migration arm (benchmarks/migration.py)
     pulled: dict[str, object] | None = None  # the peer_prefix arm (benchmarks/peer_prefix.py)
+    split: dict[str, object] | None = None  # the disagg arm (benchmarks/disagg.py)
     scale_cfg = ScaleOutConfig(
         executors=cfg.scale_out_executors,
         running=cfg.scale_out_running,
@@ -432,6 +436,28 @@ def run_all(args: argparse.Namespace, cfg: Config, out: Path, started: float) ->
         r = pp.run(model_dir, pcfg, logs / "peer_prefix")
         pulled = {**r.keys(), "config": asdict(pcfg), "modes": {m: x.as_dict() for m, x in r.modes.items()}}
 
+    def disagg() -> None:
+        from benchmarks import disagg as pd
+
+        nonlocal split
+        pcfg = pd.PdConfig(
+            tuple(
+                pd.scales(
+                    cfg.pd_window_s,
+                    cfg.pd_light_window_s,
+                    cfg.pd_real_window_s,
+                    cfg.pd_decode_streams,
+                    cfg.pd_long_prompt_len,
+                    cfg.pd_real_long_prompt_len,
+                )
+            ),
+            pd.FitConfig.sized(pd.PdWorkload.sized(cfg.pd_long_prompt_len).chunk_tokens, cfg.pd_fit_reps),
+            seed=args.seed,
+        )
+        r = pd.run(model_dir, pcfg, logs / "disagg")
+        split = {**r.keys(), **r.as_dict()}
+        errors.extend(f"disagg: {e}" for e in r.errors)
+
     def reattach() -> None:
         from benchmarks import reattach as ra
 
@@ -553,6 +579,8 @@ def run_all(args: argparse.Namespace, cfg: Config, out: Path, started: float) ->
         attempt("drain: KV migration against recompute", migration)
     if "peer_prefix" in cfg.arms:
         attempt("peer prefix: a cached prefix pulled from a peer against recomputed", peer_prefix)
+    if "disagg" in cfg.arms:
+        attempt("prefill and decode executors against mixed ones", disagg)
     if "overhead" in cfg.arms:
         attempt("scheduler overhead sweep", sweep)
     if "scale_out" in cfg.arms:
@@ -652,6 +680,13 @@ def run_all(args: argparse.Namespace, cfg: Config, out: Path, started: float) ->
             False,
         ),
         analysis.Target(
+            "decode ITL p99, 1 prefill + 1 decode / 2 mixed executors (modelled)",
+            "<= 0.5",
+            (split or {}).get("pd_itl_p99_ratio"),  # type: ignore[arg-type]
+            0.5,
+            False,
+        ),
+        analysis.Target(
             "throughput vs vLLM (CPU build), long workload, one HTTP client",
             ">= 1.0x",
             peer.ratio("long", "output_tokens_per_s") if peer else None,
@@ -717,6 +752,8 @@ def run_all(args: argparse.Namespace, cfg: Config, out: Path, started: float) ->
         **{k: (moved or {}).get(k) for k in MIGRATION_KEYS},
         "peer_prefix": pulled,
         **{k: (pulled or {}).get(k) for k in PEER_PREFIX_KEYS},
+        "disagg": {k: v for k, v in (split or {}).items() if k not in PD_KEYS} or None,
+        **{k: (split or {}).get(k) for k in PD_KEYS},
         "reattach": re_dict,
         "reattach_ms_p50": re_dict["reattach_ms"]["p50"] if re_dict else None,
         "reattach_ms_p99": re_dict["reattach_ms"]["p99"] if re_dict else None,
