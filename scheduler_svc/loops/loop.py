@@ -239,7 +239,8 @@ class Loop:
             return None
         self._published = view
         if self.metrics is not None:
-            self.metrics.pool(self.model, self.executor, view)
+            pending = sum(max(0, len(r.prompt_ids) - r.num_computed) for r in sched.requests.values())
+            self.metrics.pool(self.model, self.executor, view, pending)
             if view.max_loras:
                 running = [r.lora.name for r in sched.running if r.lora is not None]
                 waiting = [r.lora.name for r in [*sched.waiting, *sched.swapped] if r.lora is not None]
