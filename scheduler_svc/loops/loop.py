@@ -329,7 +329,7 @@ class Loop:
         if done is None and s.pipe.wait_after(launched is not None):
             done = await self._complete()
         sched.expire(now_ms())  # what would go back to the queue (or stays swapped) past its deadline ends here
-        sched.requeue_waiting()
+        sched.requeue_waiting(now_ms())
         if s.pipe.can_commit():
             await self._commit(sched)
         timer.stop()
