@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import random
 import signal
-import time
 from pathlib import Path
 
 import pytest
@@ -26,7 +25,7 @@ from pagedserve.dev.procs import RedisServer
 from pagedserve.keys import Keys
 from pagedserve.v1 import generation_pb2 as pb
 from tests.conftest import make_cluster
-from tests.helpers import executors, greedy, loop_failures, run_all, wait_all_free
+from tests.helpers import executors, finish, greedy, loop_failures, redis_outage, run_all, wait_all_free
 from tests.test_e2e_oracle import TEXTS, hf_greedy
 from tests.test_failover import run_in_background
 from tests.test_migration import FAST, SLOW, fetching
@@ -140,9 +139,7 @@ def test_an_executor_killed_mid_transfer_loses_nothing(
             address = client.hget(Keys(ns).member(reader), "address")
             (dead,) = [s for s in cluster.executors if s.address == address]
             dead.proc.send_signal(signal.SIGKILL)
-        worker.join(240)
-        assert not worker.is_alive()
-        free, totals = wait_all_free(client, ns, timeout=60)
+        free, totals = finish(worker, client, ns)
     assert [r.token_ids for r in results] == expected, "no token lost, duplicated or changed"
     assert free == totals
     assert loop_failures(tmp_path) == []
@@ -170,12 +167,8 @@ def test_redis_killed_mid_transfer_restarts_from_its_aof(
                 cluster.address, [greedy(p, n) for p, n in zip(LONG + SHORT, MAX_TOKENS)]
             )
             wait_for(lambda: fetching(client, ns), timeout=90, what="a handoff under way")
-            server.kill()
-            time.sleep(1.0)
-            server.restart()
-            worker.join(240)
-            assert not worker.is_alive()
-            free, totals = wait_all_free(client, ns, timeout=60)
+            redis_outage(server)
+            free, totals = finish(worker, client, ns)
             assert sum(placed(client, ns).values()) == 0
     finally:
         client.close()
