@@ -34,8 +34,8 @@ class LoopMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         ex = ["model_name", "executor"]
 
-        def gauge(metric: str, doc: str) -> Gauge:
-            return Gauge(name(metric), doc, ex, registry=registry)
+        def gauge(metric: str, doc: str, *labels: str) -> Gauge:
+            return Gauge(name(metric), doc, [*ex, *labels], registry=registry)
 
         def counter(metric: str, doc: str, *labels: str) -> Counter:
             return Counter(name(metric), doc, [*ex, *labels], registry=registry)
@@ -108,7 +108,15 @@ class LoopMetrics:
             buckets=LATENCY_BUCKETS,
             registry=registry,
         )
-        self._gauges = (self.running, self.swapped, self.kv, self.cpu_swap, self.disk_swap)
+        # Prefill and decode executors (--role, core/disagg.py): an info series to join other series by role
+        # (prefill scales on prompt tokens, decode on running sequences and KV usage), and the prompt tokens
+        # its requests have still to compute.
+        self.role_info = gauge("executor_role_info", "1 for each executor led here, labelled with its --role", "role")
+        self.prompt_pending = gauge(
+            "num_prompt_tokens_pending", "Prompt tokens the executor's placed requests have still to compute"
+        )
+        self._roles: dict[tuple[str, str], str] = {}
+        self._gauges = (self.running, self.swapped, self.kv, self.cpu_swap, self.disk_swap, self.prompt_pending)
         # vLLM's lora_requests_info (what the Gateway API inference extension routes by): one series per
         # executor whose labels are its adapters; its value the time they were last seen (--enable-lora only).
         self.lora_info = Gauge(
@@ -133,8 +141,14 @@ class LoopMetrics:
         for mode in ("swap", "recompute"):
             self.preemptions.labels(*labels, mode)
 
-    def pool(self, model: str, executor: str, view: PoolView) -> None:
+    def pool(self, model: str, executor: str, view: PoolView, prompt_pending: int = 0) -> None:
         labels = (model, executor)
+        if self._roles.get(labels) != view.role:
+            if (old := self._roles.pop(labels, None)) is not None:
+                self.role_info.remove(*labels, old)
+            self._roles[labels] = view.role
+            self.role_info.labels(*labels, view.role).set(1)
+        self.prompt_pending.labels(*labels).set(prompt_pending)
         self.running.labels(*labels).set(view.running)
         self.swapped.labels(*labels).set(view.swapped)
         self.kv.labels(*labels).set(_usage(view, Tier.DEVICE))
@@ -220,6 +234,8 @@ class LoopMetrics:
                 pass
         if (old := self._lora_labels.pop((model, executor), None)) is not None:
             self.lora_info.remove(*old)
+        if (role := self._roles.pop((model, executor), None)) is not None:
+            self.role_info.remove(model, executor, role)
 
 
 class NamespaceMetrics:

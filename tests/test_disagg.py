@@ -15,18 +15,18 @@ from __future__ import annotations
 
 import random
 import signal
-import time
 from pathlib import Path
 
 import pytest
 import redis
+from transformers import AutoTokenizer
 
 from pagedserve.dev.procs import RedisServer
 from pagedserve.keys import Keys
 from pagedserve.v1 import generation_pb2 as pb
 from tests.conftest import make_cluster
-from tests.helpers import executors, greedy, loop_failures, run_all, wait_all_free
-from tests.test_e2e_oracle import hf_greedy
+from tests.helpers import executors, finish, greedy, loop_failures, redis_outage, run_all, wait_all_free
+from tests.test_e2e_oracle import TEXTS, hf_greedy
 from tests.test_failover import run_in_background
 from tests.test_migration import FAST, SLOW, fetching
 from tests.test_scale_out import placed, wait_for
@@ -139,9 +139,7 @@ def test_an_executor_killed_mid_transfer_loses_nothing(
             address = client.hget(Keys(ns).member(reader), "address")
             (dead,) = [s for s in cluster.executors if s.address == address]
             dead.proc.send_signal(signal.SIGKILL)
-        worker.join(240)
-        assert not worker.is_alive()
-        free, totals = wait_all_free(client, ns, timeout=60)
+        free, totals = finish(worker, client, ns)
     assert [r.token_ids for r in results] == expected, "no token lost, duplicated or changed"
     assert free == totals
     assert loop_failures(tmp_path) == []
@@ -169,12 +167,8 @@ def test_redis_killed_mid_transfer_restarts_from_its_aof(
                 cluster.address, [greedy(p, n) for p, n in zip(LONG + SHORT, MAX_TOKENS)]
             )
             wait_for(lambda: fetching(client, ns), timeout=90, what="a handoff under way")
-            server.kill()
-            time.sleep(1.0)
-            server.restart()
-            worker.join(240)
-            assert not worker.is_alive()
-            free, totals = wait_all_free(client, ns, timeout=60)
+            redis_outage(server)
+            free, totals = finish(worker, client, ns)
             assert sum(placed(client, ns).values()) == 0
     finally:
         client.close()
@@ -182,3 +176,33 @@ def test_redis_killed_mid_transfer_restarts_from_its_aof(
     assert [r.token_ids for r in results] == expected, "no token lost, duplicated or changed"
     assert free == totals
     assert loop_failures(tmp_path) == []
+
+
+def test_smollm2_disaggregated_matches_transformers(smol_dir: Path, redis_url: str, tmp_path: Path) -> None:
+    """SmolLM2, one prefill and one decode executor: long text prompts are prefilled there and decoded here,
+    short ones run mixed; every output is transformers' greedy one."""
+    tok = AutoTokenizer.from_pretrained(smol_dir)
+    story = " ".join(TEXTS) + " The end of one story is the start of another, and so it went on."
+    prompts = [tok(story * 6).input_ids[:n] for n in (150, 220)] + [tok(TEXTS[0]).input_ids[:20]]
+    max_tokens = [12] * len(prompts)
+    want = hf_greedy(smol_dir, prompts, max_tokens)
+    ns = "disagg-smol"
+    client = redis.Redis.from_url(redis_url, decode_responses=True)
+    with make_cluster(
+        smol_dir,
+        redis_url,
+        ns,
+        tmp_path,
+        kv_cache_memory=64 << 20,
+        executor_args=[*FAST, "--role", "decode"],
+        scheduler_args=[*FAST, *DISAGG],
+    ) as cluster:
+        cluster.add_executor(["--role", "prefill"])
+        wait_for(lambda: len(executors(client, ns)) == 2, what="two loops")
+        (prefill,) = by_role(client, ns, "prefill")
+        results = run_all(cluster.address, [greedy(p, n) for p, n in zip(prompts, max_tokens)])
+        handed = executor_counters(client, ns, prefill).get("migrations_disagg", 0)
+        free, totals = wait_all_free(client, ns)
+    assert [r.token_ids for r in results] == want, "greedy: transformers' tokens"
+    assert handed == 2, "both long prompts were prefilled on the prefill executor and handed over"
+    assert free == totals

@@ -38,7 +38,9 @@ from pagedserve.executor.v1 import executor_pb2 as epb
 from pagedserve.members import DRAINING, Member
 from pagedserve.tiers import TIERS
 from scheduler_svc.core import parallel
+from scheduler_svc.core.disagg import DisaggConfig
 from scheduler_svc.core.fit import blocks_for
+from scheduler_svc.core.migration import MoveConfig
 from scheduler_svc.core.prefix import prompt_hashes
 from scheduler_svc.core.request import Finish, Params, Request, Status
 from scheduler_svc.core.scheduler import SchedulerConfig
@@ -49,6 +51,8 @@ from scheduler_svc.state.store import RedisStore
 
 BLOCK = 4
 SIZES = [(10, 3, 5), (6, 0, 0), (14, 4, 0)]  # device, CPU, disk blocks of the executors that join, in turn
+ROLES = ["mixed", "decode", "prefill"]  # ... and their --role: with the third, long prompts are disaggregated
+MOVES = MoveConfig(disagg=DisaggConfig(min_prompt_tokens=8, max_prefill_queue=2))
 NS = "prop"
 
 
@@ -138,6 +142,7 @@ class ClusterState(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
+        self.roles = list(ROLES)  # of the executors that join, in turn (a walk may change them)
         self.aio = asyncio.new_event_loop()
         self.client = aioredis.from_url(self.redis_url, decode_responses=True)
         self.store = RedisStore(self.client, NS)
@@ -180,6 +185,7 @@ class ClusterState(RuleBasedStateMachine):
             max_model_len=64,
             eos_token_ids=[2],
             pipelined=self.pipelined,
+            role=self.members[eid].role,
         )
         loop = EchoLoop(
             self.store,
@@ -190,6 +196,7 @@ class ClusterState(RuleBasedStateMachine):
             lambda: self.members.get(eid),
             channel=object() if self.pipelined else None,
             async_scheduling=self.pipelined,
+            moves=MOVES,
         )
         loop.idle_block_ms = None
         self.run(loop.start())
@@ -221,7 +228,8 @@ class ClusterState(RuleBasedStateMachine):
         eid = f"exec-{self.joined}"
         self.totals[eid] = SIZES[self.joined]
         self.joined += 1
-        self.members[eid] = Member(eid, "stub", "m", "digest", "float32", BLOCK, self.totals[eid], 64)
+        role = self.roles[self.joined - 1]
+        self.members[eid] = Member(eid, "stub", "m", "digest", "float32", BLOCK, self.totals[eid], 64, role=role)
         self.lead(eid)
 
     @rule(
@@ -508,6 +516,7 @@ def _walk_to_migration() -> dict[str, int]:
     leaves at once, so a third executor's pulls of its lends fail and recompute."""
     before = dict(ClusterState.seen)
     machine = ClusterState()
+    machine.roles = ["mixed", "mixed", "decode"]  # a prefill executor is never a move's destination
     try:
         machine.start("fcfs", "recompute", 24, False)
         machine.join()
@@ -575,6 +584,35 @@ def _walk_to_peer_prefix() -> dict[str, int]:
     return {k: ClusterState.seen[k] - before[k] for k in before}
 
 
+def _walk_to_handoff() -> dict[str, int]:
+    """A fixed walk where a prompt is disaggregated by construction: a decode executor and a prefill one;
+    a 13-token prompt (over the 8 of ``MOVES``) goes to the prefill executor, which computes it 4 tokens a
+    step and offers each chunk's full blocks to the decode executor (reserving room for the whole prompt
+    first); after the first token it hands the request over, and the decode executor pulls the rest."""
+    before = dict(ClusterState.seen)
+    machine = ClusterState()
+    machine.roles = ["decode", "prefill"]
+    try:
+        machine.start("fcfs", "recompute", 4, False)
+        machine.join()
+        decode, prefill = machine.loops["exec-0"], machine.loops["exec-1"]
+        for loop in (decode, prefill):  # both publish their views
+            assert machine.run(loop.iterate())
+        machine.submit(13, 5, 0, None)
+        for _ in range(16):
+            for loop in (prefill, decode):
+                assert machine.run(loop.iterate())
+                machine.redis_state_is_consistent()
+            if not decode.s.sched.requests and not prefill.s.sched.requests and decode.s.sched.counters.finished:
+                break
+        assert prefill.s.sched.counters.migrations_disagg == 1, "handed over after its first token"
+        assert decode.s.sched.counters.handoff_blocks >= 2, "rounds of the prompt came while it was computed"
+        assert decode.s.sched.counters.finished == 1 and decode.s.sched.counters.migrations_in == 1
+    finally:
+        machine.teardown()
+    return {k: ClusterState.seen[k] - before[k] for k in before}
+
+
 def _walk_to_acceptance() -> dict[str, int]:
     """A fixed walk where speculative drafts are accepted by construction: the echo executor samples 7
     every time, so once a request's output holds a 7, the ngram proposer drafts 7s and they match."""
@@ -598,6 +636,7 @@ def test_redis_state_machine(redis_url: str) -> None:
     moved = _walk_to_migration()
     assert moved["pulled"] > 0 and moved["pull_failed"] > 0 and moved["fetched"] > 0, moved
     assert _walk_to_peer_prefix()["fetched"] == 1
+    assert _walk_to_handoff()["fetched"] >= 2
     assert _walk_to_acceptance()["accepted"] > 0
     run = ClusterState.TestCase
     run.settings = settings(

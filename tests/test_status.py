@@ -37,9 +37,21 @@ from tests.test_failover import run_in_background
 IDENTITY = {"model_digest": "d1", "block_size": "16", "dtype": "float32", "model": "tiny"}
 
 
-def member(eid: str, state: str = "serving", digest: str = "d1", evacuate_at_ms: int = 0) -> Member:
+def member(
+    eid: str, state: str = "serving", digest: str = "d1", evacuate_at_ms: int = 0, role: str = "mixed"
+) -> Member:
     return Member(
-        eid, f"10.0.0.{eid[-1]}:50061", "tiny", digest, "float32", 16, (32, 100, 0), 512, state, evacuate_at_ms
+        eid,
+        f"10.0.0.{eid[-1]}:50061",
+        "tiny",
+        digest,
+        "float32",
+        16,
+        (32, 100, 0),
+        512,
+        state,
+        evacuate_at_ms,
+        role=role,
     )
 
 
@@ -53,7 +65,7 @@ def raw(now: int = 1_000_000, **over: object) -> deployment.Raw:
     cv = ClusterView(
         members={
             "e1": member("e1"),
-            "e2": member("e2", "draining", evacuate_at_ms=now + 5000),
+            "e2": member("e2", "draining", evacuate_at_ms=now + 5000, role="decode"),
             "e3": member("e3", digest="other"),
         },
         dead=["e4"],
@@ -100,6 +112,9 @@ def test_snapshot_from_plain_data() -> None:
     e1, e2, e3, e4, _ = snap.executors
     assert e1.blocks == (32, 100, 0) and e1.free == (8, 100, 0) and e1.kv_usage == 0.75
     assert (e1.lent, e1.fetching, e2.lent, e2.fetching) == (0, 0, 2, 1), "lends out and fetches in, apart"
+    assert (e1.role, e2.role) == ("mixed", "decode")
+    text = status._text(status.to_json(snap))
+    assert "draining (decode)" in text and "fetching 1" in text and "migrating 2" in text
     assert (e1.running, e1.swapped, e1.placed, e1.max_num_seqs) == (3, 0, 4, 8)
     assert e1.leader == "host-1-aa" and e1.counter("steps") == 40 and e1.counter("preemptions_recompute") == 0
     assert e2.usage(Tier.CPU) == 0.1 and e2.usage(Tier.DISK) is None, "an empty tier has no usage"
@@ -134,6 +149,7 @@ def test_json_shape() -> None:
         "model": "tiny",
         "state": "serving",
         "leader": "host-1-aa",
+        "role": "mixed",
         "block_size": 16,
         "blocks": {"device": 32, "cpu": 100, "disk": 0},
         "free": {"device": 8, "cpu": 100, "disk": 0},

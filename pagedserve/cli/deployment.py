@@ -72,6 +72,7 @@ class ExecutorStatus:
     counters: dict[str, int] = field(default_factory=dict)  # cumulative; absent fields are 0
     evacuate_at_ms: int = 0  # draining: when what is left moves elsewhere
     lora: tuple[str, ...] | None = None  # --enable-lora: the adapters in its slots (names; None: LoRA off)
+    role: str = "mixed"  # its --role: prefill, decode or mixed (core/disagg.py)
 
     def usage(self, tier: Tier = Tier.DEVICE) -> float | None:
         """Fraction of the tier's blocks in use; None when unknown or the tier is empty."""
@@ -176,6 +177,7 @@ def _executor(eid: str, raw: Raw, member: Member | None, state: str) -> Executor
         counters={k: _int(v) for k, v in raw.counters.get(eid, {}).items()},
         evacuate_at_ms=member.evacuate_at_ms if member else 0,
         lora=_adapters(member, raw.loras) if member and member.lora_slots else None,
+        role=member.role if member else "mixed",
     )
 
 

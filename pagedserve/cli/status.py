@@ -81,6 +81,7 @@ def to_json(snap: Deployment, rate: tuple[dict[str, Rate], Rate] | None = None) 
             "model": e.model,
             "state": e.state,
             "leader": e.leader,
+            "role": e.role,
             "block_size": e.block_size,
             "blocks": _tiers(e.blocks),
             "free": _tiers(e.free),
@@ -171,7 +172,9 @@ def _text(doc: dict[str, object]) -> str:
     for e in cast(list[dict[str, Any]], doc["executors"]):
         usage = "-" if e["kv_usage"] is None else f"{e['kv_usage'] * 100:.0f}%"
         lines.append(
-            f"  {e['id']}  {e['address']}  {e['state']}  kv {usage}  running {e['running']}  "
+            f"  {e['id']}  {e['address']}  {e['state']}"
+            + (f" ({e['role']})" if e.get("role", "mixed") != "mixed" else "")
+            + f"  kv {usage}  running {e['running']}  "
             f"swapped {e['swapped']}  placed {e['placed']}  steps {e['steps']}  leader {e['leader']}"
             + (f"  migrating {e['migrating']}" if e.get("migrating") else "")
             + (f"  fetching {e['fetching']}" if e.get("fetching") else "")

@@ -225,10 +225,10 @@ def pick(
     """Of ``candidates`` (most urgent first), those some serving peer has room for now, each with the
     peer with the most room: seats and device blocks above its watermark, each taken from the peer's
     room as it is counted."""
-    room = {
+    room = {  # a prefill executor decodes nothing it did not prefill (core/disagg.py): never a destination
         e: [v.max_num_seqs - v.running, v.free[0] - v.watermark]
         for e, v in views.items()
-        if e != me and v.serving and v.block_size == block_size
+        if e != me and v.serving and v.block_size == block_size and v.role != "prefill"
     }
     out = []
     for req in candidates:

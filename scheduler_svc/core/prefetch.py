@@ -75,6 +75,7 @@ class Fetch:
     spare: list[int] = field(default_factory=list)  # of which: reserved, not pulled into yet
     rounds: dict[str, Round] = field(default_factory=dict)  # pulls not reported yet
     pulled: bool = False  # some round was reported complete: named blocks wait for the request
+    hold_ms: int = 0  # its request, waiting here for room, goes back to the queue from then on
 
     @property
     def fid(self) -> str:

@@ -63,7 +63,11 @@ def pick(victims: list[Request], mine: PoolView, views: dict[str, PoolView], gap
     peers = {
         e: v
         for e, v in views.items()
-        if e != mine.executor and v.serving and v.block_size == block_size and v.blocks[Tier.DEVICE]
+        if e != mine.executor
+        and v.serving
+        and v.block_size == block_size
+        and v.blocks[Tier.DEVICE]
+        and v.role != "prefill"  # decodes nothing it did not prefill (core/disagg.py)
     }
     if not peers or not mine.blocks[Tier.DEVICE]:
         return []

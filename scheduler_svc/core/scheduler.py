@@ -198,12 +198,17 @@ class Scheduler:
         req.status = Status.WAITING
         self.record.requeued.append(req)
 
-    def requeue_waiting(self) -> None:
-        """End of a step: what was claimed but not admitted, or preempted for recompute, goes back (but
-        for a request whose prefix was just fetched here: it is admitted here as soon as it fits)."""
+    def requeue_waiting(self, now_ms: int | None = None) -> None:
+        """End of a step: what was claimed but not admitted, or preempted for recompute, goes back (but for a
+        request whose prefix was just fetched here: it waits here for room, ``ASK_TIMEOUT_MS`` at most from
+        its fetch, as long as the loop says what time it is)."""
         for req in list(self.waiting):
-            f = self.fetches.by_request.get(req.request_id)
-            if f is None or not f.pulled:
+            f = self.fetches.get(req.request_id)
+            if f is None or not f.pulled or now_ms is None:
+                self.requeue(req)
+                continue
+            f.hold_ms = f.hold_ms or now_ms + ASK_TIMEOUT_MS
+            if now_ms >= f.hold_ms:
                 self.requeue(req)
 
     def evacuate(self) -> None:

@@ -71,6 +71,9 @@ class Session:
     timer: steplog.Timer = field(default_factory=steplog.Timer)
     pipe: Pipeline = field(default_factory=lambda: Pipeline(1))
     channel: UnaryChannel | StreamChannel | None = None
+    # The executor may hold lends of an earlier session (they were freed at restore): the first plan, which
+    # resets its tables and lends, goes out even with nothing to run, or a drained executor would wait for them.
+    hello: bool = False
 
 
 class Loop:
@@ -223,6 +226,7 @@ class Loop:
             seq,
             pipe=Pipeline(2 if self.pipelined else 1),
             channel=self._open(),
+            hello=bool(snap.lent) or restored.reset,
         )
 
     def _open(self) -> UnaryChannel | StreamChannel:
@@ -239,7 +243,8 @@ class Loop:
             return None
         self._published = view
         if self.metrics is not None:
-            self.metrics.pool(self.model, self.executor, view)
+            pending = sum(max(0, len(r.prompt_ids) - r.num_computed) for r in sched.requests.values())
+            self.metrics.pool(self.model, self.executor, view, pending)
             if view.max_loras:
                 running = [r.lora.name for r in sched.running if r.lora is not None]
                 waiting = [r.lora.name for r in [*sched.waiting, *sched.swapped] if r.lora is not None]
@@ -323,12 +328,12 @@ class Loop:
         self.mover.ask(sched, [r for r, cancel in claimed if cancel is None], candidates)
         sched.expire(now_ms())  # queue deadlines: nothing past its own starts now
         launched = None
-        if not hold and s.pipe.can_launch(bool(s.pipe) and sched.wants_drafts()) and sched.has_work:
+        if not hold and s.pipe.can_launch(bool(s.pipe) and sched.wants_drafts()) and (sched.has_work or s.hello):
             launched = self._launch(sched.schedule())
         if done is None and s.pipe.wait_after(launched is not None):
             done = await self._complete()
         sched.expire(now_ms())  # what would go back to the queue (or stays swapped) past its deadline ends here
-        sched.requeue_waiting()
+        sched.requeue_waiting(now_ms())
         if s.pipe.can_commit():
             await self._commit(sched)
         timer.stop()
@@ -354,8 +359,9 @@ class Loop:
     def _launch(self, out: SchedulerOutput) -> Flight | None:
         """Build ``out``'s plan, count its tokens as computed (``Scheduler.launch``) and send it."""
         s, timer = self.s, self.s.timer
-        if not out.has_work:
+        if not out.has_work and not s.hello:
             return None
+        s.hello = False
         t = time.perf_counter()
         plan = s.plans.build(out, self._step_id, s.ended, s.seq)
         s.sched.launch(out)
