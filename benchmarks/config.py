@@ -39,7 +39,7 @@ class Config:
     # scale is left out): the modelled scale (stub executors on the fitted step model; the target's), the same with
     # light long-prompt traffic, and the real model, smaller.
     pd_window_s: float = 40.0
-    pd_light_window_s: float = 20.0
+    pd_light_window_s: float = 30.0
     pd_real_window_s: float = 30.0
     pd_decode_streams: int = 32  # the modelled scales' decode streams (the real one runs an eighth of them)
     pd_long_prompt_len: int = 2048

@@ -2,11 +2,13 @@
 
 Two executors either way: 1 ``--role prefill`` + 1 ``--role decode`` (**disaggregated**) against 2 ``mixed``,
 behind one real ``scheduler_svc`` with the same flags in both runs (``--disagg-min-prompt-tokens``, which does
-nothing without a prefill executor, and ``--max-num-batched-tokens``, the prefill chunk). The workload, the same
-in both runs (seeded): a **stream of decodes** (``decode_streams`` clients, each sending one short-prompt request
-after another, ``ignore_eos``, output lengths drawn around ``decode_output_len``) and **long-prompt arrivals**
-(a ``long_prompt_len``-token prompt every ``long_every_s``, ``long_output_len`` tokens). Prompts are fresh
-random token ids: no prefix is cached anywhere. Measured by the client over a window after a warm-up:
+nothing without a prefill executor, and ``--max-num-batched-tokens``, the prefill chunk: both a quarter of the
+long prompt). The workload, the same in both runs (seeded): a **stream of decodes** (``decode_streams``
+clients, each sending one short-prompt request after another, ``ignore_eos``, output lengths drawn around
+``decode_output_len``) and **long-prompt arrivals** (a ``long_prompt_len``-token prompt, ``long_output_len``
+tokens, every T s, T = the prompt's prefill alone by the fitted step model / ``prefill_load``: the long prompts
+keep one executor's prefill that busy whatever this machine's speed). Prompts are fresh random token ids: no
+prefix is cached anywhere. Measured by the client over a window after a warm-up:
 
 - **ITL**: the gaps between consecutive streamed messages of every request (all decode gaps: a disaggregated
   request's first gap includes its handoff's short stop); ``pd_itl_p99_ratio`` is its p99 disaggregated /
@@ -15,31 +17,34 @@ random token ids: no prefix is cached anywhere. Measured by the client over a wi
 - **TTFT** of the long prompts that arrived in the window (``pd_ttft_p50_ratio``, p50); the decode streams'
   TTFT is reported beside it.
 
-Two scales:
+First the **fit** (``calibrate``): two real ``executor_svc`` processes of the model, on their own (not
+registered, no scheduler), get hand-made plans over ``Step``: each point of a grid of (prefill tokens, decode
+sequences) is one prefill chunk at ``chunk_start`` beside that many one-token decode rows at ``context``
+tokens of context, timed by the executor's own report (``StepResult.step_ms``, median of ``reps``); least
+squares give ``step_ms = a + b x prefill tokens + c x decode sequences`` (and R^2). Then the first executor
+lends blocks (a plan's ``lends``) and the second pulls them (a plan's ``pulls``, over the real ``ReadBlocks``):
+``PullResult.ms`` per size gives ``pull_ms = d + e x blocks``. Then the scales (``scales``):
 
-1. **Modelled** (the figures the targets read): ``benchmarks.stub_executor`` with ``--step-model``, a step
-   taking ``a + b x prefill tokens + c x decode sequences`` ms, and ``--pull-model``, a pull of ``n`` blocks
-   taking ``d + e x n`` ms (no KV moves: the stub checks the lend at the source over ``ReadBlocks`` and sleeps).
-   The coefficients are **fitted on this machine** first (``calibrate``): two real ``executor_svc`` processes
-   of the model, on their own (not registered, no scheduler), get hand-made plans over ``Step``: each point of
-   a grid of (prefill tokens, decode sequences) is a plan of one prefill chunk at ``fit_chunk_start`` plus that
-   many one-token decode rows at ``fit_context`` tokens of context, timed by the executor's own report
-   (``StepResult.step_ms``, median of ``fit_reps``); least squares give a, b, c (and R^2). Then the first
-   executor lends blocks (a plan's ``lends``) and the second pulls them (a plan's ``pulls``, over the real
-   ``ReadBlocks``), ``PullResult.ms`` per size giving d, e. The stubs sleep (``asyncio.sleep``), so two of them
-   on this machine behave as two machines would: this is where disaggregation is meant to run.
-2. **Real**: the same arm, smaller, on real executors of the model. Both executors and everything else share
-   this machine's cores, so a prefill on the prefill executor still slows the decode executor down: these
-   figures are reported beside the modelled ones, with that caveat, and no target reads them.
+1. **Modelled** (the figures the target reads; ``pd_*_ratio``): ``benchmarks.stub_executor`` with
+   ``--step-model a,b,c --pull-model d,e`` (no KV moves: a stub's pull checks the lend at the source over
+   ``ReadBlocks`` and sleeps the modelled time beside its step). The stubs sleep (``asyncio.sleep``), so two of
+   them on this machine behave as two machines would: where disaggregation is meant to run. The long prompts
+   keep a prefill executor 80% busy.
+2. **Light** (``_light``): the same with long prompts keeping it 25% busy.
+3. **Real** (``_real``): the same arm, smaller, on real executors of the model. Both executors and everything
+   else share this machine's cores, so a prefill on the prefill executor still slows the decode executor
+   down: reported beside the modelled figures, with that caveat; no target reads them.
 
 The disaggregated runs must really disaggregate: the prefill executor's ``migrations_disagg`` counter (requests
-it handed over) is reported, with the decode executor's ``handoff_blocks`` and the failed pulls.
+it handed over) is reported, with the decode executor's ``handoff_blocks`` and the failed pulls; a run that
+handed nothing over is an error.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
 import statistics
 import time
@@ -188,13 +193,14 @@ class StepFit:
     b_ms_per_prefill_token: float
     c_ms_per_decode_seq: float
     r2: float
+    max_rel_error: float  # the largest |measured - model| / measured over the grid
     points: list[dict[str, float]]  # per grid point: prefill, decode, measured step_ms (median), predicted
     pull_fixed_ms: float
     pull_ms_per_block: float
     pull_points: list[dict[str, float]]
     context: int
     chunk_start: int
-    threads: str = "OMP_NUM_THREADS of the bench"
+    threads: str | None = None  # the executors' OMP_NUM_THREADS
 
     def step_model(self) -> str:
         """The stubs' ``--step-model`` (coefficients clamped at 0: a stub sleeps no negative time)."""
@@ -206,15 +212,18 @@ class StepFit:
         return ",".join(f"{max(0.0, v):.6g}" for v in (self.pull_fixed_ms, self.pull_ms_per_block))
 
 
-def fit_linear(rows: list[tuple[float, ...]], ys: list[float]) -> tuple[list[float], float]:
-    """Least squares of ``ys`` on ``[1, *row]``: coefficients and R^2."""
+def fit_linear(rows: list[tuple[float, ...]], ys: list[float]) -> tuple[list[float], float, float]:
+    """``ys`` ~ ``[1, *row] . coef``, least squares of the **relative** residuals (each point weighted by
+    1 / y: a 30 ms decode step counts as much as a 1 s prefill, and the decode steps are what ITL is made of);
+    the coefficients, R^2 and the largest relative error over the points."""
     x = np.array([[1.0, *r] for r in rows])
     y = np.array(ys)
-    coef, *_ = np.linalg.lstsq(x, y, rcond=None)
+    w = 1.0 / np.maximum(np.abs(y), 1e-9)
+    coef, *_ = np.linalg.lstsq(x * w[:, None], y * w, rcond=None)
     resid = y - x @ coef
     total = float(((y - y.mean()) ** 2).sum())
     r2 = 1.0 - float((resid**2).sum()) / total if total > 0 else 1.0
-    return [float(c) for c in coef], r2
+    return [float(c) for c in coef], r2, float(np.max(np.abs(resid) * w))
 
 
 def _ids(rng: random.Random, vocab: Vocab, n: int) -> list[int]:
@@ -292,7 +301,7 @@ def _calibrate(first: str, second: str, cfg: FitConfig, rows: int, per_row: int,
             for p, d in grid:
                 samples[(p, d)].append(step(a, seqs=_plan_seqs(p, d, prompts, tables, chunk, chunk_table, cfg)).step_ms)
         med = {g: statistics.median(v) for g, v in samples.items()}
-        (ca, cb, cc), r2 = fit_linear([(float(p), float(d)) for p, d in grid], [med[g] for g in grid])
+        (ca, cb, cc), r2, worst = fit_linear([(float(p), float(d)) for p, d in grid], [med[g] for g in grid])
         points = [
             {"prefill_tokens": p, "decode_seqs": d, "step_ms": med[(p, d)], "model_ms": ca + cb * p + cc * d}
             for p, d in grid
@@ -301,7 +310,7 @@ def _calibrate(first: str, second: str, cfg: FitConfig, rows: int, per_row: int,
         info = a.Info(xpb.InfoRequest(omit_tokenizer_files=True), timeout=30)
         src0 = base + len(chunk_table)
         pulls: dict[int, list[float]] = {n: [] for n in cfg.pull_blocks}
-        for rep in range(cfg.reps + 1):
+        for rep in range(2 * cfg.reps + 1):  # pulls are cheap and noisy: twice the reps
             for n in cfg.pull_blocks:
                 lend_id = f"cal-{rep}-{n}"
                 src = [xpb.BlockRef(tier=xpb.TIER_DEVICE, block=src0 + k) for k in range(n)]
@@ -328,7 +337,7 @@ def _calibrate(first: str, second: str, cfg: FitConfig, rows: int, per_row: int,
                     pulls[n].append(r.ms)
         pmed = {n: statistics.median(v) for n, v in pulls.items() if v}
         if len(pmed) >= 2:
-            (p_fixed, p_slope), _ = fit_linear([(float(n),) for n in pmed], list(pmed.values()))
+            (p_fixed, p_slope), _, _ = fit_linear([(float(n),) for n in pmed], list(pmed.values()))
         else:
             p_fixed, p_slope = 0.0, (next(iter(pmed.values())) / next(iter(pmed))) if pmed else 0.0
     return StepFit(
@@ -336,12 +345,14 @@ def _calibrate(first: str, second: str, cfg: FitConfig, rows: int, per_row: int,
         cb,
         cc,
         r2,
+        worst,
         points,
         p_fixed,
         p_slope,
         [{"blocks": n, "ms": v, "model_ms": p_fixed + p_slope * n} for n, v in pmed.items()],
         cfg.context,
         cfg.chunk_start,
+        os.environ.get("OMP_NUM_THREADS"),
     )
 
 

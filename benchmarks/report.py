@@ -487,7 +487,8 @@ def _disagg_lines(summary: dict) -> list[str]:
             f"(hand-made plans, median of reps; decode rows at {fit['context']} tokens of context, the prefill "
             f"chunk at position {fit['chunk_start']}): step ms = **{_f(fit['a_ms'], 2)} + "
             f"{_f(fit['b_ms_per_prefill_token'], 4)} x prefill tokens + {_f(fit['c_ms_per_decode_seq'], 3)} x "
-            f"decode sequences** (R^2 {_f(fit['r2'], 4)}, {len(fit['points'])} points); a pull of n blocks from "
+            f"decode sequences** (least squares of the relative errors; R^2 {_f(fit['r2'], 4)}, largest error "
+            f"{_pct(fit.get('max_rel_error'))} over {len(fit['points'])} points); a pull of n blocks from "
             f"a peer (real `ReadBlocks`, loopback): **{_f(fit['pull_fixed_ms'], 2)} + "
             f"{_f(fit['pull_ms_per_block'], 3)} x n** ms. The stubs sleep those times, so the modelled runs are "
             "two machines' worth of executors; the real runs share this machine's cores.",

@@ -97,7 +97,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--pd-light-window",
         type=float,
         default=None,
-        help="the disagg arm's light-traffic window in s (quick 20, full 60; 0: none)",
+        help="the disagg arm's light-traffic window in s (quick 30, full 60; 0: none)",
     )
     p.add_argument(
         "--pd-real-window",

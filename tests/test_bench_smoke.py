@@ -247,7 +247,9 @@ def test_harness_writes_report(tiny_model: Path, tmp_path: Path, capsys: pytest.
     split = summary["disagg"]
     fit = split["step_model"]
     assert len(fit["points"]) == 15 and len(fit["pull_points"]) == 3, "every grid point and pull size was timed"
-    assert all(math.isfinite(fit[k]) for k in ("a_ms", "b_ms_per_prefill_token", "c_ms_per_decode_seq", "r2"))
+    assert all(
+        math.isfinite(fit[k]) for k in ("a_ms", "b_ms_per_prefill_token", "c_ms_per_decode_seq", "r2", "max_rel_error")
+    )
     assert set(split["scales"]) == {"modelled", "real"} and summary["pd_itl_p99_ratio_light"] is None
     for runs in split["scales"].values():
         assert set(runs) == {"mixed", "disagg"}
