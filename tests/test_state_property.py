@@ -357,7 +357,7 @@ class ClusterState(RuleBasedStateMachine):
 
     @precondition(
         lambda self: any(
-            m.state == DRAINING and not self.loops[e].s.sched.requests and not self.loops[e].s.sched.lending
+            m.state == DRAINING and not self.loops[e].s.sched.requests and not self.loops[e].s.sched.moves.lending
             for e, m in self.members.items()
         )
     )
@@ -366,7 +366,7 @@ class ClusterState(RuleBasedStateMachine):
         done = [
             e
             for e, m in self.members.items()
-            if m.state == DRAINING and not self.loops[e].s.sched.requests and not self.loops[e].s.sched.lending
+            if m.state == DRAINING and not self.loops[e].s.sched.requests and not self.loops[e].s.sched.moves.lending
         ]
         self._leaves(data.draw(st.sampled_from(sorted(done))))
 
@@ -388,7 +388,7 @@ class ClusterState(RuleBasedStateMachine):
             # holds the last one (and claims since), the loop is ahead of it.
             synced = loop.s.pipe.can_commit()
             # Placed but not running: waiting for a peer's offer, or for room with its fetched prefix.
-            held = {*loop.s.sched.asking, *(r.request_id for r in loop.s.sched.waiting)}
+            held = {*loop.s.sched.moves.asking, *(r.request_id for r in loop.s.sched.waiting)}
             _check_pool(snap, self.totals[eid], self.pipelined, synced, held)
             _check_cache(snap, loop if synced else None, self.run(self.client.smembers(self.keys.executor(eid).hashes)))
             for r, _ in snap.requests:
@@ -532,13 +532,13 @@ def _walk_to_migration() -> dict[str, int]:
         machine.executor_starts_draining(data=_Drawn("exec-0"))
         steps("exec-0", 1)  # lends their full blocks (pre-copy) and offers them to exec-1; they decode on
         source = machine.loops["exec-0"].s.sched
-        assert source.lending.precopies and source.requests
+        assert source.moves.lending.precopies and source.requests
         for _ in range(12):  # exec-1 fetches the full blocks; exec-0 lends the rest and requeues them for
             steps("exec-1", 1)  # exec-1, which claims them, pulls the rest, decodes; exec-0's lends end
             steps("exec-0", 1)
-            if not source.requests and not source.lending:
+            if not source.requests and not source.moves.lending:
                 break
-        assert not source.requests and not source.lending
+        assert not source.requests and not source.moves.lending
         machine.drained_executor_leaves(data=_Drawn("exec-0"))
         machine.join()
         machine.executor_drains(data=_Drawn("exec-1"))  # lends to exec-2, then leaves at once
@@ -571,13 +571,13 @@ def _walk_to_peer_prefix() -> dict[str, int]:
         steps("exec-0", 1)  # publishes its view: not serving
         machine.submit(13, 2, 0, None)
         steps("exec-1", 1)  # claims it; exec-0 caches more of its prompt: it asks exec-0
-        assert reader.asking
+        assert reader.moves.asking
         steps("exec-0", 1)  # lends the cached blocks, offers them to exec-1
-        assert holder.lending.lends
+        assert holder.moves.lending.lends
         for _ in range(4):  # fetches them, admits the request with them as its prefix hit, decodes
             steps("exec-1", 1)
         steps("exec-0", 1)  # reads the unlend doorbell: its lend ends
-        assert not holder.lending.lends and not reader.requests
+        assert not holder.moves.lending.lends and not reader.requests
         assert reader.counters.prefix_blocks == 3 and reader.counters.prefix_cache_hits == 12
     finally:
         machine.teardown()

@@ -14,7 +14,7 @@ while the prefill queue is short; llm-d's ``nonCachedTokens``). Then:
    ``handoff``) and computes the prompt in chunks; after each reported chunk
    it lends the newly full blocks and offers them to the decode executor, the
    first offer asking it to **reserve** room for the whole prompt
-   (core/migration.py ``Scheduler.precopy``; core/prefetch.py), which then
+   (core/transfers.py ``Transfers.precopy``; core/prefetch.py), which then
    pulls them into its cache while the prompt is still being computed;
 3. the prefill executor samples the first token (streamed from there), then
    makes one short stop: the rest of the KV is lent and the request requeued

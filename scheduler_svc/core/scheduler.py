@@ -38,43 +38,31 @@ admitted, or preempted for recompute) goes back to the shared queue
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
-from scheduler_svc.core import group, lora, prefix
+from scheduler_svc.core import group, lora
 from scheduler_svc.core.blocks import (
     DEVICE,
     DISK,
     TIERS,
     BlockManager,
 )
-from scheduler_svc.core.costs import Costs
 from scheduler_svc.core.deadline import expired_among
 from scheduler_svc.core.fit import blocks_for, fits_ever
 from scheduler_svc.core.logprob import Logprob
 from scheduler_svc.core.migration import (
-    LEND_TTL_MS,
-    OFFER_TTL_MS,
-    Ask,
-    KvSource,
-    Lending,
-    Lent,
-    Offer,
-    Precopy,
     PullPlan,
     pull_for,
 )
 from scheduler_svc.core.output import Scheduled, SchedulerOutput
 from scheduler_svc.core.placement import PoolView
-from scheduler_svc.core.prefetch import FETCH_TTL_MS, Fetch, Fetches, Round, fetch_kind, pull_key, request_of
 from scheduler_svc.core.queue import make_queue
 from scheduler_svc.core.record import Counters, StepRecord
 from scheduler_svc.core.request import Finish, Request, Status
 from scheduler_svc.core.spec import SpecConfig, Speculator
+from scheduler_svc.core.transfers import ASK_TIMEOUT_MS, Source, Transfers  # noqa: F401 (re-exported)
 
 PREEMPTION_MODES = ("swap", "recompute")
-ASK_TIMEOUT_MS = 2_000  # a request waiting for a peer's offer computes its prefix itself after this (a bound)
-Source = Callable[[str, tuple[tuple[int, int], ...], int], KvSource]  # (lend id, blocks, tokens) -> where to read them
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,14 +96,11 @@ class Scheduler:
         self.counters = Counters()  # totals since this scheduler was built
         self.record = StepRecord()  # what changed since the last take_record()
         self._eos = frozenset(config.eos_token_ids)
-        self._watermark = int(config.watermark * blocks.total(DEVICE))
+        self.watermark = int(config.watermark * blocks.total(DEVICE))  # device blocks admission keeps free
         self.spec = Speculator.of(config.spec) if config.spec is not None else None
         self._k = 0  # this step's draft length (``DraftPolicy``)
         self._spec_accepted = self._spec_rejections = 0  # drafts accepted and rows cut short, this update
-        self.lending = Lending()  # blocks of requests that left with their KV (core/migration.py)
-        self.fetches = Fetches()  # blocks pulled from peers ahead of their requests (core/prefetch.py)
-        self.asking: dict[str, tuple[Request, int]] = {}  # waiting for a peer's offer of their prefix -> since
-        self.costs = Costs.fresh()  # prefill against pulls, measured (core/costs.py)
+        self.moves = Transfers(self)  # KV that moves between executors (core/transfers.py)
 
     # -- intake ---------------------------------------------------------------
 
@@ -148,9 +133,9 @@ class Scheduler:
 
     def _remove(self, req: Request) -> None:
         del self.requests[req.request_id]
-        self.lending.forget(req.request_id)
-        self._drop_fetch(req.request_id)
-        if self.asking.pop(req.request_id, None) is not None:
+        self.moves.lending.forget(req.request_id)
+        self.moves.drop_fetch(req.request_id)
+        if self.moves.asking.pop(req.request_id, None) is not None:
             return
         if req.status == Status.RUNNING:
             self.running.remove(req)
@@ -172,13 +157,13 @@ class Scheduler:
         req.status = Status.FINISHED
         req.finish_reason = reason
         self.record.finished.append(req)
-        self._count("finished")
+        self.count("finished")
         return req
 
     def expire(self, now_ms: int) -> list[Request]:
         """Finish (``deadline``) the waiting and swapped requests whose queue deadline passed
         before they started; their blocks, swapped ones included, are freed."""
-        gone = expired_among([*self.waiting, *self.swapped, *(r for r, _ in self.asking.values())], now_ms)
+        gone = expired_among([*self.waiting, *self.swapped, *(r for r, _ in self.moves.asking.values())], now_ms)
         for req in gone:
             self.finish(req.request_id, Finish.DEADLINE)
         return gone
@@ -186,8 +171,8 @@ class Scheduler:
     def requeue(self, req: Request) -> None:
         """``req`` leaves this executor for the shared queue, holding nothing: recomputed wherever it runs next
         (unless it left with its KV lent: ``migrate``)."""
-        if req.kv is None or req.kv.lend not in self.lending.lends:
-            self._count("moved_recomputed_tokens", req.num_computed)  # KV it loses by leaving
+        if req.kv is None or req.kv.lend not in self.moves.lending.lends:
+            self.count("moved_recomputed_tokens", req.num_computed)  # KV it loses by leaving
         self._remove(req)
         self._orphan(req)
         self.blocks.free(req)
@@ -203,7 +188,7 @@ class Scheduler:
         request whose prefix was just fetched here: it waits here for room, ``ASK_TIMEOUT_MS`` at most from
         its fetch, as long as the loop says what time it is)."""
         for req in list(self.waiting):
-            f = self.fetches.get(req.request_id)
+            f = self.moves.fetches.get(req.request_id)
             if f is None or not f.pulled or now_ms is None:
                 self.requeue(req)
                 continue
@@ -213,219 +198,8 @@ class Scheduler:
 
     def evacuate(self) -> None:
         """BlockMove every request elsewhere (the executor is draining and out of time)."""
-        for req in [*self.running, *self.swapped, *self.waiting, *(r for r, _ in self.asking.values())]:
+        for req in [*self.running, *self.swapped, *self.waiting, *(r for r, _ in self.moves.asking.values())]:
             self.requeue(req)
-
-    def migrate(self, req: Request, source: Source, now_ms: int, cause: str = "drain", to: str = "") -> None:
-        """``req`` (``migration.movable``) leaves for the shared queue with its KV: its blocks go to a
-        lend, and ``source(lend id, blocks, tokens)`` names them in ``req.kv`` for its next executor
-        (``to``, if its full blocks were pre-copied there: placement gives it that one)."""
-        tokens, blocks = req.num_computed, self.blocks.lend(req)
-        lent = Lent(f"{req.request_id}@{now_ms}", req.request_id, blocks, now_ms + LEND_TTL_MS)
-        self.lending.lend(lent)
-        self.record.lent.append(lent)
-        req.kv = replace(source(lent.lend_id, tuple((int(t), b) for t, b in blocks), tokens), cause=cause, to=to)
-        self._count("migrations_out")
-        self._count(f"migrations_{cause}")
-        self.requeue(req)
-
-    def end_lend(self, lend_id: str) -> bool:
-        """The destination has read (or given up on) a lend: its blocks come free."""
-        lent = self.lending.end(lend_id)
-        if lent is None:
-            return False
-        self.blocks.unlend(lent.blocks)
-        self.record.unlent.append(lend_id)
-        return True
-
-    # -- KV that moves ahead of a request (core/migration.py: Offer, Ask; core/prefetch.py) -------
-
-    def precopy(self, req: Request, to: str, source: Source, now_ms: int, cause: str, reserve: int = 0) -> bool:
-        """Lend ``req``'s full blocks whose KV a reported step wrote (the ones named for the prefix cache: they
-        never change) and not lent to ``to`` yet, while it keeps running here, and offer them to ``to``: one
-        pre-copy round. ``reserve``: the blocks ``to`` should hold for the whole prefix (a prefill executor's
-        handoff, whose later rounds fill them). A move (``cause`` drain, rebalance, preempt) makes one round;
-        when its lend ends (``Lending.copied``), ``migrate`` lends only the rest. False: nothing new to lend
-        (caching off, no full block yet, or no new one since the last round)."""
-        pre = self.lending.precopies.get(req.request_id)
-        start = pre.offered if pre is not None else 0
-        n = min(req.num_registered, len(req.blocks))
-        if n <= start or req.status != Status.RUNNING or req.request_id in self.lending.copied:
-            return False
-        if pre is not None and (pre.to != to or pre.cause != cause):
-            return False
-        blocks, hashes = req.blocks[start:n], self.blocks.hashes(req, n)[start:n]
-        self.blocks.hold(blocks)
-        refs = [(DEVICE, b) for b in blocks]
-        lent = Lent(f"{req.request_id}@{now_ms}/pre{start}", req.request_id, refs, now_ms + OFFER_TTL_MS)
-        src = source(lent.lend_id, tuple((int(t), b) for t, b in refs), n * self.blocks.block_size)
-        src = replace(src, cause=cause, to=to)
-        offer = Offer(to, req.request_id, src, tuple(h.hex() for h in hashes), start, reserve)
-        self.lending.lend(lent, offer)
-        if pre is None:
-            pre = self.lending.precopies[req.request_id] = Precopy(req.request_id, to, cause)
-            self._count("precopies")
-        pre.lend_ids.append(lent.lend_id)
-        pre.offered = n
-        self.record.lent.append(lent)
-        return True
-
-    def answer(self, ask: Ask, source: Source, now_ms: int) -> None:
-        """A peer asks for blocks of a prefix this pool caches (a peer prefix hit): lend the leading ones
-        still cached here (held until the reader ends the lend) and offer them; with none, say so at once."""
-        blocks = self.blocks.cached_prefix([bytes.fromhex(h) for h in ask.hashes]) if self.blocks.caching else []
-        lend_id = f"{ask.request_id}@{now_ms}/{ask.reader}"
-        tokens = (ask.start + len(blocks)) * self.blocks.block_size
-        src = replace(source(lend_id, tuple((int(DEVICE), b) for b in blocks), tokens), cause="prefix", to=ask.reader)
-        offer = Offer(ask.reader, ask.request_id, src, ask.hashes[: len(blocks)], ask.start)
-        if not blocks:
-            self.record.offers.append(offer)
-            return
-        self.blocks.hold(blocks)
-        lent = Lent(lend_id, ask.request_id, [(DEVICE, b) for b in blocks], now_ms + OFFER_TTL_MS)
-        self.lending.lend(lent, offer)
-        self.record.lent.append(lent)
-
-    def ask(self, req: Request, hits: dict[str, int], me: str, now_ms: int) -> Ask | None:
-        """``req`` (just claimed, waiting) starts with more blocks cached on a peer than here: if pulling
-        them costs less than computing them (``costs``), it waits for the peer's offer (``ASK_TIMEOUT_MS``
-        at most) instead of being admitted, and the returned ``Ask`` goes to that peer."""
-        if not self._may_ask(req):
-            return None
-        holder, n = max(((e, k) for e, k in hits.items() if e != me), key=lambda x: (x[1], x[0]), default=("", 0))
-        bs = self.blocks.block_size
-        n = min(n, prefix.lookup_limit(req.num_tokens, bs))
-        mine = len(self.blocks.lookup(req))
-        if n <= mine or not self.costs.pull_pays(n - mine, bs):
-            return None
-        hashes = self.blocks.hashes(req, n)[mine:n]
-        self.waiting.remove(req)
-        self.asking[req.request_id] = (req, now_ms)
-        a = Ask(holder, req.request_id, me, tuple(h.hex() for h in hashes), mine)
-        self.record.asks.append(a)
-        self._count("peer_prefix_asks")
-        return a
-
-    def _may_ask(self, req: Request) -> bool:
-        return (
-            self.blocks.caching
-            and self.requests.get(req.request_id) is req
-            and req.status == Status.WAITING
-            and req.request_id not in self.asking
-            and req.request_id not in self.fetches
-            and req.kv is None
-            and not req.group
-            and not req.num_computed
-            and req.params.prompt_logprobs is None
-        )
-
-    def fetch(self, offer: Offer, now_ms: int) -> bool:
-        """A peer lent blocks of a prefix for this pool (``Offer``): keep the leading ones cached here, put
-        the rest into blocks of this pool (reserved by an earlier round, or new), pulled by the next plan
-        and named in the cache once reported (core/prefetch.py). False (nothing to pull, no room, caching
-        off): the lend is ended at once, and an asking request computes."""
-        rid = offer.request_id
-        asked = self.asking.get(rid)
-        if asked is not None:
-            self.costs.answered(now_ms - asked[1])
-        hashes = [bytes.fromhex(h) for h in offer.hashes]
-        f = self.fetches.get(rid)
-        kept = self.blocks.cached_prefix(hashes) if self.blocks.caching else []
-        need = len(hashes) - len(kept)
-        if f is None and self.blocks.caching:
-            f = self._reserve(offer, need, now_ms)
-        if f is None or need <= 0 or not self._room(f, kept, need):
-            if offer.src.blocks:
-                self.record.rung.append(offer.src.lend)
-            if f is not None and not f.blocks:
-                self.fetches.pop(rid)
-            self._asked(rid)
-            return False
-        self.blocks.hold(kept)
-        f.blocks += kept
-        dst = [f.spare.pop(0) for _ in range(min(need, len(f.spare)))]
-        fresh = self.blocks.reserve(need - len(dst))
-        f.blocks += fresh
-        dst += fresh
-        key = pull_key(rid, offer.start + len(kept))
-        f.rounds[key] = Round(key, offer.src, len(kept), dst, hashes[len(kept) :])
-        f.deadline_ms = now_ms + FETCH_TTL_MS
-        self.record.lent.append(Lent(f.fid, rid, [(DEVICE, b) for b in f.blocks], f.deadline_ms))
-        return True
-
-    def _reserve(self, offer: Offer, need: int, now_ms: int) -> Fetch | None:
-        """A request's first round here: a new fetch, holding the blocks the offer asks to reserve (a
-        prefill executor's handoff: room for the whole prompt, committed now) when they fit."""
-        f = Fetch(offer.request_id, offer.src.executor, now_ms + FETCH_TTL_MS)
-        extra = offer.reserve - offer.start - need
-        if extra > 0 and need + extra + self._watermark <= self.blocks.num_free(DEVICE):
-            f.spare = self.blocks.reserve(extra)
-            f.blocks = list(f.spare)
-        self.fetches.add(f)
-        return f
-
-    def _room(self, f: Fetch, kept: list[int], need: int) -> bool:
-        """Whether this round's ``need`` blocks fit: reserved ones, or free ones above the watermark (taking a
-        kept block back from the evictable ones costs a free block too)."""
-        short = max(0, need - len(f.spare)) + sum(1 for b in kept if b in self.blocks.lru)
-        return short == 0 or short + self._watermark <= self.blocks.num_free(DEVICE)
-
-    def _asked(self, request_id: str) -> None:
-        """An asking request's wait is over (its fetch came back, or none came): it may be admitted."""
-        entry = self.asking.pop(request_id, None)
-        if entry is not None and self.requests.get(request_id) is entry[0]:
-            self.waiting.add(entry[0])
-
-    def _drop_fetch(self, request_id: str) -> None:
-        """A fetch's request was admitted here (it holds the blocks itself now), left, or never came."""
-        f = self.fetches.get(request_id)
-        if f is None or f.in_flight:
-            return  # a pull in flight may still write its blocks: it ends when reported
-        self.fetches.pop(request_id)
-        self.blocks.release(f.blocks)
-        self.record.unlent.append(f.fid)
-
-    def sources_gone(self, present: set[str]) -> None:
-        """Fetches whose source left (``present``: the executors with a view): nothing more comes; what was
-        pulled stays in the cache, and reserved blocks come free."""
-        for rid in self.fetches.from_gone(present):
-            self._drop_fetch(rid)
-
-    def expire_moves(self, now_ms: int) -> None:
-        """Lends nobody ended, fetches whose request never came, asks nobody answered: past their time."""
-        for lend_id in self.lending.due(now_ms):
-            self.end_lend(lend_id)
-        for rid in self.fetches.due(now_ms):
-            self._drop_fetch(rid)
-        for rid, (_, since) in list(self.asking.items()):
-            if now_ms - since >= ASK_TIMEOUT_MS:
-                self._count("peer_prefix_timeouts")
-                self._asked(rid)
-
-    def _fetched(self, p: PullPlan, ok: bool, ms: float, size: int) -> None:
-        """A fetch's pull was reported: its blocks are named in the cache (or go back to its spares), the
-        source's lend can end, and the request that asked for it may be admitted."""
-        rid = request_of(p.fetch)
-        self.record.rung.append(p.src.lend)
-        f = self.fetches.get(rid)
-        r = f.rounds.pop(p.fetch, None) if f is not None else None
-        if f is None or r is None:
-            return
-        self.costs.pulled(len(p.dst), ms)
-        kind = fetch_kind(p.src.cause)
-        if ok:
-            f.pulled = True
-            self.blocks.name(r.dst, r.hashes)
-            self._count("fetched_blocks", len(p.dst))
-            self._count("migrated_bytes", size)
-            self._count(f"{kind}_blocks", len(p.dst))
-        else:
-            self._count("fetches_failed")
-            f.spare += r.dst
-            if not f.pulled and not f.rounds:
-                self._drop_fetch(rid)  # nothing came: its blocks are of no use to anyone
-        self.record.fetched.append((kind, ok, ms, len(p.dst)))
-        self._asked(rid)
 
     def take_record(self) -> StepRecord:
         rec, self.record = self.record, StepRecord()
@@ -433,13 +207,13 @@ class Scheduler:
         rec.cache = self.blocks.cache_delta(rec.changed[0])
         return rec
 
-    def _count(self, name: str, n: int = 1) -> None:
+    def count(self, name: str, n: int = 1) -> None:
         setattr(self.counters, name, getattr(self.counters, name) + n)
         setattr(self.record.counters, name, getattr(self.record.counters, name) + n)
 
     @property
     def has_work(self) -> bool:
-        return bool(self.running or len(self.waiting) or len(self.swapped) or self.lending.pending or self.fetches.new)
+        return bool(self.running or len(self.waiting) or len(self.swapped) or self.moves.pending)
 
     @staticmethod
     def handing_off(req: Request) -> bool:
@@ -487,7 +261,7 @@ class Scheduler:
         self.running.remove(victim)
         victim.num_preemptions += 1
         victim.source = None
-        victim.pulling = False  # a pull in flight for it no longer counts (``_pulled``)
+        victim.pulling = False  # a pull in flight for it no longer counts (``Transfers.pulled``)
         if (
             not recompute
             and self.config.preemption_mode == "swap"
@@ -496,15 +270,15 @@ class Scheduler:
         ):
             moves = self.blocks.swap_out(victim)
             out.swap_out.extend(moves)
-            self._count("preemptions_swap")
-            self._count("swapped_out_blocks", len(moves))
-            self._count("disk_spilled_blocks", sum(m.dst_tier == DISK for m in moves))
+            self.count("preemptions_swap")
+            self.count("swapped_out_blocks", len(moves))
+            self.count("disk_spilled_blocks", sum(m.dst_tier == DISK for m in moves))
             victim.status = Status.SWAPPED
             self.swapped.prepend(victim)
         else:
             self.blocks.free(victim)
             victim.num_computed = 0
-            self._count("preemptions_recompute")
+            self.count("preemptions_recompute")
             victim.status = Status.WAITING
             self.waiting.prepend(victim)
         out.preempted.append(victim)
@@ -602,7 +376,7 @@ class Scheduler:
         if k < 1:
             return []
         drafts = self.spec.proposer.propose(req.request_id, req.prompt_ids + req.output_ids, k)[:k]
-        free = self.blocks.num_free(DEVICE) - self._watermark
+        free = self.blocks.num_free(DEVICE) - self.watermark
         while drafts and self.blocks.needed(req, 1 + len(drafts)) > free:
             drafts.pop()
         return drafts
@@ -623,7 +397,7 @@ class Scheduler:
             out.copies.append(copy)
         req.source = None
         self.record.touch(req)
-        self._count("forked_tokens", upto)
+        self.count("forked_tokens", upto)
         return True
 
     def _orphan(self, src: Request) -> None:
@@ -639,7 +413,7 @@ class Scheduler:
         upto = min(src.num_computed, len(src.prompt_ids) - 1) // bs * bs
         if upto:
             self.blocks.fork(src, heir, upto)
-            self._count("forked_tokens", upto)
+            self.count("forked_tokens", upto)
         for m in mates[1:]:
             m.source = heir
 
@@ -657,7 +431,7 @@ class Scheduler:
         beyond the watermark)."""
         if len(self.running) + 1 + len(mates) > self.config.max_num_seqs:
             return False
-        reserve = (self._watermark if self.running else 0) + group.fork_need(req, mates, self.blocks.block_size)
+        reserve = (self.watermark if self.running else 0) + group.fork_need(req, mates, self.blocks.block_size)
         if from_swap:
             return self.blocks.can_swap_in(req, n, reserve)
         return self.blocks.can_allocate(req, hit, n, reserve)
@@ -684,7 +458,7 @@ class Scheduler:
         if self.config.policy != "priority":
             return False
         while not self._fits(req, n, from_swap, hit, mates):
-            reserve = self._watermark if self.running else 0
+            reserve = self.watermark if self.running else 0
             if self._need(req, n, from_swap, hit, mates) + reserve <= self._freed_soon():
                 return False  # enough is already on its way back
             lower = [r for r in self.running if r.order_key > req.order_key]
@@ -716,7 +490,7 @@ class Scheduler:
                 self.swapped.pop()
                 moves = self.blocks.swap_in(req)
                 out.swap_in.extend(moves)
-                self._count("swapped_in_blocks", len(moves))
+                self.count("swapped_in_blocks", len(moves))
                 self.blocks.append(req, n)
             else:
                 self.waiting.pop()
@@ -744,25 +518,22 @@ class Scheduler:
     def _start(self, req: Request, hit: list[int], n: int) -> None:
         """A waiting request (holding nothing) takes its cached prefix and room for ``n`` tokens."""
         self.blocks.allocate(req, hit, n)
-        self._drop_fetch(req.request_id)  # its hit holds what was fetched for it
+        self.moves.drop_fetch(req.request_id)  # its hit holds what was fetched for it
         if self.blocks.caching:
-            self._count("prefix_cache_queries", req.num_tokens)
-            self._count("prefix_cache_hits", req.num_computed)
+            self.count("prefix_cache_queries", req.num_tokens)
+            self.count("prefix_cache_hits", req.num_computed)
         if not req.output_ids:
             req.num_cached = req.num_computed
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        out.lends, out.unlends, offers = self.lending.take()
-        self.record.offers += offers  # told once this plan (lending their blocks) is reported: the commit waits
-        for r in self.fetches.take():
-            out.pulls.append(PullPlan(None, r.src, r.first, r.dst, r.key))
+        self.moves.plan(out)
         self._choose_k()
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
         if not out.preempted:
             self._admit(out, budget)
         if out.has_work:
-            self._count("steps")
+            self.count("steps")
         return out
 
     def launch(self, out: SchedulerOutput) -> None:
@@ -793,7 +564,7 @@ class Scheduler:
         one finishes the request; ``more_logprobs``: theirs. ``pulled``: each pull's (ok, ms, bytes)."""
         if not out.launched:
             self.launch(out)
-        self._pulled(out.pulls, pulled or {})
+        self.moves.pulled(out.pulls, pulled or {})
         self.blocks.release_pending(out.swap_out + out.swap_in)
         self.blocks.release_copies(out.copies)
         finished: list[Request] = []
@@ -839,38 +610,11 @@ class Scheduler:
             if reason is not None:
                 self.finish(rid, reason)
                 finished.append(req)
-        self._count("generated_tokens", generated)
+        self.count("generated_tokens", generated)
         if self.spec is not None:
             self.spec.policy.observe(self._spec_accepted, self._spec_rejections)
             self._spec_accepted = self._spec_rejections = 0
         return finished
-
-    def _pulled(self, pulls: list[PullPlan], results: dict[str, tuple[bool, float, int]]) -> None:
-        """Reported pulls: what came counts as computed (and is named in the prefix cache); a request
-        whose pull failed computes from its own prefix hit on. Either way its source's lend can end."""
-        for p in pulls:
-            ok, ms, size = results.get(p.key, (False, 0.0, 0))
-            if p.req is None:
-                self._fetched(p, ok, ms, size)
-                continue
-            req, rid = p.req, p.req.request_id
-            self.record.pulled.append((req, p.src))
-            self.record.pull_ms.append((ok, ms, size))
-            req.kv = None
-            if self.requests.get(rid) is not req or not req.pulling or req.status != Status.RUNNING:
-                continue  # finished, preempted or gone since: nothing of the pull counts
-            req.pulling, req.moved_at_ms = False, p.src.at_ms
-            if ok:
-                req.num_computed = p.src.tokens
-                self.blocks.cache(req, req.num_computed)
-                self.costs.pulled(len(p.dst), ms)
-                self._count("migrations_in")
-                self._count("migrated_blocks", len(p.dst))
-                self._count("migrated_bytes", size)
-            else:
-                self._count("migrations_failed")
-                self._count("moved_recomputed_tokens", p.src.tokens - req.num_computed)
-            self.record.touch(req)
 
     def _accept(self, req: Request, s: Scheduled, accepted: int) -> None:
         """A row with drafts came back with ``accepted`` of them: only those count as computed, and
@@ -878,9 +622,9 @@ class Scheduler:
         if req.num_computed == s.end:  # else it was preempted or restarted since (nothing of this step counts)
             req.num_computed = s.end + accepted
             self.blocks.trim(req, req.num_computed + 1)
-        self._count("spec_drafts")
-        self._count("spec_draft_tokens", len(s.drafts))
-        self._count("spec_accepted_tokens", accepted)
+        self.count("spec_drafts")
+        self.count("spec_draft_tokens", len(s.drafts))
+        self.count("spec_accepted_tokens", accepted)
         self.record.spec_accepted_per_pos.extend([0] * (len(s.drafts) - len(self.record.spec_accepted_per_pos)))
         for j in range(accepted):
             self.record.spec_accepted_per_pos[j] += 1
@@ -922,7 +666,7 @@ class Scheduler:
             swapped=len(self.swapped),
             max_model_len=self.config.max_model_len,
             max_num_seqs=self.config.max_num_seqs,
-            watermark=self._watermark,
+            watermark=self.watermark,
             held=dict(held),
             max_loras=self.config.max_loras,
             adapters=tuple(sorted(lora.adapters_of([*self.running, *self.swapped]))) if self.config.max_loras else (),

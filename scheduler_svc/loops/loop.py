@@ -397,7 +397,7 @@ class Loop:
         timer.executor = timer.since(t) - timer.decode
         s.pipe.flights.popleft()
         s.sched.update(flight.out, *outputs(result), pulled=pulls_of(result))
-        s.sched.costs.stepped(flight.out.num_tokens, result.forward_ms)
+        s.sched.moves.costs.stepped(flight.out.num_tokens, result.forward_ms)
         self.placements.stepped(flight.out)
         if self.metrics is not None:
             self.metrics.step(self.model, self.executor, flight.out.num_tokens)

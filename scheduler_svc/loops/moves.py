@@ -65,14 +65,14 @@ class Mover:
         now = now_ms()
         for o in ops:
             if o.op == "unlend":  # a reader read (or gave up on) blocks this executor lent
-                sched.end_lend(o.request_id)
+                sched.moves.end_lend(o.request_id)
             elif o.to != self.executor:
                 continue
             elif o.op == "offer":
-                sched.fetch(codec.offer_from(o.to, o.request_id, o.data), now)
+                sched.moves.fetch(codec.offer_from(o.to, o.request_id, o.data), now)
             elif o.op == "ask":
-                sched.answer(codec.ask_from(o.to, o.request_id, o.data), self.source(member), now)
-        sched.expire_moves(now)
+                sched.moves.answer(codec.ask_from(o.to, o.request_id, o.data), self.source(member), now)
+        sched.moves.expire(now)
 
     def ask(self, sched: Scheduler, claimed: list[Request], candidates: dict[str, Candidate]) -> None:
         """Requests just claimed whose prefix a peer caches further: ask it, if pulling pays."""
@@ -82,7 +82,7 @@ class Mover:
         for req in claimed:
             c = candidates.get(req.request_id)
             if c is not None and c.hits:
-                sched.ask(req, c.hits, self.executor, now)
+                sched.moves.ask(req, c.hits, self.executor, now)
 
     def drain(self, sched: Scheduler, member: Member, views: dict[str, PoolView], busy: bool) -> bool:
         """A draining executor's moves (``--migration``); ``busy``: a plan is in flight. Returns whether
@@ -90,7 +90,7 @@ class Mover:
         if self.config.migration == "off":
             return False
         order = sorted(sched.running, key=lambda r: r.order_key) + list(sched.swapped)
-        candidates = [r for r in order if migration.movable(r) and not sched.lending.moving(r.request_id)]
+        candidates = [r for r in order if migration.movable(r) and not sched.moves.lending.moving(r.request_id)]
         picks = [
             balance.Move(req, to, "drain")
             for req, to in migration.pick(candidates, views, self.executor, self.block_size)
@@ -105,16 +105,18 @@ class Mover:
         now = now_ms()
         if not member.serving:
             return self.config.migration != "off" and (
-                bool(sched.lending.precopies)
+                bool(sched.moves.lending.precopies)
                 or any(
-                    migration.movable(r) and not sched.lending.moving(r.request_id)
+                    migration.movable(r) and not sched.moves.lending.moving(r.request_id)
                     for r in [*sched.running, *sched.swapped]
                 )
             )
         if self.role == PREFILL and sched.running:
             return True
         due = now >= self._next_check_ms
-        return due and bool((self.config.rebalance and sched.running) or sched.lending.precopies or sched.fetches)
+        return due and bool(
+            (self.config.rebalance and sched.running) or sched.moves.lending.precopies or sched.moves.fetches
+        )
 
     def serve(self, sched: Scheduler, member: Member, views: dict[str, PoolView] | None, busy: bool) -> bool:
         """A serving executor's moves: rebalancing (``--rebalance``), a prefill executor's handoffs, and
@@ -122,11 +124,11 @@ class Mover:
         picks: list[balance.Move] = []
         if views is not None:
             self._next_check_ms = now_ms() + self.config.rebalance_every_ms
-            sched.sources_gone(set(views))
+            sched.moves.sources_gone(set(views))
             self._readers_gone(sched, views)
             if self.config.rebalance:
                 mine = sched.view(self.executor, True, self.role)
-                victims = [r for r in sched.victim_order() if not sched.lending.moving(r.request_id)]
+                victims = [r for r in sched.victim_order() if not sched.moves.lending.moving(r.request_id)]
                 picks = balance.pick(victims, mine, views, self.config.rebalance_gap, self.block_size)
         stops = self._handoffs(sched, member, views) if self.role == PREFILL else []
         return self._move(sched, member, picks, busy, stops)
@@ -149,7 +151,7 @@ class Mover:
                     stops.append(balance.Move(req, req.handoff, "disagg"))
                 continue
             reserve = blocks_for(len(req.prompt_ids), self.block_size)
-            sched.precopy(req, req.handoff, self.source(member), now, "disagg", reserve)
+            sched.moves.precopy(req, req.handoff, self.source(member), now, "disagg", reserve)
         return stops
 
     @staticmethod
@@ -158,11 +160,11 @@ class Mover:
         and the request makes its short stop for any executor."""
         if views is None:
             return
-        for pre in list(sched.lending.precopies.values()):
+        for pre in list(sched.moves.lending.precopies.values()):
             if not (views.get(pre.to) or _NOT_SERVING).serving:
                 pre.to = ""
                 for lend_id in list(pre.lend_ids):
-                    sched.end_lend(lend_id)
+                    sched.moves.end_lend(lend_id)
 
     def _move(
         self,
@@ -178,12 +180,12 @@ class Mover:
         now = now_ms()
         stops = list(stops or [])
         for m in picks:
-            if not (kv and sched.precopy(m.req, m.to, self.source(member), now, m.cause)):
+            if not (kv and sched.moves.precopy(m.req, m.to, self.source(member), now, m.cause)):
                 stops.append(m)
-        for rid, pre in list(sched.lending.copied.items()):
+        for rid, pre in list(sched.moves.lending.copied.items()):
             req = sched.requests.get(rid)
             if req is None:
-                sched.lending.forget(rid)
+                sched.moves.lending.forget(rid)
             else:
                 stops.append(balance.Move(req, pre.to, pre.cause))
         if not stops:
@@ -191,9 +193,9 @@ class Mover:
         if busy:
             return True  # a request leaves with nothing in flight: first take what is
         for m in stops:
-            sched.lending.forget(m.req.request_id)
+            sched.moves.lending.forget(m.req.request_id)
             if kv:
-                sched.migrate(m.req, self.source(member), now, m.cause, m.to)
+                sched.moves.migrate(m.req, self.source(member), now, m.cause, m.to)
             else:
                 sched.requeue(m.req)
         log.info(

@@ -31,9 +31,9 @@ def holders(s: Scheduler) -> Counter[int]:
     n: Counter[int] = Counter()
     for r in s.requests.values():
         n.update(r.blocks)
-    for lent in s.lending.lends.values():
+    for lent in s.moves.lending.lends.values():
         n.update(b for t, b in lent.blocks if t == DEVICE)
-    for f in s.fetches.by_request.values():
+    for f in s.moves.fetches.by_request.values():
         n.update(f.blocks)
     return n
 
@@ -57,9 +57,9 @@ def test_a_precopy_lends_the_full_blocks_while_the_request_keeps_decoding() -> N
     a = cached(blocks=32)
     r = req("r", prompt=10, max_tokens=40)
     decoded(a, r, 4)  # 13 tokens computed: 3 full blocks named
-    assert a.precopy(r, "B", source_of(), 1000, "drain")
-    assert not a.precopy(r, "B", source_of(), 1001, "drain"), "one pre-copy at a time"
-    (lent,) = a.lending.lends.values()
+    assert a.moves.precopy(r, "B", source_of(), 1000, "drain")
+    assert not a.moves.precopy(r, "B", source_of(), 1001, "drain"), "one pre-copy at a time"
+    (lent,) = a.moves.lending.lends.values()
     assert [b for _, b in lent.blocks] == r.blocks[:3] and r.status == Status.RUNNING
     assert not a.take_record().offers, "the offer waits for the plan that registers its lend"
     out = run_step(a)
@@ -68,12 +68,12 @@ def test_a_precopy_lends_the_full_blocks_while_the_request_keeps_decoding() -> N
     assert offer.to == "B" and offer.src.cause == "drain" and offer.src.tokens == 12 and len(offer.hashes) == 3
     accounted(a)
     run_step(a)
-    assert a.lending.moving("r") and "r" not in a.lending.copied
-    assert a.end_lend(lent.lend_id)
-    assert "r" in a.lending.copied, "its pre-copy is done: the short stop comes next"
+    assert a.moves.lending.moving("r") and "r" not in a.moves.lending.copied
+    assert a.moves.end_lend(lent.lend_id)
+    assert "r" in a.moves.lending.copied, "its pre-copy is done: the short stop comes next"
     accounted(a)
-    a.lending.forget("r")
-    a.migrate(r, source_of(), 2000, "drain", to="B")
+    a.moves.lending.forget("r")
+    a.moves.migrate(r, source_of(), 2000, "drain", to="B")
     assert r.kv is not None and r.kv.to == "B" and r.kv.cause == "drain" and r.kv.tokens == 15
     accounted(a)
 
@@ -82,10 +82,10 @@ def test_the_destination_fetches_the_precopy_and_pulls_only_the_rest() -> None:
     a, b = cached(blocks=32), cached(blocks=32)
     r = req("r", prompt=10, max_tokens=40)
     decoded(a, r, 4)
-    a.precopy(r, "B", source_of(), 1000, "drain")
+    a.moves.precopy(r, "B", source_of(), 1000, "drain")
     run_step(a)
     (offer,) = a.take_record().offers
-    assert b.fetch(offer, 1000)
+    assert b.moves.fetch(offer, 1000)
     out = b.schedule()
     (pull,) = out.pulls
     assert pull.req is None and pull.key == "fetch/r/0" and len(pull.dst) == 3 and pull.src_blocks == offer.src.blocks
@@ -93,20 +93,20 @@ def test_the_destination_fetches_the_precopy_and_pulls_only_the_rest() -> None:
     b.update(out, {}, pulled={"fetch/r/0": (True, 2.0, 3000)})
     rec = b.take_record()
     assert rec.rung == [offer.src.lend] and rec.counters.precopy_blocks == 3 and len(rec.cache.added) == 3
-    a.end_lend(offer.src.lend)
+    a.moves.end_lend(offer.src.lend)
     run_step(a)  # the request decodes on while the fetch runs: 15 tokens computed
-    a.lending.forget("r")
-    a.migrate(r, source_of(), 2000, "drain", to="B")
+    a.moves.lending.forget("r")
+    a.moves.migrate(r, source_of(), 2000, "drain", to="B")
     moved = handed_over(r)
     b.add(moved)
     out = b.schedule()
     (tail,) = out.pulls
     assert tail.req is moved and tail.first == 3 and len(tail.dst) == 1, "only the block after the pre-copy"
-    assert "r" not in b.fetches, "admitted: its prefix hit holds what the fetch held"
+    assert "r" not in b.moves.fetches, "admitted: its prefix hit holds what the fetch held"
     b.update(out, {}, pulled={"r": (True, 1.0, 1000)})
     assert moved.num_computed == 15
     accounted(b)
-    a.end_lend(r.kv.lend)  # type: ignore[union-attr]
+    a.moves.end_lend(r.kv.lend)  # type: ignore[union-attr]
     accounted(a)
     assert a.blocks.num_free(DEVICE) == 32
 
@@ -114,26 +114,26 @@ def test_the_destination_fetches_the_precopy_and_pulls_only_the_rest() -> None:
 def test_a_failed_fetch_frees_its_blocks_and_ends_the_lend() -> None:
     b = cached(blocks=16)
     src = KvSource("A", "a:1", 5, "l@1/pre", tuple((0, i) for i in range(3)), 12, 0, "precopy", "B")
-    assert b.fetch(Offer("B", "r", src, ("aa" * 32, "bb" * 32, "cc" * 32)), 0)
+    assert b.moves.fetch(Offer("B", "r", src, ("aa" * 32, "bb" * 32, "cc" * 32)), 0)
     out = b.schedule()
     b.update(out, {}, pulled={})  # no report for it: failed
     rec = b.take_record()
     assert rec.rung == ["l@1/pre"] and rec.counters.fetches_failed == 1 and "fetch/r" in rec.unlent
-    assert b.blocks.num_free(DEVICE) == 16 and not b.fetches
+    assert b.blocks.num_free(DEVICE) == 16 and not b.moves.fetches
     accounted(b)
 
 
 def test_an_unused_fetch_lets_its_blocks_go_after_its_ttl_but_never_mid_pull() -> None:
     b = cached(blocks=16)
     src = KvSource("A", "a:1", 5, "l", tuple((0, i) for i in range(2)), 8, 0, "precopy", "B")
-    b.fetch(Offer("B", "r", src, ("aa" * 32, "bb" * 32)), 0)
+    b.moves.fetch(Offer("B", "r", src, ("aa" * 32, "bb" * 32)), 0)
     out = b.schedule()
-    b.expire_moves(FETCH_TTL_MS * 2)
-    assert "r" in b.fetches, "its pull is in flight: its blocks may still be written"
+    b.moves.expire(FETCH_TTL_MS * 2)
+    assert "r" in b.moves.fetches, "its pull is in flight: its blocks may still be written"
     b.update(out, {}, pulled={"fetch/r/0": (True, 1.0, 100)})
     assert b.blocks.num_free(DEVICE) == 14 and b.blocks.num_evictable() == 0, "named, and held by the fetch"
-    b.expire_moves(FETCH_TTL_MS * 2)
-    assert "r" not in b.fetches and b.blocks.num_evictable() == 2, "named, nobody's: evictable"
+    b.moves.expire(FETCH_TTL_MS * 2)
+    assert "r" not in b.moves.fetches and b.blocks.num_evictable() == 2, "named, nobody's: evictable"
     accounted(b)
 
 
@@ -144,24 +144,24 @@ def test_a_peer_prefix_hit_asks_the_holder_and_computes_only_the_rest() -> None:
     assert not h.requests
     x = req("x", prompt=33, max_tokens=4)
     p.add(x)
-    ask = p.ask(x, {"H": 8}, "P", now_ms=100)
+    ask = p.moves.ask(x, {"H": 8}, "P", now_ms=100)
     assert ask is not None and ask.to == "H" and ask.start == 0 and len(ask.hashes) == 8
-    assert "x" in p.asking and not list(p.waiting) and not p.schedule().scheduled, "it waits for the offer"
+    assert "x" in p.moves.asking and not list(p.waiting) and not p.schedule().scheduled, "it waits for the offer"
     assert p.take_record().asks == [ask]
-    h.answer(ask, source_of("H"), now_ms=150)
+    h.moves.answer(ask, source_of("H"), now_ms=150)
     assert h.blocks.num_evictable() == 0, "lent cached blocks are held: the cache cannot evict them"
     run_step(h)
     (offer,) = h.take_record().offers
     assert offer.src.cause == "prefix" and offer.src.tokens == 32 and offer.hashes == ask.hashes
-    p.fetch(offer, now_ms=400)
-    assert p.costs.ask_ms.value == 300
+    p.moves.fetch(offer, now_ms=400)
+    assert p.moves.costs.ask_ms.value == 300
     out = p.schedule()
     p.update(out, {}, pulled={"fetch/x/0": (True, 8.0, 9000)})
     assert list(p.waiting) == [x], "its wait is over"
     out = run_step(p)
     assert [(s.start, s.num_tokens) for s in out.scheduled] == [(32, 1)], "only the last prompt token runs"
     assert p.take_record().counters.prefix_blocks == 8
-    h.end_lend(offer.src.lend)
+    h.moves.end_lend(offer.src.lend)
     accounted(h)
     accounted(p)
 
@@ -170,12 +170,12 @@ def test_a_holder_that_caches_nothing_any_more_says_so_at_once() -> None:
     h, p = cached(blocks=16), cached(blocks=16)
     x = req("x", prompt=20, max_tokens=2)
     p.add(x)
-    ask = p.ask(x, {"H": 4}, "P", 0)
+    ask = p.moves.ask(x, {"H": 4}, "P", 0)
     assert ask is not None
-    h.answer(ask, source_of("H"), 10)
+    h.moves.answer(ask, source_of("H"), 10)
     (offer,) = h.take_record().offers
-    assert offer.src.blocks == () and not h.lending.lends
-    assert not p.fetch(offer, 20)
+    assert offer.src.blocks == () and not h.moves.lending.lends
+    assert not p.moves.fetch(offer, 20)
     assert list(p.waiting) == [x] and p.take_record().rung == [], "nothing lent: nothing to end"
 
 
@@ -183,10 +183,10 @@ def test_an_unanswered_ask_times_out_and_the_request_computes() -> None:
     p = cached(blocks=16)
     x = req("x", prompt=20, max_tokens=2)
     p.add(x)
-    assert p.ask(x, {"H": 4}, "P", 0) is not None
-    p.expire_moves(ASK_TIMEOUT_MS - 1)
-    assert "x" in p.asking
-    p.expire_moves(ASK_TIMEOUT_MS)
+    assert p.moves.ask(x, {"H": 4}, "P", 0) is not None
+    p.moves.expire(ASK_TIMEOUT_MS - 1)
+    assert "x" in p.moves.asking
+    p.moves.expire(ASK_TIMEOUT_MS)
     assert list(p.waiting) == [x] and p.take_record().counters.peer_prefix_timeouts == 1
     out = run_step(p)
     assert [(s.start, s.num_tokens) for s in out.scheduled] == [(0, 20)]
@@ -196,26 +196,26 @@ def test_a_cancelled_asking_request_leaves_cleanly() -> None:
     p = cached(blocks=16)
     x = req("x", prompt=20, max_tokens=2)
     p.add(x)
-    p.ask(x, {"H": 4}, "P", 0)
+    p.moves.ask(x, {"H": 4}, "P", 0)
     p.finish("x", Finish.ABORT)
-    assert not p.asking and not p.requests
+    assert not p.moves.asking and not p.requests
 
 
 def test_no_ask_when_the_measured_pull_costs_more_than_the_prefill() -> None:
     p = cached(blocks=64)
     for tokens in (16, 64, 256, 32, 128):
-        p.costs.stepped(tokens, 1.0 + 0.01 * tokens)  # 0.01 ms a token
-    p.costs.pulled(4, 40.0)  # 10 ms a block: 0.625 ms a token at 16 tokens a block... of 4 here
+        p.moves.costs.stepped(tokens, 1.0 + 0.01 * tokens)  # 0.01 ms a token
+    p.moves.costs.pulled(4, 40.0)  # 10 ms a block: 0.625 ms a token at 16 tokens a block... of 4 here
     x = req("x", prompt=40, max_tokens=2)
     p.add(x)
-    assert p.ask(x, {"H": 9}, "P", 0) is None and list(p.waiting) == [x]
+    assert p.moves.ask(x, {"H": 9}, "P", 0) is None and list(p.waiting) == [x]
     cheap = cached(blocks=64)
     for tokens in (16, 64, 256, 32, 128):
-        cheap.costs.stepped(tokens, 1.0 + 0.5 * tokens)  # 0.5 ms a token
-    cheap.costs.pulled(4, 0.4)
+        cheap.moves.costs.stepped(tokens, 1.0 + 0.5 * tokens)  # 0.5 ms a token
+    cheap.moves.costs.pulled(4, 0.4)
     y = req("y", prompt=40, max_tokens=2)
     cheap.add(y)
-    assert cheap.ask(y, {"H": 9, "P": 2}, "P", 0) is not None
+    assert cheap.moves.ask(y, {"H": 9, "P": 2}, "P", 0) is not None
 
 
 def test_the_cost_model_fits_the_marginal_cost_of_a_token() -> None:
