@@ -852,8 +852,9 @@ def test_compose_wrapper_starts_a_tls_stack(tmp_path, tiny_llama, redis_url):
         }
         client.close()
         assert int(counters["prefill"].get("migrations_disagg", 0)) == 1, counters
-        assert int(counters["decode"].get("handoff_blocks", 0)) > 0, (counters, (tmp_path / "executor.log").read_text()[-3000:])
-        assert int(counters["decode"].get("migrations_failed", 0)) == 0, "a pull over mutual TLS failed"
+        decode_log = (tmp_path / "executor.log").read_text()[-3000:]  # a failed pull says why
+        assert int(counters["decode"].get("handoff_blocks", 0)) > 0, (counters, decode_log)
+        assert int(counters["decode"].get("migrations_failed", 0)) == 0, ("a pull over mutual TLS failed", decode_log)
     finally:
         for proc in procs.values():
             proc.terminate()
