@@ -640,7 +640,9 @@ def run_real(model_dir: Path, fit: StepFit, w: PdWorkload, mode: str, log_dir: P
         StackConfig(
             w.kv_cache_tokens * kv_bytes_per_token(model_dir),
             BLOCK_SIZE,
-            executor_args=("--max-model-len", str(max_len), "--swap-space", "0.25"),
+            # --drain-timeout 0: stopped at the end, an executor exits at once (a prefill executor would wait
+            # for its last lends to end).
+            executor_args=("--max-model-len", str(max_len), "--swap-space", "0.25", "--drain-timeout", "0"),
             scheduler_args=scheduler_args(w),
             executors=2,
             namespace=ns,
