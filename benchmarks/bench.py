@@ -51,7 +51,18 @@ MIGRATION_KEYS = (
     "migration_stall_ratio",
     "migration_drain_s",
     "recompute_drain_s",
+    "migration_resumed_s",
+    "recompute_resumed_s",
     "migration_tokens_identical",
+)
+PD_KEYS = tuple(
+    f"pd_{k}_ratio{suffix}" for suffix in ("", "_light", "_real") for k in ("itl_p99", "throughput", "ttft_p50")
+)
+PEER_PREFIX_KEYS = (
+    "peer_prefix_ttft_ratio",
+    "peer_prefix_ttft_ms_p50",
+    "recompute_prefix_ttft_ms_p50",
+    "peer_prefix_tokens_identical",
 )
 
 
@@ -299,6 +310,8 @@ def run_all(args: argparse.Namespace, cfg: Config, out: Path, started: float) ->
     peer: PeerResult | None = None
     moved: dict[str, object] | None = None  # the migration arm (benchmarks/migration.py)
     spec: SpecBenchResult | None = None  # the spec_decode arm (benchmarks/spec_decode.py)
+    pulled: dict[str, object] | None = None  # the peer_prefix arm (benchmarks/peer_prefix.py)
+    split: dict[str, object] | None = None  # the disagg arm (benchmarks/disagg.py)
     scale_cfg = ScaleOutConfig(
         executors=cfg.scale_out_executors,
         running=cfg.scale_out_running,
@@ -425,6 +438,38 @@ def run_all(args: argparse.Namespace, cfg: Config, out: Path, started: float) ->
         )
         spec = sd.run(model_dir, scfg, logs / "spec_decode")
 
+    def peer_prefix() -> None:
+        from benchmarks import peer_prefix as pp
+
+        nonlocal pulled
+        pcfg = pp.PeerPrefixConfig(
+            cfg.peer_prefix_trials, cfg.peer_prefix_len, kv_budget_tokens=cfg.peer_prefix_budget_tokens, seed=args.seed
+        )
+        r = pp.run(model_dir, pcfg, logs / "peer_prefix")
+        pulled = {**r.keys(), "config": asdict(pcfg), "modes": {m: x.as_dict() for m, x in r.modes.items()}}
+
+    def disagg() -> None:
+        from benchmarks import disagg as pd
+
+        nonlocal split
+        pcfg = pd.PdConfig(
+            tuple(
+                pd.scales(
+                    cfg.pd_window_s,
+                    cfg.pd_light_window_s,
+                    cfg.pd_real_window_s,
+                    cfg.pd_decode_streams,
+                    cfg.pd_long_prompt_len,
+                    cfg.pd_real_long_prompt_len,
+                )
+            ),
+            pd.FitConfig.sized(pd.PdWorkload.sized(cfg.pd_long_prompt_len).chunk_tokens, cfg.pd_fit_reps),
+            seed=args.seed,
+        )
+        r = pd.run(model_dir, pcfg, logs / "disagg")
+        split = {**r.keys(), **r.as_dict()}
+        errors.extend(f"disagg: {e}" for e in r.errors)
+
     def reattach() -> None:
         from benchmarks import reattach as ra
 
@@ -546,6 +591,10 @@ def run_all(args: argparse.Namespace, cfg: Config, out: Path, started: float) ->
         attempt("drain: KV migration against recompute", migration)
     if "spec_decode" in cfg.arms:
         attempt("speculative decoding (ngram, suffix) against none", spec_decode)
+    if "peer_prefix" in cfg.arms:
+        attempt("peer prefix: a cached prefix pulled from a peer against recomputed", peer_prefix)
+    if "disagg" in cfg.arms:
+        attempt("prefill and decode executors against mixed ones", disagg)
     if "overhead" in cfg.arms:
         attempt("scheduler overhead sweep", sweep)
     if "scale_out" in cfg.arms:
@@ -632,6 +681,27 @@ def run_all(args: argparse.Namespace, cfg: Config, out: Path, started: float) ->
         ),
         analysis.Target("KV blocks at peak, n=8 / 8 requests", "<= 0.3", par.ratio() if par else None, 0.3, False),
         analysis.Target(
+            "drain stall p50, KV migration / recompute",
+            "<= 0.25",
+            (moved or {}).get("migration_stall_ratio"),  # type: ignore[arg-type]
+            0.25,
+            False,
+        ),
+        analysis.Target(
+            "TTFT p50, 1,024-token prefix pulled from a peer / recomputed",
+            "<= 0.5",
+            (pulled or {}).get("peer_prefix_ttft_ratio"),  # type: ignore[arg-type]
+            0.5,
+            False,
+        ),
+        analysis.Target(
+            "decode ITL p99, 1 prefill + 1 decode / 2 mixed executors (modelled)",
+            "<= 0.5",
+            (split or {}).get("pd_itl_p99_ratio"),  # type: ignore[arg-type]
+            0.5,
+            False,
+        ),
+        analysis.Target(
             "throughput vs vLLM (CPU build), long workload, one HTTP client",
             ">= 1.0x",
             peer.ratio("long", "output_tokens_per_s") if peer else None,
@@ -713,6 +783,10 @@ def run_all(args: argparse.Namespace, cfg: Config, out: Path, started: float) ->
         **{k: (moved or {}).get(k) for k in MIGRATION_KEYS},
         **spec_keys,
         "spec_decode": spec.as_dict() if spec else None,
+        "peer_prefix": pulled,
+        **{k: (pulled or {}).get(k) for k in PEER_PREFIX_KEYS},
+        "disagg": {k: v for k, v in (split or {}).items() if k not in PD_KEYS} or None,
+        **{k: (split or {}).get(k) for k in PD_KEYS},
         "reattach": re_dict,
         "reattach_ms_p50": re_dict["reattach_ms"]["p50"] if re_dict else None,
         "reattach_ms_p99": re_dict["reattach_ms"]["p99"] if re_dict else None,

@@ -36,6 +36,19 @@ class Config:
     spec_batch: int = 32  # then this many other tasks at once
     spec_rounds: int = 2  # batches of those per mode, fresh tasks each
     spec_max_tokens: int = 160  # each at most (they end at EOS otherwise)
+    peer_prefix_trials: int = 3  # the peer_prefix arm: probes per mode (pull, recompute), a fresh prefix each
+    peer_prefix_len: int = 1024
+    peer_prefix_budget_tokens: int = 3072  # per executor: the busy holder's filler is a third of it
+    # The disagg arm (benchmarks/disagg.py): 1 prefill + 1 decode executor against 2 mixed. Windows in seconds (0: the
+    # scale is left out): the modelled scale (stub executors on the fitted step model; the target's), the same with
+    # light long-prompt traffic, and the real model, smaller.
+    pd_window_s: float = 40.0
+    pd_light_window_s: float = 30.0
+    pd_real_window_s: float = 30.0
+    pd_decode_streams: int = 32  # the modelled scales' decode streams (the real one runs an eighth of them)
+    pd_long_prompt_len: int = 2048
+    pd_real_long_prompt_len: int = 1024
+    pd_fit_reps: int = 3  # timed plans per point of the step-time fit
     reattach_requests: int = 32  # per round
     reattach_rounds: int = 3
     reattach_failover_rounds: int = 2  # rounds in which the front replica is SIGKILLed
@@ -75,6 +88,8 @@ ARMS = (
     "kv_spread",
     "migration",
     "spec_decode",
+    "peer_prefix",
+    "disagg",
     "reattach",
     "sampling_cost",
     "logprobs_cost",
@@ -122,6 +137,10 @@ FULL = Config(
     [16, 64, 256, 1024],
     scale_out_window_s=10.0,
     kv_spread_requests=96,
+    pd_window_s=120.0,
+    pd_light_window_s=60.0,
+    pd_real_window_s=60.0,
+    pd_fit_reps=5,
     reattach_rounds=5,
     reattach_failover_rounds=3,
     sampling_reps=15,

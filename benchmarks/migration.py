@@ -8,7 +8,8 @@ about half of them. Once every stream is decoding, the executor holding the
 most requests gets SIGTERM. For each stream that was placed on it, the
 **stall** is the longest gap in its stream from the SIGTERM on, as the
 client sees it (the source decodes on until its loop sees the drain; then
-the stream waits for the move); ``drain_s`` is from the SIGTERM to the executor's exit; the namespace
+the stream waits for the move); ``drain_s`` is from the SIGTERM to the executor's exit, ``resumed_s`` to
+the last moved stream's first token after its stall (the drain's work done elsewhere); the namespace
 counter ``moved_recomputed_tokens`` is how many computed tokens lost their KV
 by moving (0 when every pull succeeded). Both modes move the same requests at
 the same moment: the difference is only whether their KV travels.
@@ -51,7 +52,8 @@ class MigrationConfig:
 class ModeResult:
     mode: str
     stalls_ms: list[float]  # per stream that was on the drained executor
-    drain_s: float
+    drain_s: float  # SIGTERM to the drained executor's exit
+    resumed_s: float  # SIGTERM to the last moved stream's first token after its stall: the drain's work done
     moved: int
     recomputed_tokens: int
     migrated_bytes: int
@@ -68,6 +70,7 @@ class ModeResult:
             "stalls_ms": self.stalls_ms,
             "stall_p50_ms": self.stall_p50_ms,
             "drain_s": self.drain_s,
+            "resumed_s": self.resumed_s,
             "moved": self.moved,
             "recomputed_tokens": self.recomputed_tokens,
             "migrated_bytes": self.migrated_bytes,
@@ -94,15 +97,20 @@ class MigrationResult:
             "migration_stall_ratio": ratio,
             "migration_drain_s": kv.drain_s if kv else None,
             "recompute_drain_s": rc.drain_s if rc else None,
+            "migration_resumed_s": kv.resumed_s if kv else None,
+            "recompute_resumed_s": rc.resumed_s if rc else None,
             "migration_tokens_identical": self.tokens_identical,
         }
 
 
-def _stall(times: list[float], t0: float) -> float:
-    """The longest gap in a stream from ``t0`` (the SIGTERM) on: its source goes on decoding until its loop
-    sees the drain, then the stream waits for the move (lend, claim, pull or recompute) and goes on."""
+def _stall(times: list[float], t0: float, exit_s: float) -> tuple[float, float]:
+    """The longest gap in a stream that starts between ``t0`` (the SIGTERM) and the drained executor's exit
+    (``exit_s`` later), and when it ended (from ``t0``): its source goes on decoding until its loop sees the
+    drain, then the stream waits for the move (lend, claim, pull or recompute) and goes on elsewhere. Gaps
+    that start later are the destination's own pace, not the move's."""
     after = [t0, *(t for t in times if t > t0)]
-    return max((b - a for a, b in zip(after, after[1:])), default=0.0)
+    gaps = [(b - a, b - t0) for a, b in zip(after, after[1:]) if a - t0 <= exit_s]
+    return max(gaps, default=(0.0, 0.0))
 
 
 async def _stream(stub: pb_grpc.GenerationStub, req, times: list[float], tokens: list[int]) -> None:  # type: ignore[no-untyped-def]
@@ -118,7 +126,8 @@ async def _mode(model_dir: Path, mode: str, cfg: MigrationConfig, log_dir: Path)
         StackConfig(
             cfg.kv_cache_bytes,
             executor_args=("--drain-timeout", "300"),
-            scheduler_args=("--migration", mode),
+            # The recompute arm recomputes: no peer prefix hit may read the drained executor's cached prompts.
+            scheduler_args=("--migration", mode, *(("--no-peer-prefix",) if mode == "recompute" else ())),
             executors=2,
             namespace=NAMESPACE,
         ),
@@ -169,11 +178,12 @@ async def _mode(model_dir: Path, mode: str, cfg: MigrationConfig, log_dir: Path)
         def delta(name: str) -> int:
             return int(after.get(name, 0)) - int(before.get(name, 0))
 
-        stalls = [_stall(times[i], t0) * 1e3 for i in on_victim]
+        gaps = [_stall(times[i], t0, drain_s) for i in on_victim]
         return ModeResult(
             mode,
-            stalls,
+            [g * 1e3 for g, _ in gaps],
             drain_s,
+            max((end for _, end in gaps), default=0.0),
             len(on_victim),
             delta("moved_recomputed_tokens"),
             delta("migrated_bytes"),

@@ -425,6 +425,104 @@ def _long_lines(summary: dict, plots: dict[str, str]) -> list[str]:
     ]
 
 
+def _moves_lines(summary: dict) -> list[str]:
+    """KV that moves between executors: the drain arm (benchmarks/migration.py) and the peer prefix arm
+    (benchmarks/peer_prefix.py), each against recompute."""
+    moved, pulled = summary.get("migration"), summary.get("peer_prefix")
+    if not moved and not pulled:
+        return []
+    lines = ["## KV that moves between executors", ""]
+    if moved:
+        kv, rc = moved["modes"].get("kv", {}), moved["modes"].get("recompute", {})
+        lines += [
+            "Drain of the busier of 2 executors holding long-context streams (SIGTERM; stall = the longest gap in "
+            "a moved stream from the SIGTERM on):",
+            "",
+            "| mode | stall p50 ms | drain s (exit) | resumed s | recomputed tokens | bytes moved | streams moved |",
+            "|---|---|---|---|---|---|---|",
+            *(
+                f"| {m['mode']} | {_f(m.get('stall_p50_ms'))} | {_f(m.get('drain_s'), 2)} | "
+                f"{_f(m.get('resumed_s'), 2)} | "
+                f"{m.get('recomputed_tokens')} | {m.get('migrated_bytes'):,} | {m.get('moved')} |"
+                for m in (kv, rc)
+                if m
+            ),
+            "",
+            f"Stall ratio **{_f(moved.get('migration_stall_ratio'), 3)}**; the streams' tokens are the same in "
+            f"both modes: {moved.get('migration_tokens_identical')}.",
+            "",
+        ]
+    if pulled:
+        pull, rc = pulled["modes"].get("pull", {}), pulled["modes"].get("recompute", {})
+        lines += [
+            "A request whose prefix a busy peer caches, placed on the idle executor (TTFT from the call):",
+            "",
+            "| mode | TTFT p50 ms | TTFT per probe ms | blocks pulled | asks |",
+            "|---|---|---|---|---|",
+            *(
+                f"| {m['mode']} | {_f(m.get('ttft_p50_ms'))} | {', '.join(_f(x) for x in m.get('ttft_ms', []))} | "
+                f"{m.get('pulled_blocks')} | {m.get('asks')} |"
+                for m in (pull, rc)
+                if m
+            ),
+            "",
+            f"TTFT ratio **{_f(pulled.get('peer_prefix_ttft_ratio'), 3)}**; the probes' tokens are the same in "
+            f"both modes: {pulled.get('peer_prefix_tokens_identical')}.",
+            "",
+        ]
+    return lines
+
+
+def _disagg_lines(summary: dict) -> list[str]:
+    """Prefill and decode executors against mixed ones (benchmarks/disagg.py): the fitted step model, then each
+    scale's two runs side by side."""
+    pd = summary.get("disagg")
+    if not pd:
+        return []
+    lines = ["## Prefill and decode executors", ""]
+    fit = pd.get("step_model")
+    if fit:
+        lines += [
+            "Step-time model of the stub executors, fitted on this machine to a real executor's own step reports "
+            f"(hand-made plans, median of reps; decode rows at {fit['context']} tokens of context, the prefill "
+            f"chunk at position {fit['chunk_start']}): step ms = **{_f(fit['a_ms'], 2)} + "
+            f"{_f(fit['b_ms_per_prefill_token'], 4)} x prefill tokens + {_f(fit['c_ms_per_decode_seq'], 3)} x "
+            f"decode sequences** (least squares of the relative errors; R^2 {_f(fit['r2'], 4)}, largest error "
+            f"{_pct(fit.get('max_rel_error'))} over {len(fit['points'])} points); a pull of n blocks from "
+            f"a peer (real `ReadBlocks`, loopback): **{_f(fit['pull_fixed_ms'], 2)} + "
+            f"{_f(fit['pull_ms_per_block'], 3)} x n** ms. The stubs sleep those times, so the modelled runs are "
+            "two machines' worth of executors; the real runs share this machine's cores.",
+            "",
+        ]
+    lines += [
+        "| scale | mode | long prompt every s | tok/s | ITL p50 / p99 ms | decode streams' ITL p99 ms | "
+        "TTFT long p50 ms | TTFT decode streams p50 ms | long prompts (started) | handed over |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for scale, runs in pd.get("scales", {}).items():
+        for mode, r in runs.items():
+            lines.append(
+                f"| {scale} | {mode} ({'+'.join(r['roles'])}) | {_f(r['long_every_s'], 2)} | "
+                f"{_f(r['output_tokens_per_s'])} | {_f(r['itl_ms']['p50'])} / {_f(r['itl_ms']['p99'])} | "
+                f"{_f(r['decode_stream_itl_ms']['p99'])} | {_f(r['ttft_long_ms']['p50'])} | "
+                f"{_f(r['ttft_decode_stream_ms']['p50'])} | {r['long_requests']} ({r['long_requests_started']}) | "
+                f"{r['counters'].get('migrations_disagg', 0)} |"
+            )
+    lines += [
+        "",
+        "Disaggregated / mixed, modelled: ITL p99 **"
+        f"{_f(summary.get('pd_itl_p99_ratio'), 3)}**, throughput {_f(summary.get('pd_throughput_ratio'), 3)}, "
+        f"long-prompt TTFT p50 {_f(summary.get('pd_ttft_p50_ratio'), 3)}; light long-prompt traffic: ITL p99 "
+        f"{_f(summary.get('pd_itl_p99_ratio_light'), 3)}, throughput "
+        f"{_f(summary.get('pd_throughput_ratio_light'), 3)}, TTFT p50 {_f(summary.get('pd_ttft_p50_ratio_light'), 3)}; "
+        f"real model (both executors on this machine's cores): ITL p99 {_f(summary.get('pd_itl_p99_ratio_real'), 3)}"
+        f", throughput {_f(summary.get('pd_throughput_ratio_real'), 3)}, TTFT p50 "
+        f"{_f(summary.get('pd_ttft_p50_ratio_real'), 3)}.",
+        "",
+    ]
+    return lines
+
+
 def write_markdown(
     summary: dict,
     arms: dict[str, dict],
@@ -517,6 +615,8 @@ def write_markdown(
         for p in preemption
     ]
     lines += ["", f"![preemption]({plots.get('preemption', '')})", ""]
+    lines += _moves_lines(summary)
+    lines += _disagg_lines(summary)
     lines += _scale_out_lines(summary, scale or [], plots)
     lines += _streams_lines(summary, sampling or [], plots)
     lines += _structured_lines(summary)

@@ -86,6 +86,36 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--migration-output-len", type=int, default=None, help="output tokens of the migration arm's streams (160)"
     )
+    p.add_argument("--peer-prefix-trials", type=int, default=None, help="probes per mode of the peer_prefix arm (3)")
+    p.add_argument("--peer-prefix-len", type=int, default=None, help="the peer_prefix arm's prefix tokens (1024)")
+    p.add_argument(
+        "--peer-prefix-budget-tokens", type=int, default=None, help="KV per executor of the peer_prefix arm (3072)"
+    )
+    p.add_argument(
+        "--pd-window", type=float, default=None, help="the disagg arm's modelled window in s (quick 40, full 120)"
+    )
+    p.add_argument(
+        "--pd-light-window",
+        type=float,
+        default=None,
+        help="the disagg arm's light-traffic window in s (quick 30, full 60; 0: none)",
+    )
+    p.add_argument(
+        "--pd-real-window",
+        type=float,
+        default=None,
+        help="the disagg arm's real-model window in s (quick 30, full 60; 0: none)",
+    )
+    p.add_argument("--pd-decode-streams", type=int, default=None, help="the disagg arm's decode streams (modelled: 32)")
+    p.add_argument(
+        "--pd-long-prompt-len", type=int, default=None, help="the disagg arm's long prompts, modelled (2048)"
+    )
+    p.add_argument(
+        "--pd-real-long-prompt-len", type=int, default=None, help="the disagg arm's long prompts, real model (1024)"
+    )
+    p.add_argument(
+        "--pd-fit-reps", type=int, default=None, help="timed plans per point of the disagg arm's step-time fit (3)"
+    )
     p.add_argument(
         "--spec-requests",
         type=int,
@@ -256,6 +286,16 @@ def build_config(args: argparse.Namespace) -> Config:
         spec_batch=pick(args.spec_batch, base.spec_batch),
         spec_rounds=pick(args.spec_rounds, base.spec_rounds),
         spec_max_tokens=pick(args.spec_max_tokens, base.spec_max_tokens),
+        peer_prefix_trials=pick(args.peer_prefix_trials, base.peer_prefix_trials),
+        peer_prefix_len=pick(args.peer_prefix_len, base.peer_prefix_len),
+        peer_prefix_budget_tokens=pick(args.peer_prefix_budget_tokens, base.peer_prefix_budget_tokens),
+        pd_window_s=pick(args.pd_window, base.pd_window_s),
+        pd_light_window_s=pick(args.pd_light_window, base.pd_light_window_s),
+        pd_real_window_s=pick(args.pd_real_window, base.pd_real_window_s),
+        pd_decode_streams=pick(args.pd_decode_streams, base.pd_decode_streams),
+        pd_long_prompt_len=pick(args.pd_long_prompt_len, base.pd_long_prompt_len),
+        pd_real_long_prompt_len=pick(args.pd_real_long_prompt_len, base.pd_real_long_prompt_len),
+        pd_fit_reps=pick(args.pd_fit_reps, base.pd_fit_reps),
         reattach_requests=pick(args.reattach_requests, base.reattach_requests),
         reattach_rounds=pick(args.reattach_rounds, base.reattach_rounds),
         reattach_failover_rounds=pick(args.reattach_failover_rounds, base.reattach_failover_rounds),

@@ -25,6 +25,7 @@ class StackConfig:
     scheduler_args: tuple[str, ...] = ()
     executors: int = 1
     namespace: str = "pagedserve"
+    roles: tuple[str, ...] = ()  # executor i's --role (default: every one mixed)
     step_log: Path | None = field(default=None, compare=False)  # the scheduler's --step-log, emptied at start
 
     def scheduler_argv(self) -> list[str]:
@@ -84,6 +85,7 @@ def start(model_dir: Path, cfg: StackConfig, log_dir: Path) -> Stack:
                 f"127.0.0.1:{port}",
                 "--namespace",
                 cfg.namespace,
+                *(["--role", cfg.roles[i]] if i < len(cfg.roles) else []),
             ],
             port,
             log_dir / f"executor-{i}.log",

@@ -25,7 +25,7 @@ from paged_kernels import BACKENDS
 from pagedserve import heap, logs, metrics, rpc
 from pagedserve.auth import SecretFile, internal_token_interceptor
 from pagedserve.keys import Keys
-from pagedserve.members import Registry
+from pagedserve.members import ROLES, Registry
 from pagedserve.redis_check import require as require_redis
 from pagedserve.security import Dialer, TLSFiles, reload_on_sighup, server_tls
 from pagedserve.tiers import Tier
@@ -51,6 +51,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--block-size must be a power of two")
     if args.drain_timeout < 0:
         p.error("--drain-timeout must be >= 0")
+    if args.read_blocks_delay_ms < 0:
+        p.error("--read-blocks-delay-ms must be >= 0")
     if min(args.max_loras, args.max_lora_rank, args.max_cpu_loras) < 1:
         p.error("--max-loras, --max-lora-rank and --max-cpu-loras must be positive")
     if args.advertise_address is None:
@@ -131,6 +133,20 @@ def _membership_arguments(p: argparse.ArgumentParser) -> None:
 
 def _lora_arguments(p: argparse.ArgumentParser) -> None:
     """LoRA adapters (vLLM's names; docs/lora.md): the executor's capacity for them."""
+    p.add_argument(
+        "--role",
+        choices=ROLES,
+        default="mixed",
+        help="prefill: compute long prompts and hand their KV to a decode executor; decode: everything else, and "
+        "what prefill executors hand over; mixed: everything (docs/architecture.md, 'Prefill and decode')",
+    )
+    p.add_argument(
+        "--read-blocks-delay-ms",
+        type=float,
+        default=0.0,
+        help="fault injection for tests: serve peers' block reads one block a chunk, each after this pause, so "
+        "a test can kill a party mid-copy (0: off, full-speed chunks)",
+    )
     p.add_argument("--enable-lora", action="store_true", help="apply LoRA adapters the step plans name")
     p.add_argument("--max-loras", type=int, default=1, help="adapter slots on the device: distinct adapters per step")
     p.add_argument("--max-lora-rank", type=int, default=16, help="the largest adapter rank the slots hold")
@@ -209,6 +225,7 @@ async def _drain(args: argparse.Namespace, servicer: ExecutorServicer, registrat
     log.info("draining: no new requests; running ones have %.0f s to finish or move", args.drain_timeout)
     if registration is not None:
         await registration.beat()  # schedulers see "draining" now, not a heartbeat later
+        await registration.announce_drain()  # and its loop, at its next turn
         await registration.drained(lambda: bool(servicer.lends))  # peers may still read what moved
     else:
         await quiet(servicer.lifecycle, lambda: servicer.last_step)
@@ -286,7 +303,9 @@ async def serve(args: argparse.Namespace) -> None:
     executor_metrics = ExecutorMetrics(registry, engine.cfg.model.name)
     executor_metrics.pools({t: engine.pool.count(t) for t in Tier})
     metrics.serve(args.metrics_port, registry, args.metrics_host)
-    servicer = ExecutorServicer(engine, Lifecycle(), executor_metrics, _puller(args, engine))
+    servicer = ExecutorServicer(
+        engine, Lifecycle(), executor_metrics, _puller(args, engine), args.read_blocks_delay_ms / 1000, args.role
+    )
     certificate = server_tls(args.tls, verify_clients=True)
     server, health, port = rpc.make_server(
         f"{args.host}:{args.port}",

@@ -91,6 +91,14 @@ class Registration:
             log.error("%s; this executor gets no work in this namespace", describe_mismatch(m, identity or {}))
         self._refused = refused
 
+    async def announce_drain(self) -> None:
+        """Ring the loops' doorbell: this executor's loop starts moving its requests at its next turn rather
+        than at its manager's next membership read (up to a second later)."""
+        try:
+            await self.registry.ring_drain(self.member().instance_id)
+        except Exception as exc:
+            log.warning("could not ring the drain doorbell (%s); the loops see the record", exc)
+
     async def run(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
             try:

@@ -140,8 +140,12 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
         lifecycle: Lifecycle | None = None,
         metrics: ExecutorMetrics | None = None,
         puller: Puller | None = None,
+        read_delay_s: float = 0.0,
+        role: str = "mixed",
     ) -> None:
         self.engine = engine
+        self.role = role  # --role: what its schedulers give it (pagedserve.members.ROLES)
+        self.read_delay_s = read_delay_s  # --read-blocks-delay-ms: fault injection (transfer.chunks)
         self.lends = Lends()  # blocks this executor's loop lent to peers (executor_svc/transfer.py)
         self.puller = puller  # None: pulls from peers fail (no way to dial them), and recompute
         self.lifecycle = lifecycle or Lifecycle()
@@ -173,6 +177,7 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
             model_digest=e.model_digest,
             applied_seq=self._applied_seq,
             pipelined=True,
+            role=self.role,
         )
 
     def member(self, address: str) -> Member:
@@ -287,7 +292,7 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
             self.lends.check(request.lend_id, blocks)
 
         try:
-            for chunk in chunks(self.engine.pool, blocks, still_lent):
+            async for chunk in chunks(self.engine.pool, blocks, still_lent, self.read_delay_s):
                 yield chunk
         except LendError as exc:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))

@@ -16,9 +16,10 @@ refused.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 import grpc
@@ -31,6 +32,9 @@ from pagedserve.executor.v1 import executor_pb2_grpc as pb_grpc
 log = logging.getLogger(__name__)
 CHUNK_BYTES = 2 << 20  # K and V of a chunk together stay well under gRPC's 4 MiB message limit
 PULL_TIMEOUT_S = 30.0
+# A source that sends no chunk for this long is stuck (stopped, partitioned): the pull fails and its request
+# recomputes, instead of holding the destination's step (and every request on it) for PULL_TIMEOUT_S.
+CHUNK_TIMEOUT_S = 2.0
 
 Ref = tuple[int, int]  # (tier, block)
 
@@ -88,10 +92,16 @@ def read_chunk(pool: KVPool, blocks: list[Ref], first: int, count: int) -> pb.Bl
     return pb.BlockChunk(first=first, count=len(part), k=_bytes(k), v=_bytes(v))
 
 
-def chunks(pool: KVPool, blocks: list[Ref], still_lent: Callable[[], None]) -> Iterator[pb.BlockChunk]:
-    """Every block of ``blocks``, chunk by chunk, each read only after ``still_lent`` passed."""
-    step = _per_chunk(pool)
+async def chunks(
+    pool: KVPool, blocks: list[Ref], still_lent: Callable[[], None], delay_s: float = 0.0
+) -> AsyncIterator[pb.BlockChunk]:
+    """Every block of ``blocks``, chunk by chunk, each read only after ``still_lent`` passed. ``delay_s``
+    (``--read-blocks-delay-ms``, fault injection for tests): one block a chunk, each after that pause, so a
+    test can kill the source or the reader mid-copy."""
+    step = 1 if delay_s else _per_chunk(pool)
     for first in range(0, len(blocks), step):
+        if delay_s:
+            await asyncio.sleep(delay_s)
         still_lent()
         yield read_chunk(pool, blocks, first, step)
 
@@ -158,7 +168,15 @@ class Puller:
                 timeout=PULL_TIMEOUT_S,
             )
             dst = list(p.dst)
-            async for chunk in call:
+            stream = call.__aiter__()
+            while True:
+                try:
+                    chunk = await asyncio.wait_for(stream.__anext__(), CHUNK_TIMEOUT_S)
+                except StopAsyncIteration:
+                    break
+                except TimeoutError:
+                    call.cancel()
+                    raise ValueError(f"no chunk from {p.address} in {CHUNK_TIMEOUT_S:.0f} s (stuck source?)") from None
                 moved += write_chunk(pool, dst, chunk)
                 seen += chunk.count
             if seen != len(dst):

@@ -227,3 +227,15 @@ class TokenStreamInterceptor(grpc.aio.StreamStreamClientInterceptor):
 
     async def intercept_stream_stream(self, continuation, client_call_details, request_iterator):
         return await continuation(_with_header(client_call_details, self.header, self.secret), request_iterator)
+
+
+class TokenServerStreamInterceptor(grpc.aio.UnaryStreamClientInterceptor):
+    """``TokenClientInterceptor`` for server-streaming calls: a peer executor's ``ReadBlocks`` (KV that
+    moves). Without it a reader's pulls reach the source without the token and are refused."""
+
+    def __init__(self, header: str, secret: SecretFile) -> None:
+        self.header = header
+        self.secret = secret
+
+    async def intercept_unary_stream(self, continuation, client_call_details, request):
+        return await continuation(_with_header(client_call_details, self.header, self.secret), request)

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 from pagedserve.tiers import Tier
 
+INCOMING_MAXLEN = 10_000  # the doorbell stream ({ns}:incoming) is capped at about this many entries
+
 
 @dataclass(frozen=True, slots=True)
 class ExecutorKeys:

@@ -20,9 +20,10 @@ from dataclasses import dataclass, field
 import redis.asyncio as aioredis
 
 from pagedserve.executor.v1 import executor_pb2 as epb
-from pagedserve.keys import Keys
+from pagedserve.keys import INCOMING_MAXLEN, Keys
 
 SERVING, DRAINING = "serving", "draining"
+ROLES = ("mixed", "prefill", "decode")  # --role: what an executor takes (docs/architecture.md, "Prefill and decode")
 
 # Register or renew: refused once the instance was evicted; keeps the first
 # registration time in the index; returns the namespace identity.
@@ -67,6 +68,7 @@ class Member:
     lora_slots: int = 0
     lora_resident: tuple[str, ...] = ()
     lora_cached: tuple[str, ...] = ()
+    role: str = "mixed"  # --role (ROLES)
 
     @property
     def identity(self) -> dict[str, str]:
@@ -86,19 +88,23 @@ class Member:
         return self.state == SERVING
 
     def to_fields(self) -> dict[str, str]:
-        return {
-            "address": self.address,
-            "model": self.model,
-            "model_digest": self.model_digest,
-            "dtype": self.dtype,
-            "block_size": str(self.block_size),
-            "blocks": ",".join(map(str, self.blocks)),
-            "max_model_len": str(self.max_model_len),
-            "state": self.state,
-            "evacuate_at_ms": str(self.evacuate_at_ms),
-            "static": "1" if self.static else "0",
-            "model_path": self.model_path,
-        } | (self._lora_field() if self.lora_slots else {})
+        return (
+            {
+                "address": self.address,
+                "model": self.model,
+                "model_digest": self.model_digest,
+                "dtype": self.dtype,
+                "block_size": str(self.block_size),
+                "blocks": ",".join(map(str, self.blocks)),
+                "max_model_len": str(self.max_model_len),
+                "state": self.state,
+                "evacuate_at_ms": str(self.evacuate_at_ms),
+                "static": "1" if self.static else "0",
+                "model_path": self.model_path,
+            }
+            | (self._lora_field() if self.lora_slots else {})
+            | ({"role": self.role} if self.role != "mixed" else {})
+        )
 
     def _lora_field(self) -> dict[str, str]:
         """Only with --enable-lora: a record without it reads as it did before adapters."""
@@ -122,6 +128,7 @@ class Member:
             f.get("static") == "1",
             f.get("model_path", ""),
             *_lora_of(f.get("lora")),
+            f.get("role") or "mixed",
         )
 
     @classmethod
@@ -139,6 +146,7 @@ class Member:
             info.evacuate_at_ms,
             static,
             info.model_path,
+            role=info.role or "mixed",
         )
 
 
@@ -203,6 +211,13 @@ class Registry:
         """The namespace identity, set from ``member`` if there is none yet."""
         got = await self._identity(keys=[self.keys.identity], args=[x for kv in member.identity.items() for x in kv])
         return dict(zip(got[::2], got[1::2]))
+
+    async def ring_drain(self, instance_id: str) -> None:
+        """Tell the loops at once that this executor drains (a ``drain`` doorbell): its loop starts moving
+        its requests now instead of at the next membership read."""
+        await self.r.xadd(
+            self.keys.incoming, {"op": "drain", "id": instance_id}, maxlen=INCOMING_MAXLEN, approximate=True
+        )
 
     async def placed(self, instance_id: str) -> int:
         """Requests still placed on an executor (what a draining executor waits for)."""

@@ -42,6 +42,7 @@ from pagedserve.auth import (
     INTERNAL_TOKEN,
     SecretFile,
     TokenClientInterceptor,
+    TokenServerStreamInterceptor,
     TokenStreamInterceptor,
 )
 
@@ -264,10 +265,11 @@ class Dialer:
     def channel(self, address: str) -> grpc.aio.Channel:
         options: list[tuple[str, str | int]] = list(rpc.CHANNEL_OPTIONS)
         interceptors = None
-        if self.token:  # the unary calls and the Steps stream (grpc.aio files an interceptor under one kind)
+        if self.token:  # unary calls, the Steps stream, ReadBlocks (grpc.aio files an interceptor under one kind)
             interceptors = [
                 TokenClientInterceptor(INTERNAL_TOKEN, self.token),
                 TokenStreamInterceptor(INTERNAL_TOKEN, self.token),
+                TokenServerStreamInterceptor(INTERNAL_TOKEN, self.token),
             ]
         if self.tls.ca is None:
             return grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)

@@ -159,6 +159,45 @@ def _scheduling_arguments(p: argparse.ArgumentParser) -> None:
         "KV blocks (read by the peer; recomputed only if that fails), recompute, or off (they finish "
         "where they are until the drain deadline, then move by recompute)",
     )
+    p.add_argument(
+        "--peer-prefix",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="a request placed here whose prompt prefix a peer caches further waits for that peer's blocks "
+        "when pulling them costs less than computing them (both measured online); --no-peer-prefix computes",
+    )
+    p.add_argument(
+        "--rebalance",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="serving executors move running requests with their KV to peers: before a preemption, or while "
+        "their KV usage exceeds a peer's by --rebalance-gap (which requests: docs/architecture.md)",
+    )
+    p.add_argument(
+        "--rebalance-gap",
+        type=float,
+        default=0.25,
+        help="device KV usage (0-1) over the least loaded peer's that starts moves with --rebalance",
+    )
+    p.add_argument(
+        "--rebalance-every-ms",
+        type=int,
+        default=500,
+        help="how often a loop reads the peers' views to decide moves with --rebalance",
+    )
+    p.add_argument(
+        "--disagg-min-prompt-tokens",
+        type=int,
+        default=0,
+        help="with prefill and decode executors (executor --role): a request whose uncached prompt is longer "
+        "runs its prefill on a prefill executor, which hands its KV to a decode executor (0: never)",
+    )
+    p.add_argument(
+        "--disagg-max-prefill-queue",
+        type=int,
+        default=4,
+        help="requests a prefill executor may hold before long prompts run mixed again",
+    )
     p.add_argument("--policy", choices=POLICIES, default="fcfs", help="the same on every replica of a namespace")
     p.add_argument("--preemption-mode", choices=PREEMPTION_MODES, default="recompute")
     p.add_argument(
@@ -220,6 +259,12 @@ def _check_limits(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error("--max-pending-requests must be >= 0 (0: no limit)")
     if args.max_logprobs < 0:
         p.error("--max-logprobs must be >= 0")
+    if not 0 < args.rebalance_gap <= 1:
+        p.error("--rebalance-gap must be in (0, 1]")
+    if args.rebalance_every_ms < 1:
+        p.error("--rebalance-every-ms must be positive")
+    if args.disagg_min_prompt_tokens < 0 or args.disagg_max_prefill_queue < 1:
+        p.error("--disagg-min-prompt-tokens must be >= 0 and --disagg-max-prefill-queue >= 1")
     if args.max_loras < 1 or args.max_lora_rank < 1:
         p.error("--max-loras and --max-lora-rank must be positive")
     if args.lora_modules and not args.enable_lora:

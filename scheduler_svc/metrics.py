@@ -34,8 +34,8 @@ class LoopMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         ex = ["model_name", "executor"]
 
-        def gauge(metric: str, doc: str) -> Gauge:
-            return Gauge(name(metric), doc, ex, registry=registry)
+        def gauge(metric: str, doc: str, *labels: str) -> Gauge:
+            return Gauge(name(metric), doc, [*ex, *labels], registry=registry)
 
         def counter(metric: str, doc: str, *labels: str) -> Counter:
             return Counter(name(metric), doc, [*ex, *labels], registry=registry)
@@ -63,18 +63,30 @@ class LoopMetrics:
         self.spec_accepted_per_pos = counter(
             "spec_decode_num_accepted_tokens_per_pos", "Drafted tokens accepted, by draft position", "position"
         )
-        # KV migration (core/migration.py): causes "drain" (and later "rebalance", "prefix").
+        # KV that moves (core/migration.py, core/prefetch.py): requests that moved with their KV, by cause
+        # (drain, rebalance, preempt), and blocks pulled ahead of a request, by cause (precopy, prefix).
         self.migrations = counter(
             "kv_migrations",
             "Requests that moved between executors with their KV, by cause and outcome",
             "cause",
             "outcome",
         )
+        self.fetches = counter(
+            "kv_fetches",
+            "Blocks pulled from a peer ahead of their request (a move's pre-copy, a peer's cached prefix), by cause "
+            "and outcome",
+            "cause",
+            "outcome",
+        )
+        self.fetched_blocks = counter("kv_fetched_blocks", "KV blocks pulled ahead of their request, by cause", "cause")
+        self.peer_prefix_asks = counter(
+            "kv_peer_prefix_asks", "Requests that waited for a peer's cached prefix instead of computing it", "outcome"
+        )
         self.migrated_blocks = counter("kv_migrated_blocks", "KV blocks pulled from peer executors")
         self.migrated_bytes = counter("kv_migrated_bytes", "KV bytes pulled from peer executors")
         self.transfer_time = Histogram(
             name("kv_transfer_seconds"),
-            "Pulling one request's KV blocks from a peer, by outcome",
+            "Pulling KV blocks from a peer (one request's, or one fetch's), by outcome",
             [*ex, "outcome"],
             buckets=LATENCY_BUCKETS,
             registry=registry,
@@ -96,7 +108,15 @@ class LoopMetrics:
             buckets=LATENCY_BUCKETS,
             registry=registry,
         )
-        self._gauges = (self.running, self.swapped, self.kv, self.cpu_swap, self.disk_swap)
+        # Prefill and decode executors (--role, core/disagg.py): an info series to join other series by role
+        # (prefill scales on prompt tokens, decode on running sequences and KV usage), and the prompt tokens
+        # its requests have still to compute.
+        self.role_info = gauge("executor_role_info", "1 for each executor led here, labelled with its --role", "role")
+        self.prompt_pending = gauge(
+            "num_prompt_tokens_pending", "Prompt tokens the executor's placed requests have still to compute"
+        )
+        self._roles: dict[tuple[str, str], str] = {}
+        self._gauges = (self.running, self.swapped, self.kv, self.cpu_swap, self.disk_swap, self.prompt_pending)
         # vLLM's lora_requests_info (what the Gateway API inference extension routes by): one series per
         # executor whose labels are its adapters; its value the time they were last seen (--enable-lora only).
         self.lora_info = Gauge(
@@ -121,8 +141,14 @@ class LoopMetrics:
         for mode in ("swap", "recompute"):
             self.preemptions.labels(*labels, mode)
 
-    def pool(self, model: str, executor: str, view: PoolView) -> None:
+    def pool(self, model: str, executor: str, view: PoolView, prompt_pending: int = 0) -> None:
         labels = (model, executor)
+        if self._roles.get(labels) != view.role:
+            if (old := self._roles.pop(labels, None)) is not None:
+                self.role_info.remove(*labels, old)
+            self._roles[labels] = view.role
+            self.role_info.labels(*labels, view.role).set(1)
+        self.prompt_pending.labels(*labels).set(prompt_pending)
         self.running.labels(*labels).set(view.running)
         self.swapped.labels(*labels).set(view.swapped)
         self.kv.labels(*labels).set(_usage(view, Tier.DEVICE))
@@ -177,13 +203,24 @@ class LoopMetrics:
 
     def _moved(self, labels: tuple[str, str], rec: StepRecord) -> None:
         c = rec.counters
-        if c.migrated_blocks:
-            self.migrated_blocks.labels(*labels).inc(c.migrated_blocks)
+        if c.migrated_blocks or c.fetched_blocks:
+            self.migrated_blocks.labels(*labels).inc(c.migrated_blocks + c.fetched_blocks)
+        if c.migrated_bytes:
             self.migrated_bytes.labels(*labels).inc(c.migrated_bytes)
         for (_, src), (ok, ms, _) in zip(rec.pulled, rec.pull_ms, strict=True):
             outcome = "ok" if ok else "recomputed"
             self.migrations.labels(*labels, src.cause, outcome).inc()
             self.transfer_time.labels(*labels, outcome).observe(ms / 1e3)
+        for cause, ok, ms, blocks in rec.fetched:
+            outcome = "ok" if ok else "failed"
+            self.fetches.labels(*labels, cause, outcome).inc()
+            self.transfer_time.labels(*labels, outcome).observe(ms / 1e3)
+            if ok:
+                self.fetched_blocks.labels(*labels, cause).inc(blocks)
+        if c.peer_prefix_asks:
+            self.peer_prefix_asks.labels(*labels, "asked").inc(c.peer_prefix_asks)
+        if c.peer_prefix_timeouts:
+            self.peer_prefix_asks.labels(*labels, "timed_out").inc(c.peer_prefix_timeouts)
         now = time.time()
         for at_ms in rec.stalls:
             self.migration_stall.labels(*labels).observe(max(0.0, now - at_ms / 1000))
@@ -197,6 +234,8 @@ class LoopMetrics:
                 pass
         if (old := self._lora_labels.pop((model, executor), None)) is not None:
             self.lora_info.remove(*old)
+        if (role := self._roles.pop((model, executor), None)) is not None:
+            self.role_info.remove(model, executor, role)
 
 
 class NamespaceMetrics:

@@ -8,7 +8,9 @@
 #                  executor (executors register container addresses; their certificate says
 #                  "executor"), --internal-token-file internal-token, --api-key-file api-keys
 #   executor_svc:  --tls-cert/--tls-key executor.crt/.key, --tls-ca ca.crt (only schedulers with a
-#                  certificate signed by it connect), --internal-token-file internal-token
+#                  certificate signed by it connect), --internal-token-file internal-token,
+#                  --peer-tls-server-name executor (KV that moves: it reads peers' blocks at their
+#                  container addresses, whose certificate says "executor")
 set -eu
 certs=${PAGEDSERVE_CERTS:-/certs}
 module=
@@ -29,6 +31,9 @@ if ! have ca.crt "$role.crt" "$role.key" internal-token; then
 fi
 set -- "$@" --tls-cert "$certs/$role.crt" --tls-key "$certs/$role.key" --tls-ca "$certs/ca.crt" \
     --internal-token-file "$certs/internal-token"
+if [ "$role" = executor ]; then
+    set -- "$@" --peer-tls-server-name executor
+fi
 if [ "$role" = scheduler ]; then
     set -- "$@" --executor-tls-server-name executor
     if have api-keys; then

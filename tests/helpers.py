@@ -6,6 +6,7 @@ import asyncio
 import json
 import os
 import signal
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -15,6 +16,7 @@ import grpc
 import psutil
 import redis
 
+from pagedserve.dev.procs import RedisServer
 from pagedserve.keys import Keys
 from pagedserve.rpc import CHANNEL_OPTIONS
 from pagedserve.tiers import TIERS
@@ -135,3 +137,29 @@ def kill_loop(client: redis.Redis, namespace: str, scheduler_pid: int) -> tuple[
     (loop_proc,) = psutil.Process(scheduler_pid).children()
     os.kill(loop_proc.pid, signal.SIGKILL)
     return key, epoch
+
+
+def loop_failures(log_dir: Path) -> list[str]:
+    """Lines where a scheduler's loop died of an error (the manager restarts it, and a reload hides the
+    failure from every client): a test of a loop's path asserts there are none."""
+    return [
+        line
+        for log in sorted(Path(log_dir).glob("scheduler*.log"))
+        for line in log.read_text(errors="replace").splitlines()
+        if "ERROR loop for executor" in line
+    ]
+
+
+def finish(worker: threading.Thread, client: redis.Redis, namespace: str, join_s: float = 240) -> tuple[list, list]:
+    """Wait for a background client (``tests.test_failover.run_in_background``) to have every answer, then
+    for every pool to be free; returns (free, total) blocks per tier, summed over the executors."""
+    worker.join(join_s)
+    assert not worker.is_alive(), f"requests still unanswered after {join_s:.0f} s"
+    return wait_all_free(client, namespace, timeout=60)
+
+
+def redis_outage(server: RedisServer, down_s: float = 1.0) -> None:
+    """SIGKILL the Redis server, then restart it on its port and directory (from its AOF, if it has one)."""
+    server.kill()
+    time.sleep(down_s)
+    server.restart()

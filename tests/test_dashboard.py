@@ -8,7 +8,8 @@ of every labelled metric is created, and the registry's exposition text (what
 ``_bucket``, ``_sum``, ``_count`` and ``_created`` suffixes, and the labels of each.
 
 Then, for every PromQL expression in k8s/extras/grafana-dashboard.json (panels
-and template variables), the Prometheus adapter rules, and the KEDA ScaledObject:
+and template variables), the Prometheus adapter rules, and the KEDA ScaledObjects
+(the mixed executor's, and the prefill and decode pools' in k8s/extras/disagg/):
 every metric is exported, every label matcher and grouping label exists on the
 metrics of that expression (or is a scrape label), counters and histogram series
 are only read through rate/increase (counters restart when a loop's lease moves),
@@ -37,6 +38,7 @@ EXTRAS = ROOT / "k8s" / "extras"
 DASHBOARD = EXTRAS / "grafana-dashboard.json"
 ADAPTER = EXTRAS / "prometheus-adapter-rules.yaml"
 KEDA = EXTRAS / "keda-scaledobject.yaml"
+KEDA_DISAGG = EXTRAS / "disagg" / "keda-scaledobjects.yaml"  # the prefill and decode pools' ScaledObjects
 METRICS_DOC = ROOT / "docs" / "metrics.md"
 
 # Labels Prometheus attaches at scrape time (the kubernetes-pods relabeling adds
@@ -247,8 +249,15 @@ def adapter_exprs() -> list[tuple[str, str]]:
 
 
 def keda_exprs() -> list[tuple[str, str]]:
-    so = yaml.safe_load(KEDA.read_text())
-    return [(f"keda trigger {t.get('name', i)}", t["metadata"]["query"]) for i, t in enumerate(so["spec"]["triggers"])]
+    found = []
+    for path in (KEDA, KEDA_DISAGG):
+        for so in (d for d in yaml.safe_load_all(path.read_text()) if d):
+            name = so["metadata"]["name"]
+            found += [
+                (f"keda {name} trigger {t.get('name', i)}", t["metadata"]["query"])
+                for i, t in enumerate(so["spec"]["triggers"])
+            ]
+    return found
 
 
 def series_query_metrics(expr: str) -> set[str]:
@@ -358,7 +367,7 @@ def test_dashboard_queries_name_only_exported_metrics():
 
 def test_autoscaling_queries_name_only_exported_metrics():
     found = adapter_exprs() + keda_exprs()
-    assert len(found) >= 4, found
+    assert len(found) >= 14, found  # 5 adapter rules (series and metrics queries), 2 + 4 KEDA triggers
     problems = [msg for where, expr in found for msg in check_expr(where, expr)]
     assert not problems, "\n".join(problems)
 

@@ -27,6 +27,17 @@ like k8s/; the KEDA ScaledObject has no schema in kubernetes-validate, so it is
 checked structurally and against the HPA it must match (its behaviour block is
 validated inside a synthetic HPA). That their PromQL names real metrics is
 checked in tests/test_dashboard.py.
+
+Prefill and decode executors: k8s/disagg/ is a kustomize Component that swaps the
+mixed executor Deployment and PDB for a prefill and a decode pool. Its manifests
+validate strictly; each pool must equal the mixed executor but for its role (so every
+executor check above holds for it); the base with the Component applied (rendered
+here, and compared with kubectl's kustomize when kubectl is installed) keeps the
+selector, PDB and label checks, and its NetworkPolicies let the pools read each
+other's lent KV. k8s/extras/disagg/ holds each pool's HPA and KEDA twin, checked like
+the mixed executor's. Compose's `disagg` profile runs one executor of each role, the
+mixed executor's service but for --role; the TLS stack started through the wrapper
+runs such a pair and a long prompt's KV crosses between them over mutual TLS.
 """
 
 from __future__ import annotations
@@ -53,6 +64,9 @@ DOCKERFILE = ROOT / "Dockerfile"
 DOCKERIGNORE = ROOT / ".dockerignore"
 K8S_DIR = ROOT / "k8s"
 KUSTOMIZATION = K8S_DIR / "kustomization.yaml"
+# Prefill and decode executors: a kustomize Component replacing the mixed executor with two pools.
+DISAGG_DIR = K8S_DIR / "disagg"
+DISAGG_KUSTOMIZATION = DISAGG_DIR / "kustomization.yaml"
 EXTRAS_DIR = K8S_DIR / "extras"
 HPA_FILE = EXTRAS_DIR / "executor-hpa.yaml"
 ADAPTER_FILE = EXTRAS_DIR / "prometheus-adapter-rules.yaml"
@@ -63,8 +77,13 @@ HEALTHCHECK = SCRIPTS / "healthcheck.py"
 WITH_CERTS = SCRIPTS / "with-certs.sh"
 K8S_SECRETS = SCRIPTS / "k8s-secrets.py"
 # Extras that are Kubernetes objects with a schema in kubernetes-validate / not.
-EXTRAS_VALIDATED = (HPA_FILE, ADAPTER_FILE)
-EXTRAS_UNVALIDATED = (KEDA_FILE, EXTRAS_DIR / "grafana-dashboard.json")
+EXTRAS_DISAGG_DIR = EXTRAS_DIR / "disagg"
+DISAGG_HPA_FILE = EXTRAS_DISAGG_DIR / "executor-hpa.yaml"
+DISAGG_KEDA_FILE = EXTRAS_DISAGG_DIR / "keda-scaledobjects.yaml"
+EXTRAS_VALIDATED = (HPA_FILE, ADAPTER_FILE, DISAGG_HPA_FILE)
+EXTRAS_UNVALIDATED = (KEDA_FILE, EXTRAS_DIR / "grafana-dashboard.json", DISAGG_KEDA_FILE)
+ROLES = ("prefill", "decode")
+ROLE_LABEL = "pagedserve/role"
 
 IMAGE = "pagedserve:latest"
 # Oldest Kubernetes we support (native gRPC probes are GA since 1.27) and the
@@ -101,6 +120,8 @@ CONTRACT_FLAGS = {
         "--internal-token-file",
         "--http-port",
         "--http-host",
+        "--disagg-min-prompt-tokens",
+        "--disagg-max-prefill-queue",
     },
     "executor_svc": {
         "--port",
@@ -124,6 +145,8 @@ CONTRACT_FLAGS = {
         "--tls-key",
         "--tls-ca",
         "--internal-token-file",
+        "--role",
+        "--peer-tls-server-name",
     },
 }
 # Flags whose value is not a number (nor one of CHOICES).
@@ -142,6 +165,7 @@ TEXT_FLAGS = {
     "--api-key-file",
     "--internal-token-file",
     "--http-host",
+    "--peer-tls-server-name",
 }
 # Flags naming a file (in k8s: in a mounted Secret).
 FILE_FLAGS = ("--tls-cert", "--tls-key", "--tls-ca", "--api-key-file", "--internal-token-file")
@@ -151,6 +175,7 @@ CHOICES = {
     "--policy": {"fcfs", "priority"},
     "--preemption-mode": {"swap", "recompute"},
     "--attention-backend": {"auto", "triton", "torch"},
+    "--role": {"mixed", "prefill", "decode"},
 }
 WORKLOAD_KINDS = {"Deployment", "StatefulSet", "DaemonSet", "Job"}
 PROBES = ("startupProbe", "readinessProbe", "livenessProbe")
@@ -206,6 +231,48 @@ def by_kind(kind: str) -> list[dict]:
 
 def workloads() -> list[dict]:
     return [o for o in k8s_objects() if o["kind"] in WORKLOAD_KINDS]
+
+
+def disagg_files() -> list[Path]:
+    return sorted(p for p in DISAGG_DIR.glob("*.y*ml") if p.name != DISAGG_KUSTOMIZATION.name)
+
+
+def disagg_component() -> dict:
+    return yaml.safe_load(DISAGG_KUSTOMIZATION.read_text())
+
+
+def disagg_resources() -> list[dict]:
+    """The Component's own objects (the prefill and decode pools)."""
+    objs = []
+    for path in disagg_files():
+        for doc in yaml.safe_load_all(path.read_text()):
+            if doc:
+                doc["__file__"] = f"disagg/{path.name}"
+                objs.append(doc)
+    return objs
+
+
+def disagg_deleted() -> set[tuple[str, str]]:
+    """(kind, name) of the base objects the Component's ``$patch: delete`` patches remove."""
+    gone = set()
+    for patch in disagg_component().get("patches", []):
+        doc = yaml.safe_load(patch["patch"])
+        assert doc.pop("$patch") == "delete", patch
+        gone.add((doc["kind"], doc["metadata"]["name"]))
+    return gone
+
+
+def disagg_objects() -> list[dict]:
+    """The base with the Component applied, as kustomize renders it (the Component uses nothing but
+    resources and delete patches: test_disagg_component_renders_as_kustomize_does holds the two together)."""
+    gone = disagg_deleted()
+    kept = [o for o in k8s_objects() if (o["kind"], o["metadata"]["name"]) not in gone]
+    return kept + disagg_resources()
+
+
+def all_workloads() -> list[dict]:
+    """Every workload shipped: the base's and the prefill and decode pools."""
+    return workloads() + [o for o in disagg_resources() if o["kind"] in WORKLOAD_KINDS]
 
 
 def pod_spec(workload: dict) -> dict:
@@ -265,7 +332,7 @@ def all_service_commands() -> list[tuple[str, str, list[str]]]:
         argv = compose_argv(svc)
         if service_module(argv):
             found.append((f"compose:{name}", service_module(argv), argv))
-    for w in workloads():
+    for w in all_workloads():
         for c in containers(w):
             argv = k8s_argv(c)
             if service_module(argv):
@@ -426,9 +493,10 @@ def test_k8s_validator_rejects_unknown_fields(tmp_path):
 def test_flags_are_within_the_cli_contract():
     cmds = all_service_commands()
     where = {w for w, _, _ in cmds}
-    assert {"compose:scheduler", "compose:executor"} <= where, where
+    assert {"compose:scheduler", "compose:executor", "compose:executor-prefill", "compose:executor-decode"} <= where
     assert any(w.startswith("k8s:pagedserve-scheduler") for w in where), where
-    assert any(w.startswith("k8s:pagedserve-executor") for w in where), where
+    for name in ("pagedserve-executor", "pagedserve-executor-prefill", "pagedserve-executor-decode"):
+        assert f"k8s:{name}/executor" in where, where
     for where, module, argv in cmds:
         unknown = set(flag_values(argv)) - CONTRACT_FLAGS[module]
         assert not unknown, f"{where}: flags {sorted(unknown)} are not in the {module} CLI"
@@ -440,7 +508,7 @@ def test_flag_values_are_valid_choices():
         argv = compose_argv(svc)
         if service_module(argv):
             checked.append((f"compose:{name}", argv))
-    for w in workloads():
+    for w in all_workloads():
         for c in containers(w):
             if service_module(k8s_argv(c)):
                 checked.append((f"k8s:{w['metadata']['name']}", resolved_argv(c)))
@@ -477,6 +545,11 @@ def test_flags_used_are_accepted_by_the_cli(module):
 
 
 # ---------------------------------------------------------------- compose behaviour
+def compose_executors() -> list[str]:
+    """Every compose service that runs an executor: the mixed one and the disagg profile's pair."""
+    return [n for n, svc in load_compose()["services"].items() if service_module(compose_argv(svc)) == "executor_svc"]
+
+
 def test_compose_topology():
     services = load_compose()["services"]
     assert set(services) >= {"redis", "executor", "scheduler"}
@@ -488,31 +561,33 @@ def test_compose_topology():
     data_mount = [v for v in redis["volumes"] if str(v).endswith(":/data")]
     assert data_mount and data_mount[0].split(":")[0] in load_compose()["volumes"]
 
-    for name in ("executor", "scheduler"):
+    assert sorted(compose_executors()) == ["executor", "executor-decode", "executor-prefill"]
+    for name in ("scheduler", *compose_executors()):
         assert services[name]["image"] == IMAGE
         assert "build" in services[name]
 
     sched = flag_values(compose_argv(services["scheduler"]))
-    executor = flag_values(compose_argv(services["executor"]))
     # Schedulers find executors through Redis: none is named on the command line.
     assert "--executor" not in sched, "compose scheduler is tied to a fixed executor"
-    for name, flags in (("scheduler", sched), ("executor", executor)):
+    for name in ("scheduler", *compose_executors()):
+        flags = flag_values(compose_argv(services[name]))
         url = urlparse(flags.get("--redis-url") or "")
         assert url.scheme == "redis" and url.hostname in services, f"{name}: --redis-url {url.geturl()!r}"
         assert services[url.hostname]["image"].startswith("redis:") and url.port == 6379, name
         # Only Redis must be healthy first: executors join whenever they are ready.
         assert services[name]["depends_on"] == {url.hostname: {"condition": "service_healthy"}}, name
-    assert same_redis(sched["--redis-url"], executor["--redis-url"]), "executor registers in another Redis"
-    assert sched.get("--namespace", DEFAULT_NAMESPACE) == executor.get("--namespace", DEFAULT_NAMESPACE)
+        assert same_redis(sched["--redis-url"], flags["--redis-url"]), f"{name} registers in another Redis"
+        assert sched.get("--namespace", DEFAULT_NAMESPACE) == flags.get("--namespace", DEFAULT_NAMESPACE), name
     published = [str(p) for p in services["scheduler"].get("ports", [])]
     assert any(p.endswith(f":{sched['--port']}") for p in published), published
 
 
-def test_compose_executor_is_scalable():
+@pytest.mark.parametrize("executor", ["executor", "executor-prefill", "executor-decode"])
+def test_compose_executor_is_scalable(executor):
     """`docker compose up --scale executor=3`: every replica needs its own name,
     no host port, and the default advertise address (its hostname)."""
     services = load_compose()["services"]
-    ex = services["executor"]
+    ex = services[executor]
     flags = flag_values(compose_argv(ex))
     assert "container_name" not in ex, "container_name allows only one executor"
     assert "hostname" not in ex, "a fixed hostname makes every replica advertise the same address"
@@ -521,20 +596,42 @@ def test_compose_executor_is_scalable():
     assert "--advertise-address" not in flags, "a fixed advertise address is the same on every replica"
     # No other service waits on a particular executor container.
     for name, svc in services.items():
-        assert "executor" not in svc.get("depends_on", {}), f"{name} depends on the executor"
+        assert executor not in svc.get("depends_on", {}), f"{name} depends on {executor}"
+
+
+def test_compose_disagg_profile_runs_one_prefill_and_one_decode_executor():
+    """`docker compose --profile disagg up --scale executor=0`: the profile's two executors are the mixed one
+    with --role prefill / decode (nothing else differs), off by default; the scheduler splits long prompts
+    once a prefill executor registers."""
+    services = load_compose()["services"]
+    mixed = services["executor"]
+    assert "profiles" not in mixed and "profiles" not in services["scheduler"] and "profiles" not in services["redis"]
+    for role in ROLES:
+        svc = services[f"executor-{role}"]
+        assert svc["profiles"] == ["disagg"], svc.get("profiles")
+        argv = compose_argv(svc)
+        i = argv.index("--role")
+        assert argv[i + 1] == role and argv[:i] + argv[i + 2 :] == compose_argv(mixed), argv
+        rest = {k: v for k, v in svc.items() if k not in ("profiles", "command")}
+        assert rest == {k: v for k, v in mixed.items() if k != "command"}, f"executor-{role} drifted from executor"
+    assert "--role" not in compose_argv(mixed)
+    sched = flag_values(compose_argv(services["scheduler"]))
+    assert int(sched["--disagg-min-prompt-tokens"]) > 0
 
 
 def test_compose_shutdown_and_startup_timings():
     services = load_compose()["services"]
-    ex, sched = services["executor"], services["scheduler"]
-    # SIGTERM, drain, exit 0 before compose's SIGKILL.
-    drain = float(flag_values(compose_argv(ex)).get("--drain-timeout") or 45)
-    for name in ("executor", "scheduler"):
-        assert seconds(services[name]["stop_grace_period"]) == 75, name
-    assert drain < seconds(ex["stop_grace_period"])
-    # The scheduler is NOT_SERVING until an executor serves: give it at least
-    # the executor's model-load window before failures count.
-    assert seconds(sched["healthcheck"]["start_period"]) >= seconds(ex["healthcheck"]["start_period"])
+    sched = services["scheduler"]
+    assert seconds(sched["stop_grace_period"]) == 75
+    for name in compose_executors():
+        ex = services[name]
+        # SIGTERM, drain, exit 0 before compose's SIGKILL.
+        drain = float(flag_values(compose_argv(ex)).get("--drain-timeout") or 45)
+        assert seconds(ex["stop_grace_period"]) == 75, name
+        assert drain < seconds(ex["stop_grace_period"]), name
+        # The scheduler is NOT_SERVING until an executor serves: give it at least
+        # the executor's model-load window before failures count.
+        assert seconds(sched["healthcheck"]["start_period"]) >= seconds(ex["healthcheck"]["start_period"]), name
 
 
 def test_compose_healthchecks_probe_the_service_port():
@@ -550,12 +647,13 @@ def test_compose_healthchecks_probe_the_service_port():
         assert args is not None, test
         assert str(args.port) == flag_values(argv)["--port"], f"{name}: health check on {args.port}"
         # TLS with the service's own certificate when the mounted certs/ is complete.
-        assert args.role == name and str(args.certs) == "/certs", test
+        role = service_module(argv).removesuffix("_svc")
+        assert args.role == role and str(args.certs) == "/certs", test
 
 
 def test_compose_wires_certs_through_the_entrypoint_wrapper():
     """tini stays PID 1; the wrapper and the health check read the certs/ bind mount."""
-    for name in ("scheduler", "executor"):
+    for name in ("scheduler", *compose_executors()):
         svc = load_compose()["services"][name]
         assert svc["entrypoint"] == ["tini", "--", "/app/scripts/with-certs.sh"], svc["entrypoint"]
         [mount] = [v for v in svc["volumes"] if isinstance(v, dict) and v.get("target") == "/certs"]
@@ -577,8 +675,22 @@ def test_wrapper_adds_flags_the_services_accept():
         "--internal-token-file",
         "--api-key-file",
         "--executor-tls-server-name",
+        "--peer-tls-server-name",
     } <= added, added
     assert added <= CONTRACT_FLAGS["scheduler_svc"] | CONTRACT_FLAGS["executor_svc"], added
+
+
+def executors_of(redis_url: str, ns: str) -> list[str]:
+    """The executors a namespace's loops publish views of (placement sees these)."""
+    import redis
+
+    from pagedserve.keys import Keys
+
+    client = redis.Redis.from_url(redis_url, decode_responses=True)
+    try:
+        return list(client.hkeys(Keys(ns).usage))
+    finally:
+        client.close()
 
 
 def dev_certs(directory: Path) -> Path:
@@ -649,53 +761,69 @@ def test_compose_healthcheck_script_works(tmp_path):
 def test_compose_wrapper_starts_a_tls_stack(tmp_path, tiny_llama, redis_url):
     """scripts/with-certs.sh as compose runs it, on real processes: with the dev-certs set
     the scheduler serves TLS and wants an API key, executors take only mutual TLS, and a
-    request with the CA and the key is served; without the set, plaintext as before."""
+    request with the CA and the key is served; without the set, plaintext as before.
+    Executors read each other's KV over the same mutual TLS: a decode and a prefill
+    executor (the disagg profile's pair) advertise 127.0.0.2, a name their certificate
+    lacks, as a compose container's hostname is; a long prompt is prefilled on one and
+    its blocks pulled by the other, which the wrapper's --peer-tls-server-name allows."""
     import grpc
+    import redis
 
     from pagedserve.dev.procs import free_port, wait_until
+    from pagedserve.keys import Keys
     from pagedserve.v1 import generation_pb2 as pb
     from pagedserve.v1 import generation_pb2_grpc as pb_grpc
 
     certs = dev_certs(tmp_path / "certs")
     env = {**os.environ, "PAGEDSERVE_CERTS": str(certs), "PYTHONPATH": str(ROOT)}
-    e_port, s_port = free_port(), free_port()
-    common = ["--redis-url", redis_url, "--namespace", "deploy-tls"]
-    procs = []
-    logs = {}
+    e_port, p_port, s_port = free_port(), free_port(), free_port()
+    ns = "deploy-tls"
+    common = ["--redis-url", redis_url, "--namespace", ns]
+    procs = {}
+    logs = []
 
-    def start(role: str, args: list[str]) -> None:
-        logs[role] = open(tmp_path / f"{role}.log", "wb")  # noqa: SIM115 - closed below
-        procs.append(
-            subprocess.Popen(
-                ["sh", str(WITH_CERTS), sys.executable, "-m", f"{role}_svc", *args],
-                cwd=ROOT,
-                env=env,
-                stdout=logs[role],
-                stderr=subprocess.STDOUT,
-            )
+    def start(name: str, module: str, args: list[str]) -> None:
+        logs.append(open(tmp_path / f"{name}.log", "wb"))  # noqa: SIM115 - closed below
+        procs[name] = subprocess.Popen(
+            ["sh", str(WITH_CERTS), sys.executable, "-m", module, *args],
+            cwd=ROOT,
+            env=env,
+            stdout=logs[-1],
+            stderr=subprocess.STDOUT,
         )
+
+    def executor(role: str, port: int) -> list[str]:
+        return [
+            "--port",
+            str(port),
+            "--role",
+            role,
+            "--model",
+            str(tiny_llama),
+            "--kv-cache-memory",
+            str(1 << 20),
+            "--advertise-address",
+            f"127.0.0.2:{port}",
+            *common,
+        ]
 
     def healthy(role: str, port: int) -> bool:
         return run_healthcheck("--certs", str(certs), "--role", role, str(port)) == 0
 
     try:
+        start("executor", "executor_svc", executor("decode", e_port))
+        start("executor-prefill", "executor_svc", executor("prefill", p_port))
         start(
-            "executor",
-            [
-                "--port",
-                str(e_port),
-                "--model",
-                str(tiny_llama),
-                "--kv-cache-memory",
-                str(1 << 20),
-                "--advertise-address",
-                f"127.0.0.1:{e_port}",
-                *common,
-            ],
+            "scheduler",
+            "scheduler_svc",
+            ["--port", str(s_port), "--disagg-min-prompt-tokens", "32", "--max-num-batched-tokens", "32", *common],
         )
-        start("scheduler", ["--port", str(s_port), *common])
-        for role, port, proc in (("executor", e_port, procs[0]), ("scheduler", s_port, procs[1])):
-            wait_until(lambda role=role, port=port: healthy(role, port), 180, role, proc)
+        for name, role, port in (
+            ("executor", "executor", e_port),
+            ("executor-prefill", "executor", p_port),
+            ("scheduler", "scheduler", s_port),
+        ):
+            wait_until(lambda role=role, port=port: healthy(role, port), 180, name, procs[name])
         log = (tmp_path / "scheduler.log").read_text()
         assert "with TLS and keys from" in log, log
         assert run_healthcheck(str(s_port)) != 0 and run_healthcheck(str(e_port)) != 0  # no plaintext
@@ -703,22 +831,39 @@ def test_compose_wrapper_starts_a_tls_stack(tmp_path, tiny_llama, redis_url):
         key = next(line for line in (certs / "api-keys").read_text().splitlines() if line and line[0] != "#")
         creds = grpc.ssl_channel_credentials((certs / "ca.crt").read_bytes())
         req = pb.GenerateRequest(prompt_token_ids=[5, 6, 7], sampling=pb.SamplingParams(max_tokens=3, temperature=0))
+        long = pb.GenerateRequest(
+            prompt_token_ids=list(range(100, 180)), sampling=pb.SamplingParams(max_tokens=4, temperature=0)
+        )
         with grpc.secure_channel(f"localhost:{s_port}", creds) as ch:
             stub = pb_grpc.GenerationStub(ch)
             with pytest.raises(grpc.RpcError) as info:
                 list(stub.Generate(req, timeout=60))
             assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
-            out = list(stub.Generate(req, timeout=120, metadata=[("authorization", f"Bearer {key}")]))
+            auth = [("authorization", f"Bearer {key}")]
+            wait_until(lambda: len(executors_of(redis_url, ns)) == 2, 60, "both executors in the views")
+            out = list(stub.Generate(req, timeout=120, metadata=auth))
+            split = list(stub.Generate(long, timeout=120, metadata=auth))
         assert out[-1].finish_reason == "length" and sum(len(o.token_ids) for o in out) == 3
+        assert split[-1].finish_reason == "length" and sum(len(o.token_ids) for o in split) == 4
+        client = redis.Redis.from_url(redis_url, decode_responses=True)
+        counters = {
+            client.hget(Keys(ns).member(e), "role"): client.hgetall(Keys(ns).executor(e).counters)
+            for e in executors_of(redis_url, ns)
+        }
+        client.close()
+        assert int(counters["prefill"].get("migrations_disagg", 0)) == 1, counters
+        decode_log = (tmp_path / "executor.log").read_text()[-3000:]  # a failed pull says why
+        assert int(counters["decode"].get("handoff_blocks", 0)) > 0, (counters, decode_log)
+        assert int(counters["decode"].get("migrations_failed", 0)) == 0, ("a pull over mutual TLS failed", decode_log)
     finally:
-        for proc in procs:
+        for proc in procs.values():
             proc.terminate()
-        for proc in procs:
+        for proc in procs.values():
             try:
                 proc.wait(30)
             except subprocess.TimeoutExpired:
                 proc.kill()
-        for f in logs.values():
+        for f in logs:
             f.close()
     # Without a complete set the wrapper changes nothing.
     res = subprocess.run(
@@ -937,7 +1082,7 @@ def test_scheduler_startup_outlasts_executor_startup():
 
 def test_env_references_resolve():
     cms = configmap_data()
-    for w in workloads():
+    for w in all_workloads():
         for c in containers(w):
             env_names = set()
             for e in c.get("env", []):
@@ -1011,7 +1156,7 @@ def test_executor_registers_with_its_pod_ip():
 
 
 def test_images_and_entrypoint():
-    for w in workloads():
+    for w in all_workloads():
         for c in containers(w):
             assert not image_has_registry_host(c["image"]), c["image"]
             if service_module(k8s_argv(c)):
@@ -1153,7 +1298,15 @@ def test_k8s_metrics_port_and_scrape_annotations(comp, module):
     assert annotations.get("prometheus.io/path", "/metrics") == "/metrics", annotations
 
 
-@pytest.mark.parametrize("name,module", [("scheduler", "scheduler_svc"), ("executor", "executor_svc")])
+@pytest.mark.parametrize(
+    "name,module",
+    [
+        ("scheduler", "scheduler_svc"),
+        ("executor", "executor_svc"),
+        ("executor-prefill", "executor_svc"),
+        ("executor-decode", "executor_svc"),
+    ],
+)
 def test_compose_metrics_ports_are_exposed_not_published(name, module):
     svc = load_compose()["services"][name]
     port = metrics_flag(compose_argv(svc))
@@ -1200,10 +1353,11 @@ def normalized_promql(expr: str) -> str:
 
 
 def test_extras_are_classified_and_not_in_the_kustomization():
-    found = sorted(p for p in EXTRAS_DIR.iterdir() if p.is_file())
+    found = sorted(p for d in (EXTRAS_DIR, EXTRAS_DISAGG_DIR) for p in d.iterdir() if p.is_file())
     assert found == sorted(EXTRAS_VALIDATED + EXTRAS_UNVALIDATED), found
     kust = yaml.safe_load(KUSTOMIZATION.read_text())
     assert not any("extras" in r for r in kust["resources"]), kust["resources"]
+    assert not any("extras" in r for r in disagg_component().get("resources", [])), disagg_component()
 
 
 @pytest.mark.parametrize("version", K8S_VERSIONS, ids=lambda v: v or "latest-shipped")
@@ -1214,26 +1368,52 @@ def test_extras_validate_strict_offline(version):
     res = run_tool(args + [str(f) for f in EXTRAS_VALIDATED])
     out = res.stdout + res.stderr
     assert res.returncode == 0 and "Couldn't find schema" not in out, out
-    for path in EXTRAS_VALIDATED:
+    for path in EXTRAS_VALIDATED + (KEDA_FILE, DISAGG_KEDA_FILE):
         for doc in load_yaml_docs(path):
             md = doc["metadata"]
             assert "namespace" not in md, f"{path.name} hard-codes a namespace"
             assert md["labels"]["app.kubernetes.io/name"] == "pagedserve", path.name
 
 
-def test_hpa_scales_the_executor_deployment_and_drains_one_pod_at_a_time():
-    hpa = one_doc(HPA_FILE)
-    assert (hpa["apiVersion"], hpa["kind"]) == ("autoscaling/v2", "HorizontalPodAutoscaler")
+def hpas() -> dict[str, dict]:
+    """Every HorizontalPodAutoscaler shipped (the mixed executor's, the prefill and decode pools'), by name."""
+    docs = [one_doc(HPA_FILE), *load_yaml_docs(DISAGG_HPA_FILE)]
+    assert all((d["apiVersion"], d["kind"]) == ("autoscaling/v2", "HorizontalPodAutoscaler") for d in docs)
+    return {d["metadata"]["name"]: d for d in docs}
+
+
+def scaled_objects() -> list[dict]:
+    return [one_doc(KEDA_FILE), *load_yaml_docs(DISAGG_KEDA_FILE)]
+
+
+# The Deployment each autoscaler scales (base, or the disagg Component), its bounds, and what its signals are:
+# the mixed pool on the queue and KV usage, prefill on prompt tokens still to compute and the queue, decode on
+# running requests and KV usage (docs/deploy.md).
+AUTOSCALED = {
+    "pagedserve-executor": ((2, 8), ("waiting", "kv_cache")),
+    "pagedserve-executor-prefill": ((1, 4), ("prompt_tokens_pending", "waiting")),
+    "pagedserve-executor-decode": ((2, 8), ("requests_running", "kv_cache")),
+}
+
+
+def deployment_named(name: str) -> dict:
+    [found] = [w for w in all_workloads() if w["metadata"]["name"] == name]
+    return found
+
+
+@pytest.mark.parametrize("name", list(AUTOSCALED))
+def test_hpa_scales_its_executor_deployment_and_drains_one_pod_at_a_time(name):
+    hpa = hpas()[name]
     spec = hpa["spec"]
-    executor = workload_for("executor")
+    executor = deployment_named(name)
     assert spec["scaleTargetRef"] == {
         "apiVersion": "apps/v1",
         "kind": executor["kind"],
         "name": executor["metadata"]["name"],
     }
-    assert spec["minReplicas"] == 2 <= executor["spec"]["replicas"] <= spec["maxReplicas"] == 8
-    # Waiting requests per serving executor and KV usage, each one value from the
-    # Prometheus adapter's external metrics.
+    (low, high), signals = AUTOSCALED[name]
+    assert spec["minReplicas"] == low <= executor["spec"]["replicas"] <= spec["maxReplicas"] == high
+    # Each signal one value from the Prometheus adapter's external metrics.
     served = {r["name"]["as"] for r in adapter_rules()}
     names = []
     for m in spec["metrics"]:
@@ -1241,14 +1421,15 @@ def test_hpa_scales_the_executor_deployment_and_drains_one_pod_at_a_time():
         assert m["external"]["target"]["type"] == "Value", m
         assert quantity(m["external"]["target"]["value"]) > 0, m
         names.append(m["external"]["metric"]["name"])
-    assert sorted(names) == sorted(served), (names, served)
-    assert any("waiting" in n for n in names) and any("kv_cache" in n for n in names), names
-    kv_target = next(
-        quantity(m["external"]["target"]["value"])
-        for m in spec["metrics"]
-        if "kv_cache" in m["external"]["metric"]["name"]
-    )
-    assert 0 < kv_target < 1, kv_target
+    assert set(names) <= served and len(names) == len(set(names)) == len(signals), (names, served)
+    assert all(any(sig in n for n in names) for sig in signals), (names, signals)
+    for m in spec["metrics"]:
+        if "kv_cache" in m["external"]["metric"]["name"]:
+            assert 0 < quantity(m["external"]["target"]["value"]) < 1, m
+    role = executor["spec"]["template"]["metadata"]["labels"].get(ROLE_LABEL)
+    for n in names:  # a pool's own signals are its role's (the namespace queue is everyone's)
+        if "prefill" in n or "decode" in n:
+            assert role is not None and role in n, (name, n)
 
     pod = pod_spec(executor)
     down = spec["behavior"]["scaleDown"]
@@ -1267,6 +1448,12 @@ def test_hpa_scales_the_executor_deployment_and_drains_one_pod_at_a_time():
     assert up.get("selectPolicy", "Max") != "Disabled" and up["policies"]
 
 
+def test_every_adapter_rule_feeds_an_hpa():
+    used = {m["external"]["metric"]["name"] for h in hpas().values() for m in h["spec"]["metrics"]}
+    assert used == {r["name"]["as"] for r in adapter_rules()}
+    assert set(hpas()) == set(AUTOSCALED)
+
+
 def test_adapter_rules_are_namespaced_external_metrics():
     rules = adapter_rules()
     assert rules
@@ -1283,15 +1470,23 @@ def test_adapter_rules_are_namespaced_external_metrics():
         assert selectors and all("<<.LabelMatchers>>" in s for s in selectors), r["metricsQuery"]
         # One series out: the HPA sums whatever comes back.
         assert re.match(r"\s*(max|avg|sum|min)\s*\(", r["metricsQuery"]), r["metricsQuery"]
+        # Per role: the executors of one role, joined on the role series with both sides deduplicated (two
+        # replicas may export one executor's series for a moment; group_left fails on a duplicate).
+        if "executor_role_info" in r["metricsQuery"]:
+            role = re.search(r'role="([a-z]+)"', r["metricsQuery"]).group(1)
+            assert role in ROLES and role in r["name"]["as"], r["name"]["as"]
+            q = normalized_promql(r["metricsQuery"])
+            assert "*on(namespace,model_name,executor)group_left(role)maxby(namespace,model_name,executor,role)" in q
 
 
-def test_keda_scaledobject_matches_the_hpa():
+@pytest.mark.parametrize("target", list(AUTOSCALED))
+def test_keda_scaledobject_matches_the_hpa(target):
     """No schema for ScaledObject here: check its structure, and that it is the
     HPA's twin (target, bounds, behaviour, the same queries and thresholds)."""
-    so = one_doc(KEDA_FILE)
+    [so] = [o for o in scaled_objects() if o["spec"]["scaleTargetRef"]["name"] == target]
     assert (so["apiVersion"], so["kind"]) == ("keda.sh/v1alpha1", "ScaledObject")
     assert "namespace" not in so["metadata"]
-    hpa = one_doc(HPA_FILE)["spec"]
+    hpa = hpas()[target]["spec"]
     spec = so["spec"]
     assert set(spec) <= {
         "scaleTargetRef",
@@ -1308,7 +1503,7 @@ def test_keda_scaledobject_matches_the_hpa():
     assert (spec["minReplicaCount"], spec["maxReplicaCount"]) == (hpa["minReplicas"], hpa["maxReplicas"])
     hpa_config = spec["advanced"]["horizontalPodAutoscalerConfig"]
     assert hpa_config["behavior"] == hpa["behavior"]
-    assert hpa_config["name"] != one_doc(HPA_FILE)["metadata"]["name"]
+    assert hpa_config["name"] not in hpas()
 
     targets = {m["external"]["metric"]["name"]: quantity(m["external"]["target"]["value"]) for m in hpa["metrics"]}
     by_name = {r["name"]["as"]: r for r in adapter_rules()}
@@ -1335,10 +1530,11 @@ def test_keda_scaledobject_matches_the_hpa():
     assert sorted(matched) == sorted(targets), (matched, targets)
 
 
-def test_keda_behaviour_validates_as_an_hpa(tmp_path):
+@pytest.mark.parametrize("target", list(AUTOSCALED))
+def test_keda_behaviour_validates_as_an_hpa(tmp_path, target):
     """KEDA hands `advanced.horizontalPodAutoscalerConfig.behavior` to the HPA it
     creates: validate it strictly inside an autoscaling/v2 HPA."""
-    so = one_doc(KEDA_FILE)
+    [so] = [o for o in scaled_objects() if o["spec"]["scaleTargetRef"]["name"] == target]
     spec = so["spec"]
     hpa = {
         "apiVersion": "autoscaling/v2",
@@ -1432,7 +1628,7 @@ def connects(src: Pod, dst: Pod, port: int, protocol: str = "TCP") -> bool:
     return policy_allows("Egress", src, dst, port, protocol) and policy_allows("Ingress", dst, src, port, protocol)
 
 
-def test_network_policies_only_schedulers_reach_executors_and_redis():
+def test_network_policies_only_schedulers_and_executors_reach_executors_and_redis():
     sched, ex, redis_pod = pod_of("scheduler"), pod_of("executor"), pod_of("redis")
     client = Pod("client", (("app", "client"),), ns("apps"))
     neighbour = Pod("debug", (("app", "debug"),))  # another pod in pagedserve's namespace
@@ -1457,7 +1653,9 @@ def test_network_policies_only_schedulers_reach_executors_and_redis():
         (sched, ex, grpc_x, True),
         (sched, redis_pod, redis_port, True),
         (ex, redis_pod, redis_port, True),
-        (ex, ex, grpc_x, False),
+        # Executors read peers' lent KV blocks (KV that moves: drain, rebalance, peer prefix, disagg handoffs).
+        (ex, ex, grpc_x, True),
+        (ex, ex, m_ex, False),
         (redis_pod, ex, grpc_x, False),
         (ex, sched, api, False),
         (sched, ex, m_ex, False),
@@ -1504,6 +1702,155 @@ def test_network_policies_deny_by_default_and_match_real_ports():
         for rule in p["spec"].get("ingress", []):
             for port in rule.get("ports", []):
                 assert all(port["port"] in declared[component(w)] for w in targets), (p["metadata"]["name"], port)
+
+
+# ---------------------------------------------------------------- k8s: prefill and decode executors (k8s/disagg/)
+def test_disagg_component_lists_its_files_and_only_deletes():
+    comp = disagg_component()
+    assert (comp["apiVersion"], comp["kind"]) == ("kustomize.config.k8s.io/v1alpha1", "Component")
+    # Nothing but what disagg_objects() renders.
+    assert set(comp) <= {"apiVersion", "kind", "resources", "patches"}, set(comp)
+    assert sorted(comp["resources"]) == [p.name for p in disagg_files()]
+    assert all(set(patch) == {"patch"} for patch in comp["patches"]), comp["patches"]
+    assert disagg_deleted() == {("Deployment", "pagedserve-executor"), ("PodDisruptionBudget", "pagedserve-executor")}
+    assert disagg_deleted() <= {(o["kind"], o["metadata"]["name"]) for o in k8s_objects()}
+
+
+@pytest.mark.parametrize("version", K8S_VERSIONS, ids=lambda v: v or "latest-shipped")
+def test_disagg_manifests_validate_strict_offline(version):
+    args = [tool("kubernetes-validate"), "--strict", "--quiet"] + (["-k", version] if version else [])
+    res = run_tool(args + [str(f) for f in disagg_files()])
+    out = res.stdout + res.stderr
+    assert res.returncode == 0 and "Couldn't find schema" not in out, out
+
+
+def test_disagg_component_renders_as_kustomize_does(tmp_path):
+    """kustomize (kubectl's, offline) on an overlay of the base with the Component gives disagg_objects()."""
+    kubectl = shutil.which("kubectl")
+    if not kubectl:
+        pytest.skip("kubectl is not installed: the rendering is checked by disagg_objects() alone")
+    overlay = tmp_path / "deploy"
+    overlay.mkdir()
+    rel = lambda p: os.path.relpath(p, overlay)  # noqa: E731 - kustomize wants relative paths
+    (overlay / "kustomization.yaml").write_text(
+        yaml.safe_dump({"resources": [rel(K8S_DIR)], "components": [rel(DISAGG_DIR)]})
+    )
+    res = run_tool([kubectl, "kustomize", str(overlay)], timeout=120)
+    assert res.returncode == 0, res.stdout + res.stderr
+    key = lambda o: (o["kind"], o["metadata"]["name"])  # noqa: E731
+    rendered = sorted((d for d in yaml.safe_load_all(res.stdout) if d), key=key)
+    ours = sorted(({k: v for k, v in o.items() if k != "__file__"} for o in disagg_objects()), key=key)
+    assert [key(o) for o in rendered] == [key(o) for o in ours]
+    assert rendered == ours
+
+
+def without(obj: dict) -> dict:
+    return {k: v for k, v in obj.items() if k != "__file__"}
+
+
+def with_role(obj: dict, role: str) -> dict:
+    """The base executor Deployment or PDB as the ``role`` pool should be: its name, the role label on it, its
+    pods and every selector of its own pods, ``--role role`` after the module, and (Deployment) its replicas."""
+    import copy
+
+    out = copy.deepcopy(without(obj))
+    out["metadata"]["name"] = f"{obj['metadata']['name']}-{role}"
+    out["metadata"]["labels"][ROLE_LABEL] = role
+    out["spec"]["selector"]["matchLabels"][ROLE_LABEL] = role
+    if obj["kind"] == "Deployment":
+        pod = out["spec"]["template"]
+        pod["metadata"]["labels"][ROLE_LABEL] = role
+        for spread in pod["spec"]["topologySpreadConstraints"]:
+            spread["labelSelector"]["matchLabels"][ROLE_LABEL] = role
+        args = pod["spec"]["containers"][0]["args"]
+        i = args.index("executor_svc") + 1
+        args[i:i] = ["--role", role]
+    return out
+
+
+@pytest.mark.parametrize("role", ROLES)
+def test_disagg_pools_are_the_mixed_executor_with_a_role(role):
+    """Everything the base's executor checks hold (probes, ports, TLS, drain, secrets, resources, security)
+    holds for each pool: it differs from the mixed executor in its role only."""
+    objs = {(o["kind"], o["metadata"]["name"]): o for o in disagg_resources()}
+    name = f"pagedserve-executor-{role}"
+    dep = objs[("Deployment", name)]
+    want = with_role(workload_for("executor"), role)
+    want["spec"]["replicas"] = dep["spec"]["replicas"]
+    assert without(dep) == want
+    assert dep["spec"]["replicas"] >= (2 if role == "decode" else 1)
+    [pdb] = [o for o in by_kind("PodDisruptionBudget") if o["metadata"]["name"] == "pagedserve-executor"]
+    assert without(objs[("PodDisruptionBudget", name)]) == with_role(pdb, role)
+    assert set(objs) == {(k, f"pagedserve-executor-{r}") for k in ("Deployment", "PodDisruptionBudget") for r in ROLES}
+
+
+def test_disagg_rendering_keeps_the_deployment_checks():
+    objs = disagg_objects()
+    works = [o for o in objs if o["kind"] in WORKLOAD_KINDS]
+    labels = lambda w: w["spec"]["template"]["metadata"]["labels"]  # noqa: E731
+    executors = {labels(w)[ROLE_LABEL]: w for w in works if component(w) == "executor"}
+    assert set(executors) == set(ROLES) and len([w for w in works if component(w) == "executor"]) == 2
+    for role, w in executors.items():
+        assert flag_values(k8s_argv(containers(w)[0]))["--role"] == role
+    # No workload's selector takes another's pods (two Deployments would fight over them).
+    for w in works:
+        sel = w["spec"]["selector"]["matchLabels"]
+        assert [o for o in works if sel.items() <= labels(o).items()] == [w], w["metadata"]["name"]
+    for obj in objs:
+        md = obj["metadata"]
+        assert "namespace" not in md and md["labels"]["app.kubernetes.io/name"] == "pagedserve", md["name"]
+    for svc in (o for o in objs if o["kind"] == "Service"):
+        sel = svc["spec"]["selector"]
+        assert len([w for w in works if sel.items() <= labels(w).items()]) == 1, svc["metadata"]["name"]
+    covered = []
+    for pdb in (o for o in objs if o["kind"] == "PodDisruptionBudget"):
+        sel = pdb["spec"]["selector"]["matchLabels"]
+        [w] = [w for w in works if sel.items() <= labels(w).items()]
+        spec, replicas = pdb["spec"], w["spec"]["replicas"]
+        allowed = (
+            replicas - budget(spec["minAvailable"], replicas, round_up=True)
+            if "minAvailable" in spec
+            else budget(spec["maxUnavailable"], replicas, round_up=True)
+        )
+        assert allowed >= 1 and spec.get("unhealthyPodEvictionPolicy") == "AlwaysAllow", pdb["metadata"]["name"]
+        covered.append(w["metadata"]["name"])
+    assert sorted(covered) == ["pagedserve-executor-decode", "pagedserve-executor-prefill", "pagedserve-scheduler"]
+    # The scheduler splits long prompts once prefill executors register (inert without them).
+    sched = flag_values(resolved_argv(containers(workload_for("scheduler"))[0]))
+    assert int(sched["--disagg-min-prompt-tokens"]) > 0 and int(sched["--disagg-max-prefill-queue"]) >= 1
+
+
+def test_network_policies_let_decode_executors_pull_from_prefill_executors():
+    """The base's policies select the pools by component: schedulers plan both, each reads the other's lent
+    blocks (the decode pool pulls handoffs from the prefill pool), and the rest stays as for the mixed pool."""
+    pools = {
+        role: Pod(role, tuple(labels.items()))
+        for role, labels in (
+            (w["spec"]["template"]["metadata"]["labels"][ROLE_LABEL], w["spec"]["template"]["metadata"]["labels"])
+            for w in disagg_resources()
+            if w["kind"] == "Deployment"
+        )
+    }
+    prefill, decode = pools["prefill"], pools["decode"]
+    sched, redis_pod = pod_of("scheduler"), pod_of("redis")
+    client = Pod("client", (("app", "client"),), ns("apps"))
+    prometheus = Pod("prometheus", (("app.kubernetes.io/name", "prometheus"),), ns("monitoring"))
+    grpc_x, m_ex = PORTS["executor_svc"], METRICS_PORTS["executor_svc"]
+    expected = [
+        (decode, prefill, grpc_x, True),
+        (prefill, decode, grpc_x, True),
+        (sched, prefill, grpc_x, True),
+        (sched, decode, grpc_x, True),
+        (prefill, redis_pod, 6379, True),
+        (decode, redis_pod, 6379, True),
+        (prometheus, prefill, m_ex, True),
+        (client, prefill, grpc_x, False),
+        (client, decode, grpc_x, False),
+        (decode, prefill, m_ex, False),
+        (prefill, sched, PORTS["scheduler_svc"], False),
+    ]
+    wrong = [(s.name, d.name, port, want) for s, d, port, want in expected if connects(s, d, port) != want]
+    assert not wrong, f"(source, destination, port, expected) the policies get wrong: {wrong}"
 
 
 # ---------------------------------------------------------------- k8s: secrets

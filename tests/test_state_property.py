@@ -38,7 +38,10 @@ from pagedserve.executor.v1 import executor_pb2 as epb
 from pagedserve.members import DRAINING, Member
 from pagedserve.tiers import TIERS
 from scheduler_svc.core import parallel
+from scheduler_svc.core.disagg import DisaggConfig
 from scheduler_svc.core.fit import blocks_for
+from scheduler_svc.core.migration import MoveConfig
+from scheduler_svc.core.prefix import prompt_hashes
 from scheduler_svc.core.request import Finish, Params, Request, Status
 from scheduler_svc.core.scheduler import SchedulerConfig
 from scheduler_svc.core.spec import SpecConfig
@@ -48,6 +51,8 @@ from scheduler_svc.state.store import RedisStore
 
 BLOCK = 4
 SIZES = [(10, 3, 5), (6, 0, 0), (14, 4, 0)]  # device, CPU, disk blocks of the executors that join, in turn
+ROLES = ["mixed", "decode", "prefill"]  # ... and their --role: with the third, long prompts are disaggregated
+MOVES = MoveConfig(disagg=DisaggConfig(min_prompt_tokens=8, max_prefill_queue=2))
 NS = "prop"
 
 
@@ -77,6 +82,7 @@ class EchoExecutor:
             lent = LENDS.get((p.src_instance_id, p.lend_id))
             ok = lent is not None and {(int(b.tier), b.block) for b in p.src} <= lent
             ClusterState.seen["pulled" if ok else "pull_failed"] += 1
+            ClusterState.seen["fetched"] += ok and p.request_id.startswith("fetch/")
             pulls.append(epb.PullResult(request_id=p.request_id, ok=ok, bytes=len(p.dst) if ok else 0))
         return epb.StepResult(
             step_id=plan.step_id,
@@ -132,10 +138,11 @@ class EchoLoop(Loop):
 class ClusterState(RuleBasedStateMachine):
     redis_url = ""
     # Over all examples: the cache, forks and speculative drafts were really exercised.
-    seen = {"hits": 0, "shared": 0, "forked": 0, "accepted": 0, "pulled": 0, "pull_failed": 0}
+    seen = {"hits": 0, "shared": 0, "forked": 0, "accepted": 0, "pulled": 0, "pull_failed": 0, "fetched": 0}
 
     def __init__(self) -> None:
         super().__init__()
+        self.roles = list(ROLES)  # of the executors that join, in turn (a walk may change them)
         self.aio = asyncio.new_event_loop()
         self.client = aioredis.from_url(self.redis_url, decode_responses=True)
         self.store = RedisStore(self.client, NS)
@@ -178,6 +185,7 @@ class ClusterState(RuleBasedStateMachine):
             max_model_len=64,
             eos_token_ids=[2],
             pipelined=self.pipelined,
+            role=self.members[eid].role,
         )
         loop = EchoLoop(
             self.store,
@@ -188,6 +196,7 @@ class ClusterState(RuleBasedStateMachine):
             lambda: self.members.get(eid),
             channel=object() if self.pipelined else None,
             async_scheduling=self.pipelined,
+            moves=MOVES,
         )
         loop.idle_block_ms = None
         self.run(loop.start())
@@ -219,7 +228,8 @@ class ClusterState(RuleBasedStateMachine):
         eid = f"exec-{self.joined}"
         self.totals[eid] = SIZES[self.joined]
         self.joined += 1
-        self.members[eid] = Member(eid, "stub", "m", "digest", "float32", BLOCK, self.totals[eid], 64)
+        role = self.roles[self.joined - 1]
+        self.members[eid] = Member(eid, "stub", "m", "digest", "float32", BLOCK, self.totals[eid], 64, role=role)
         self.lead(eid)
 
     @rule(
@@ -239,7 +249,8 @@ class ClusterState(RuleBasedStateMachine):
             priority=priority,
             cache_salt=salt,
         )
-        self.run(self.store.submit(req, [], self.config.policy))
+        hashes = prompt_hashes(req.prompt_ids, salt, BLOCK)  # as the frontends do: placement sees who caches it
+        self.run(self.store.submit(req, [], self.config.policy, hashes=hashes))
 
     @rule(n=st.integers(2, 4), prompt=st.integers(1, 14), max_tokens=st.integers(1, 12))
     def submit_group(self, n: int, prompt: int, max_tokens: int) -> None:
@@ -293,6 +304,9 @@ class ClusterState(RuleBasedStateMachine):
         # A cancelled completion hands its prompt blocks to a mate still waiting to fork from it.
         groups = {held[rid].group for rid in cancelled} - {""}
         handed = {rid for rid, r in held.items() if r.group in groups}
+        # Placed but not admitted (asking a peer for its prefix, or waiting with a fetched one): a new
+        # leader sends it back to the queue, as it does any request it loads waiting.
+        cancelled |= {rid for rid, v in before.items() if v[0] == Status.WAITING}
         self.lead(eid)
         after = _state(self.loops[eid])
         if not synced:
@@ -343,7 +357,7 @@ class ClusterState(RuleBasedStateMachine):
 
     @precondition(
         lambda self: any(
-            m.state == DRAINING and not self.loops[e].s.sched.requests and not self.loops[e].s.sched.lending
+            m.state == DRAINING and not self.loops[e].s.sched.requests and not self.loops[e].s.sched.moves.lending
             for e, m in self.members.items()
         )
     )
@@ -352,7 +366,7 @@ class ClusterState(RuleBasedStateMachine):
         done = [
             e
             for e, m in self.members.items()
-            if m.state == DRAINING and not self.loops[e].s.sched.requests and not self.loops[e].s.sched.lending
+            if m.state == DRAINING and not self.loops[e].s.sched.requests and not self.loops[e].s.sched.moves.lending
         ]
         self._leaves(data.draw(st.sampled_from(sorted(done))))
 
@@ -373,7 +387,9 @@ class ClusterState(RuleBasedStateMachine):
             # Pipelined, a plan that moves KV (swaps, a fork's copy) in flight defers the commit: Redis
             # holds the last one (and claims since), the loop is ahead of it.
             synced = loop.s.pipe.can_commit()
-            _check_pool(snap, self.totals[eid], self.pipelined, synced)
+            # Placed but not running: waiting for a peer's offer, or for room with its fetched prefix.
+            held = {*loop.s.sched.moves.asking, *(r.request_id for r in loop.s.sched.waiting)}
+            _check_pool(snap, self.totals[eid], self.pipelined, synced, held)
             _check_cache(snap, loop if synced else None, self.run(self.client.smembers(self.keys.executor(eid).hashes)))
             for r, _ in snap.requests:
                 assert r.request_id not in placed and r.request_id not in queued, f"{r.request_id} is in two places"
@@ -434,6 +450,7 @@ def _check_pool(
     totals: tuple[int, int, int],
     pipelined: bool = False,  # noqa: ANN001
     synced: bool = True,
+    held: set[str] | None = None,
 ) -> None:
     """``pipelined``: a commit may hold a launched plan's allocations (blocks for tokens not computed
     yet, which a reload keeps) beside what reported steps computed; ``synced`` False: the commit is
@@ -452,7 +469,7 @@ def _check_pool(
             most = max(needed, blocks_for(r.num_tokens, BLOCK))
             assert needed <= len(r.blocks) if pipelined else needed <= len(r.blocks) <= most, r
             assert not r.swap_blocks
-        elif r.status == Status.WAITING and not synced:
+        elif r.status == Status.WAITING and (not synced or r.request_id in (held or ())):
             assert not r.blocks and not r.swap_blocks, r
             continue
         else:
@@ -499,6 +516,7 @@ def _walk_to_migration() -> dict[str, int]:
     leaves at once, so a third executor's pulls of its lends fail and recompute."""
     before = dict(ClusterState.seen)
     machine = ClusterState()
+    machine.roles = ["mixed", "mixed", "decode"]  # a prefill executor is never a move's destination
     try:
         machine.start("fcfs", "recompute", 24, False)
         machine.join()
@@ -512,15 +530,84 @@ def _walk_to_migration() -> dict[str, int]:
             machine.submit(9, 12, 0, None)
         steps("exec-0", 3)  # both claimed and decoding on exec-0
         machine.executor_starts_draining(data=_Drawn("exec-0"))
-        steps("exec-0", 1)  # lends their blocks, requeues them with their KV named
-        assert machine.loops["exec-0"].s.sched.lending
-        steps("exec-1", 2)  # claims them, pulls (ok), decodes
-        steps("exec-0", 1)  # reads the unlend doorbells: its lends end
-        assert not machine.loops["exec-0"].s.sched.lending
+        steps("exec-0", 1)  # lends their full blocks (pre-copy) and offers them to exec-1; they decode on
+        source = machine.loops["exec-0"].s.sched
+        assert source.moves.lending.precopies and source.requests
+        for _ in range(12):  # exec-1 fetches the full blocks; exec-0 lends the rest and requeues them for
+            steps("exec-1", 1)  # exec-1, which claims them, pulls the rest, decodes; exec-0's lends end
+            steps("exec-0", 1)
+            if not source.requests and not source.moves.lending:
+                break
+        assert not source.requests and not source.moves.lending
         machine.drained_executor_leaves(data=_Drawn("exec-0"))
         machine.join()
         machine.executor_drains(data=_Drawn("exec-1"))  # lends to exec-2, then leaves at once
         steps("exec-2", 20)
+    finally:
+        machine.teardown()
+    return {k: ClusterState.seen[k] - before[k] for k in before}
+
+
+def _walk_to_peer_prefix() -> dict[str, int]:
+    """A fixed walk where a request's prefix comes from a peer's cache by construction: exec-0 computes a
+    prompt and caches its blocks, then drains (so placement gives the same prompt to exec-1), exec-1 asks
+    exec-0 for the cached blocks, exec-0 lends them, exec-1 fetches them and computes only the rest."""
+    before = dict(ClusterState.seen)
+    machine = ClusterState()
+    try:
+        machine.start("fcfs", "recompute", 24, False)
+        machine.join()
+
+        def steps(eid: str, n: int) -> None:
+            for _ in range(n):
+                assert machine.run(machine.loops[eid].iterate())
+                machine.redis_state_is_consistent()
+
+        machine.submit(13, 1, 0, None)  # three full blocks of 4, cached on exec-0 when it finishes
+        steps("exec-0", 3)
+        holder, reader = machine.loops["exec-0"].s.sched, machine.loops["exec-1"].s.sched
+        assert not holder.requests and holder.blocks.cached
+        machine.executor_starts_draining(data=_Drawn("exec-0"))
+        steps("exec-0", 1)  # publishes its view: not serving
+        machine.submit(13, 2, 0, None)
+        steps("exec-1", 1)  # claims it; exec-0 caches more of its prompt: it asks exec-0
+        assert reader.moves.asking
+        steps("exec-0", 1)  # lends the cached blocks, offers them to exec-1
+        assert holder.moves.lending.lends
+        for _ in range(4):  # fetches them, admits the request with them as its prefix hit, decodes
+            steps("exec-1", 1)
+        steps("exec-0", 1)  # reads the unlend doorbell: its lend ends
+        assert not holder.moves.lending.lends and not reader.requests
+        assert reader.counters.prefix_blocks == 3 and reader.counters.prefix_cache_hits == 12
+    finally:
+        machine.teardown()
+    return {k: ClusterState.seen[k] - before[k] for k in before}
+
+
+def _walk_to_handoff() -> dict[str, int]:
+    """A fixed walk where a prompt is disaggregated by construction: a decode executor and a prefill one;
+    a 13-token prompt (over the 8 of ``MOVES``) goes to the prefill executor, which computes it 4 tokens a
+    step and offers each chunk's full blocks to the decode executor (reserving room for the whole prompt
+    first); after the first token it hands the request over, and the decode executor pulls the rest."""
+    before = dict(ClusterState.seen)
+    machine = ClusterState()
+    machine.roles = ["decode", "prefill"]
+    try:
+        machine.start("fcfs", "recompute", 4, False)
+        machine.join()
+        decode, prefill = machine.loops["exec-0"], machine.loops["exec-1"]
+        for loop in (decode, prefill):  # both publish their views
+            assert machine.run(loop.iterate())
+        machine.submit(13, 5, 0, None)
+        for _ in range(16):
+            for loop in (prefill, decode):
+                assert machine.run(loop.iterate())
+                machine.redis_state_is_consistent()
+            if not decode.s.sched.requests and not prefill.s.sched.requests and decode.s.sched.counters.finished:
+                break
+        assert prefill.s.sched.counters.migrations_disagg == 1, "handed over after its first token"
+        assert decode.s.sched.counters.handoff_blocks >= 2, "rounds of the prompt came while it was computed"
+        assert decode.s.sched.counters.finished == 1 and decode.s.sched.counters.migrations_in == 1
     finally:
         machine.teardown()
     return {k: ClusterState.seen[k] - before[k] for k in before}
@@ -545,9 +632,11 @@ def _walk_to_acceptance() -> dict[str, int]:
 def test_redis_state_machine(redis_url: str) -> None:
     ClusterState.redis_url = redis_url
     walked = _walk_to_sharing()
-    assert min(v for k, v in walked.items() if k not in ("accepted", "pulled", "pull_failed")) > 0, walked
+    assert min(v for k, v in walked.items() if k not in ("accepted", "pulled", "pull_failed", "fetched")) > 0, walked
     moved = _walk_to_migration()
-    assert moved["pulled"] > 0 and moved["pull_failed"] > 0, moved
+    assert moved["pulled"] > 0 and moved["pull_failed"] > 0 and moved["fetched"] > 0, moved
+    assert _walk_to_peer_prefix()["fetched"] == 1
+    assert _walk_to_handoff()["fetched"] >= 2
     assert _walk_to_acceptance()["accepted"] > 0
     run = ClusterState.TestCase
     run.settings = settings(

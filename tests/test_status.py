@@ -37,9 +37,21 @@ from tests.test_failover import run_in_background
 IDENTITY = {"model_digest": "d1", "block_size": "16", "dtype": "float32", "model": "tiny"}
 
 
-def member(eid: str, state: str = "serving", digest: str = "d1", evacuate_at_ms: int = 0) -> Member:
+def member(
+    eid: str, state: str = "serving", digest: str = "d1", evacuate_at_ms: int = 0, role: str = "mixed"
+) -> Member:
     return Member(
-        eid, f"10.0.0.{eid[-1]}:50061", "tiny", digest, "float32", 16, (32, 100, 0), 512, state, evacuate_at_ms
+        eid,
+        f"10.0.0.{eid[-1]}:50061",
+        "tiny",
+        digest,
+        "float32",
+        16,
+        (32, 100, 0),
+        512,
+        state,
+        evacuate_at_ms,
+        role=role,
     )
 
 
@@ -53,7 +65,7 @@ def raw(now: int = 1_000_000, **over: object) -> deployment.Raw:
     cv = ClusterView(
         members={
             "e1": member("e1"),
-            "e2": member("e2", "draining", evacuate_at_ms=now + 5000),
+            "e2": member("e2", "draining", evacuate_at_ms=now + 5000, role="decode"),
             "e3": member("e3", digest="other"),
         },
         dead=["e4"],
@@ -77,6 +89,7 @@ def raw(now: int = 1_000_000, **over: object) -> deployment.Raw:
             "e5": {},
         },
         placed={"e1": 4, "e2": 3, "e3": 0, "e4": 1, "e5": 0},
+        lent={"e2": ["r7@1700000000000", "r8@1700000000001/pre", "fetch/r9"]},  # e2 lends two, fetches one
         totals={"steps": "50", "preemptions_swap": "2", "preemptions_recompute": "1"},
         waiting=5,
         live=12,
@@ -98,6 +111,10 @@ def test_snapshot_from_plain_data() -> None:
     assert [e.state for e in snap.executors] == ["serving", "draining", "refused", "dead", "left"]
     e1, e2, e3, e4, _ = snap.executors
     assert e1.blocks == (32, 100, 0) and e1.free == (8, 100, 0) and e1.kv_usage == 0.75
+    assert (e1.lent, e1.fetching, e2.lent, e2.fetching) == (0, 0, 2, 1), "lends out and fetches in, apart"
+    assert (e1.role, e2.role) == ("mixed", "decode")
+    text = status._text(status.to_json(snap))
+    assert "draining (decode)" in text and "fetching 1" in text and "migrating 2" in text
     assert (e1.running, e1.swapped, e1.placed, e1.max_num_seqs) == (3, 0, 4, 8)
     assert e1.leader == "host-1-aa" and e1.counter("steps") == 40 and e1.counter("preemptions_recompute") == 0
     assert e2.usage(Tier.CPU) == 0.1 and e2.usage(Tier.DISK) is None, "an empty tier has no usage"
@@ -132,6 +149,7 @@ def test_json_shape() -> None:
         "model": "tiny",
         "state": "serving",
         "leader": "host-1-aa",
+        "role": "mixed",
         "block_size": 16,
         "blocks": {"device": 32, "cpu": 100, "disk": 0},
         "free": {"device": 8, "cpu": 100, "disk": 0},
@@ -141,11 +159,20 @@ def test_json_shape() -> None:
         "max_num_seqs": 8,
         "placed": 4,
         "migrating": 0,
+        "fetching": 0,
         "steps": 40,
         "generated": None,
         "preemptions": {"swap": 2, "recompute": 0},
         "swapped_blocks": {"out": 0, "in": 0, "disk_spilled": 0},
         "spec_decode": {"drafts": 0, "draft_tokens": 0, "accepted_tokens": 0},
+        "moves": {
+            "out": {"drain": 0, "rebalance": 0, "preempt": 0},
+            "in": 0,
+            "failed": 0,
+            "precopied_blocks": 0,
+            "peer_prefix_blocks": 0,
+            "peer_prefix_asks": 0,
+        },
         "evacuate_at_ms": 0,
     }
     assert doc["executors"][2]["free"] is None and doc["executors"][2]["kv_usage"] is None

@@ -67,10 +67,12 @@ class ExecutorStatus:
     swapped: int | None
     max_num_seqs: int | None
     placed: int  # requests in its live set (running, swapped, or claimed and not yet admitted)
-    lent: int = 0  # requests that left it with their KV, whose destination has not read it yet (migrations)
+    lent: int = 0  # its lends peers have not finished reading: moves out, pre-copies, cached prefixes asked for
+    fetching: int = 0  # blocks it pulls (or holds) from peers ahead of their requests: moves in, peer prefixes
     counters: dict[str, int] = field(default_factory=dict)  # cumulative; absent fields are 0
     evacuate_at_ms: int = 0  # draining: when what is left moves elsewhere
     lora: tuple[str, ...] | None = None  # --enable-lora: the adapters in its slots (names; None: LoRA off)
+    role: str = "mixed"  # its --role: prefill, decode or mixed (core/disagg.py)
 
     def usage(self, tier: Tier = Tier.DEVICE) -> float | None:
         """Fraction of the tier's blocks in use; None when unknown or the tier is empty."""
@@ -123,7 +125,7 @@ class Raw:
     leaders: dict[str, str | None] = field(default_factory=dict)  # executor -> ``x:<id>:leader``
     counters: dict[str, dict[str, str]] = field(default_factory=dict)  # executor -> ``x:<id>:counters``
     placed: dict[str, int] = field(default_factory=dict)  # executor -> SCARD ``x:<id>:live``
-    lent: dict[str, int] = field(default_factory=dict)  # executor -> HLEN ``x:<id>:lent``: migrations in flight
+    lent: dict[str, list[str]] = field(default_factory=dict)  # executor -> HKEYS ``x:<id>:lent``: lends, fetches
     totals: dict[str, str] = field(default_factory=dict)  # ``{ns}:counters``
     waiting: int = 0
     live: int = 0
@@ -170,10 +172,12 @@ def _executor(eid: str, raw: Raw, member: Member | None, state: str) -> Executor
         swapped=field_("swapped"),
         max_num_seqs=field_("max_num_seqs"),
         placed=raw.placed.get(eid, 0),
-        lent=raw.lent.get(eid, 0),
+        lent=sum(not k.startswith("fetch/") for k in raw.lent.get(eid, [])),
+        fetching=sum(k.startswith("fetch/") for k in raw.lent.get(eid, [])),
         counters={k: _int(v) for k, v in raw.counters.get(eid, {}).items()},
         evacuate_at_ms=member.evacuate_at_ms if member else 0,
         lora=_adapters(member, raw.loras) if member and member.lora_slots else None,
+        role=member.role if member else "mixed",
     )
 
 
@@ -285,12 +289,12 @@ async def read_raw(client: aioredis.Redis, keys: Keys) -> Raw:
             pipe.get(x.leader)
             pipe.hgetall(x.counters)
             pipe.scard(x.live)
-            pipe.hlen(x.lent)
+            pipe.hkeys(x.lent)
 
     def take(got: list, eids: list[str]) -> None:
         for i, eid in enumerate(eids):
             raw.leaders[eid], raw.counters[eid], raw.placed[eid] = got[4 * i], got[4 * i + 1], int(got[4 * i + 2])
-            raw.lent[eid] = int(got[4 * i + 3])
+            raw.lent[eid] = [k.decode() if isinstance(k, bytes) else k for k in got[4 * i + 3]]
 
     pipe = client.pipeline(transaction=True)
     pipe.hgetall(keys.usage)

@@ -59,6 +59,15 @@ def _counters_json(c: Mapping[str, int], counts_tokens: bool) -> dict[str, objec
             "draft_tokens": c.get("spec_draft_tokens", 0),
             "accepted_tokens": c.get("spec_accepted_tokens", 0),
         },
+        # KV that moves: requests that left with their KV, by cause; pulls ahead of requests, by cause.
+        "moves": {
+            "out": {cause: c.get(f"migrations_{cause}", 0) for cause in ("drain", "rebalance", "preempt")},
+            "in": c.get("migrations_in", 0),
+            "failed": c.get("migrations_failed", 0),
+            "precopied_blocks": c.get("precopy_blocks", 0),
+            "peer_prefix_blocks": c.get("prefix_blocks", 0),
+            "peer_prefix_asks": c.get("peer_prefix_asks", 0),
+        },
     }
 
 
@@ -72,6 +81,7 @@ def to_json(snap: Deployment, rate: tuple[dict[str, Rate], Rate] | None = None) 
             "model": e.model,
             "state": e.state,
             "leader": e.leader,
+            "role": e.role,
             "block_size": e.block_size,
             "blocks": _tiers(e.blocks),
             "free": _tiers(e.free),
@@ -81,6 +91,7 @@ def to_json(snap: Deployment, rate: tuple[dict[str, Rate], Rate] | None = None) 
             "max_num_seqs": e.max_num_seqs,
             "placed": e.placed,
             "migrating": e.lent,
+            "fetching": e.fetching,
             **_counters_json(e.counters, snap.counts_tokens),
             "evacuate_at_ms": e.evacuate_at_ms,
             **({"lora_adapters": list(e.lora)} if e.lora is not None else {}),
@@ -161,9 +172,12 @@ def _text(doc: dict[str, object]) -> str:
     for e in cast(list[dict[str, Any]], doc["executors"]):
         usage = "-" if e["kv_usage"] is None else f"{e['kv_usage'] * 100:.0f}%"
         lines.append(
-            f"  {e['id']}  {e['address']}  {e['state']}  kv {usage}  running {e['running']}  "
+            f"  {e['id']}  {e['address']}  {e['state']}"
+            + (f" ({e['role']})" if e.get("role", "mixed") != "mixed" else "")
+            + f"  kv {usage}  running {e['running']}  "
             f"swapped {e['swapped']}  placed {e['placed']}  steps {e['steps']}  leader {e['leader']}"
             + (f"  migrating {e['migrating']}" if e.get("migrating") else "")
+            + (f"  fetching {e['fetching']}" if e.get("fetching") else "")
             + (f"  lora {','.join(e['lora_adapters']) or '-'}" if "lora_adapters" in e else "")
         )
     for r in cast(list[dict[str, Any]], doc["replicas"]):

@@ -73,8 +73,12 @@ def _state(e: ExecutorStatus, at_ms: int) -> Text:
     if e.state == DRAINING and e.evacuate_at_ms:
         left = (e.evacuate_at_ms - at_ms) / 1000
         t.append(f" {left:.0f}s" if left > 0 else " evac", style="yellow")
+    if e.role != "mixed":
+        t.append(f" {e.role}", style="magenta")  # --role: disaggregated prefill or decode
     if e.lent:
-        t.append(f" ⇢{e.lent}", style="cyan")  # migrations in flight: requests whose KV a peer is reading
+        t.append(f" ⇢{e.lent}", style="cyan")  # lends a peer is reading: moves out, pre-copies, asked prefixes
+    if e.fetching:
+        t.append(f" ⇠{e.fetching}", style="cyan")  # blocks it pulls from peers ahead of their requests
     return t
 
 

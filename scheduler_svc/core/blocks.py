@@ -136,6 +136,20 @@ class BlockManager:
 
     # -- the prefix cache ---------------------------------------------------------
 
+    def hashes(self, req: Request, upto: int) -> list[bytes]:
+        """``req``'s block hash chain, extended to ``upto`` full blocks (its tokens must reach that far)."""
+        return self._hashes(req, upto)
+
+    def cached_prefix(self, hashes: list[bytes]) -> list[int]:
+        """The device blocks caching ``hashes``, from the first on, up to the first one not cached here."""
+        out = []
+        for h in hashes:
+            b = self.cached.get(h)
+            if b is None:
+                break
+            out.append(b)
+        return out
+
     def _hashes(self, req: Request, upto: int) -> list[bytes]:
         """``req``'s block hash chain, extended to ``upto`` full blocks."""
         hs, bs = req.block_hashes, self.block_size
@@ -198,6 +212,34 @@ class BlockManager:
             self.changed[DEVICE].add(b)
             self._rehashed.add(h)
         req.num_registered = full
+
+    # -- blocks that move between executors (core/migration.py, core/prefetch.py) -----
+
+    def hold(self, blocks: list[int]) -> None:
+        """One more holder for each of these device blocks (a lend of blocks that stay in use here, or a
+        fetch keeping its prefix): an evictable cached block stops being evictable."""
+        for b in blocks:
+            self._hold(b)
+
+    def reserve(self, n: int) -> list[int]:
+        """``n`` device blocks, each held once, for a fetch to pull into (evicting cached ones if need be)."""
+        return self._alloc(n)
+
+    def release(self, blocks: list[int]) -> None:
+        """Drop one hold of each (``hold``, ``reserve``): unheld named blocks become evictable."""
+        self._unref(blocks)
+
+    def name(self, blocks: list[int], hashes: list[bytes]) -> None:
+        """Name pulled blocks in the cache, in order (a hash cached meanwhile keeps its block, and this
+        one stays unnamed)."""
+        if not self.caching:
+            return
+        for b, h in zip(blocks, hashes):
+            if b in self.hash_of or h in self.cached:
+                continue
+            self.hash_of[b], self.cached[h] = h, b
+            self.changed[DEVICE].add(b)
+            self._rehashed.add(h)
 
     # -- sharing within a parallel-sampling group -------------------------------
 

@@ -34,6 +34,14 @@ that adapter (``LORA_RESIDENT``), then one with a free adapter slot
 (``LORA_FREE_SLOT``), as a bonus subtracted from the pool's load
 (``lora_preference``; each pool publishes its adapters and ``--max-loras``).
 
+A request moving with its KV (core/migration.py) whose full blocks were
+pre-copied to one executor (``target``) goes to that executor whenever it can
+take it now: anywhere else it would pull every block again.
+
+With prefill and decode executors (``--role``), a request whose uncached
+prompt is long goes to a prefill executor, every other one to the decode and
+mixed executors (core/disagg.py).
+
 An extra rule can slot in as ``affinity``: a per-executor bonus subtracted
 from a pool's load for one request.
 """
@@ -44,6 +52,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pagedserve.tiers import Tier
+from scheduler_svc.core.disagg import PREFILL, DisaggConfig, split, takes
 from scheduler_svc.core.fit import blocks_for, fits_ever
 
 PREFIX_LOAD_BOUND = 0.25  # device usage (0-1) a cache hit may cost over the least loaded pool
@@ -68,6 +77,7 @@ class PoolView:
     held: dict[int, int] = field(default_factory=dict)  # priority -> device blocks held by running requests
     max_loras: int = 0  # --max-loras (0: LoRA off)
     adapters: tuple[str, ...] = ()  # digests of the LoRA adapters its running and swapped requests use
+    role: str = "mixed"  # its executor's --role (core/disagg.py)
 
     @property
     def load(self) -> float:
@@ -87,6 +97,7 @@ class Candidate:
     priority: int = 0
     hits: dict[str, int] = field(default_factory=dict)  # executor -> leading prompt blocks it caches
     adapter: str = ""  # its LoRA adapter's digest; '': the base model
+    target: str = ""  # the executor its KV was pre-copied to (a move): that one takes it if it can now
 
     def cached_tokens(self, executor: str, block_size: int) -> int:
         """Tokens of its prefix ``executor`` caches (never all of them: one is always computed)."""
@@ -173,6 +184,7 @@ def pick(
     seats: int,
     budget: int,
     affinity: Callable[[Candidate, str], float] | None = None,
+    disagg: DisaggConfig | None = None,
 ) -> list[Candidate]:
     """The candidates (in queue order) that executor ``me`` should claim now.
 
@@ -180,14 +192,18 @@ def pick(
     ``seats`` and ``budget`` are the sequences and tokens ``me`` can still admit
     this step. ``affinity(c, executor)`` (0 by default) lowers a pool's
     effective load for ``c``, e.g. by the share of ``c``'s prefix it caches.
+    ``disagg``: with prefill and decode executors, which pools may take each
+    request (core/disagg.py).
     """
     if me not in views or not views[me].serving:
         return []
     sims = {e: _Sim(v, v.free[Tier.DEVICE], v.running) for e, v in views.items() if v.serving}
     mine: list[Candidate] = []
     tokens = budget
+    decode_serving = any(s.view.role != PREFILL for s in sims.values())
     for c in candidates:
-        able = [s for s in sims.values() if c.fits_ever(s.view)]
+        d = disagg is not None and split(c, [(s.view, s.running) for s in sims.values()], disagg)
+        able = [s for s in sims.values() if c.fits_ever(s.view) and takes(s.view.role, d, decode_serving)]
         if not able:
             continue
         now = [s for s in able if s.fits_now(c, budget)]
@@ -203,7 +219,10 @@ def pick(
         best = min(now, key=load)
         cached = _cache_holder(c, now, best)
         own = sims[me]
-        if cached is not None:
+        target = sims.get(c.target)
+        if target is not None and target in now:
+            best = target
+        elif cached is not None:
             best = cached
         elif own in now and own.running == 0 and best.running > 0:
             best = own  # idle here, busy there: do not let it wait

@@ -15,7 +15,7 @@ from scheduler_svc.core.logprob import Logprob
 from scheduler_svc.core.request import Request
 
 if TYPE_CHECKING:
-    from scheduler_svc.core.migration import KvSource, Lent
+    from scheduler_svc.core.migration import Ask, KvSource, Lent, Offer
 
 
 @dataclass(slots=True)
@@ -40,6 +40,18 @@ class Counters:
     migrated_blocks: int = 0  # blocks pulled
     migrated_bytes: int = 0
     moved_recomputed_tokens: int = 0  # computed tokens whose KV requests lost by leaving (requeue, failed pull)
+    migrations_drain: int = 0  # migrations_out by cause: the executor drains,
+    migrations_rebalance: int = 0  # its KV usage was over a peer's by --rebalance-gap,
+    migrations_preempt: int = 0  # or it would have preempted (core/rebalance.py),
+    migrations_disagg: int = 0  # or a prefill executor handed it to a decode executor (core/disagg.py)
+    precopies: int = 0  # moves whose full blocks were lent to their destination while they kept running
+    peer_prefix_asks: int = 0  # requests that waited for a peer's cached prefix instead of computing it
+    peer_prefix_timeouts: int = 0  # ... and computed it after all: no offer came in time
+    fetched_blocks: int = 0  # blocks pulled here ahead of their request (core/prefetch.py)
+    fetches_failed: int = 0
+    precopy_blocks: int = 0  # of fetched_blocks: pre-copies of moving requests
+    prefix_blocks: int = 0  # of fetched_blocks: peer prefix hits
+    handoff_blocks: int = 0  # of fetched_blocks: prompts a prefill executor computed for this one (core/disagg.py)
 
     def as_dict(self) -> dict[str, int]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -85,6 +97,12 @@ class StepRecord:
     pulled: list[tuple[Request, KvSource]] = field(default_factory=list)
     pull_ms: list[tuple[bool, float, int]] = field(default_factory=list)  # (ok, ms, bytes)
     stalls: list[int] = field(default_factory=list)  # moved_at_ms
+    # KV that moves ahead of a request: offers to readers (their lends registered), asks to holders, and
+    # lends of peers whose reading ended here (a fetch reported, or refused): their loops end them.
+    offers: list[Offer] = field(default_factory=list)
+    asks: list[Ask] = field(default_factory=list)
+    rung: list[str] = field(default_factory=list)
+    fetched: list[tuple[str, bool, float, int]] = field(default_factory=list)  # (cause, ok, ms, blocks) per fetch
 
     def touch(self, req: Request) -> None:
         self.touched[req.request_id] = req
@@ -99,6 +117,9 @@ class StepRecord:
             or self.lent
             or self.unlent
             or self.pulled
+            or self.offers
+            or self.asks
+            or self.rung
             or any(self.changed)
             or self.cache
             or self.counters.nonzero()

@@ -111,6 +111,9 @@ class Request:
     kv: KvSource | None = None
     pulling: bool = False
     moved_at_ms: int = 0
+    # On a prefill executor (core/disagg.py): the decode executor it goes to after its first token ('' for
+    # none chosen yet, or none able: then it decodes here). Not stored: a new leader chooses again.
+    handoff: str = ""
 
     @property
     def adapter_digest(self) -> str:

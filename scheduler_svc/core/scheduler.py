@@ -38,7 +38,6 @@ admitted, or preempted for recompute) goes back to the shared queue
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from scheduler_svc.core import group, lora
@@ -51,13 +50,17 @@ from scheduler_svc.core.blocks import (
 from scheduler_svc.core.deadline import expired_among
 from scheduler_svc.core.fit import blocks_for, fits_ever
 from scheduler_svc.core.logprob import Logprob
-from scheduler_svc.core.migration import LEND_TTL_MS, KvSource, Lending, Lent, PullPlan, pull_for
+from scheduler_svc.core.migration import (
+    PullPlan,
+    pull_for,
+)
 from scheduler_svc.core.output import Scheduled, SchedulerOutput
 from scheduler_svc.core.placement import PoolView
 from scheduler_svc.core.queue import make_queue
 from scheduler_svc.core.record import Counters, StepRecord
 from scheduler_svc.core.request import Finish, Request, Status
 from scheduler_svc.core.spec import SpecConfig, Speculator
+from scheduler_svc.core.transfers import ASK_TIMEOUT_MS, Source, Transfers  # noqa: F401 (re-exported)
 
 PREEMPTION_MODES = ("swap", "recompute")
 
@@ -93,12 +96,12 @@ class Scheduler:
         self.counters = Counters()  # totals since this scheduler was built
         self.record = StepRecord()  # what changed since the last take_record()
         self._eos = frozenset(config.eos_token_ids)
-        self._watermark = int(config.watermark * blocks.total(DEVICE))
+        self.watermark = int(config.watermark * blocks.total(DEVICE))  # device blocks admission keeps free
         self.spec = Speculator.of(config.spec) if config.spec is not None else None
         self._k = 0  # this step's draft length (``DraftPolicy``)
         self._spec_accepted = self._spec_rejections = 0  # drafts accepted and rows cut short, this update
         self._spec_asked = self._spec_proposed = 0  # rows drafts were asked for, and got some, this step
-        self.lending = Lending()  # blocks of requests that left with their KV (core/migration.py)
+        self.moves = Transfers(self)  # KV that moves between executors (core/transfers.py)
 
     # -- intake ---------------------------------------------------------------
 
@@ -131,6 +134,10 @@ class Scheduler:
 
     def _remove(self, req: Request) -> None:
         del self.requests[req.request_id]
+        self.moves.lending.forget(req.request_id)
+        self.moves.drop_fetch(req.request_id)
+        if self.moves.asking.pop(req.request_id, None) is not None:
+            return
         if req.status == Status.RUNNING:
             self.running.remove(req)
         elif req.status == Status.SWAPPED:
@@ -151,13 +158,13 @@ class Scheduler:
         req.status = Status.FINISHED
         req.finish_reason = reason
         self.record.finished.append(req)
-        self._count("finished")
+        self.count("finished")
         return req
 
     def expire(self, now_ms: int) -> list[Request]:
         """Finish (``deadline``) the waiting and swapped requests whose queue deadline passed
         before they started; their blocks, swapped ones included, are freed."""
-        gone = expired_among([*self.waiting, *self.swapped], now_ms)
+        gone = expired_among([*self.waiting, *self.swapped, *(r for r, _ in self.moves.asking.values())], now_ms)
         for req in gone:
             self.finish(req.request_id, Finish.DEADLINE)
         return gone
@@ -165,8 +172,8 @@ class Scheduler:
     def requeue(self, req: Request) -> None:
         """``req`` leaves this executor for the shared queue, holding nothing: recomputed wherever it runs next
         (unless it left with its KV lent: ``migrate``)."""
-        if req.kv is None or req.kv.lend not in self.lending.lends:
-            self._count("moved_recomputed_tokens", req.num_computed)  # KV it loses by leaving
+        if req.kv is None or req.kv.lend not in self.moves.lending.lends:
+            self.count("moved_recomputed_tokens", req.num_computed)  # KV it loses by leaving
         self._remove(req)
         self._orphan(req)
         self.blocks.free(req)
@@ -177,37 +184,23 @@ class Scheduler:
         req.status = Status.WAITING
         self.record.requeued.append(req)
 
-    def requeue_waiting(self) -> None:
-        """End of a step: what was claimed but not admitted, or preempted for recompute, goes back."""
+    def requeue_waiting(self, now_ms: int | None = None) -> None:
+        """End of a step: what was claimed but not admitted, or preempted for recompute, goes back (but for a
+        request whose prefix was just fetched here: it waits here for room, ``ASK_TIMEOUT_MS`` at most from
+        its fetch, as long as the loop says what time it is)."""
         for req in list(self.waiting):
-            self.requeue(req)
+            f = self.moves.fetches.get(req.request_id)
+            if f is None or not f.pulled or now_ms is None:
+                self.requeue(req)
+                continue
+            f.hold_ms = f.hold_ms or now_ms + ASK_TIMEOUT_MS
+            if now_ms >= f.hold_ms:
+                self.requeue(req)
 
     def evacuate(self) -> None:
         """BlockMove every request elsewhere (the executor is draining and out of time)."""
-        for req in [*self.running, *self.swapped, *self.waiting]:
+        for req in [*self.running, *self.swapped, *self.waiting, *(r for r, _ in self.moves.asking.values())]:
             self.requeue(req)
-
-    def migrate(
-        self, req: Request, source: Callable[[str, tuple[tuple[int, int], ...], int], KvSource], now_ms: int
-    ) -> None:
-        """``req`` (``migration.movable``) leaves for the shared queue with its KV: its blocks go to a
-        lend, and ``source(lend id, blocks, tokens)`` names them in ``req.kv`` for its next executor."""
-        tokens, blocks = req.num_computed, self.blocks.lend(req)
-        lent = Lent(f"{req.request_id}@{now_ms}", req.request_id, blocks, now_ms + LEND_TTL_MS)
-        self.lending.lend(lent)
-        self.record.lent.append(lent)
-        req.kv = source(lent.lend_id, tuple((int(t), b) for t, b in blocks), tokens)
-        self._count("migrations_out")
-        self.requeue(req)
-
-    def end_lend(self, lend_id: str) -> bool:
-        """The destination has read (or given up on) a lend: its blocks come free."""
-        lent = self.lending.end(lend_id)
-        if lent is None:
-            return False
-        self.blocks.unlend(lent.blocks)
-        self.record.unlent.append(lend_id)
-        return True
 
     def take_record(self) -> StepRecord:
         rec, self.record = self.record, StepRecord()
@@ -215,13 +208,25 @@ class Scheduler:
         rec.cache = self.blocks.cache_delta(rec.changed[0])
         return rec
 
-    def _count(self, name: str, n: int = 1) -> None:
+    def count(self, name: str, n: int = 1) -> None:
         setattr(self.counters, name, getattr(self.counters, name) + n)
         setattr(self.record.counters, name, getattr(self.record.counters, name) + n)
 
     @property
     def has_work(self) -> bool:
-        return bool(self.running or len(self.waiting) or len(self.swapped) or self.lending.pending)
+        return bool(self.running or len(self.waiting) or len(self.swapped) or self.moves.pending)
+
+    @staticmethod
+    def handing_off(req: Request) -> bool:
+        """A prefill executor's request whose first token is sampled (or in flight): it runs nothing more
+        here, and leaves for its decode executor once nothing of it is in flight (core/disagg.py)."""
+        return bool(req.handoff) and bool(req.output_ids or req.num_unreported)
+
+    def victim_order(self) -> list[Request]:
+        """The running requests, the one preemption would take first first (``_victim``'s order)."""
+        if self.config.policy == "fcfs":
+            return self.running[::-1]
+        return sorted(self.running, key=lambda r: r.order_key, reverse=True)
 
     # -- one step -------------------------------------------------------------
 
@@ -257,7 +262,7 @@ class Scheduler:
         self.running.remove(victim)
         victim.num_preemptions += 1
         victim.source = None
-        victim.pulling = False  # a pull in flight for it no longer counts (``_pulled``)
+        victim.pulling = False  # a pull in flight for it no longer counts (``Transfers.pulled``)
         if (
             not recompute
             and self.config.preemption_mode == "swap"
@@ -266,15 +271,15 @@ class Scheduler:
         ):
             moves = self.blocks.swap_out(victim)
             out.swap_out.extend(moves)
-            self._count("preemptions_swap")
-            self._count("swapped_out_blocks", len(moves))
-            self._count("disk_spilled_blocks", sum(m.dst_tier == DISK for m in moves))
+            self.count("preemptions_swap")
+            self.count("swapped_out_blocks", len(moves))
+            self.count("disk_spilled_blocks", sum(m.dst_tier == DISK for m in moves))
             victim.status = Status.SWAPPED
             self.swapped.prepend(victim)
         else:
             self.blocks.free(victim)
             victim.num_computed = 0
-            self._count("preemptions_recompute")
+            self.count("preemptions_recompute")
             victim.status = Status.WAITING
             self.waiting.prepend(victim)
         out.preempted.append(victim)
@@ -300,9 +305,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            if self._ending(req) or req.pulling:
+            if self._ending(req) or req.pulling or self.handing_off(req):
                 i += 1
-                continue  # its token in flight ends it (the pipelined loop), or its KV is on its way
+                continue  # its token in flight ends it (the pipelined loop), its KV is on its way, or it leaves
             if req.source is not None and not self._fork(req, out):
                 i += 1
                 continue  # its source has not launched the whole prompt yet, or no block for the copy
@@ -382,7 +387,7 @@ class Scheduler:
         drafts = self.spec.proposer.propose(req.request_id, req.prompt_ids + req.output_ids, k)[:k]
         self._spec_asked += 1
         self._spec_proposed += bool(drafts)
-        free = self.blocks.num_free(DEVICE) - self._watermark
+        free = self.blocks.num_free(DEVICE) - self.watermark
         while drafts and self.blocks.needed(req, 1 + len(drafts)) > free:
             drafts.pop()
         return drafts
@@ -403,7 +408,7 @@ class Scheduler:
             out.copies.append(copy)
         req.source = None
         self.record.touch(req)
-        self._count("forked_tokens", upto)
+        self.count("forked_tokens", upto)
         return True
 
     def _orphan(self, src: Request) -> None:
@@ -419,7 +424,7 @@ class Scheduler:
         upto = min(src.num_computed, len(src.prompt_ids) - 1) // bs * bs
         if upto:
             self.blocks.fork(src, heir, upto)
-            self._count("forked_tokens", upto)
+            self.count("forked_tokens", upto)
         for m in mates[1:]:
             m.source = heir
 
@@ -437,7 +442,7 @@ class Scheduler:
         beyond the watermark)."""
         if len(self.running) + 1 + len(mates) > self.config.max_num_seqs:
             return False
-        reserve = (self._watermark if self.running else 0) + group.fork_need(req, mates, self.blocks.block_size)
+        reserve = (self.watermark if self.running else 0) + group.fork_need(req, mates, self.blocks.block_size)
         if from_swap:
             return self.blocks.can_swap_in(req, n, reserve)
         return self.blocks.can_allocate(req, hit, n, reserve)
@@ -464,7 +469,7 @@ class Scheduler:
         if self.config.policy != "priority":
             return False
         while not self._fits(req, n, from_swap, hit, mates):
-            reserve = self._watermark if self.running else 0
+            reserve = self.watermark if self.running else 0
             if self._need(req, n, from_swap, hit, mates) + reserve <= self._freed_soon():
                 return False  # enough is already on its way back
             lower = [r for r in self.running if r.order_key > req.order_key]
@@ -496,7 +501,7 @@ class Scheduler:
                 self.swapped.pop()
                 moves = self.blocks.swap_in(req)
                 out.swap_in.extend(moves)
-                self._count("swapped_in_blocks", len(moves))
+                self.count("swapped_in_blocks", len(moves))
                 self.blocks.append(req, n)
             else:
                 self.waiting.pop()
@@ -524,21 +529,22 @@ class Scheduler:
     def _start(self, req: Request, hit: list[int], n: int) -> None:
         """A waiting request (holding nothing) takes its cached prefix and room for ``n`` tokens."""
         self.blocks.allocate(req, hit, n)
+        self.moves.drop_fetch(req.request_id)  # its hit holds what was fetched for it
         if self.blocks.caching:
-            self._count("prefix_cache_queries", req.num_tokens)
-            self._count("prefix_cache_hits", req.num_computed)
+            self.count("prefix_cache_queries", req.num_tokens)
+            self.count("prefix_cache_hits", req.num_computed)
         if not req.output_ids:
             req.num_cached = req.num_computed
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        out.lends, out.unlends = self.lending.take()
+        self.moves.plan(out)
         self._choose_k()
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
         if not out.preempted:
             self._admit(out, budget)
         if out.has_work:
-            self._count("steps")
+            self.count("steps")
         if self.spec is not None:
             self.spec.policy.observe_proposals(self._spec_proposed, self._spec_asked)
             self._spec_asked = self._spec_proposed = 0
@@ -572,7 +578,7 @@ class Scheduler:
         one finishes the request; ``more_logprobs``: theirs. ``pulled``: each pull's (ok, ms, bytes)."""
         if not out.launched:
             self.launch(out)
-        self._pulled(out.pulls, pulled or {})
+        self.moves.pulled(out.pulls, pulled or {})
         self.blocks.release_pending(out.swap_out + out.swap_in)
         self.blocks.release_copies(out.copies)
         finished: list[Request] = []
@@ -618,34 +624,11 @@ class Scheduler:
             if reason is not None:
                 self.finish(rid, reason)
                 finished.append(req)
-        self._count("generated_tokens", generated)
+        self.count("generated_tokens", generated)
         if self.spec is not None:
             self.spec.policy.observe(self._spec_accepted, self._spec_rejections)
             self._spec_accepted = self._spec_rejections = 0
         return finished
-
-    def _pulled(self, pulls: list[PullPlan], results: dict[str, tuple[bool, float, int]]) -> None:
-        """Reported pulls: what came counts as computed (and is named in the prefix cache); a request
-        whose pull failed computes from its own prefix hit on. Either way its source's lend can end."""
-        for p in pulls:
-            req, rid = p.req, p.req.request_id
-            ok, ms, size = results.get(rid, (False, 0.0, 0))
-            self.record.pulled.append((req, p.src))
-            self.record.pull_ms.append((ok, ms, size))
-            req.kv = None
-            if self.requests.get(rid) is not req or not req.pulling or req.status != Status.RUNNING:
-                continue  # finished, preempted or gone since: nothing of the pull counts
-            req.pulling, req.moved_at_ms = False, p.src.at_ms
-            if ok:
-                req.num_computed = p.src.tokens
-                self.blocks.cache(req, req.num_computed)
-                self._count("migrations_in")
-                self._count("migrated_blocks", len(p.dst))
-                self._count("migrated_bytes", size)
-            else:
-                self._count("migrations_failed")
-                self._count("moved_recomputed_tokens", p.src.tokens - req.num_computed)
-            self.record.touch(req)
 
     def _accept(self, req: Request, s: Scheduled, accepted: int) -> None:
         """A row with drafts came back with ``accepted`` of them: only those count as computed, and
@@ -653,9 +636,9 @@ class Scheduler:
         if req.num_computed == s.end:  # else it was preempted or restarted since (nothing of this step counts)
             req.num_computed = s.end + accepted
             self.blocks.trim(req, req.num_computed + 1)
-        self._count("spec_drafts")
-        self._count("spec_draft_tokens", len(s.drafts))
-        self._count("spec_accepted_tokens", accepted)
+        self.count("spec_drafts")
+        self.count("spec_draft_tokens", len(s.drafts))
+        self.count("spec_accepted_tokens", accepted)
         self.record.spec_accepted_per_pos.extend([0] * (len(s.drafts) - len(self.record.spec_accepted_per_pos)))
         for j in range(accepted):
             self.record.spec_accepted_per_pos[j] += 1
@@ -681,7 +664,7 @@ class Scheduler:
         pending = sum(r.num_pending for r in self.running)
         return self.config.max_num_seqs - len(self.running), max(0, self.config.max_num_batched_tokens - pending)
 
-    def view(self, executor: str, serving: bool) -> PoolView:
+    def view(self, executor: str, serving: bool, role: str = "mixed") -> PoolView:
         """This pool as placement sees it (published for the other loops each step)."""
         held: Counter[int] = Counter()
         for r in self.running:
@@ -697,8 +680,9 @@ class Scheduler:
             swapped=len(self.swapped),
             max_model_len=self.config.max_model_len,
             max_num_seqs=self.config.max_num_seqs,
-            watermark=self._watermark,
+            watermark=self.watermark,
             held=dict(held),
             max_loras=self.config.max_loras,
             adapters=tuple(sorted(lora.adapters_of([*self.running, *self.swapped]))) if self.config.max_loras else (),
+            role=role,
         )

@@ -29,16 +29,17 @@ from opentelemetry.trace import Tracer
 from pagedserve import logs
 from pagedserve.executor.v1 import executor_pb2 as pb
 from pagedserve.executor.v1 import executor_pb2_grpc as pb_grpc
-from pagedserve.members import Member, now_ms
-from scheduler_svc.core import migration, placement
+from pagedserve.members import DRAINING, Member, now_ms
+from scheduler_svc.core import placement
 from scheduler_svc.core.blocks import DEVICE
-from scheduler_svc.core.migration import KvSource
+from scheduler_svc.core.migration import MoveConfig
 from scheduler_svc.core.output import SchedulerOutput
 from scheduler_svc.core.request import Finish, Request
 from scheduler_svc.core.restore import intake, restore
 from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig
 from scheduler_svc.loops import steplog
 from scheduler_svc.loops.flights import Flight, Pipeline, StreamChannel, UnaryChannel
+from scheduler_svc.loops.moves import Mover
 from scheduler_svc.loops.plan import PlanBuilder, outputs, pulls_of
 from scheduler_svc.loops.stays import Placements
 from scheduler_svc.metrics import LoopMetrics
@@ -70,6 +71,9 @@ class Session:
     timer: steplog.Timer = field(default_factory=steplog.Timer)
     pipe: Pipeline = field(default_factory=lambda: Pipeline(1))
     channel: UnaryChannel | StreamChannel | None = None
+    # The executor may hold lends of an earlier session (they were freed at restore): the first plan, which
+    # resets its tables and lends, goes out even with nothing to run, or a drained executor would wait for them.
+    hello: bool = False
 
 
 class Loop:
@@ -88,7 +92,7 @@ class Loop:
         tracer: Tracer | None = None,
         channel: grpc.aio.Channel | None = None,
         async_scheduling: bool = False,
-        migration: str = "kv",
+        moves: MoveConfig | None = None,
     ) -> None:
         self.store = store
         self.info = info
@@ -100,22 +104,33 @@ class Loop:
             eos_token_ids=tuple(info.eos_token_ids),
         )
         self.epoch = epoch
-        self.member = member  # the executor's current membership record (None once it left)
+        self._member = member  # the executor's current membership record (None once it left)
+        self._drain_rung = False  # its executor rang the ``drain`` doorbell: draining, whatever the record said
         self.executor_timeout = executor_timeout
         self.step_log = step_log
         self.channel = channel  # for the Steps stream (async scheduling)
         # Plan a step ahead when asked to and the executor can (a channel to open its stream on).
         self.pipelined = async_scheduling and channel is not None and info.pipelined
-        self.migration = migration  # --migration: how a draining executor's requests move (kv, recompute, off)
+        self.moves = moves or MoveConfig()  # --migration, --peer-prefix, --rebalance (loops/moves.py)
+        self.mover = Mover(self.executor, epoch, info.block_size, self.moves, info.role or "mixed")
         self._in_flight: list[str] = []  # requests of the plan whose result failed
         self._published: placement.PoolView | None = None
         self._step_id = 0
         self.idle_block_ms: int | None = IDLE_BLOCK_MS  # how long an idle step waits for the doorbell
         self.metrics = metrics
         self.model = info.model
+        self.role = info.role or "mixed"  # its executor's --role (core/disagg.py)
         self.placements = Placements(self.executor, info.model, metrics, tracer)
         self.log = logs.for_executor(log, self.executor)
         self.s: Session
+
+    def member(self) -> Member | None:
+        """The executor's membership record as the manager last read it; draining as soon as the executor
+        rang the ``drain`` doorbell (the manager reads membership once a tick)."""
+        m = self._member()
+        if m is not None and m.serving and self._drain_rung:
+            return replace(m, state=DRAINING)
+        return m
 
     async def lead(self, stop: asyncio.Event) -> str:
         """Step the executor until ``stop``; returns why it ended: stopped, fenced or lost."""
@@ -211,6 +226,7 @@ class Loop:
             seq,
             pipe=Pipeline(2 if self.pipelined else 1),
             channel=self._open(),
+            hello=bool(snap.lent) or restored.reset,
         )
 
     def _open(self) -> UnaryChannel | StreamChannel:
@@ -222,28 +238,38 @@ class Loop:
     def _view(self, sched: Scheduler) -> placement.PoolView | None:
         """This pool's view if it changed since it was last published."""
         m = self.member()
-        view = sched.view(self.executor, m is not None and m.serving)
+        view = sched.view(self.executor, m is not None and m.serving, self.role)
         if view == self._published:
             return None
         self._published = view
         if self.metrics is not None:
-            self.metrics.pool(self.model, self.executor, view)
+            pending = sum(max(0, len(r.prompt_ids) - r.num_computed) for r in sched.requests.values())
+            self.metrics.pool(self.model, self.executor, view, pending)
             if view.max_loras:
                 running = [r.lora.name for r in sched.running if r.lora is not None]
                 waiting = [r.lora.name for r in [*sched.waiting, *sched.swapped] if r.lora is not None]
                 self.metrics.loras(self.model, self.executor, view.max_loras, running, waiting)
         return view
 
-    async def _claim(self, sched: Scheduler, timer: steplog.Timer) -> tuple[list, bool]:
-        """Claim what placement gives this executor; also whether some were lost to other loops."""
+    async def _claim(self, sched: Scheduler, timer: steplog.Timer) -> tuple[list, bool, dict[str, placement.Candidate]]:
+        """Claim what placement gives this executor; also whether some were lost to other loops, and the
+        claimed requests' candidates (their prefix hits on each executor)."""
         seats, tokens = sched.room()
         if seats <= 0 or tokens <= 0:
-            return [], False
+            return [], False, {}
         candidates, views = await timer.redis_call(self.store.look(PEEK_DEPTH))
         if not candidates:
-            return [], False
-        views[self.executor] = sched.view(self.executor, True)
-        picks = placement.pick(candidates, self.executor, views, policy=self.config.policy, seats=seats, budget=tokens)
+            return [], False, {}
+        views[self.executor] = sched.view(self.executor, True, self.role)
+        picks = placement.pick(
+            candidates,
+            self.executor,
+            views,
+            policy=self.config.policy,
+            seats=seats,
+            budget=tokens,
+            disagg=self.moves.disagg,
+        )
         self.log.debug(
             "executor %s: %d queued, views %s, picks %s",
             self.executor,
@@ -252,13 +278,13 @@ class Loop:
             [c.request_id for c in picks],
         )
         if not picks:
-            return [], False
+            return [], False, {}
         claimed = await timer.redis_call(
             self.store.claim(self.executor, self.epoch, self.s.seq, [c.queue_key for c in picks])
         )
         self.s.seq += 1
         self.placements.claimed(claimed)
-        return [(c.req, c.cancel) for c in claimed], len(claimed) < len(picks)
+        return [(c.req, c.cancel) for c in claimed], len(claimed) < len(picks), {c.request_id: c for c in picks}
 
     async def _run(self, stop: asyncio.Event, rejected: list[str]) -> None:
         await self.start(rejected)
@@ -284,29 +310,32 @@ class Loop:
             done, (ops_in, queued) = None, await timer.redis_call(self.store.read_incoming(s.cursor, block))
         if ops_in:
             s.cursor = ops_in[-1].stream_id
+        if any(o.op == "drain" and o.request_id == self.executor for o in ops_in) and member.serving:
+            self._drain_rung = True
+            member = self.member() or member
         cancels = [(o.request_id, o.reason) for o in ops_in if o.op == "cancel" and o.reason is not None]
         claimed: list[tuple[Request, Finish | None]] = []
         s.retry, hold = False, False
-        for o in ops_in:
-            if o.op == "unlend":  # a destination read (or gave up on) blocks this executor lent
-                sched.end_lend(o.request_id)
-        for lend_id in sched.lending.due(now_ms()):
-            sched.end_lend(lend_id)
+        candidates: dict[str, placement.Candidate] = {}
+        self.mover.doorbells(sched, ops_in, member)
+        views = await timer.redis_call(self.store.views()) if self.mover.wants_views(sched, member) else None
         if not member.serving:
-            hold = await self._drain(sched, member)
+            hold = self._drain(sched, member, views or {})
         else:
-            claimed, s.retry = await self._claim(sched, timer)
+            claimed, s.retry, candidates = await self._claim(sched, timer)
+            hold = self.mover.serve(sched, member, views, bool(s.pipe))
         intake(sched, claimed, [(rid, r) for rid, r in cancels if rid in sched.requests])
+        self.mover.ask(sched, [r for r, cancel in claimed if cancel is None], candidates)
         sched.expire(now_ms())  # queue deadlines: nothing past its own starts now
         launched = None
-        if not hold and s.pipe.can_launch(bool(s.pipe) and sched.wants_drafts()) and sched.has_work:
+        if not hold and s.pipe.can_launch(bool(s.pipe) and sched.wants_drafts()) and (sched.has_work or s.hello):
             launched = self._launch(sched.schedule())
         if done is None and s.pipe.wait_after(launched is not None):
             done = await self._complete()
             if s.pipe.launch_again(launched is not None) and not hold and s.pipe.can_launch() and sched.has_work:
                 launched = self._launch(sched.schedule())  # before the commit: the executor waits only for this
         sched.expire(now_ms())  # what would go back to the queue (or stays swapped) past its deadline ends here
-        sched.requeue_waiting()
+        sched.requeue_waiting(now_ms())
         if s.pipe.can_commit():
             await self._commit(sched)
         timer.stop()
@@ -314,29 +343,12 @@ class Loop:
             self._log_step(sched, done, queued, timer)
         return True
 
-    async def _drain(self, sched: Scheduler, member: Member) -> bool:
+    def _drain(self, sched: Scheduler, member: Member, views: dict[str, placement.PoolView]) -> bool:
         """A draining executor's turn: move what peers have room for now (``--migration``: with its KV,
-        or by recompute), and from ``evacuate_at_ms`` everything left by recompute. Requests leave with
-        nothing in flight; returns whether to hold plans until that is so."""
-        if self.migration != "off":
-            order = sorted(sched.running, key=lambda r: r.order_key) + list(sched.swapped)
-            movable = [r for r in order if migration.movable(r)]
-            views = await self.store.views() if movable else {}
-            picks = migration.pick(movable, views, self.executor, self.info.block_size)
-            if picks and self.s.pipe:
-                return True
-            at = now_ms()
-            for req in picks:
-                if self.migration == "kv":
-                    sched.migrate(
-                        req, lambda lid, b, n: KvSource(self.executor, member.address, self.epoch, lid, b, n, at), at
-                    )
-                else:
-                    sched.requeue(req)
-            if picks:
-                self.log.info(
-                    "executor %s: draining; %d requests move to peers (%s)", self.executor, len(picks), self.migration
-                )
+        pre-copied, or by recompute; loops/moves.py), and from ``evacuate_at_ms`` everything left by
+        recompute. Requests leave with nothing in flight; returns whether to hold plans until that is so."""
+        if self.mover.drain(sched, member, views, bool(self.s.pipe)):
+            return True
         if member.evacuate_at_ms and now_ms() >= member.evacuate_at_ms and sched.requests:
             if self.s.pipe:
                 return True  # requests leave with nothing in flight: first take what is
@@ -349,8 +361,9 @@ class Loop:
     def _launch(self, out: SchedulerOutput) -> Flight | None:
         """Build ``out``'s plan, count its tokens as computed (``Scheduler.launch``) and send it."""
         s, timer = self.s, self.s.timer
-        if not out.has_work:
+        if not out.has_work and not s.hello:
             return None
+        s.hello = False
         t = time.perf_counter()
         plan = s.plans.build(out, self._step_id, s.ended, s.seq)
         s.sched.launch(out)
@@ -386,6 +399,7 @@ class Loop:
         timer.executor = timer.since(t) - timer.decode
         s.pipe.flights.popleft()
         s.sched.update(flight.out, *outputs(result), pulled=pulls_of(result))
+        s.sched.moves.costs.stepped(flight.out.num_tokens, result.forward_ms)
         s.sched.observe_step(flight.out, result.step_ms, result.idle_ms)
         self.placements.stepped(flight.out)
         if self.metrics is not None:

@@ -26,6 +26,7 @@ from pagedserve.executor.v1 import executor_pb2 as pb
 from pagedserve.executor.v1 import executor_pb2_grpc as pb_grpc
 from pagedserve.members import ClusterView, Member, Registry, describe_mismatch
 from pagedserve.security import DialFn, insecure
+from scheduler_svc.core.migration import MoveConfig
 from scheduler_svc.core.request import Finish
 from scheduler_svc.core.scheduler import SchedulerConfig
 from scheduler_svc.loops.loop import Loop, _sleep
@@ -65,7 +66,7 @@ class Manager:
         tracer: Tracer | None = None,
         dial: DialFn = insecure,
         async_scheduling: bool = False,
-        migration: str = "kv",
+        moves: MoveConfig | None = None,
     ) -> None:
         """``dial``: a channel to an executor's address (``pagedserve.security.Dialer.channel``:
         TLS and the internal token as configured). ``async_scheduling``: loops plan a step ahead
@@ -84,7 +85,7 @@ class Manager:
         self.tracer = tracer
         self.dial = dial
         self.async_scheduling = async_scheduling
-        self.migration = migration  # --migration (core/migration.py)
+        self.moves = moves or MoveConfig()  # --migration, --peer-prefix, --rebalance (core/migration.py)
         self.members: dict[str, Member] = {}  # compatible members as of the last tick
         self.loops: dict[str, Led] = {}
         self._refused: set[str] = set()
@@ -216,7 +217,7 @@ class Manager:
             tracer=self.tracer,
             channel=channel,
             async_scheduling=self.async_scheduling,
-            migration=self.migration,
+            moves=self.moves,
         )
         log.info("replica %s leads executor %s at %s (epoch %d)", self.replica, m.instance_id, m.address, epoch)
         self.loops[m.instance_id] = Led(

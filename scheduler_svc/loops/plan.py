@@ -41,7 +41,7 @@ def _lends(lends: list[Lent]) -> list[pb.Lend]:
 def _pulls(pulls: list[PullPlan]) -> list[pb.Pull]:
     return [
         pb.Pull(
-            request_id=p.req.request_id,
+            request_id=p.key,
             address=p.src.address,
             src_instance_id=p.src.executor,
             src_epoch=p.src.epoch,

@@ -20,6 +20,8 @@ from pagedserve.members import Registry
 from pagedserve.redis_check import require as require_redis
 from pagedserve.security import reload_on_sighup
 from scheduler_svc.core import spec
+from scheduler_svc.core.disagg import DisaggConfig
+from scheduler_svc.core.migration import MoveConfig
 from scheduler_svc.core.scheduler import SchedulerConfig
 from scheduler_svc.loops.manager import Manager
 from scheduler_svc.metrics import LoopMetrics, NamespaceMetrics
@@ -70,7 +72,14 @@ async def run_loops(args: argparse.Namespace) -> None:
         tracer=traces.tracer if traces else None,
         dial=args.dialer.channel,
         async_scheduling=args.async_scheduling,
-        migration=args.migration,
+        moves=MoveConfig(
+            args.migration,
+            args.peer_prefix,
+            args.rebalance,
+            args.rebalance_gap,
+            args.rebalance_every_ms,
+            DisaggConfig(args.disagg_min_prompt_tokens, args.disagg_max_prefill_queue),
+        ),
     )
     stop = await rpc.stop_on_signals()
     reload_on_sighup([args.internal_token])

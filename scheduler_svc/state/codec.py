@@ -16,7 +16,7 @@ import numpy as np
 
 from pagedserve.lora import Adapter
 from pagedserve.tiers import Tier
-from scheduler_svc.core.migration import KvSource, Lent
+from scheduler_svc.core.migration import Ask, KvSource, Lent, Offer
 from scheduler_svc.core.placement import Candidate, PoolView
 from scheduler_svc.core.record import StepRecord
 from scheduler_svc.core.request import Finish, Params, Request, Status
@@ -125,6 +125,7 @@ def kv_json(src: KvSource) -> str:
             "n": src.tokens,
             "at": src.at_ms,
             "c": src.cause,
+            "to": src.to,
         }
     )
 
@@ -133,7 +134,39 @@ def kv_from(text: str) -> KvSource | None:
     if not text:
         return None
     d = json.loads(text)
-    return KvSource(d["x"], d["a"], int(d["e"]), d["l"], _refs(d["b"]), int(d["n"]), int(d["at"]), d.get("c", "drain"))
+    return KvSource(
+        d["x"],
+        d["a"],
+        int(d["e"]),
+        d["l"],
+        _refs(d["b"]),
+        int(d["n"]),
+        int(d["at"]),
+        d.get("c", "drain"),
+        d.get("to", ""),
+    )
+
+
+def offer_json(offer: Offer) -> str:
+    """An ``offer`` doorbell's data: the lend to pull and the cache names of its blocks."""
+    return json.dumps({"kv": kv_json(offer.src), "h": ",".join(offer.hashes), "s": offer.start, "r": offer.reserve})
+
+
+def offer_from(to: str, request_id: str, text: str) -> Offer:
+    d = json.loads(text)
+    src = kv_from(d["kv"])
+    assert src is not None
+    return Offer(to, request_id, src, tuple(h for h in d["h"].split(",") if h), int(d["s"]), int(d.get("r", 0)))
+
+
+def ask_json(ask: Ask) -> str:
+    """An ``ask`` doorbell's data: who asks, for which hashes of the request's prefix."""
+    return json.dumps({"r": ask.reader, "h": ",".join(ask.hashes), "s": ask.start})
+
+
+def ask_from(to: str, request_id: str, text: str) -> Ask:
+    d = json.loads(text)
+    return Ask(to, request_id, d["r"], tuple(h for h in d["h"].split(",") if h), int(d["s"]))
 
 
 def lent_json(lent: Lent) -> str:
@@ -187,7 +220,8 @@ def hits_from(text: str) -> dict[str, int]:
 
 def candidate_from(row: list[str]) -> Candidate:
     """A row of the peek script: queue key, prompt length, max_tokens, priority, tokens generated,
-    the prefix hits per executor (``hits_from``) and the LoRA adapter's digest ('' for the base model)."""
+    the prefix hits per executor (``hits_from``), the LoRA adapter's digest ('' for the base model) and
+    the executor its KV was pre-copied to ('' for none: ``KvSource.to``)."""
     qk, plen, maxt, prio, nout, *rest = row
     return Candidate(
         qk,
@@ -198,6 +232,7 @@ def candidate_from(row: list[str]) -> Candidate:
         int(prio),
         hits_from(rest[0] if rest else ""),
         rest[1] if len(rest) > 1 else "",
+        rest[2] if len(rest) > 2 else "",
     )
 
 
@@ -246,6 +281,7 @@ def view_json(v: PoolView) -> str:
             "watermark": v.watermark,
             "held": {str(p): n for p, n in v.held.items()},
             **({"loras": [v.max_loras, *v.adapters]} if v.max_loras else {}),
+            **({"role": v.role} if v.role != "mixed" else {}),
         },
         separators=(",", ":"),
     )
@@ -265,5 +301,7 @@ def view_from(executor: str, data: str) -> PoolView:
         d["max_num_seqs"],
         d["watermark"],
         {int(p): n for p, n in d["held"].items()},
-        *((d["loras"][0], tuple(d["loras"][1:])) if "loras" in d else ()),
+        max_loras=d["loras"][0] if "loras" in d else 0,
+        adapters=tuple(d["loras"][1:]) if "loras" in d else (),
+        role=d.get("role", "mixed"),
     )

@@ -9,7 +9,16 @@ from pagedserve.tiers import TIERS
 from scheduler_svc.core.placement import PoolView
 from scheduler_svc.core.record import CacheDelta, StepRecord
 from scheduler_svc.core.request import Finish, Request, Status
-from scheduler_svc.state.codec import entry_json, event_of, kv_json, lent_json, queue_entry, view_json
+from scheduler_svc.state.codec import (
+    ask_json,
+    entry_json,
+    event_of,
+    kv_json,
+    lent_json,
+    offer_json,
+    queue_entry,
+    view_json,
+)
 from scheduler_svc.state.schema import (
     BITS,
     EVENTS_MAXLEN,
@@ -130,7 +139,11 @@ class CommitWriter:
         rid = req.request_id
         score, member = queue_entry(req.arrival, rid, req.priority, self.policy)
         fields = {"status": Status.WAITING.value, "executor": "", "blocks": "", "swap": ""}
-        kv = ["HSET", self.k.req(rid), "kv", kv_json(req.kv)] if req.kv else ["HDEL", self.k.req(rid), "kv"]
+        kv = (
+            ["HSET", self.k.req(rid), "kv", kv_json(req.kv), "kvto", req.kv.to]
+            if req.kv
+            else ["HDEL", self.k.req(rid), "kv", "kvto"]
+        )
         return [
             ["HSET", self.k.req(rid), *_flat(fields), "preemptions", str(req.num_preemptions)],
             kv,
@@ -146,7 +159,10 @@ class CommitWriter:
         ops += _chunks("HDEL", self.x.lent, rec.unlent)
         ring = ["XADD", self.k.incoming, "MAXLEN", "~", str(INCOMING_MAXLEN), "*"]
         for req, src in rec.pulled:
-            ops += [["HDEL", self.k.req(req.request_id), "kv"], [*ring, "op", "unlend", "id", src.lend]]
+            ops += [["HDEL", self.k.req(req.request_id), "kv", "kvto"], [*ring, "op", "unlend", "id", src.lend]]
+        ops += [[*ring, "op", "unlend", "id", lend_id] for lend_id in rec.rung]
+        ops += [[*ring, "op", "offer", "id", o.request_id, "to", o.to, "d", offer_json(o)] for o in rec.offers]
+        ops += [[*ring, "op", "ask", "id", a.request_id, "to", a.to, "d", ask_json(a)] for a in rec.asks]
         return ops
 
     def _finish(self, req: Request) -> list[list[str]]:

@@ -222,7 +222,7 @@ local execs = redis.call('HKEYS', ${usage})
 local out = {}
 for i, qk in ipairs(redis.call('ZRANGE', ${queue}, 0, tonumber(ARGV[2]) - 1)) do
   local rid = ${queue_request_id(qk)}
-  local f = redis.call('HMGET', ${req(rid)}, 'plen', 'maxt', 'prio', 'bh', 'lora')
+  local f = redis.call('HMGET', ${req(rid)}, 'plen', 'maxt', 'prio', 'bh', 'lora', 'kvto')
   local hits = {}
   if f[4] and f[4] ~= '' then
     for _, e in ipairs(execs) do
@@ -239,7 +239,7 @@ for i, qk in ipairs(redis.call('ZRANGE', ${queue}, 0, tonumber(ARGV[2]) - 1)) do
     end
   end
   out[i] = {qk, f[1] or '0', f[2] or '0', f[3] or '0', redis.call('LLEN', ${out(rid)}),
-            table.concat(hits, ','), f[5] or ''}
+            table.concat(hits, ','), f[5] or '', f[6] or ''}
 end
 return out
 """

@@ -26,12 +26,12 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from pagedserve.keys import ExecutorKeys, Keys
+from pagedserve.keys import INCOMING_MAXLEN, ExecutorKeys, Keys
 from scheduler_svc.core.logprob import Logprob
 
 RESULT_TTL_S = 600  # finished requests stay readable (and resumable) this long, by default
 EVENTS_MAXLEN = 100_000  # the events stream is capped at about this many entries
-INCOMING_MAXLEN = 10_000  # and the doorbell stream at this many
+# and the doorbell stream at INCOMING_MAXLEN (pagedserve.keys: executors ring it too)
 EVICTED_KEEP_MS = 86_400_000  # an evicted executor is remembered (never led again) this long
 
 # A queue member is "<arrival, zero-padded>:<request id>", so that members sort by arrival;

@@ -79,12 +79,16 @@ class Overloaded(RuntimeError):
 
 @dataclass(slots=True)
 class Op:
-    """An entry of the incoming stream: a doorbell, and for ``cancel`` what to end."""
+    """An entry of the incoming stream: a doorbell, and for ``cancel`` what to end. Moving KV: ``unlend``
+    (request_id is a lend id), and ``offer`` and ``ask`` for the loop of executor ``to`` only, with ``data``
+    (``codec.offer_from``, ``codec.ask_from``)."""
 
     stream_id: str
-    op: str  # submit | cancel | requeue
+    op: str  # submit | cancel | requeue | unlend | offer | ask
     request_id: str
     reason: Finish | None = None
+    to: str = ""
+    data: str = ""
 
 
 class RedisStore:
@@ -319,7 +323,7 @@ class RedisStore:
         pipe.zcard(self.keys.queue)
         got, queued = await pipe.execute()
         return [
-            Op(eid, f["op"], f["id"], Finish(f["reason"]) if f.get("reason") else None)
+            Op(eid, f["op"], f["id"], Finish(f["reason"]) if f.get("reason") else None, f.get("to", ""), f.get("d", ""))
             for _, entries in got or []
             for eid, f in entries
         ], int(queued)

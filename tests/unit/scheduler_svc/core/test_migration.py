@@ -35,7 +35,7 @@ def test_a_lend_holds_the_blocks_a_migrated_request_leaves_with() -> None:
     r = req("r", prompt=10)
     decoded(a, r, 4)  # prompt in one step, then 3 decodes: 13 tokens computed, 4 blocks
     held = list(r.blocks)
-    a.migrate(r, source_of(), now_ms=1000)
+    a.moves.migrate(r, source_of(), now_ms=1000)
     assert r.status == Status.WAITING and r.blocks == [] and r.num_computed == 0
     assert r.kv is not None and r.kv.tokens == 13 and r.kv.blocks == tuple((int(DEVICE), b) for b in held)
     assert a.blocks.num_free(DEVICE) == 16 - len(held), "lent blocks are not free"
@@ -43,7 +43,7 @@ def test_a_lend_holds_the_blocks_a_migrated_request_leaves_with() -> None:
     assert [x.lend_id for x in rec.lent] == [r.kv.lend] and rec.requeued == [r]
     out = a.schedule()
     assert [x.lend_id for x in out.lends] == [r.kv.lend] and not out.scheduled, "the next plan registers it"
-    assert a.end_lend(r.kv.lend) and not a.end_lend(r.kv.lend)
+    assert a.moves.end_lend(r.kv.lend) and not a.moves.end_lend(r.kv.lend)
     assert a.blocks.num_free(DEVICE) == 16
     assert a.take_record().unlent == [r.kv.lend]
     assert a.schedule().unlends == [r.kv.lend]
@@ -58,10 +58,10 @@ def test_a_swapped_request_lends_its_swap_blocks() -> None:
     a.running.remove(r)
     r.status = Status.SWAPPED
     a.swapped.add(r)
-    a.migrate(r, source_of(), now_ms=0)
+    a.moves.migrate(r, source_of(), now_ms=0)
     assert r.kv is not None and {t for t, _ in r.kv.blocks} == {int(CPU)}
     assert a.blocks.num_free(CPU) == 8 - len(r.kv.blocks)
-    a.end_lend(r.kv.lend)
+    a.moves.end_lend(r.kv.lend)
     assert a.blocks.num_free(CPU) == 8 and a.blocks.num_free(DEVICE) == 16
 
 
@@ -69,7 +69,7 @@ def test_the_destination_pulls_then_decodes_from_where_the_source_stopped() -> N
     a, b = make(blocks=16), make(blocks=16)
     r = req("r", prompt=10, max_tokens=20)
     decoded(a, r, 4)
-    a.migrate(r, source_of(), now_ms=1000)
+    a.moves.migrate(r, source_of(), now_ms=1000)
     moved = handed_over(r)
     b.add(moved)
     out = b.schedule()
@@ -121,4 +121,4 @@ def test_pick_moves_what_serving_peers_have_room_for() -> None:
 
     rs = [req(f"r{i}", prompt=10) for i in range(3)]  # 11 tokens with the next: 3 blocks each
     views = {"me": view("me", 64), "b": view("b", 7), "c": view("c", 40, serving=False)}
-    assert migration.pick(rs, views, "me", 4) == rs[:2]
+    assert [r for r, _ in migration.pick(rs, views, "me", 4)] == rs[:2]
