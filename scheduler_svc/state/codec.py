@@ -246,6 +246,7 @@ def view_json(v: PoolView) -> str:
             "watermark": v.watermark,
             "held": {str(p): n for p, n in v.held.items()},
             **({"loras": [v.max_loras, *v.adapters]} if v.max_loras else {}),
+            **({"loaded": v.loaded} if v.loaded else {}),
         },
         separators=(",", ":"),
     )
@@ -265,5 +266,7 @@ def view_from(executor: str, data: str) -> PoolView:
         d["max_num_seqs"],
         d["watermark"],
         {int(p): n for p, n in d["held"].items()},
-        *((d["loras"][0], tuple(d["loras"][1:])) if "loras" in d else ()),
+        max_loras=d["loras"][0] if "loras" in d else 0,
+        adapters=tuple(d["loras"][1:]) if "loras" in d else (),
+        loaded=tuple(d.get("loaded", ())),
     )
