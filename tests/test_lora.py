@@ -246,32 +246,48 @@ def test_unknown_adapters_and_ranks_over_the_limit_are_refused(cluster: Cluster,
 
 PAIR = "lora-pair"
 SECOND_HTTP_PAIR = free_port()
-HOLD_TOKENS = 480  # a hold's decode outlasts any probe's by hundreds of steps (tiny Llama: 512 positions)
+HOLD_TOKENS = 4000  # a hold outlasts a phase of the test by thousands of steps (it is aborted at its end)
+
+
+@dataclass(frozen=True, slots=True)
+class Pair:
+    cluster: Cluster
+    steps: list[Path]  # the two replicas' step logs
+    model: Path
+
+
+def long_context(tiny_llama: Path, dst: Path) -> Path:
+    """Tiny Llama's weights with 4,096 positions (rotary: nothing else changes), so a hold can run long."""
+    shutil.copytree(tiny_llama, dst)
+    config = json.loads((dst / "config.json").read_text())
+    (dst / "config.json").write_text(json.dumps(config | {"max_position_embeddings": 4096}))
+    return dst
 
 
 @pytest.fixture(scope="module")
 def pair(
     tiny_llama: Path, redis_url: str, adapters: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[tuple[Cluster, list[Path]]]:
+) -> Iterator[Pair]:
     """Two executors with one adapter slot each (--max-loras 1: a slot is scarce, so placement must
     find it), two scheduler replicas (each with a step log and an HTTP door); a, b and c registered
     at start. A short lease, so each executor's record (its slots) reaches placement within a second."""
     logs = tmp_path_factory.mktemp("pair")
+    model = long_context(tiny_llama, logs / "model")
     steps = [logs / "steps-0.jsonl", logs / "steps-1.jsonl"]
     lora = ["--enable-lora", "--max-loras", "1", "--max-lora-rank", "16", "--lease-ms", "3000"]
     modules = [f"{n}={adapters[n]}" for n in "abc"]
     with make_cluster(
-        tiny_llama,
+        model,
         redis_url,
         PAIR,
         logs,
-        blocks=256,
+        blocks=1024,
         executors=2,
         executor_args=lora,
         scheduler_args=[*lora, "--lora-modules", *modules, "--step-log", str(steps[0])],
     ) as cluster:
         cluster.start_scheduler(["--http-port", str(SECOND_HTTP_PAIR), *lora, "--step-log", str(steps[1])])
-        yield cluster, steps
+        yield Pair(cluster, steps, model)
 
 
 class Hold:
@@ -335,9 +351,9 @@ def wait_idle(r: redis.Redis) -> None:
 
 
 def test_adapters_go_where_they_run_then_to_a_free_slot_then_where_they_sit(
-    pair: tuple[Cluster, list[Path]], adapters: dict[str, Path]
+    pair: Pair, adapters: dict[str, Path]
 ) -> None:
-    cluster, logs = pair
+    cluster, logs = pair.cluster, pair.steps
     r = redis.Redis.from_url(cluster.redis_url, decode_responses=True)
     t0 = time.time()
     hold_a = Hold(cluster.address, "hold-a", "a")
@@ -371,11 +387,11 @@ def test_adapters_go_where_they_run_then_to_a_free_slot_then_where_they_sit(
 
 
 def test_an_adapter_loaded_on_one_replica_is_served_by_whichever_executor_it_lands_on(
-    pair: tuple[Cluster, list[Path]], adapters: dict[str, Path], tiny_llama: Path
+    pair: Pair, adapters: dict[str, Path]
 ) -> None:
     """e is registered once, through the second replica's HTTP door; its requests go through the first
     replica's gRPC door, to one executor while the other's slot is taken, then to the other."""
-    cluster, logs = pair
+    cluster, logs = pair.cluster, pair.steps
     r = redis.Redis.from_url(cluster.redis_url, decode_responses=True)
     with http(cluster, SECOND_HTTP_PAIR) as h:
         got = h.post("/v1/load_lora_adapter", json={"lora_name": "e", "lora_path": str(adapters["v1"])})
@@ -396,7 +412,7 @@ def test_an_adapter_loaded_on_one_replica_is_served_by_whichever_executor_it_lan
     served += run_all(cluster.address, second)  # y's one slot runs c: they run on x
     hold_c.end()
     assert ran_on(steps_since(logs, t0), "e") == {x, y}, "both executors served e"
-    want = peft_greedy(tiny_llama, adapters["v1"], [list(q.prompt_token_ids) for q in first + second], MAX_TOKENS)
+    want = peft_greedy(pair.model, adapters["v1"], [list(q.prompt_token_ids) for q in first + second], MAX_TOKENS)
     assert [s.token_ids for s in served] == want, "e's output, wherever it ran, is PEFT's"
 
 
@@ -404,9 +420,10 @@ def test_an_adapter_loaded_on_one_replica_is_served_by_whichever_executor_it_lan
 
 SMOL = "lora-smol"
 SMOL_TOKENS = 24
-# Twelve requests of 4-5 blocks on 20 blocks: a few run at once, the rest wait, the newest are preempted and
-# recomputed, hitting the prefix cache (each adapter's two shared blocks, and their own computed ones).
-SMOL_BLOCKS = 20
+# Twelve requests of 3 blocks (prompt) growing to 4-5, on 32 blocks: about ten start at once, so they mix every
+# adapter and the base model (ten of the twelve hold some of each kind), then outgrow the pool; the newest are
+# preempted and recomputed, hitting the prefix cache (each adapter's two shared blocks and their own).
+SMOL_BLOCKS = 32
 
 
 def make_adapters(base_dir: Path, root: Path, specs: dict[str, tuple[int, int, list[str]]]) -> dict[str, Path]:
