@@ -25,14 +25,14 @@ from safetensors.torch import load as load_safetensors
 
 from executor_svc.linear import PackedLinear
 from executor_svc.plan import LoraRef, PlanError, SeqInput
-from paged_kernels.lora import Gather, Segment, bgmv_add, gather_of, segments, sgmv_add
+from paged_kernels.lora import Segment, segments, sgmv_add, stack_mask, stacked_add
 from pagedserve import lora as adapters
 
 log = logging.getLogger(__name__)
 PEFT_PREFIX = "base_model.model."
-# A step with at most this many adapter tokens and more than one adapter takes the batched gather
-# (BGMV: one chain of ops per layer); longer steps (prefills), or one adapter, take SGMV.
-BGMV_MAX_TOKENS = 128
+# A step of at most this many tokens whose tokens are not all on one adapter takes every slot at once
+# (``stacked_add``: three ops per layer); longer steps (prefills), or one adapter on every token, take SGMV.
+STACKED_MAX_TOKENS = 128
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,14 +92,14 @@ class _Target:
     """One hooked linear layer's slots."""
 
     a: torch.Tensor  # [slots, max_rank, in]
-    b: torch.Tensor  # [slots, out, max_rank]
+    b: torch.Tensor  # [slots, out, max_rank], a view of [out, slots, max_rank] storage (stacked_add's B, no copy)
     present: list[bool]  # per slot: whether its adapter targets this layer
 
 
 @dataclass(slots=True)
 class _Step:
     segs: list[Segment]  # the CPU path's groups
-    gather: Gather | None  # the CPU path's batched gather, for a decode-sized step mixing adapters
+    mask: torch.Tensor | None  # the CPU path's stack_mask, for a decode-sized step not all on one adapter
     token_slots: torch.Tensor  # [T] int32 on the device, for the kernel
     scaling: torch.Tensor  # [slots] float32 on the device
     used: set[int] = field(default_factory=set)
@@ -119,7 +119,7 @@ class Adapters:
                 out_f, in_f = module.out_features, module.in_features
                 self.targets[name] = _Target(
                     torch.zeros(n, r, in_f, dtype=dtype, device=device),
-                    torch.zeros(n, out_f, r, dtype=dtype, device=device),
+                    torch.zeros(out_f, n, r, dtype=dtype, device=device).permute(1, 0, 2),
                     [False] * n,
                 )
                 module.register_forward_hook(self._hook(self.targets[name]))
@@ -161,11 +161,11 @@ class Adapters:
         for s in seqs:
             token_slots += [slot_of[s.lora.digest] if s.lora is not None else -1] * len(s.token_ids)
         segs = segments(token_slots, self.ranks, self.scalings)
-        lora_tokens = sum(len(seg.rows) for seg in segs)
-        use_gather = len(segs) > 1 and lora_tokens <= BGMV_MAX_TOKENS and not self.triton
+        one_for_all = len(segs) == 1 and segs[0].rows is None
+        stacked = not one_for_all and len(token_slots) <= STACKED_MAX_TOKENS and not self.triton
         self.step = _Step(
             segs,
-            gather_of(token_slots, self.scalings, self.dtype) if use_gather else None,
+            stack_mask(token_slots, self.ranks, self.scalings, self.cfg.max_lora_rank, self.dtype) if stacked else None,
             torch.tensor(token_slots, dtype=torch.int32).to(self.device),
             torch.tensor(self.scalings, dtype=torch.float32).to(self.device),
         )
@@ -214,11 +214,13 @@ class Adapters:
                 from paged_kernels.lora_triton import bgmv
 
                 return out + bgmv(flat_x, target.a, target.b, step.scaling, step.token_slots).view_as(out)
-            if step.gather is not None:
-                bgmv_add(flat_out, flat_x, target.a, target.b, step.gather)
-                return out
             segs = [s for s in step.segs if target.present[s.slot]]
-            if segs:  # in place: the base layer's output is this step's own tensor
+            if not segs:  # no adapter of the step targets this layer
+                return out
+            # in place: the base layer's output is this step's own tensor
+            if step.mask is not None:
+                stacked_add(flat_out, flat_x, target.a, target.b, step.mask)
+            else:
                 sgmv_add(flat_out, flat_x, target.a, target.b, segs)
             return out
 
