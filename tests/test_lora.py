@@ -92,8 +92,19 @@ def adapters(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> dict
 
 
 @pytest.fixture(scope="module")
+def tiny_steps(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
+    """The step logs of the tiny deployment's two replicas (its executor's loop runs on either)."""
+    root = tmp_path_factory.mktemp("tiny-steps")
+    return [root / "steps-0.jsonl", root / "steps-1.jsonl"]
+
+
+@pytest.fixture(scope="module")
 def cluster(
-    tiny_llama: Path, redis_url: str, adapters: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+    tiny_llama: Path,
+    redis_url: str,
+    adapters: dict[str, Path],
+    tiny_steps: list[Path],
+    tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[Cluster]:
     """One executor, two scheduler replicas (each with an HTTP door); a and b from --lora-modules."""
     lora = ["--enable-lora", "--max-loras", "3", "--max-lora-rank", "16"]
@@ -105,9 +116,16 @@ def cluster(
         blocks=BLOCKS,
         http_port=free_port(),
         executor_args=[*lora, "--max-cpu-loras", "4"],
-        scheduler_args=[*lora, "--lora-modules", f"a={adapters['a']}", f"b={adapters['b']}"],
+        scheduler_args=[
+            *lora,
+            "--lora-modules",
+            f"a={adapters['a']}",
+            f"b={adapters['b']}",
+            "--step-log",
+            str(tiny_steps[0]),
+        ],
     ) as cluster:
-        cluster.start_scheduler(["--http-port", str(SECOND_HTTP), *lora])
+        cluster.start_scheduler(["--http-port", str(SECOND_HTTP), *lora, "--step-log", str(tiny_steps[1])])
         yield cluster
 
 
@@ -131,7 +149,7 @@ def hits(r: redis.Redis) -> int:
 
 
 def test_three_adapters_and_the_base_model_in_one_batch_match_peft(
-    cluster: Cluster, r: redis.Redis, adapters: dict[str, Path], tiny_llama: Path
+    cluster: Cluster, r: redis.Redis, adapters: dict[str, Path], tiny_llama: Path, tiny_steps: list[Path]
 ) -> None:
     # c is registered through the second replica's HTTP door, then used through the first replica's gRPC.
     with http(cluster, SECOND_HTTP) as h:
@@ -151,6 +169,12 @@ def test_three_adapters_and_the_base_model_in_one_batch_match_peft(
     assert len({tuple(want[n][0]) for n in names}) == 4, "the adapters change the output (else this tests nothing)"
     assert after.get("preemptions_recompute", 0) > before.get("preemptions_recompute", 0), "the small pool preempted"
     assert after.get("prefix_cache_hits", 0) > before.get("prefix_cache_hits", 0), "the shared prefix hit"
+    assert mixes_all(steps_since(tiny_steps, 0), 3), "some step ran all three adapters and the base model"
+
+
+def mixes_all(rows: list[dict], adapters: int) -> bool:
+    """Whether some step ran ``adapters`` adapters and the base model."""
+    return any(len(row["lora_adapters"]) == adapters and row["seqs"] > row["lora_seqs"] for row in rows)
 
 
 def test_new_weights_under_an_old_name_never_reuse_its_kv(
@@ -511,7 +535,4 @@ def test_smollm2_three_adapters_and_the_base_model_in_one_batch_match_peft_under
     assert len({tuple(want[n][0]) for n in names}) == 4, "the adapters change the output (else this tests nothing)"
     assert after.get("preemptions_recompute", 0) > before.get("preemptions_recompute", 0), "the small pool preempted"
     assert after.get("prefix_cache_hits", 0) > before.get("prefix_cache_hits", 0), "the shared prefix hit"
-    mixed = [
-        row for row in steps_since([smol.steps], 0) if len(row["lora_adapters"]) == 3 and row["seqs"] > row["lora_seqs"]
-    ]
-    assert mixed, "some step ran all three adapters and the base model"
+    assert mixes_all(steps_since([smol.steps], 0), 3), "some step ran all three adapters and the base model"
