@@ -30,9 +30,15 @@ from pagedserve import lora as adapters
 
 log = logging.getLogger(__name__)
 PEFT_PREFIX = "base_model.model."
-# A step of at most this many tokens whose tokens are not all on one adapter takes every slot at once
+# A step of at most this many tokens (decodes) whose tokens are not all on one adapter takes every slot at once
 # (``stacked_add``: three ops per layer); longer steps (prefills), or one adapter on every token, take SGMV.
 STACKED_MAX_TOKENS = 128
+# The threads of a decode-sized step's LoRA ops on CPU. Their GEMMs are a few dozen columns wide: one thread
+# computes them about as fast as two alone, and each parallel op ends in a barrier that, on cores shared with the
+# scheduler, Redis and the clients, waits for a descheduled thread. In the benchmark's LoRA arm (SmolLM2, 20
+# decodes over 4 adapters and the base model, 2 cores) the executor's forward took 25 ms a step more than the
+# base model's with the process's two threads, 9 ms with one. A prefill's keep the process's threads.
+SMALL_STEP_THREADS = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,6 +107,7 @@ class _Step:
     segs: list[Segment]  # the CPU path's groups
     mask: torch.Tensor | None  # the CPU path's stack_mask, for a decode-sized step not all on one adapter
     token_slots: torch.Tensor  # [T] int32 on the device, for the kernel
+    threads: int  # the CPU path's intra-op threads (0: the process's)
     scaling: torch.Tensor  # [slots] float32 on the device
     used: set[int] = field(default_factory=set)
 
@@ -167,6 +174,7 @@ class Adapters:
             segs,
             stack_mask(token_slots, self.ranks, self.scalings, self.cfg.max_lora_rank, self.dtype) if stacked else None,
             torch.tensor(token_slots, dtype=torch.int32).to(self.device),
+            SMALL_STEP_THREADS if len(token_slots) <= STACKED_MAX_TOKENS else 0,
             torch.tensor(self.scalings, dtype=torch.float32).to(self.device),
         )
 
@@ -217,11 +225,16 @@ class Adapters:
             segs = [s for s in step.segs if target.present[s.slot]]
             if not segs:  # no adapter of the step targets this layer
                 return out
-            # in place: the base layer's output is this step's own tensor
-            if step.mask is not None:
-                stacked_add(flat_out, flat_x, target.a, target.b, step.mask)
-            else:
-                sgmv_add(flat_out, flat_x, target.a, target.b, segs)
+            threads = torch.get_num_threads()
+            if step.threads:
+                torch.set_num_threads(step.threads)
+            try:  # in place: the base layer's output is this step's own tensor
+                if step.mask is not None:
+                    stacked_add(flat_out, flat_x, target.a, target.b, step.mask)
+                else:
+                    sgmv_add(flat_out, flat_x, target.a, target.b, segs)
+            finally:
+                torch.set_num_threads(threads)
             return out
 
         return add_delta
