@@ -25,7 +25,7 @@ from safetensors.torch import load as load_safetensors
 
 from executor_svc.linear import PackedLinear
 from executor_svc.plan import LoraRef, PlanError, SeqInput
-from paged_kernels.lora import Segment, segments, sgmv_add, stack_mask, stacked_add
+from paged_kernels.lora import Segment, segments, sgmv_add, stack_mask, stacked, stacked_add
 from pagedserve import lora as adapters
 
 log = logging.getLogger(__name__)
@@ -98,8 +98,13 @@ class _Target:
     """One hooked linear layer's slots."""
 
     a: torch.Tensor  # [slots, max_rank, in]
-    b: torch.Tensor  # [slots, out, max_rank], a view of [out, slots, max_rank] storage (stacked_add's B, no copy)
+    b: torch.Tensor  # [slots, out, max_rank], a view of [out, slots, max_rank] storage
     present: list[bool]  # per slot: whether its adapter targets this layer
+    a_t: torch.Tensor = field(init=False)  # stacked_add's views of a and b (paged_kernels.lora.stacked)
+    b_t: torch.Tensor = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.a_t, self.b_t = stacked(self.a, self.b)
 
 
 @dataclass(slots=True)
@@ -108,6 +113,7 @@ class _Step:
     mask: torch.Tensor | None  # the CPU path's stack_mask, for a decode-sized step not all on one adapter
     token_slots: torch.Tensor  # [T] int32 on the device, for the kernel
     threads: int  # the CPU path's intra-op threads (0: the process's)
+    restore: int  # the process's, given back after each delta
     scaling: torch.Tensor  # [slots] float32 on the device
     used: set[int] = field(default_factory=set)
 
@@ -175,6 +181,7 @@ class Adapters:
             stack_mask(token_slots, self.ranks, self.scalings, self.cfg.max_lora_rank, self.dtype) if stacked else None,
             torch.tensor(token_slots, dtype=torch.int32).to(self.device),
             SMALL_STEP_THREADS if len(token_slots) <= STACKED_MAX_TOKENS else 0,
+            torch.get_num_threads(),
             torch.tensor(self.scalings, dtype=torch.float32).to(self.device),
         )
 
@@ -225,16 +232,16 @@ class Adapters:
             segs = [s for s in step.segs if target.present[s.slot]]
             if not segs:  # no adapter of the step targets this layer
                 return out
-            threads = torch.get_num_threads()
             if step.threads:
                 torch.set_num_threads(step.threads)
             try:  # in place: the base layer's output is this step's own tensor
                 if step.mask is not None:
-                    stacked_add(flat_out, flat_x, target.a, target.b, step.mask)
+                    stacked_add(flat_out, flat_x, target.a_t, target.b_t, step.mask)
                 else:
                     sgmv_add(flat_out, flat_x, target.a, target.b, segs)
             finally:
-                torch.set_num_threads(threads)
+                if step.threads:
+                    torch.set_num_threads(step.restore)
             return out
 
         return add_delta

@@ -89,12 +89,17 @@ def stack_mask(
     return mask
 
 
-def stacked_add(out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> None:
-    """``out += ((x @ A^T) * mask) @ B^T`` in place, ``A`` every slot's ``a`` stacked ``[slots * max_rank, in]``
-    and ``B`` every slot's ``b`` side by side ``[out, slots * max_rank]`` (``mask``: ``stack_mask``). A view,
-    no copy, when ``b``'s storage is ``[out, slots, max_rank]`` (the executor's); a masked column adds
-    exact zeros, so a base-model token's output is untouched."""
+def stacked(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every slot's A stacked, transposed, ``[in, slots * max_rank]``, and every slot's B side by side,
+    transposed, ``[slots * max_rank, out]``: views, no copy, when ``b``'s storage is ``[out, slots, max_rank]``
+    (the executor's, made once per layer); a copy otherwise."""
     slots, rank, width = a.shape
-    h = x @ a.view(slots * rank, width).T
+    return a.view(slots * rank, width).T, b.permute(1, 0, 2).reshape(b.shape[1], slots * rank).T
+
+
+def stacked_add(out: torch.Tensor, x: torch.Tensor, a_t: torch.Tensor, b_t: torch.Tensor, mask: torch.Tensor) -> None:
+    """``out += ((x @ a_t) * mask) @ b_t`` in place (``a_t``, ``b_t``: ``stacked``; ``mask``: ``stack_mask``).
+    A masked column adds exact zeros, so a base-model token's output is untouched."""
+    h = torch.mm(x, a_t)
     h.mul_(mask)
-    out.addmm_(h, b.permute(1, 0, 2).reshape(b.shape[1], slots * rank).T)
+    out.addmm_(h, b_t)

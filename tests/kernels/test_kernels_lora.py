@@ -42,7 +42,10 @@ def test_stacked_matches_the_per_token_loop(storage):
     base = torch.randn(x.shape[0], b.shape[1], generator=gen)
     out = base.clone()
     mask = lora.stack_mask(token_slots.tolist(), ranks, scaling.tolist(), a.shape[1], torch.float32)
-    lora.stacked_add(out, x, a, b, mask)
+    a_t, b_t = lora.stacked(a, b)
+    if storage == "out-first":
+        assert b_t.untyped_storage().data_ptr() == b.untyped_storage().data_ptr(), "a view, no copy"
+    lora.stacked_add(out, x, a_t, b_t, mask)
     torch.testing.assert_close(out, base + lora.bgmv_loop(x, a, b, scaling, token_slots), rtol=1e-5, atol=1e-5)
     assert torch.equal(out[token_slots < 0], base[token_slots < 0]), "a base-model token's output is untouched"
 
