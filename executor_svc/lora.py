@@ -37,7 +37,7 @@ STACKED_MAX_TOKENS = 128
 # computes them about as fast as two alone, and each parallel op ends in a barrier that, on cores shared with the
 # scheduler, Redis and the clients, waits for a descheduled thread. In the benchmark's LoRA arm (SmolLM2, 20
 # decodes over 4 adapters and the base model, 2 cores) the executor's forward took 25 ms a step more than the
-# base model's with the process's two threads, 9 ms with one. A prefill's keep the process's threads.
+# base model's with the process's two threads, 9 ms with one. A prefill's LoRA ops keep the process's threads.
 SMALL_STEP_THREADS = 1
 
 
