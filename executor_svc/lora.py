@@ -33,12 +33,14 @@ PEFT_PREFIX = "base_model.model."
 # A step of at most this many tokens (decodes) whose tokens are not all on one adapter takes every slot at once
 # (``stacked_add``: three ops per layer); longer steps (prefills), or one adapter on every token, take SGMV.
 STACKED_MAX_TOKENS = 128
-# The threads of a decode-sized step's LoRA ops on CPU. Their GEMMs are a few dozen columns wide: one thread
-# computes them about as fast as two alone, and each parallel op ends in a barrier that, on cores shared with the
-# scheduler, Redis and the clients, waits for a descheduled thread. In the benchmark's LoRA arm (SmolLM2, 20
-# decodes over 4 adapters and the base model, 2 cores) the executor's forward took 25 ms a step more than the
-# base model's with the process's two threads, 9 ms with one. A prefill's LoRA ops keep the process's threads.
-SMALL_STEP_THREADS = 1
+# A step whose LoRA GEMMs take at most this many FLOPs on its widest layer runs them on one thread (CPU). A GEMM of
+# a few MFLOP gains little from a second thread, and each parallel op ends in a barrier that, on cores shared with
+# the scheduler, Redis and the clients, waits for a descheduled thread. In the benchmark's LoRA arm (SmolLM2, 20
+# requests over 4 adapters and the base model, 2 cores; decodes 3 MFLOP, prefills up to 43) the executor's
+# decode step took 25 ms more than the base model's on the process's two threads and 9 ms on one, and a prefill
+# 1.5-1.7x the base model's time per token on two and 1.1-1.2x on one. Bigger GEMMs (a large model's prefill)
+# keep the process's threads.
+ONE_THREAD_FLOPS = 64e6
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,6 +138,7 @@ class Adapters:
                     [False] * n,
                 )
                 module.register_forward_hook(self._hook(self.targets[name]))
+        self.widest = max((t.a.shape[2] + t.b.shape[1] for t in self.targets.values()), default=0)  # in + out
         self.slots: list[str | None] = [None] * n  # digest per slot
         self.ranks = [0] * n
         self.scalings = [0.0] * n
@@ -176,11 +179,13 @@ class Adapters:
         segs = segments(token_slots, self.ranks, self.scalings)
         one_for_all = len(segs) == 1 and segs[0].rows is None
         stacked = not one_for_all and len(token_slots) <= STACKED_MAX_TOKENS and not self.triton
+        columns = self.cfg.max_lora_rank * (len(self.slots) if stacked else 1)
+        flops = 2 * len(token_slots) * columns * self.widest
         self.step = _Step(
             segs,
             stack_mask(token_slots, self.ranks, self.scalings, self.cfg.max_lora_rank, self.dtype) if stacked else None,
             torch.tensor(token_slots, dtype=torch.int32).to(self.device),
-            SMALL_STEP_THREADS if len(token_slots) <= STACKED_MAX_TOKENS else 0,
+            1 if flops <= ONE_THREAD_FLOPS else 0,
             torch.get_num_threads(),
             torch.tensor(self.scalings, dtype=torch.float32).to(self.device),
         )

@@ -89,7 +89,7 @@ def test_slots_are_reused_and_refusals_name_the_problem(tmp_path: Path) -> None:
         adapters.begin([seq("4", 1, stale)])
 
 
-def test_a_small_step_runs_its_deltas_on_one_thread_and_gives_the_threads_back(
+def test_small_deltas_run_on_one_thread_and_give_the_threads_back(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     model = Toy()
@@ -104,7 +104,12 @@ def test_a_small_step_runs_its_deltas_on_one_thread_and_gives_the_threads_back(
         adapters.begin([seq("1", 3, a)])
         model(torch.randn(1, 3, 6))
         adapters.end()
-        assert seen == [executor_lora.SMALL_STEP_THREADS], "the delta ran on one thread"
+        assert seen == [1], "the delta ran on one thread"
         assert torch.get_num_threads() == 2, "and the process's threads are back"
+        monkeypatch.setattr(executor_lora, "ONE_THREAD_FLOPS", 0)  # as if the layers were wide
+        adapters.begin([seq("1", 3, a)])
+        model(torch.randn(1, 3, 6))
+        adapters.end()
+        assert seen == [1, 2], "a big GEMM keeps the process's threads"
     finally:
         torch.set_num_threads(before)
