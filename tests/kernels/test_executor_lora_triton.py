@@ -12,7 +12,7 @@ from executor_svc.lora import LoraConfig
 from executor_svc.plan import LoraRef, SeqInput, StepInput
 from executor_svc.sampler import Sampling
 from pagedserve.lora import read as read_adapter
-from tests.test_lora import make_adapter
+from tests.lora_support import make_adapter
 
 
 def engine_greedy(engine: Engine, prompts: list[list[int]], refs: list[LoraRef | None], steps: int) -> list[list[int]]:
