@@ -38,7 +38,7 @@ STACKED_MAX_TOKENS = 128
 # the scheduler, Redis and the clients, waits for a descheduled thread. In the benchmark's LoRA arm (SmolLM2, 20
 # requests over 4 adapters and the base model, 2 cores; decodes 3 MFLOP, prefills up to 43) the executor's
 # decode step took 25 ms more than the base model's on the process's two threads and 9 ms on one, and a prefill
-# 1.5-1.7x the base model's time per token on two and 1.1-1.2x on one. Bigger GEMMs (a large model's prefill)
+# 1.5-1.7x the base model's time per token on two and 1.1-1.3x on one. Bigger GEMMs (a large model's prefill)
 # keep the process's threads.
 ONE_THREAD_FLOPS = 64e6
 
