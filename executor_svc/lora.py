@@ -25,14 +25,22 @@ from safetensors.torch import load as load_safetensors
 
 from executor_svc.linear import PackedLinear
 from executor_svc.plan import LoraRef, PlanError, SeqInput
-from paged_kernels.lora import Gather, Segment, bgmv_add, gather_of, segments, sgmv_add
+from paged_kernels.lora import Segment, segments, sgmv_add, stack_mask, stacked, stacked_add
 from pagedserve import lora as adapters
 
 log = logging.getLogger(__name__)
 PEFT_PREFIX = "base_model.model."
-# A step with at most this many adapter tokens and more than one adapter takes the batched gather
-# (BGMV: one chain of ops per layer); longer steps (prefills), or one adapter, take SGMV.
-BGMV_MAX_TOKENS = 128
+# A step of at most this many tokens (decodes) whose tokens are not all on one adapter takes every slot at once
+# (``stacked_add``: three ops per layer); longer steps (prefills), or one adapter on every token, take SGMV.
+STACKED_MAX_TOKENS = 128
+# A step whose LoRA GEMMs take at most this many FLOPs on its widest layer runs them on one thread (CPU). A GEMM of
+# a few MFLOP gains little from a second thread, and each parallel op ends in a barrier that, on cores shared with
+# the scheduler, Redis and the clients, waits for a descheduled thread. In the benchmark's LoRA arm (SmolLM2, 20
+# requests over 4 adapters and the base model, 2 cores; decodes 3 MFLOP, prefills up to 43) the executor's
+# decode step took 25 ms more than the base model's on the process's two threads and 9 ms on one, and a prefill
+# 1.5-1.7x the base model's time per token on two and 1.1-1.3x on one. Bigger GEMMs (a large model's prefill)
+# keep the process's threads.
+ONE_THREAD_FLOPS = 64e6
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,15 +100,22 @@ class _Target:
     """One hooked linear layer's slots."""
 
     a: torch.Tensor  # [slots, max_rank, in]
-    b: torch.Tensor  # [slots, out, max_rank]
+    b: torch.Tensor  # [slots, out, max_rank], a view of [out, slots, max_rank] storage
     present: list[bool]  # per slot: whether its adapter targets this layer
+    a_t: torch.Tensor = field(init=False)  # stacked_add's views of a and b (paged_kernels.lora.stacked)
+    b_t: torch.Tensor = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.a_t, self.b_t = stacked(self.a, self.b)
 
 
 @dataclass(slots=True)
 class _Step:
     segs: list[Segment]  # the CPU path's groups
-    gather: Gather | None  # the CPU path's batched gather, for a decode-sized step mixing adapters
+    mask: torch.Tensor | None  # the CPU path's stack_mask, for a decode-sized step not all on one adapter
     token_slots: torch.Tensor  # [T] int32 on the device, for the kernel
+    threads: int  # the CPU path's intra-op threads (0: the process's)
+    restore: int  # the process's, given back after each delta
     scaling: torch.Tensor  # [slots] float32 on the device
     used: set[int] = field(default_factory=set)
 
@@ -119,10 +134,11 @@ class Adapters:
                 out_f, in_f = module.out_features, module.in_features
                 self.targets[name] = _Target(
                     torch.zeros(n, r, in_f, dtype=dtype, device=device),
-                    torch.zeros(n, out_f, r, dtype=dtype, device=device),
+                    torch.zeros(out_f, n, r, dtype=dtype, device=device).permute(1, 0, 2),
                     [False] * n,
                 )
                 module.register_forward_hook(self._hook(self.targets[name]))
+        self.widest = max((t.a.shape[2] + t.b.shape[1] for t in self.targets.values()), default=0)  # in + out
         self.slots: list[str | None] = [None] * n  # digest per slot
         self.ranks = [0] * n
         self.scalings = [0.0] * n
@@ -161,12 +177,16 @@ class Adapters:
         for s in seqs:
             token_slots += [slot_of[s.lora.digest] if s.lora is not None else -1] * len(s.token_ids)
         segs = segments(token_slots, self.ranks, self.scalings)
-        lora_tokens = sum(len(seg.rows) for seg in segs)
-        use_gather = len(segs) > 1 and lora_tokens <= BGMV_MAX_TOKENS and not self.triton
+        one_for_all = len(segs) == 1 and segs[0].rows is None
+        stacked = not one_for_all and len(token_slots) <= STACKED_MAX_TOKENS and not self.triton
+        columns = self.cfg.max_lora_rank * (len(self.slots) if stacked else 1)
+        flops = 2 * len(token_slots) * columns * self.widest
         self.step = _Step(
             segs,
-            gather_of(token_slots, self.scalings, self.dtype) if use_gather else None,
+            stack_mask(token_slots, self.ranks, self.scalings, self.cfg.max_lora_rank, self.dtype) if stacked else None,
             torch.tensor(token_slots, dtype=torch.int32).to(self.device),
+            1 if flops <= ONE_THREAD_FLOPS else 0,
+            torch.get_num_threads(),
             torch.tensor(self.scalings, dtype=torch.float32).to(self.device),
         )
 
@@ -214,12 +234,19 @@ class Adapters:
                 from paged_kernels.lora_triton import bgmv
 
                 return out + bgmv(flat_x, target.a, target.b, step.scaling, step.token_slots).view_as(out)
-            if step.gather is not None:
-                bgmv_add(flat_out, flat_x, target.a, target.b, step.gather)
-                return out
             segs = [s for s in step.segs if target.present[s.slot]]
-            if segs:  # in place: the base layer's output is this step's own tensor
-                sgmv_add(flat_out, flat_x, target.a, target.b, segs)
+            if not segs:  # no adapter of the step targets this layer
+                return out
+            if step.threads:
+                torch.set_num_threads(step.threads)
+            try:  # in place: the base layer's output is this step's own tensor
+                if step.mask is not None:
+                    stacked_add(flat_out, flat_x, target.a_t, target.b_t, step.mask)
+                else:
+                    sgmv_add(flat_out, flat_x, target.a, target.b, segs)
+            finally:
+                if step.threads:
+                    torch.set_num_threads(step.restore)
             return out
 
         return add_delta

@@ -6,10 +6,19 @@ zero-padded). Each token names the slot of its sequence's adapter (``-1``: the b
 model, no delta). The delta of token ``t`` on slot ``s`` of rank ``r`` is
 ``x[t] @ a[s, :r].T @ b[s, :, :r].T * scaling[s]``, PEFT's ``lora_B(lora_A(x)) * scaling``.
 
-On CPU the tokens of one slot are gathered and run as two GEMMs (SGMV: one segment
-per adapter), at the adapter's own rank, in PEFT's order of operations, so a
-sequence's output is what PEFT computes for it. On CUDA the Triton kernel
-(``paged_kernels/lora_triton.py``) runs per token (BGMV) over the padded rank.
+On CPU two shapes of step, two paths:
+- a prefill, or a step whose tokens are all on one adapter: per adapter, its tokens (all
+  of them: no gather) as two GEMMs at the adapter's own rank, in PEFT's order of operations
+  (SGMV: one segment per adapter);
+- a decode-sized step mixing adapters (or an adapter and the base model): every slot at
+  once (``stacked_add``): one GEMM computes each token's product with every slot's A
+  (``[T, slots * max_rank]``: a few dozen columns), a mask keeps its own slot's columns
+  times its scaling (zero for the base model and for padding), and one GEMM expands it
+  through every slot's B. Three ops per layer however many adapters, and no per-token
+  copies of the weights (gathering each token's A and B moved more bytes per layer than
+  the layer's own weights).
+On CUDA the Triton kernel (``paged_kernels/lora_triton.py``) runs per token (BGMV) over
+the padded rank.
 """
 
 from __future__ import annotations
@@ -21,10 +30,10 @@ import torch
 
 @dataclass(frozen=True, slots=True)
 class Segment:
-    """The tokens of one slot in a step: their rows in the packed batch."""
+    """The tokens of one slot in a step: their rows in the packed batch (None: every row)."""
 
     slot: int
-    rows: torch.Tensor  # int64 [n]
+    rows: torch.Tensor | None  # int64 [n]
     rank: int
     scaling: float
 
@@ -36,7 +45,10 @@ def segments(token_slots: list[int], ranks: list[int], scalings: list[float]) ->
         if slot >= 0:
             by_slot.setdefault(slot, []).append(row)
     return [
-        Segment(s, torch.tensor(rows, dtype=torch.long), ranks[s], scalings[s]) for s, rows in sorted(by_slot.items())
+        Segment(
+            s, None if len(rows) == len(token_slots) else torch.tensor(rows, dtype=torch.long), ranks[s], scalings[s]
+        )
+        for s, rows in sorted(by_slot.items())
     ]
 
 
@@ -45,9 +57,12 @@ def sgmv_add(out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tenso
 
     ``x``: ``[T, in]``; ``out``: ``[T, out]``, the base layer's output."""
     for seg in segs:
-        xs = x.index_select(0, seg.rows)
+        xs = x if seg.rows is None else x.index_select(0, seg.rows)
         delta = (xs @ a[seg.slot, : seg.rank].T) @ b[seg.slot, :, : seg.rank].T * seg.scaling
-        out.index_add_(0, seg.rows, delta)
+        if seg.rows is None:
+            out.add_(delta)
+        else:
+            out.index_add_(0, seg.rows, delta)
 
 
 def bgmv_loop(
@@ -62,31 +77,29 @@ def bgmv_loop(
     return out
 
 
-@dataclass(frozen=True, slots=True)
-class Gather:
-    """A step's adapter tokens for the batched-gather path: their rows, slots and scalings."""
-
-    rows: torch.Tensor  # int64 [n]: rows of the packed batch on an adapter
-    slots: torch.Tensor  # int64 [n]: each one's slot
-    scaling: torch.Tensor  # [n, 1]: each one's slot's scaling
-
-
-def gather_of(token_slots: list[int], scalings: list[float], dtype: torch.dtype) -> Gather:
-    rows = [t for t, s in enumerate(token_slots) if s >= 0]
-    slots = [token_slots[t] for t in rows]
-    return Gather(
-        torch.tensor(rows, dtype=torch.long),
-        torch.tensor(slots, dtype=torch.long),
-        torch.tensor([scalings[s] for s in slots], dtype=dtype)[:, None],
-    )
+def stack_mask(
+    token_slots: list[int], ranks: list[int], scalings: list[float], max_rank: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """``[T, slots * max_rank]``: token ``t`` on slot ``s`` of rank ``r`` has ``scaling[s]`` in columns
+    ``s * max_rank`` to ``s * max_rank + r`` and 0 elsewhere; a base-model token is all 0."""
+    mask = torch.zeros(len(token_slots), len(ranks) * max_rank, dtype=dtype)
+    for t, s in enumerate(token_slots):
+        if s >= 0:
+            mask[t, s * max_rank : s * max_rank + ranks[s]] = scalings[s]
+    return mask
 
 
-def bgmv_add(out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, g: Gather) -> None:
-    """BGMV: every adapter token at once over the padded rank, each gathering its slot's A and B
-    (``[n, max_rank, in]``, ``[n, out, max_rank]``): one chain of ops per layer however many
-    adapters the step mixes, for steps of a few tokens (decodes), where SGMV would run a
-    chain per adapter. Zero padding adds exact zeros."""
-    xs = x.index_select(0, g.rows)
-    h = torch.bmm(a.index_select(0, g.slots), xs.unsqueeze(2))
-    delta = torch.bmm(b.index_select(0, g.slots), h).squeeze(2) * g.scaling
-    out.index_add_(0, g.rows, delta)
+def stacked(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every slot's A stacked, transposed, ``[in, slots * max_rank]``, and every slot's B side by side,
+    transposed, ``[slots * max_rank, out]``: views, no copy, when ``b``'s storage is ``[out, slots, max_rank]``
+    (the executor's, made once per layer); a copy otherwise."""
+    slots, rank, width = a.shape
+    return a.view(slots * rank, width).T, b.permute(1, 0, 2).reshape(b.shape[1], slots * rank).T
+
+
+def stacked_add(out: torch.Tensor, x: torch.Tensor, a_t: torch.Tensor, b_t: torch.Tensor, mask: torch.Tensor) -> None:
+    """``out += ((x @ a_t) * mask) @ b_t`` in place (``a_t``, ``b_t``: ``stacked``; ``mask``: ``stack_mask``).
+    A masked column adds exact zeros, so a base-model token's output is untouched."""
+    h = torch.mm(x, a_t)
+    h.mul_(mask)
+    out.addmm_(h, b_t)

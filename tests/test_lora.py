@@ -1,9 +1,10 @@
-"""Many LoRA adapters on one base model, end to end (one tiny-Llama deployment with --enable-lora).
+"""Many LoRA adapters on one base model, end to end: tiny Llama with --enable-lora, one executor and
+two scheduler replicas (tests/test_lora_placement.py has two executors, tests/test_lora_smollm2.py the
+default model).
 
-The oracle is transformers + PEFT: each adapter's greedy output, served in batches that mix
-three adapters and the base model on a small pool (preemption) with prefix caching, is
-token-identical to ``PeftModel.from_pretrained(base, path).generate(do_sample=False)``.
-Adapters are made here with PEFT (random A and B: ``init_lora_weights=False``).
+The oracle is transformers + PEFT (``tests/lora_support.py``): each adapter's greedy output, served in
+batches that mix three adapters and the base model on a small pool (preemption) with prefix caching,
+is token-identical to ``PeftModel.from_pretrained(base, path).generate(do_sample=False)``.
 """
 
 from __future__ import annotations
@@ -19,60 +20,26 @@ import grpc
 import httpx
 import pytest
 import redis
-import torch
-from peft import LoraConfig, PeftModel, get_peft_model
 from rich.console import Console
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
-from executor_svc import lora as executor_lora
-from executor_svc.engine import Engine, EngineConfig
-from executor_svc.plan import LoraRef, SeqInput, StepInput
-from executor_svc.sampler import Sampling
 from pagedserve.cli import deployment, status, top
 from pagedserve.dev.launch import Cluster
 from pagedserve.dev.procs import free_port
 from pagedserve.keys import Keys
-from pagedserve.lora import read as read_adapter
 from pagedserve.v1 import generation_pb2 as pb
 from pagedserve.v1 import generation_pb2_grpc as pb_grpc
 from tests import helpers
 from tests.conftest import make_cluster
-from tests.helpers import greedy, run_all
+from tests.helpers import run_all
+from tests.lora_support import MAX_TOKENS, PROMPTS, make_adapter, mixes_all, on, peft_greedy, steps_since
 from tests.test_e2e_oracle import hf_greedy
 
 NS = "lora"
-ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-rng = random.Random(25)
-SHARED = [rng.randrange(3, 49152) for _ in range(32)]  # two blocks every prompt starts with: prefix-cache hits
-PROMPTS = [SHARED + [rng.randrange(3, 49152) for _ in range(rng.randrange(3, 20))] for _ in range(3)]
-MAX_TOKENS = 40
+rng = random.Random(26)
 # Twelve requests of about five blocks each on 24 blocks: preempted and recomputed from the prefix cache.
 BLOCKS = 24
 SECOND_HTTP = free_port()  # the second scheduler replica's HTTP door
-
-
-def make_adapter(base_dir: Path, dst: Path, seed: int, r: int = 8, targets: list[str] = ALL) -> Path:
-    torch.manual_seed(seed)
-    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
-    config = LoraConfig(r=r, lora_alpha=2 * r, target_modules=targets, init_lora_weights=False)
-    get_peft_model(base, config).save_pretrained(dst)
-    return dst
-
-
-def peft_greedy(base_dir: Path, adapter: Path, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
-    model = PeftModel.from_pretrained(base, adapter).eval()
-    outs = []
-    with torch.inference_mode():
-        for ids in prompts:
-            gen = model.generate(
-                input_ids=torch.tensor([ids]),
-                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                max_new_tokens=max_tokens,
-                do_sample=False,
-            )
-            outs.append(gen[0, len(ids) :].tolist())
-    return outs
 
 
 @pytest.fixture(scope="module")
@@ -90,8 +57,19 @@ def adapters(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> dict
 
 
 @pytest.fixture(scope="module")
+def tiny_steps(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
+    """The step logs of the tiny deployment's two replicas (its executor's loop runs on either)."""
+    root = tmp_path_factory.mktemp("tiny-steps")
+    return [root / "steps-0.jsonl", root / "steps-1.jsonl"]
+
+
+@pytest.fixture(scope="module")
 def cluster(
-    tiny_llama: Path, redis_url: str, adapters: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+    tiny_llama: Path,
+    redis_url: str,
+    adapters: dict[str, Path],
+    tiny_steps: list[Path],
+    tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[Cluster]:
     """One executor, two scheduler replicas (each with an HTTP door); a and b from --lora-modules."""
     lora = ["--enable-lora", "--max-loras", "3", "--max-lora-rank", "16"]
@@ -103,9 +81,16 @@ def cluster(
         blocks=BLOCKS,
         http_port=free_port(),
         executor_args=[*lora, "--max-cpu-loras", "4"],
-        scheduler_args=[*lora, "--lora-modules", f"a={adapters['a']}", f"b={adapters['b']}"],
+        scheduler_args=[
+            *lora,
+            "--lora-modules",
+            f"a={adapters['a']}",
+            f"b={adapters['b']}",
+            "--step-log",
+            str(tiny_steps[0]),
+        ],
     ) as cluster:
-        cluster.start_scheduler(["--http-port", str(SECOND_HTTP), *lora])
+        cluster.start_scheduler(["--http-port", str(SECOND_HTTP), *lora, "--step-log", str(tiny_steps[1])])
         yield cluster
 
 
@@ -118,18 +103,12 @@ def http(cluster: Cluster, port: int | None = None) -> httpx.Client:
     return httpx.Client(base_url=f"http://127.0.0.1:{port or cluster.http_port}", timeout=120)
 
 
-def on(adapter: str, ids: list[int]) -> pb.GenerateRequest:
-    req = greedy(ids, MAX_TOKENS)
-    req.lora_name = adapter
-    return req
-
-
 def hits(r: redis.Redis) -> int:
     return helpers.counters(r, NS).get("prefix_cache_hits", 0)
 
 
 def test_three_adapters_and_the_base_model_in_one_batch_match_peft(
-    cluster: Cluster, r: redis.Redis, adapters: dict[str, Path], tiny_llama: Path
+    cluster: Cluster, r: redis.Redis, adapters: dict[str, Path], tiny_llama: Path, tiny_steps: list[Path]
 ) -> None:
     # c is registered through the second replica's HTTP door, then used through the first replica's gRPC.
     with http(cluster, SECOND_HTTP) as h:
@@ -149,6 +128,7 @@ def test_three_adapters_and_the_base_model_in_one_batch_match_peft(
     assert len({tuple(want[n][0]) for n in names}) == 4, "the adapters change the output (else this tests nothing)"
     assert after.get("preemptions_recompute", 0) > before.get("preemptions_recompute", 0), "the small pool preempted"
     assert after.get("prefix_cache_hits", 0) > before.get("prefix_cache_hits", 0), "the shared prefix hit"
+    assert mixes_all(steps_since(tiny_steps, 0), 3), "some step ran all three adapters and the base model"
 
 
 def test_new_weights_under_an_old_name_never_reuse_its_kv(
@@ -238,48 +218,3 @@ def test_unknown_adapters_and_ranks_over_the_limit_are_refused(cluster: Cluster,
         with pytest.raises(grpc.RpcError) as exc:
             list(stub.Generate(on("gone", [5, 6, 7]), timeout=30))
         assert exc.value.code() == grpc.StatusCode.NOT_FOUND
-
-
-def engine_greedy(engine: Engine, prompts: list[list[int]], refs: list[LoraRef | None], steps: int) -> list[list[int]]:
-    """Drive an executor's engine as a scheduler would (one prefill chunk, then decodes), every
-    sequence with its adapter in the same steps; greedy tokens per sequence."""
-    bs, top = engine.geometry.block_size, engine.pool.device.num_blocks
-    tables = []
-    for p in prompts:
-        n = -(-(len(p) + steps) // bs)
-        tables.append(list(range(top - n, top)))
-        top -= n
-    outs: list[list[int]] = [[] for _ in prompts]
-    for step in range(steps):
-        seqs = [
-            SeqInput(
-                str(i),
-                list(p) if step == 0 else outs[i][-1:],
-                0 if step == 0 else len(p) + step - 1,
-                tables[i],
-                Sampling(temperature=0.0),
-                num_generated=step,
-                lora=ref,
-            )
-            for i, (p, ref) in enumerate(zip(prompts, refs))
-        ]
-        for rid, t in engine.step(StepInput(step_id=step, seqs=seqs)).tokens:
-            outs[int(rid)].append(t)
-    return outs
-
-
-def lora_ref(name: str, path: Path) -> LoraRef:
-    adapter = read_adapter(name, str(path), 64)
-    return LoraRef(adapter.digest, adapter.path, name)
-
-
-def test_smollm2_adapters_in_one_step_match_peft(smol_dir: Path, tmp_path: Path) -> None:
-    """The real architecture (30 layers, tied embeddings), in the executor's engine (no deployment)."""
-    paths = [make_adapter(smol_dir, tmp_path / str(i), 10 + i, r=8 if i < 2 else 4) for i in range(3)]
-    prompts = [[1, *(rng.randrange(3, 49152) for _ in range(12 + 3 * i))] for i in range(4)]
-    engine = Engine(EngineConfig(model=smol_dir, kv_cache_memory=64 << 20, lora=executor_lora.LoraConfig(max_loras=3)))
-    got = engine_greedy(engine, prompts, [lora_ref(str(i), p) for i, p in enumerate(paths)] + [None], 8)
-    for i, path in enumerate(paths):
-        assert got[i] == peft_greedy(smol_dir, path, [prompts[i]], 8)[0], f"adapter {i}"
-    assert got[3] == hf_greedy(smol_dir, [prompts[3]], [8])[0], "the base model's sequence"
-    assert got[0] != hf_greedy(smol_dir, [prompts[0]], [8])[0], "the adapter changes the output"

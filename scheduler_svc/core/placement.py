@@ -29,10 +29,16 @@ the longest hit wins unless its device usage exceeds the least loaded one's
 by more than ``PREFIX_LOAD_BOUND`` (a quarter of the pool): past that, the
 prefill a hit saves is worth less than balancing memory, and load wins.
 
-LoRA-aware: a request on an adapter prefers a pool whose running requests use
-that adapter (``LORA_RESIDENT``), then one with a free adapter slot
-(``LORA_FREE_SLOT``), as a bonus subtracted from the pool's load
-(``lora_preference``; each pool publishes its adapters and ``--max-loras``).
+LoRA-aware: each pool publishes ``--max-loras``, the adapters its running and
+swapped requests use, and those its executor holds in its device slots. A pool
+can take a request on an adapter now only if it runs that adapter or has a free
+slot (``core/lora.py``'s rule, with the walk's own assignments counted), so the
+request never waits behind another pool's adapters while a slot is free
+elsewhere; with no slot anywhere it fits nowhere now and waits at the head of the
+queue. Among the pools that can take it, one running its adapter is preferred
+(``LORA_RUNNING``), then one whose slots hold it (``LORA_LOADED``: no read, no
+copy), then any with a free slot (``LORA_FREE_SLOT``), as a bonus subtracted from
+the pool's load (``lora_preference``).
 
 A request moving with its KV (core/migration.py) whose full blocks were
 pre-copied to one executor (``target``) goes to that executor whenever it can
@@ -48,7 +54,7 @@ from a pool's load for one request.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 from pagedserve.tiers import Tier
@@ -56,8 +62,9 @@ from scheduler_svc.core.disagg import PREFILL, DisaggConfig, split, takes
 from scheduler_svc.core.fit import blocks_for, fits_ever
 
 PREFIX_LOAD_BOUND = 0.25  # device usage (0-1) a cache hit may cost over the least loaded pool
-LORA_RESIDENT = 0.5  # device usage a pool running the request's LoRA adapter may carry over the least loaded
-LORA_FREE_SLOT = 0.25  # ... and one with a free adapter slot (the others' requests would wait for one)
+LORA_RUNNING = 0.5  # device usage a pool running the request's LoRA adapter may carry over the least loaded
+LORA_LOADED = 0.3  # ... one whose device slots hold it (idle) and have room for it
+LORA_FREE_SLOT = 0.25  # ... and one with a free adapter slot (it reads and copies the adapter in)
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +85,7 @@ class PoolView:
     max_loras: int = 0  # --max-loras (0: LoRA off)
     adapters: tuple[str, ...] = ()  # digests of the LoRA adapters its running and swapped requests use
     role: str = "mixed"  # its executor's --role (core/disagg.py)
+    loaded: tuple[str, ...] = ()  # digests in its executor's device slots (its membership record)
 
     @property
     def load(self) -> float:
@@ -116,6 +124,7 @@ class _Sim:
     view: PoolView
     free: int
     running: int
+    adapters: set[str]  # its view's, and those of the requests the walk gave it
     taken: int = 0
 
     @property
@@ -134,10 +143,18 @@ class _Sim:
         reserve = self.view.watermark if self.running else 0
         return self.running < self.view.max_num_seqs and self.need(c, budget) + reserve <= self.free
 
+    def has_slot(self, c: Candidate) -> bool:
+        """Whether its adapter could run here now (``core/lora.admits``): the base model, an adapter it
+        runs, or a free slot."""
+        m = self.view.max_loras
+        return not c.adapter or m <= 0 or c.adapter in self.adapters or len(self.adapters) < m
+
     def assign(self, c: Candidate, budget: int) -> None:
         self.free -= self.need(c, budget)
         self.running += 1
         self.taken += 1
+        if c.adapter and self.view.max_loras:
+            self.adapters.add(c.adapter)
 
 
 def preemption_target(c: Candidate, views: list[PoolView], budget: int) -> str | None:
@@ -165,14 +182,19 @@ def _cache_holder(c: Candidate, now: list[_Sim], least: _Sim) -> _Sim | None:
     return top
 
 
-def lora_preference(c: Candidate, view: PoolView) -> float:
-    """A LoRA request's bonus for a pool: most where its adapter runs (no load, no slot taken), less
-    where a slot is free; none for the base model or a pool without LoRA (nothing changes then)."""
+def lora_preference(c: Candidate, view: PoolView, running: Collection[str] | None = None) -> float:
+    """A LoRA request's bonus for a pool: most where its adapter runs (no slot taken), then where it
+    sits in a device slot and a slot is free (nothing to read or copy), less where a slot is free;
+    none without one, and none for the base model or a pool without LoRA (nothing changes then).
+    ``running``: the adapters the pool runs (default: its view's; the walk adds its own assignments)."""
     if not c.adapter or not view.max_loras:
         return 0.0
-    if c.adapter in view.adapters:
-        return LORA_RESIDENT
-    return LORA_FREE_SLOT if len(view.adapters) < view.max_loras else 0.0
+    running = view.adapters if running is None else running
+    if c.adapter in running:
+        return LORA_RUNNING
+    if len(running) >= view.max_loras:
+        return 0.0
+    return LORA_LOADED if c.adapter in view.loaded else LORA_FREE_SLOT
 
 
 def pick(
@@ -197,7 +219,7 @@ def pick(
     """
     if me not in views or not views[me].serving:
         return []
-    sims = {e: _Sim(v, v.free[Tier.DEVICE], v.running) for e, v in views.items() if v.serving}
+    sims = {e: _Sim(v, v.free[Tier.DEVICE], v.running, set(v.adapters)) for e, v in views.items() if v.serving}
     mine: list[Candidate] = []
     tokens = budget
     decode_serving = any(s.view.role != PREFILL for s in sims.values())
@@ -206,14 +228,14 @@ def pick(
         able = [s for s in sims.values() if c.fits_ever(s.view) and takes(s.view.role, d, decode_serving)]
         if not able:
             continue
-        now = [s for s in able if s.fits_now(c, budget)]
+        now = [s for s in able if s.fits_now(c, budget) and s.has_slot(c)]
         if not now:
             if policy == "priority" and preemption_target(c, [s.view for s in able], budget) == me:
                 mine.append(c)
             break
 
         def load(s: _Sim, c: Candidate = c) -> tuple[float, str]:
-            bonus = (affinity(c, s.view.executor) if affinity else 0.0) + lora_preference(c, s.view)
+            bonus = (affinity(c, s.view.executor) if affinity else 0.0) + lora_preference(c, s.view, s.adapters)
             return (s.load - bonus, s.view.executor)
 
         best = min(now, key=load)

@@ -235,10 +235,19 @@ class Loop:
             return StreamChannel(self.channel, self.executor_timeout)
         return UnaryChannel(self.stub, self.executor_timeout)
 
+    def _pool_view(self, sched: Scheduler, serving: bool) -> placement.PoolView:
+        """This pool as placement sees it: the scheduler's view, and with LoRA the adapters the executor's
+        device slots hold (its membership record, as of its last heartbeat)."""
+        view = sched.view(self.executor, serving, self.role)
+        m = self.member()
+        if view.max_loras and m is not None and m.lora_resident:
+            view = replace(view, loaded=tuple(sorted(m.lora_resident)))
+        return view
+
     def _view(self, sched: Scheduler) -> placement.PoolView | None:
         """This pool's view if it changed since it was last published."""
         m = self.member()
-        view = sched.view(self.executor, m is not None and m.serving, self.role)
+        view = self._pool_view(sched, m is not None and m.serving)
         if view == self._published:
             return None
         self._published = view
@@ -260,7 +269,7 @@ class Loop:
         candidates, views = await timer.redis_call(self.store.look(PEEK_DEPTH))
         if not candidates:
             return [], False, {}
-        views[self.executor] = sched.view(self.executor, True, self.role)
+        views[self.executor] = self._pool_view(sched, True)
         picks = placement.pick(
             candidates,
             self.executor,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Awaitable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import TextIO, TypeVar
 
 from pagedserve.executor.v1 import executor_pb2 as pb
@@ -45,6 +45,9 @@ class StepStats:
     rtt_ms: float = 0.0  # from sending the reported step's plan to its result (pipelined: spans a loop turn)
     idle_ms: float = 0.0  # the executor's wait for this plan after its previous step (StepResult.idle_ms)
     in_flight: int = 0  # plans sent and not reported after this iteration (pipelined: 1 in steady state)
+    seqs: int = 0  # sequences in the step
+    lora_seqs: int = 0  # of which on a LoRA adapter
+    lora_adapters: list[str] = field(default_factory=list)  # the step's distinct adapters (by digest), by name
 
 
 @dataclass(slots=True)
@@ -86,6 +89,7 @@ def stats(
     """The line for ``flight``'s reported ``result``, from the turn that took it (``timer``) and the
     scheduler's state after it; ``queued``: the shared queue's length, ``in_flight``: plans still out."""
     bm = sched.blocks
+    on_adapters = [x.req.lora for x in flight.out.scheduled if x.req.lora is not None]
     return StepStats(
         executor=executor,
         step=flight.step_id,
@@ -108,6 +112,9 @@ def stats(
         rtt_ms=(time.perf_counter() - flight.sent) * 1e3,
         idle_ms=result.idle_ms,
         in_flight=in_flight,
+        seqs=len(flight.out.scheduled),
+        lora_seqs=len(on_adapters),
+        lora_adapters=sorted({a.digest: a.name for a in on_adapters}.values()),
     )
 
 

@@ -282,6 +282,7 @@ def view_json(v: PoolView) -> str:
             "held": {str(p): n for p, n in v.held.items()},
             **({"loras": [v.max_loras, *v.adapters]} if v.max_loras else {}),
             **({"role": v.role} if v.role != "mixed" else {}),
+            **({"loaded": v.loaded} if v.loaded else {}),
         },
         separators=(",", ":"),
     )
@@ -304,4 +305,5 @@ def view_from(executor: str, data: str) -> PoolView:
         max_loras=d["loras"][0] if "loras" in d else 0,
         adapters=tuple(d["loras"][1:]) if "loras" in d else (),
         role=d.get("role", "mixed"),
+        loaded=tuple(d.get("loaded", ())),
     )

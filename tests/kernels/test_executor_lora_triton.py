@@ -9,7 +9,43 @@ import pytest
 
 from executor_svc.engine import Engine, EngineConfig
 from executor_svc.lora import LoraConfig
-from tests.test_lora import engine_greedy, lora_ref, make_adapter
+from executor_svc.plan import LoraRef, SeqInput, StepInput
+from executor_svc.sampler import Sampling
+from pagedserve.lora import read as read_adapter
+from tests.lora_support import make_adapter
+
+
+def engine_greedy(engine: Engine, prompts: list[list[int]], refs: list[LoraRef | None], steps: int) -> list[list[int]]:
+    """Drive an executor's engine as a scheduler would (one prefill chunk, then decodes), every
+    sequence with its adapter in the same steps; greedy tokens per sequence."""
+    bs, top = engine.geometry.block_size, engine.pool.device.num_blocks
+    tables = []
+    for p in prompts:
+        n = -(-(len(p) + steps) // bs)
+        tables.append(list(range(top - n, top)))
+        top -= n
+    outs: list[list[int]] = [[] for _ in prompts]
+    for step in range(steps):
+        seqs = [
+            SeqInput(
+                str(i),
+                list(p) if step == 0 else outs[i][-1:],
+                0 if step == 0 else len(p) + step - 1,
+                tables[i],
+                Sampling(temperature=0.0),
+                num_generated=step,
+                lora=ref,
+            )
+            for i, (p, ref) in enumerate(zip(prompts, refs))
+        ]
+        for rid, t in engine.step(StepInput(step_id=step, seqs=seqs)).tokens:
+            outs[int(rid)].append(t)
+    return outs
+
+
+def lora_ref(name: str, path: Path) -> LoraRef:
+    adapter = read_adapter(name, str(path), 64)
+    return LoraRef(adapter.digest, adapter.path, name)
 
 
 def test_triton_lora_path_matches_torch_path(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> None:

@@ -1,5 +1,5 @@
-"""LoRA deltas of a batch mixing adapters: the torch SGMV path and the Triton BGMV kernel
-(under the interpreter) against the per-token definition (``kernels/lora.py``)."""
+"""LoRA deltas of a batch mixing adapters: the torch SGMV and stacked paths and the Triton BGMV
+kernel (under the interpreter) against the per-token definition (``paged_kernels/lora.py``)."""
 
 import pytest
 import torch
@@ -33,14 +33,33 @@ def test_sgmv_matches_the_per_token_loop():
     assert torch.equal(out[base_rows], base[base_rows]), "a base-model token's output is untouched"
 
 
-def test_torch_bgmv_matches_the_per_token_loop():
+@pytest.mark.parametrize("storage", ["slots-first", "out-first"])
+def test_stacked_matches_the_per_token_loop(storage):
     gen = torch.Generator().manual_seed(2)
-    x, a, b, _, scaling, token_slots = _case(gen)
+    x, a, b, ranks, scaling, token_slots = _case(gen)
+    if storage == "out-first":  # the executor's: every slot's B side by side is a view
+        b = b.permute(1, 0, 2).contiguous().permute(1, 0, 2)
     base = torch.randn(x.shape[0], b.shape[1], generator=gen)
     out = base.clone()
-    lora.bgmv_add(out, x, a, b, lora.gather_of(token_slots.tolist(), scaling.tolist(), torch.float32))
+    mask = lora.stack_mask(token_slots.tolist(), ranks, scaling.tolist(), a.shape[1], torch.float32)
+    a_t, b_t = lora.stacked(a, b)
+    if storage == "out-first":
+        assert b_t.untyped_storage().data_ptr() == b.untyped_storage().data_ptr(), "a view, no copy"
+    lora.stacked_add(out, x, a_t, b_t, mask)
     torch.testing.assert_close(out, base + lora.bgmv_loop(x, a, b, scaling, token_slots), rtol=1e-5, atol=1e-5)
-    assert torch.equal(out[token_slots < 0], base[token_slots < 0])
+    assert torch.equal(out[token_slots < 0], base[token_slots < 0]), "a base-model token's output is untouched"
+
+
+def test_sgmv_of_one_adapter_on_every_token_takes_them_all():
+    gen = torch.Generator().manual_seed(3)
+    x, a, b, ranks, scaling, _ = _case(gen)
+    token_slots = torch.full((x.shape[0],), 1, dtype=torch.int32)
+    segs = lora.segments(token_slots.tolist(), ranks, scaling.tolist())
+    assert len(segs) == 1 and segs[0].rows is None, "no gather, no scatter"
+    base = torch.randn(x.shape[0], b.shape[1], generator=gen)
+    out = base.clone()
+    lora.sgmv_add(out, x, a, b, segs)
+    torch.testing.assert_close(out, base + lora.bgmv_loop(x, a, b, scaling, token_slots), rtol=1e-5, atol=1e-5)
 
 
 def test_sgmv_of_a_step_without_adapters_changes_nothing():

@@ -9,6 +9,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from executor_svc import lora as executor_lora
 from executor_svc.lora import Adapters, LoraConfig
 from executor_svc.plan import LoraRef, PlanError, SeqInput
 from pagedserve import lora
@@ -86,3 +87,29 @@ def test_slots_are_reused_and_refusals_name_the_problem(tmp_path: Path) -> None:
     stale = LoraRef("00" * 32, a.path, "a")
     with pytest.raises(PlanError, match="changed since it was registered"):
         adapters.begin([seq("4", 1, stale)])
+
+
+def test_small_deltas_run_on_one_thread_and_give_the_threads_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = Toy()
+    adapters = Adapters(model, LoraConfig(max_loras=1, max_lora_rank=2), torch.device("cpu"), torch.float32)
+    a, _, _ = write(tmp_path, "a", 1)
+    seen: list[int] = []
+    real = executor_lora.sgmv_add
+    monkeypatch.setattr(executor_lora, "sgmv_add", lambda *args: (seen.append(torch.get_num_threads()), real(*args)))
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        adapters.begin([seq("1", 3, a)])
+        model(torch.randn(1, 3, 6))
+        adapters.end()
+        assert seen == [1], "the delta ran on one thread"
+        assert torch.get_num_threads() == 2, "and the process's threads are back"
+        monkeypatch.setattr(executor_lora, "ONE_THREAD_FLOPS", 0)  # as if the layers were wide
+        adapters.begin([seq("1", 3, a)])
+        model(torch.randn(1, 3, 6))
+        adapters.end()
+        assert seen == [1, 2], "a big GEMM keeps the process's threads"
+    finally:
+        torch.set_num_threads(before)

@@ -1,10 +1,15 @@
-"""LoRA in the scheduler core: the adapter digest roots the prefix cache; --max-loras per step."""
+"""LoRA in the scheduler core: the adapter digest roots the prefix cache; --max-loras per step; placement."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from pagedserve.lora import Adapter
 from scheduler_svc.core import lora, prefix
+from scheduler_svc.core.placement import lora_preference
 from scheduler_svc.core.request import Request
+from scheduler_svc.state import codec
+from tests.unit.scheduler_svc.core.test_placement import cand, claims, pool
 from tests.unit.scheduler_svc.core.test_scheduler import make, req, run_step
 
 A = Adapter("a", "/a", "aa" * 32, 8)
@@ -53,12 +58,6 @@ def test_a_third_adapter_waits_at_the_head_and_runs_once_a_slot_frees() -> None:
 
 
 def test_placement_prefers_the_pool_running_the_adapter_then_a_free_slot() -> None:
-    from dataclasses import replace
-
-    from scheduler_svc.core.placement import lora_preference
-    from scheduler_svc.state import codec
-    from tests.unit.scheduler_svc.core.test_placement import cand, claims, pool
-
     c = replace(cand(1), adapter=A.digest)
     holds = replace(pool("x", free=40, running=2), max_loras=2, adapters=(A.digest,))  # busier, runs A
     free_slot = replace(pool("y", free=48, running=2), max_loras=2, adapters=(B.digest,))
@@ -70,3 +69,36 @@ def test_placement_prefers_the_pool_running_the_adapter_then_a_free_slot() -> No
     assert lora_preference(base, holds) == 0.0 and claims([base], {"x": holds, "z": full})["z"] == ["r2"]
     assert codec.view_from("x", codec.view_json(holds)) == holds, "the published view keeps the adapters"
     assert "loras" not in codec.view_json(pool("w")), "without LoRA the view is what it was"
+
+
+def test_a_pool_without_a_slot_never_takes_the_adapter_however_idle() -> None:
+    c = replace(cand(1), adapter=A.digest)
+    busy = replace(pool("y", free=8, running=6), max_loras=1)  # a slot, and 7/8 of its blocks in use
+    full = replace(pool("z", free=64, running=1), max_loras=1, adapters=(B.digest,))  # idle blocks, no slot
+    assert claims([c], {"y": busy, "z": full}) == {"y": ["r1"], "z": []}, "it would wait behind B's requests on z"
+    # No slot anywhere: it fits nowhere now and waits at the head of the queue, as a request too big for
+    # every pool does; what is behind it waits too (FCFS: it runs as soon as a slot frees).
+    other = replace(pool("y", free=64, running=1), max_loras=1, adapters=(C.digest,))
+    assert claims([c, cand(2)], {"y": other, "z": full}) == {"y": [], "z": []}
+    assert claims([c, cand(2)], {"y": replace(other, adapters=()), "z": full}) == {"y": ["r1"], "z": ["r2"]}
+
+
+def test_one_look_counts_the_slots_it_gives_away() -> None:
+    # y and z each have one free slot: two new adapters in one look go one to each, not both to the
+    # least loaded (where the second would wait), and a second request on an adapter follows the first.
+    y = replace(pool("y", free=60, running=1), max_loras=2, adapters=(B.digest,))
+    z = replace(pool("z", free=50, running=1), max_loras=2, adapters=(B.digest,))
+    on_a, on_c, again_a = (replace(cand(i), adapter=d) for i, d in ((1, A.digest), (2, C.digest), (3, A.digest)))
+    got = claims([on_a, on_c, again_a], {"y": y, "z": z})
+    assert got == {"y": ["r1", "r3"], "z": ["r2"]}, got
+
+
+def test_an_idle_adapter_in_a_device_slot_draws_its_requests() -> None:
+    c = replace(cand(1), adapter=A.digest)
+    loaded = replace(pool("y", free=62, running=0), max_loras=2, loaded=(A.digest, B.digest))  # a bit busier
+    cold = replace(pool("x", free=64, running=0), max_loras=2, loaded=(C.digest,))
+    assert lora_preference(c, loaded) > lora_preference(c, cold) > 0
+    assert claims([c], {"x": cold, "y": loaded}) == {"x": [], "y": ["r1"]}
+    full = replace(loaded, adapters=(B.digest, C.digest))  # it holds A, but both slots run others' requests
+    assert lora_preference(c, full) == 0.0 and claims([c], {"x": cold, "y": full}) == {"x": ["r1"], "y": []}
+    assert codec.view_from("y", codec.view_json(loaded)) == loaded, "the published view keeps the slots"
