@@ -130,6 +130,25 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         DURATIONS.write_text(json.dumps({m: round(s, 1) for m, s in sorted(SPENT.items())}, indent=1) + "\n")
 
 
+LOG_TAIL_LINES = 30
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    """A failed test that ran a deployment in its ``tmp_path`` reports the tail of each service's log: CI keeps
+    only the run's output, and a hang ("no progress") says nothing without what the services said."""
+    report = yield
+    tmp = getattr(item, "funcargs", {}).get("tmp_path")
+    if report.failed and isinstance(tmp, Path) and tmp.is_dir():
+        for log in sorted(tmp.rglob("*.log"))[:8]:
+            try:
+                lines = log.read_text(errors="replace").splitlines()[-LOG_TAIL_LINES:]
+            except OSError:
+                continue
+            report.sections.append((f"last {len(lines)} lines of {log.name}", "\n".join(lines)))
+    return report
+
+
 @pytest.fixture(scope="session")
 def redis_url() -> Iterator[str]:
     """``$REDIS_URL`` when set, else a real redis-server on a free port."""

@@ -90,12 +90,21 @@ class Streams:
         return [r.request_id for r in self.reqs]
 
 
-def progress(client: redis.Redis, ns: str, ids: list[str], tokens: int, timeout: float = 120) -> None:
-    """Wait until every request has generated at least ``tokens`` (a bound, not a speed: generous, as two
-    busy test workers share two cores)."""
+def progress(
+    client: redis.Redis, ns: str, ids: list[str], tokens: int, *errors: list[BaseException], timeout: float = 120
+) -> None:
+    """Wait until every request has generated at least ``tokens`` or has ended sooner (a sampled request may draw
+    its end of sequence early). The timeout is a bound, not a speed: generous, as two busy test workers share two
+    cores. ``errors``: the streams' error lists, so that a stream that failed fails the wait at once, naming why."""
     keys = Keys(ns)
     deadline = time.monotonic() + timeout
-    while min(client.llen(keys.out(rid)) for rid in ids) < tokens:
+
+    def done(rid: str) -> bool:
+        n = client.llen(keys.out(rid))
+        return n >= tokens or (n > 0 and not client.sismember(keys.live, rid))
+
+    while not all(done(rid) for rid in ids):
+        assert not any(errors), f"a stream failed: {[e for each in errors for e in each]}"
         assert time.monotonic() < deadline, "no progress"
         time.sleep(0.05)
 
@@ -121,7 +130,7 @@ def test_clients_finish_on_the_other_replica_when_theirs_is_killed(
         a, b = cluster.scheduler, cluster.start_scheduler(FAST)
         reqs = [greedy(p, 100) for p in PROMPTS[:3]] + [sampled(p, 100) for p in PROMPTS[3:6]]
         streams = Streams([[a.address, b.address]] * 6, reqs)
-        progress(client, ns, streams.ids(), 10)
+        progress(client, ns, streams.ids(), 10, streams.errors)
         kill_replica(a)
         got = streams.join()
         assert got[:3] == [e[:100] for e in expected[:3]], "greedy: the transformers reference"
@@ -183,7 +192,7 @@ def test_streams_survive_a_redis_outage(
         with make_cluster(tiny_llama, server.url, ns, tmp_path, blocks=64, scheduler_args=FAST) as cluster:
             client = redis.Redis.from_url(server.url, decode_responses=True)
             streams = Streams([[cluster.address]] * 6, [greedy(p, 200) for p in PROMPTS[:6]])
-            progress(client, ns, streams.ids(), 20)
+            progress(client, ns, streams.ids(), 20, streams.errors)
             if outage == "sigstop":
                 server.proc.send_signal(signal.SIGSTOP)
                 time.sleep(5)
@@ -214,10 +223,10 @@ def test_streams_survive_redis_losing_its_last_seconds(
             first = Streams(
                 [[cluster.address]] * 4, [greedy(p, 200) for p in PROMPTS[:2]] + [sampled(p, 200) for p in PROMPTS[2:4]]
             )
-            progress(client, ns, first.ids(), 20)
+            progress(client, ns, first.ids(), 20, first.errors)
             old = aof.read_bytes()  # the state Redis will come back to
             late = Streams([[cluster.address]] * 2, [greedy(PROMPTS[4], 200), sampled(PROMPTS[5], 200)])
-            progress(client, ns, first.ids() + late.ids(), 40)
+            progress(client, ns, first.ids() + late.ids(), 40, first.errors, late.errors)
             server.kill()
             aof.write_bytes(old)
             server.restart()
@@ -332,7 +341,7 @@ def test_the_client_streams_every_completion_of_a_group_whole_through_a_replica_
 
         thread = threading.Thread(target=stream)
         thread.start()
-        progress(client, ns, [f"group#{i}" for i in range(3)], 10)
+        progress(client, ns, [f"group#{i}" for i in range(3)], 10, errors)
         kill_replica(a)
         thread.join(240)
         assert not thread.is_alive() and not errors, errors
