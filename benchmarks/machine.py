@@ -37,6 +37,7 @@ from benchmarks.config import kv_bytes_per_token
 from benchmarks.workload import Workload
 from executor_svc.engine import Engine, EngineConfig
 from executor_svc.plan import SeqInput, StepInput
+from pagedserve import heap
 
 GEMM_SIZE = 2048
 RATIO_BATCH = 32  # the batch of summary.json's model_runner_ratio_32
@@ -243,6 +244,7 @@ def run(model_dir: Path, cfg: MachineConfig, workload: Workload, threads: int) -
     from benchmarks.arm_hf import load_model
 
     torch.set_num_threads(threads)
+    heap.keep_freed_memory()  # as the executor process does (both engines measured here share it)
     gemm = gemm_flops_per_s(cfg.gemm_size, cfg.gemm_reps)
     print(f"[machine] fp32 GEMM {cfg.gemm_size}^2: {gemm / 1e9:.1f} GFLOP/s", flush=True)
     model = load_model(model_dir, threads)

@@ -91,6 +91,13 @@ def _engine_arguments(p: argparse.ArgumentParser) -> None:
         default="onednn",
         help="the linear layers on CPU: onednn (weights prepacked once, as vLLM's CPU backend) or torch (F.linear)",
     )
+    p.add_argument(
+        "--keep-freed-memory",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="glibc's malloc keeps freed memory for the next step instead of unmapping it (no page faults on "
+        "every step's temporaries; pagedserve/heap.py)",
+    )
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
     p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     p.add_argument(
@@ -302,6 +309,8 @@ def _puller(args: argparse.Namespace, engine: Engine) -> Puller | None:
 
 async def serve(args: argparse.Namespace) -> None:
     await require_redis(args.redis_url)  # wrong or missing credentials: one clear line, exit 2
+    if args.keep_freed_memory and heap.keep_freed_memory():
+        log.info("malloc keeps freed memory (mmap threshold %d MiB)", heap.MMAP_THRESHOLD >> 20)
     try:
         engine = _engine(args)
     except ContextTooLong as exc:
