@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -156,6 +157,19 @@ def finish(worker: threading.Thread, client: redis.Redis, namespace: str, join_s
     worker.join(join_s)
     assert not worker.is_alive(), f"requests still unanswered after {join_s:.0f} s"
     return wait_all_free(client, namespace, timeout=60)
+
+
+@contextlib.contextmanager
+def aof_redis() -> Iterator[tuple[RedisServer, redis.Redis]]:
+    """A redis-server of the test's own that writes its AOF on every write (``appendfsync always``), and a client
+    on it: for tests that SIGKILL Redis mid-run and restart it from the AOF (``redis_outage``)."""
+    server = RedisServer(appendfsync="always")
+    client = redis.Redis.from_url(server.url, decode_responses=True)
+    try:
+        yield server, client
+    finally:
+        client.close()
+        server.stop()
 
 
 def redis_outage(server: RedisServer, down_s: float = 1.0) -> None:

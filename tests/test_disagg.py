@@ -21,11 +21,10 @@ import pytest
 import redis
 from transformers import AutoTokenizer
 
-from pagedserve.dev.procs import RedisServer
 from pagedserve.keys import Keys
 from pagedserve.v1 import generation_pb2 as pb
 from tests.conftest import make_cluster
-from tests.helpers import executors, finish, greedy, loop_failures, redis_outage, run_all, wait_all_free
+from tests.helpers import aof_redis, executors, finish, greedy, loop_failures, redis_outage, run_all, wait_all_free
 from tests.test_e2e_oracle import TEXTS, hf_greedy
 from tests.test_failover import run_in_background
 from tests.test_migration import FAST, SLOW, fetching
@@ -149,10 +148,9 @@ def test_redis_killed_mid_transfer_restarts_from_its_aof(
     tiny_llama: Path, tmp_path: Path, expected: list[list[int]]
 ) -> None:
     ns = "disagg-redis"
-    server = RedisServer(appendfsync="always")
-    client = redis.Redis.from_url(server.url, decode_responses=True)
-    try:
-        with make_cluster(
+    with (
+        aof_redis() as (server, client),
+        make_cluster(
             tiny_llama,
             server.url,
             ns,
@@ -160,19 +158,15 @@ def test_redis_killed_mid_transfer_restarts_from_its_aof(
             blocks=256,
             executor_args=[*FAST, "--role", "decode"],
             scheduler_args=[*FAST, *DISAGG],
-        ) as cluster:
-            cluster.add_executor(["--role", "prefill", *SLOW])
-            wait_for(lambda: len(executors(client, ns)) == 2, what="two loops")
-            worker, results = run_in_background(
-                cluster.address, [greedy(p, n) for p, n in zip(LONG + SHORT, MAX_TOKENS)]
-            )
-            wait_for(lambda: fetching(client, ns), timeout=90, what="a handoff under way")
-            redis_outage(server)
-            free, totals = finish(worker, client, ns)
-            assert sum(placed(client, ns).values()) == 0
-    finally:
-        client.close()
-        server.stop()
+        ) as cluster,
+    ):
+        cluster.add_executor(["--role", "prefill", *SLOW])
+        wait_for(lambda: len(executors(client, ns)) == 2, what="two loops")
+        worker, results = run_in_background(cluster.address, [greedy(p, n) for p, n in zip(LONG + SHORT, MAX_TOKENS)])
+        wait_for(lambda: fetching(client, ns), timeout=90, what="a handoff under way")
+        redis_outage(server)
+        free, totals = finish(worker, client, ns)
+        assert sum(placed(client, ns).values()) == 0
     assert [r.token_ids for r in results] == expected, "no token lost, duplicated or changed"
     assert free == totals
     assert loop_failures(tmp_path) == []

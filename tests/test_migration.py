@@ -25,11 +25,11 @@ from pathlib import Path
 import pytest
 import redis
 
-from pagedserve.dev.procs import RedisServer
 from pagedserve.keys import Keys
 from pagedserve.v1 import generation_pb2 as pb
 from tests.conftest import make_cluster
 from tests.helpers import (
+    aof_redis,
     counters,
     executors,
     finish,
@@ -341,10 +341,9 @@ def test_redis_killed_mid_copy_restarts_from_its_aof(
     commits and the lends' and fetches' records in Redis bring every pool back to a consistent state.
     Every request ends with transformers' tokens; no block stays held."""
     ns = "migrate-mid-redis"
-    server = RedisServer(appendfsync="always")
-    client = redis.Redis.from_url(server.url, decode_responses=True)
-    try:
-        with make_cluster(
+    with (
+        aof_redis() as (server, client),
+        make_cluster(
             tiny_llama,
             server.url,
             ns,
@@ -353,21 +352,19 @@ def test_redis_killed_mid_copy_restarts_from_its_aof(
             executors=2,
             executor_args=[*FAST, *SLOW, "--drain-timeout", "60"],
             scheduler_args=FAST,
-        ) as cluster:
-            wait_for(lambda: len(executors(client, ns)) == 2, what="two loops")
-            worker, results = run_in_background(cluster.address, [greedy(p, n) for p, n in zip(PROMPTS, MAX_TOKENS)])
-            wait_for(lambda: sum(placed(client, ns).values()) == N, what="every request placed")
-            source, _ = busiest(cluster, client, ns)
-            source.proc.send_signal(signal.SIGTERM)
-            wait_for(lambda: fetching(client, ns), what="a pre-copy under way")
-            redis_outage(server)
-            free, totals = finish(worker, client, ns)
-            assert source.proc.wait(timeout=90) == 0, "the drained executor exits 0"
-            log = Path(source.log_path).read_text()
-            assert "drain deadline reached" not in log, "it exited once it owned nothing, not at its deadline"
-    finally:
-        client.close()
-        server.stop()
+        ) as cluster,
+    ):
+        wait_for(lambda: len(executors(client, ns)) == 2, what="two loops")
+        worker, results = run_in_background(cluster.address, [greedy(p, n) for p, n in zip(PROMPTS, MAX_TOKENS)])
+        wait_for(lambda: sum(placed(client, ns).values()) == N, what="every request placed")
+        source, _ = busiest(cluster, client, ns)
+        source.proc.send_signal(signal.SIGTERM)
+        wait_for(lambda: fetching(client, ns), what="a pre-copy under way")
+        redis_outage(server)
+        free, totals = finish(worker, client, ns)
+        assert source.proc.wait(timeout=90) == 0, "the drained executor exits 0"
+        log = Path(source.log_path).read_text()
+        assert "drain deadline reached" not in log, "it exited once it owned nothing, not at its deadline"
     assert [r.token_ids for r in results] == expected, "no token lost, duplicated or changed"
     assert free == totals
     assert loop_failures(tmp_path) == []
