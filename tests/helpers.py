@@ -77,6 +77,36 @@ def run_all(address: str, reqs: list[pb.GenerateRequest]) -> list[Result]:
     return asyncio.run(go())
 
 
+async def group_responses(
+    stub: pb_grpc.GenerationStub, req: pb.GenerateRequest
+) -> dict[int, list[pb.GenerateResponse]]:
+    """Responses of one Generate call by completion index (a request with ``n`` > 1 streams them interleaved)."""
+    by_index: dict[int, list[pb.GenerateResponse]] = {}
+    async for m in stub.Generate(req, timeout=300):
+        by_index.setdefault(m.index, []).append(m)
+    return by_index
+
+
+def offset_tokens(msgs: list[pb.GenerateResponse]) -> list[int]:
+    """One completion's tokens, checking that each response's offset counts that completion's own tokens."""
+    out: list[int] = []
+    for m in msgs:
+        assert m.offset == len(out), "offsets count the completion's own tokens"
+        out += m.token_ids
+    return out
+
+
+def run_groups(address: str, reqs: list[pb.GenerateRequest]) -> list[dict[int, list[pb.GenerateResponse]]]:
+    """``run_all`` for requests with ``n``: per request, its responses by completion index."""
+
+    async def go() -> list[dict[int, list[pb.GenerateResponse]]]:
+        async with grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) as ch:
+            stub = pb_grpc.GenerationStub(ch)
+            return await asyncio.gather(*(group_responses(stub, r) for r in reqs))
+
+    return asyncio.run(go())
+
+
 def greedy(ids: list[int], max_tokens: int, **kw: object) -> pb.GenerateRequest:
     return pb.GenerateRequest(
         prompt_token_ids=ids, sampling=pb.SamplingParams(max_tokens=max_tokens, temperature=0.0, **kw)

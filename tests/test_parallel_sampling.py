@@ -23,7 +23,7 @@ from pagedserve.v1 import generation_pb2 as pb
 from pagedserve.v1 import generation_pb2_grpc as pb_grpc
 from tests import helpers
 from tests.conftest import make_cluster
-from tests.helpers import greedy, kill_loop, until, wait_all_free
+from tests.helpers import greedy, group_responses, kill_loop, offset_tokens, run_groups, until, wait_all_free
 from tests.test_e2e_oracle import hf_greedy
 
 rng = random.Random(23)
@@ -34,31 +34,6 @@ OTHER = [rng.randrange(3, 49152) for _ in range(25)]
 @pytest.fixture(scope="module")
 def expected(tiny_llama: Path) -> list[list[int]]:
     return hf_greedy(tiny_llama, [PROMPT, OTHER, PROMPT], [48, 40, 120])
-
-
-async def _group(stub: pb_grpc.GenerationStub, req: pb.GenerateRequest) -> dict[int, list[pb.GenerateResponse]]:
-    """Responses of one Generate call by completion index."""
-    by_index: dict[int, list[pb.GenerateResponse]] = defaultdict(list)
-    async for m in stub.Generate(req, timeout=300):
-        by_index[m.index].append(m)
-    return dict(by_index)
-
-
-def _tokens(msgs: list[pb.GenerateResponse]) -> list[int]:
-    out: list[int] = []
-    for m in msgs:
-        assert m.offset == len(out), "offsets count the completion's own tokens"
-        out += m.token_ids
-    return out
-
-
-def _run(address: str, reqs: list[pb.GenerateRequest]) -> list[dict[int, list[pb.GenerateResponse]]]:
-    async def go() -> list[dict[int, list[pb.GenerateResponse]]]:
-        async with grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) as ch:
-            stub = pb_grpc.GenerationStub(ch)
-            return await asyncio.gather(*(_group(stub, r) for r in reqs))
-
-    return asyncio.run(go())
 
 
 @pytest.fixture(scope="module")
@@ -79,11 +54,11 @@ def test_n_greedy_completions_are_transformers_greedy_and_end_each_with_its_own_
 ) -> None:  # noqa: ANN001
     req = greedy(PROMPT, 48, n=4)
     req.request_id = "greedy4"
-    (got,) = _run(cluster.address, [req])
+    (got,) = run_groups(cluster.address, [req])
     assert sorted(got) == [0, 1, 2, 3]
     for msgs in got.values():
         assert all(m.request_id == "greedy4" for m in msgs)
-        assert _tokens(msgs) == expected[0]
+        assert offset_tokens(msgs) == expected[0]
         assert [bool(m.finish_reason) for m in msgs][-1] and not any(m.finish_reason for m in msgs[:-1])
         assert (msgs[-1].prompt_tokens, msgs[-1].completion_tokens) == (len(PROMPT), 48)
 
@@ -95,8 +70,8 @@ def test_seeded_completions_are_reproducible_and_differ(cluster) -> None:  # noq
             sampling=pb.SamplingParams(max_tokens=24, temperature=1.0, seed=1234, n=4, ignore_eos=True),
         )
 
-    first, second = _run(cluster.address, [sampled(), sampled()])
-    runs = [{i: _tokens(m) for i, m in r.items()} for r in (first, second)]
+    first, second = run_groups(cluster.address, [sampled(), sampled()])
+    runs = [{i: offset_tokens(m) for i, m in r.items()} for r in (first, second)]
     assert runs[0] == runs[1], "seed + index makes every completion reproducible"
     assert len({tuple(t) for t in runs[0].values()}) == 4, "each completion samples with its own seed"
 
@@ -120,7 +95,7 @@ def test_the_group_holds_its_prompt_blocks_once(cluster, redis_url: str) -> None
             stub = pb_grpc.GenerationStub(ch)
             req = greedy(PROMPT, 400, n=4, ignore_eos=True)
             req.request_id = "held"
-            call = asyncio.ensure_future(_group(stub, req))
+            call = asyncio.ensure_future(group_responses(stub, req))
             seen: list[list[list[int]]] = []
             await until(lambda: bool(seen.append(tables()) or seen[-1]), "all four completions hold blocks")
             found = (await stub.Abort(pb.AbortRequest(request_id="held"))).found
@@ -145,7 +120,7 @@ def test_resume_takes_the_request_id_and_an_index(cluster) -> None:  # noqa: ANN
                 prompt_token_ids=OTHER,
                 sampling=pb.SamplingParams(max_tokens=12, temperature=1.0, seed=7, n=3),
             )
-            whole = {i: _tokens(m) for i, m in (await _group(stub, req)).items()}
+            whole = {i: offset_tokens(m) for i, m in (await group_responses(stub, req)).items()}
             resumed: dict[int, list[int]] = defaultdict(list)
             async for m in stub.Resume(pb.ResumeRequest(request_id="resumed", offset=5)):
                 assert m.offset >= min(5, len(whole[m.index])) or not m.token_ids
@@ -172,7 +147,7 @@ def test_resume_takes_the_request_id_and_an_index(cluster) -> None:  # noqa: ANN
 @pytest.mark.parametrize("n", [0, 9])
 def test_n_outside_one_to_max_n_is_invalid_argument(cluster, n: int) -> None:  # noqa: ANN001
     with pytest.raises(grpc.aio.AioRpcError) as err:
-        _run(cluster.address, [greedy(PROMPT, 4, n=n)])
+        run_groups(cluster.address, [greedy(PROMPT, 4, n=n)])
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "sampling.n" in err.value.details()
 
@@ -223,13 +198,13 @@ def test_groups_under_preemption_stay_transformers_greedy(
         swap_blocks=64 if mode == "swap" else None,
         scheduler_args=["--preemption-mode", mode, "--max-num-batched-tokens", "48"],
     ) as c:
-        got = _run(c.address, [greedy(PROMPT, 48, n=3), greedy(OTHER, 40), greedy(PROMPT, 48, n=2)])
+        got = run_groups(c.address, [greedy(PROMPT, 48, n=3), greedy(OTHER, 40), greedy(PROMPT, 48, n=2)])
         client = redis.Redis.from_url(redis_url, decode_responses=True)
         free, totals = wait_all_free(client, ns)
         seen = helpers.counters(client, ns)
-    assert {i: _tokens(m) for i, m in got[0].items()} == {i: expected[0] for i in range(3)}
-    assert _tokens(got[1][0]) == expected[1]
-    assert {i: _tokens(m) for i, m in got[2].items()} == {i: expected[0] for i in range(2)}
+    assert {i: offset_tokens(m) for i, m in got[0].items()} == {i: expected[0] for i in range(3)}
+    assert offset_tokens(got[1][0]) == expected[1]
+    assert {i: offset_tokens(m) for i, m in got[2].items()} == {i: expected[0] for i in range(2)}
     assert free == totals, "blocks leaked"
     assert seen.get("preemptions_recompute", 0) + seen.get("preemptions_swap", 0) > 0, seen
     assert seen.get("forked_tokens", 0) > 0, seen
@@ -249,7 +224,7 @@ def test_a_loop_killed_while_a_group_runs_loses_and_duplicates_nothing(
             async with grpc.aio.insecure_channel(c.address, options=CHANNEL_OPTIONS) as ch:
                 req = greedy(PROMPT, 120, n=3)
                 req.request_id = "killed"
-                call = asyncio.ensure_future(_group(pb_grpc.GenerationStub(ch), req))
+                call = asyncio.ensure_future(group_responses(pb_grpc.GenerationStub(ch), req))
                 await until(
                     lambda: all(client.llen(keys.out(f"killed#{i}")) >= 20 for i in range(3)),
                     "every completion is well under way",
@@ -260,6 +235,6 @@ def test_a_loop_killed_while_a_group_runs_loses_and_duplicates_nothing(
         got = asyncio.run(go())
         free, totals = wait_all_free(client, ns)
         stored = {i: [int(t) for t in client.lrange(keys.out(f"killed#{i}"), 0, -1)] for i in range(3)}
-    assert {i: _tokens(m) for i, m in got.items()} == {i: expected[2] for i in range(3)}
+    assert {i: offset_tokens(m) for i, m in got.items()} == {i: expected[2] for i in range(3)}
     assert stored == {i: expected[2] for i in range(3)}
     assert free == totals, "blocks leaked"

@@ -1,8 +1,9 @@
 """Speculative decoding on the real stack (tiny random Llama, one executor with a small pool): greedy
 output with drafts is token-identical to transformers for both proposers, under preemption (recompute and
-swap) and prefix caching; seeded sampled requests give the same tokens with speculation on and off; and the
-sampled distribution over a two-token vocabulary (``allowed_token_ids``) matches the model's. Last, SmolLM2
-with both proposers equals transformers (a deployment of its own).
+swap), prefix caching and ``n`` (a group of three greedy completions); seeded sampled requests give the
+same tokens with speculation on and off; and the sampled distribution over a two-token vocabulary
+(``allowed_token_ids``) matches the model's. Last, SmolLM2 with both proposers equals transformers (a
+deployment of its own).
 
 One tiny deployment: the executor stays, the scheduler in front of it is replaced (ngram, suffix, ngram with
 swap preemption, then speculation off) between tests, which run in order; each counts the drafts it accepted
@@ -31,7 +32,7 @@ from pagedserve.keys import Keys
 from pagedserve.v1 import generation_pb2 as pb
 from pagedserve.v1 import generation_pb2_grpc as pb_grpc
 from tests.conftest import make_cluster
-from tests.helpers import counters, greedy, run_all, wait_all_free
+from tests.helpers import counters, greedy, offset_tokens, run_all, run_groups, wait_all_free
 from tests.test_e2e_oracle import _hf_model, hf_greedy
 
 NS = "spec"
@@ -88,16 +89,24 @@ MAX_TOKENS = [40, 24, 33, 40, 17, 28, 40, 36]
 
 
 def check_greedy(stack: Stack, tiny_llama: Path, seed: int) -> dict[str, int]:
+    """The 8 prompts at once, one of them with ``n`` = 3 (three greedy completions forked from one prompt,
+    drafting on copy-on-write blocks): every completion is transformers' greedy output, no block leaks."""
     prompts = repeating_prompts(seed)
     expected = hf_greedy(tiny_llama, prompts, MAX_TOKENS)
     before = stack.counters()
-    results = run_all(stack.address, [greedy(p, n) for p, n in zip(prompts, MAX_TOKENS)])
+    reqs = [greedy(p, n) for p, n in zip(prompts, MAX_TOKENS)]
+    reqs[1].sampling.n = 3
+    groups = run_groups(stack.address, reqs)
     free, totals = wait_all_free(stack.redis, NS)
-    for res, exp, prompt in zip(results, expected, prompts):
-        assert res.token_ids == exp, f"prompt of {len(prompt)} tokens diverged"
+    assert [len(g) for g in groups] == [1, 3, 1, 1, 1, 1, 1, 1]
+    for group, exp, prompt in zip(groups, expected, prompts):
+        for index, msgs in group.items():
+            assert offset_tokens(msgs) == exp, f"prompt of {len(prompt)} tokens diverged (completion {index})"
     assert free == totals, "blocks leaked"
     after = stack.counters()
-    return {k: v - before.get(k, 0) for k, v in after.items()}
+    delta = {k: v - before.get(k, 0) for k, v in after.items()}
+    assert delta.get("forked_tokens", 0) > 0, "the group's mates took its prompt's KV from their source"
+    return delta
 
 
 def test_greedy_with_ngram_drafts_matches_transformers(stack: Stack, tiny_llama: Path) -> None:
