@@ -68,6 +68,9 @@ class SpecConfig:
     # the model; unset (``measure_step_cost``), it is the prior of the step cost measured on the executor.
     compute_bound_tokens: int = 256
     measure_step_cost: bool = True  # not a key: whether compute_bound_tokens was left out
+    # pagedserve's: false drafts num_speculative_tokens in every step that may draft (vLLM's ngram does), whatever
+    # the measured acceptance, coverage and step cost say (``DraftPolicy``); drafts stay exact either way.
+    adaptive_draft_length: bool = True
 
 
 _INT_KEYS = (
@@ -90,7 +93,7 @@ def parse(text: str) -> SpecConfig:
         raise ValueError(f"not JSON: {exc}") from None
     if not isinstance(raw, dict):
         raise ValueError("must be a JSON object")
-    known = {"method", *_INT_KEYS, *_FLOAT_KEYS}
+    known = {"method", "adaptive_draft_length", *_INT_KEYS, *_FLOAT_KEYS}
     for key in raw:
         if key not in known:
             raise ValueError(f"{key}: not supported (supported: {', '.join(sorted(known))})")
@@ -110,6 +113,10 @@ def parse(text: str) -> SpecConfig:
             if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v < 0:
                 raise ValueError(f"{key}: must be a non-negative number, got {v!r}")
             vals[key] = float(v)
+    if "adaptive_draft_length" in raw:
+        if not isinstance(raw["adaptive_draft_length"], bool):
+            raise ValueError(f"adaptive_draft_length: must be true or false, got {raw['adaptive_draft_length']!r}")
+        vals["adaptive_draft_length"] = raw["adaptive_draft_length"]
     if "num_speculative_tokens" not in vals:
         if method == "ngram":
             raise ValueError("num_speculative_tokens: required for method ngram")
@@ -452,6 +459,7 @@ class DraftPolicy:
     compute_bound_tokens: int = 256
     disable_by_batch_size: int = 0
     measured: bool = True  # the step cost is measured (else ``compute_bound_tokens``' model, fixed)
+    adaptive: bool = True  # else every step that may draft asks for k_max (``adaptive_draft_length``)
     alpha: float = PRIOR_ACCEPTANCE
     coverage: float = PRIOR_COVERAGE
     cost: StepCost = field(init=False)
@@ -467,6 +475,8 @@ class DraftPolicy:
         """``rows``: decoding rows that could draft; ``tokens``: the step's tokens without drafts."""
         if rows < 1 or (self.disable_by_batch_size and rows > self.disable_by_batch_size):
             return 0
+        if not self.adaptive:
+            return self.k_max
         base, c, trusted = self.cost(tokens), self.coverage, self.cost.trusted()
         best_k, best = 0, MIN_GAIN
         for k in range(1, self.k_max + 1):
@@ -507,6 +517,10 @@ class Speculator:
     @classmethod
     def of(cls, cfg: SpecConfig) -> Speculator:
         policy = DraftPolicy(
-            cfg.num_speculative_tokens, cfg.compute_bound_tokens, cfg.disable_by_batch_size, cfg.measure_step_cost
+            cfg.num_speculative_tokens,
+            cfg.compute_bound_tokens,
+            cfg.disable_by_batch_size,
+            cfg.measure_step_cost,
+            cfg.adaptive_draft_length,
         )
         return cls(cfg, proposer(cfg), policy)

@@ -42,6 +42,9 @@ def test_parse_takes_vllms_json() -> None:
     c = spec.parse('{"method": "suffix", "compute_bound_tokens": 64}')
     assert not c.measure_step_cost and c.compute_bound_tokens == 64  # given: the model, fixed
     assert not spec.Speculator.of(c).policy.cost.measured
+    assert c.adaptive_draft_length and spec.Speculator.of(c).policy.adaptive
+    c = spec.parse('{"method": "ngram", "num_speculative_tokens": 3, "adaptive_draft_length": false}')
+    assert not c.adaptive_draft_length and not spec.Speculator.of(c).policy.adaptive
 
 
 @pytest.mark.parametrize(
@@ -56,6 +59,7 @@ def test_parse_takes_vllms_json() -> None:
         ('{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 4, "prompt_lookup_max": 2}', "max"),
         ('{"method": "ngram", "num_speculative_tokens": 3, "draft_model": "x"}', "draft_model"),
         ('{"method": "suffix", "suffix_decoding_min_token_prob": 2}', "suffix_decoding_min_token_prob"),
+        ('{"method": "suffix", "adaptive_draft_length": "no"}', "adaptive_draft_length"),
     ],
 )
 def test_parse_refuses_naming_the_key(text: str, key: str) -> None:
@@ -230,6 +234,23 @@ def test_a_given_compute_bound_is_the_model_whatever_is_measured() -> None:
     fixed = spec.DraftPolicy(k_max=5, compute_bound_tokens=256, measured=False)
     feed(fixed, smollm2_on_2_cores, range(32, 200, 8))
     assert not fixed.cost.fitted and fixed.cost(32) == 1.0 and fixed.choose(32, 32) == 5
+
+
+def test_a_fixed_draft_length_drafts_k_max_whatever_is_measured() -> None:
+    """``adaptive_draft_length: false``: nothing accepted, nothing found, compute-bound steps; still k max
+    (but not past ``disable_by_batch_size``, and not for a step with no row to draft)."""
+    fixed = spec.DraftPolicy(k_max=4, disable_by_batch_size=16, adaptive=False)
+    for _ in range(50):
+        fixed.observe(0, 3)
+        fixed.observe_proposals(0, 8)
+    feed(fixed, smollm2_on_2_cores, range(32, 200, 8))
+    assert fixed.alpha < 0.1 and fixed.coverage < 0.1
+    assert [fixed.choose(rows, rows) for rows in (1, 8, 16)] == [4, 4, 4]
+    assert fixed.choose(17, 17) == 0 and fixed.choose(0, 0) == 0
+    adaptive = spec.DraftPolicy(k_max=4, disable_by_batch_size=16)
+    for _ in range(50):
+        adaptive.observe(0, 3)
+    assert adaptive.choose(1, 1) == 0, "the same history turns an adaptive policy's drafting off"
 
 
 def test_one_size_of_step_goes_on_along_the_priors_shape() -> None:
