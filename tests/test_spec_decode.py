@@ -267,8 +267,9 @@ SMOL_MAX_TOKENS = 48
 
 
 def test_smollm2_greedy_with_drafts_matches_transformers(smol_dir: Path, redis_url: str, tmp_path: Path) -> None:
-    """SmolLM2 with each proposer, six concurrent chat requests on a pool too small for all of them
-    (preempted, and rejected drafts' blocks taken by others): transformers' tokens, drafts accepted."""
+    """SmolLM2 with each proposer, six concurrent chat requests (the first with ``n`` = 2) on a pool too small
+    for all of them (preempted, and rejected drafts' blocks taken by others): transformers' tokens in every
+    completion, drafts accepted."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(smol_dir)
@@ -282,6 +283,7 @@ def test_smollm2_greedy_with_drafts_matches_transformers(smol_dir: Path, redis_u
     ns = "spec-smol"
     client = redis.Redis.from_url(redis_url, decode_responses=True)
     reqs = [greedy(p, SMOL_MAX_TOKENS) for p in prompts]
+    reqs[0].sampling.n = 2  # a group: two greedy completions drafting on forked blocks
     args = ["--speculative-config", json.dumps(NGRAM)]
     with make_cluster(smol_dir, redis_url, ns, tmp_path, blocks=24, scheduler_args=args) as cluster:
         for cfg in (NGRAM, SUFFIX):
@@ -289,10 +291,12 @@ def test_smollm2_greedy_with_drafts_matches_transformers(smol_dir: Path, redis_u
                 cluster.schedulers.pop(0).stop()
                 cluster.start_scheduler(["--speculative-config", json.dumps(cfg)])
             before = counters(client, ns)
-            results = run_all(cluster.address, reqs)
+            groups = run_groups(cluster.address, reqs)
             free, totals = wait_all_free(client, ns)
             after = counters(client, ns)
-            assert [r.token_ids for r in results] == expected, cfg["method"]
+            assert [len(g) for g in groups] == [2] + [1] * (len(reqs) - 1)
+            got = [[offset_tokens(msgs) for _, msgs in sorted(g.items())] for g in groups]
+            assert got == [[e] * len(g) for e, g in zip(expected, groups)], cfg["method"]
             assert after.get("spec_accepted_tokens", 0) > before.get("spec_accepted_tokens", 0), cfg["method"]
             assert free == totals
     assert after.get("preemptions_recompute", 0) > 0, "the small pool preempted"
