@@ -47,14 +47,19 @@ def peft_greedy(base_dir: Path, adapter: Path, prompts: list[list[int]], max_tok
     outs = []
     with torch.inference_mode():
         for ids in prompts:
-            gen = model.generate(
-                input_ids=torch.tensor([ids]),
-                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                max_new_tokens=max_tokens,
-                do_sample=False,
-            )
-            outs.append(gen[0, len(ids) :].tolist())
+            outs.append(_greedy(model, ids, max_tokens))
     return outs
+
+
+def _greedy(model: PeftModel, ids: list[int], max_tokens: int) -> list[int]:
+    """One prompt's greedy continuation by transformers' ``generate`` (the adapter the model has set)."""
+    gen = model.generate(
+        input_ids=torch.tensor([ids]),
+        attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+        max_new_tokens=max_tokens,
+        do_sample=False,
+    )
+    return gen[0, len(ids) :].tolist()
 
 
 def peft_greedy_each(
@@ -73,13 +78,7 @@ def peft_greedy_each(
             model.set_adapter(name)
             out[name] = []
             for ids in prompts:
-                gen = model.generate(
-                    input_ids=torch.tensor([ids]),
-                    attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                    max_new_tokens=max_tokens,
-                    do_sample=False,
-                )
-                out[name].append(gen[0, len(ids) :].tolist())
+                out[name].append(_greedy(model, ids, max_tokens))
     return out
 
 
