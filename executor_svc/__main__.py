@@ -18,7 +18,7 @@ from executor_svc.engine import Engine, EngineConfig
 from executor_svc.lifecycle import Lifecycle, Registration, quiet
 from executor_svc.lora import LoraConfig
 from executor_svc.metrics import ExecutorMetrics
-from executor_svc.model_store import DEFAULT_MODEL, resolve_model
+from executor_svc.model_store import DEFAULT_MODEL, cache_dir, resolve_model
 from executor_svc.server import SERVICE_NAME, ExecutorServicer, add_to_server
 from executor_svc.transfer import Puller
 from paged_kernels import BACKENDS
@@ -84,7 +84,12 @@ def _engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--swap-space", type=float, default=4.0, help="GiB of CPU memory for swapped-out blocks")
     p.add_argument("--swap-dir", type=Path, default=None, help="directory for the disk swap tier (off when unset)")
     p.add_argument("--disk-swap-space", type=float, default=4.0, help="GiB of the disk swap tier")
-    p.add_argument("--attention-backend", choices=BACKENDS, default="auto", help="auto: Triton on CUDA, torch on CPU")
+    p.add_argument(
+        "--attention-backend",
+        choices=BACKENDS,
+        default="auto",
+        help="auto: Triton on CUDA; on CPU the compiled decode kernel (cpu), else the torch reference (torch)",
+    )
     p.add_argument(
         "--cpu-linear",
         choices=linear.CHOICES,
@@ -103,7 +108,8 @@ def _engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--cache-dir",
         default=None,
-        help="where the default model is converted (default: $PAGEDSERVE_CACHE or ~/.cache/pagedserve)",
+        help="where the default model is converted and the CPU decode kernel built (default: $PAGEDSERVE_CACHE or "
+        "~/.cache/pagedserve)",
     )
 
 
@@ -258,6 +264,7 @@ def _engine(args: argparse.Namespace) -> Engine:
             swap_dir=args.swap_dir,
             disk_swap_space=args.disk_swap_space,
             attention_backend=args.attention_backend,
+            kernel_cache=cache_dir(args.cache_dir),
             cpu_linear=args.cpu_linear,
             device=args.device,
             dtype=args.dtype,
@@ -271,6 +278,8 @@ def _engine(args: argparse.Namespace) -> Engine:
 def _log_serving(args: argparse.Namespace, engine: Engine, port: int, *, tls: bool) -> None:
     """How the port is protected, then what this executor serves and its pool's size per tier."""
     pool = engine.pool
+    if engine.backend.fallback:
+        log.warning("%s; attention runs on the torch reference", engine.backend.fallback)
     log.info(
         "port %d: %s, %s",
         port,

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from executor_svc import attention, linear, logprobs, model, verify
+from executor_svc import attention, linear, logprobs, model, model_store, verify
 from executor_svc.block_tables import BlockTables
 from executor_svc.context import check_max_model_len
 from executor_svc.grammar import Grammars, Row
@@ -54,6 +54,7 @@ class EngineConfig:
     swap_dir: Path | None = None
     disk_swap_space: float = 4.0  # GiB on disk, used only with swap_dir
     attention_backend: str = "auto"
+    kernel_cache: Path | None = None  # where the CPU decode kernel is built (None: model_store.cache_dir())
     cpu_linear: str = "onednn"  # executor_svc/linear.py: prepacked oneDNN GEMMs on CPU, or torch's F.linear
     device: str | None = None
     dtype: str = "float32"
@@ -70,7 +71,7 @@ class Engine:
         self.model = hf.to(self.device).eval()  # type: ignore[arg-type]
         self.model.set_attn_implementation(attention.IMPLEMENTATION)
         self.linear = linear.apply(self.model, cfg.cpu_linear, self.device)
-        self.backend = get_backend(cfg.attention_backend, self.device)
+        self.backend = get_backend(cfg.attention_backend, self.device, cfg.kernel_cache or model_store.cache_dir())
         self.adapters = Adapters(self.model, cfg.lora, self.device, dtype) if cfg.lora is not None else None
         text_config = config.get_text_config()
         heads = text_config.num_attention_heads

@@ -16,6 +16,7 @@ decode token on top of earlier context).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -32,6 +33,16 @@ class _Group:
 
 
 @dataclass(slots=True)
+class DecodeRows:
+    """The step's decode rows (one new token each), for a kernel that reads K/V in place."""
+
+    token_index: torch.Tensor  # [S_d] int64: their tokens in the packed query
+    tables: torch.Tensor  # [S_d, max_blocks] int32, contiguous
+    lens: torch.Tensor  # [S_d] int32, contiguous: context length, the new token included
+    every_token: bool  # every token of the step is a decode row's (token_index is 0..T-1)
+
+
+@dataclass(slots=True)
 class PagedMetadata:
     """Per-step attention inputs, shared by every layer of the forward pass.
 
@@ -45,6 +56,7 @@ class PagedMetadata:
     block_size: int
     slot_mapping: torch.Tensor  # [T] int64 flat slot of each new token
     groups: list[_Group] | None = field(default=None)
+    decode_rows: DecodeRows | None = field(default=None)
 
     @property
     def num_seqs(self) -> int:
@@ -117,6 +129,24 @@ def _groups(meta: PagedMetadata) -> list[_Group]:
     return meta.groups
 
 
+def _decode_rows(meta: PagedMetadata) -> DecodeRows:
+    if meta.decode_rows is None:
+        q_lens = meta.query_start_loc[1:] - meta.query_start_loc[:-1]
+        seqs = torch.nonzero(q_lens == 1).flatten()
+        meta.decode_rows = DecodeRows(
+            meta.query_start_loc[:-1].long()[seqs],
+            meta.block_tables[seqs].to(torch.int32).contiguous(),
+            meta.seq_lens[seqs].to(torch.int32).contiguous(),
+            len(seqs) == len(q_lens) == int(meta.query_start_loc[-1]),
+        )
+    return meta.decode_rows
+
+
+# A kernel for the decode rows: (query, key_cache, value_cache, rows, scale) -> their output [S_d, H, D].
+DecodeFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, DecodeRows, float], torch.Tensor]
+AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, PagedMetadata, float], torch.Tensor]
+
+
 def reshape_and_cache(
     key: torch.Tensor,
     value: torch.Tensor,
@@ -140,18 +170,28 @@ def paged_attention(
     value_cache: torch.Tensor,
     meta: PagedMetadata,
     scale: float,
+    decode: DecodeFn | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its paged context.
 
     Vectorised across sequences: decode tokens (by context-length bucket) and
     prefill chunks form padded groups, each one batched
-    ``scaled_dot_product_attention`` call (``_groups``).
+    ``scaled_dot_product_attention`` call (``_groups``). With ``decode``, the
+    decode rows go to it instead, all at once (``cpu_decode.py``).
     """
     heads, dim = query.shape[1:]
     kvh = key_cache.shape[-2]
+    if decode is not None:
+        rows = _decode_rows(meta)
+        if rows.every_token:
+            return decode(query, key_cache, value_cache, rows, scale)
     out = torch.empty_like(query)
+    if decode is not None and len(rows.token_index):
+        out.index_copy_(0, rows.token_index, decode(query, key_cache, value_cache, rows, scale))
     for g in _groups(meta):
         s_g, q_g = g.token_index.shape
+        if decode is not None and q_g == 1:
+            continue
         q = query.index_select(0, g.token_index.reshape(-1)).view(s_g, q_g, heads, dim).transpose(1, 2)
         k = key_cache.index_select(0, g.blocks).view(s_g, -1, kvh, dim).transpose(1, 2).to(query.dtype)
         v = value_cache.index_select(0, g.blocks).view(s_g, -1, kvh, dim).transpose(1, 2).to(query.dtype)

@@ -1,10 +1,18 @@
-"""The torch reference against plain causal attention over contiguous K/V."""
+"""The torch reference, and the CPU backend's compiled decode kernel beside it (``paged_kernels/cpu_decode.py``),
+against plain causal attention over contiguous K/V."""
+
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from paged_kernels import reference
+from paged_kernels import cpu_decode, get_backend, reference
+
+
+@pytest.fixture(scope="module")
+def kernel(tmp_path_factory: pytest.TempPathFactory) -> cpu_decode.DecodeKernel:
+    return cpu_decode.build(tmp_path_factory.mktemp("kernels"))
 
 
 def _sdpa_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -29,7 +37,8 @@ def _sdpa_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
         ([300, 20, 18, 150, 7], [40, 20, 18, 1, 7], 16, 4, 2),  # prefill chunks in two length buckets, a decode
     ],
 )
-def test_reference_matches_sdpa_causal(seq_lens, q_lens, block_size, heads, kv_heads):
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_reference_matches_sdpa_causal(seq_lens, q_lens, block_size, heads, kv_heads, backend, request):
     gen = torch.Generator().manual_seed(1)
     dim, scale = 16, 0.3
     # Whole sequences, written through the reference reshape_and_cache into a
@@ -51,7 +60,10 @@ def test_reference_matches_sdpa_causal(seq_lens, q_lens, block_size, heads, kv_h
     query = torch.cat([q[n - m :] for q, n, m in zip(queries, seq_lens, q_lens)])
     query_start_loc = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
     meta = reference.make_metadata(block_tables, query_start_loc, seq_lens_t, block_size)
-    out = reference.paged_attention(query, key_cache, value_cache, meta, scale)
+    attention = (
+        reference.paged_attention if backend == "torch" else cpu_decode.attention(request.getfixturevalue("kernel"))
+    )
+    out = attention(query, key_cache, value_cache, meta, scale)
 
     expected = torch.cat(
         [_sdpa_causal(q, k, v, scale)[n - m :] for q, k, v, n, m in zip(queries, keys, values, seq_lens, q_lens)]
@@ -90,3 +102,58 @@ def test_prefill_chunks_are_padded_within_a_length_bucket_only():
     groups = reference._groups(meta)
     assert sorted(g.token_index.shape for g in groups) == [(1, 64), (2, 20)]
     assert sum(len(g.blocks) for g in groups) == 63 + 2 * 2  # not 3 x 63
+
+
+def test_auto_builds_the_cpu_kernel_once_per_cpu_and_source(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``auto`` on CPU compiles the decode kernel into the cache directory and loads it from there next time;
+    a CPU with other features (``-march=native``) gets a build of its own."""
+    backend = get_backend("auto", torch.device("cpu"), tmp_path)
+    assert backend.name == "cpu" and not backend.fallback
+    built = sorted((tmp_path / "kernels").iterdir())
+    assert [p.name for p in built] == [cpu_decode.library_path(tmp_path).name]
+    mtime = built[0].stat().st_mtime_ns
+    assert get_backend("auto", torch.device("cpu"), tmp_path).name == "cpu"
+    assert built[0].stat().st_mtime_ns == mtime, "loaded, not rebuilt"
+    monkeypatch.setattr(cpu_decode, "_cpu_signature", lambda: b"flags : sse2")
+    assert cpu_decode.library_path(tmp_path) != built[0]
+
+
+def test_without_a_compiler_auto_falls_back_to_the_reference_and_says_why(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Isolates the build's failure: no g++ on PATH (``shutil.which`` patched), an empty cache directory."""
+    monkeypatch.setattr(cpu_decode.shutil, "which", lambda _: None)
+    backend = get_backend("auto", torch.device("cpu"), tmp_path)
+    assert backend.name == "torch" and "no C++ compiler" in backend.fallback
+    with pytest.raises(cpu_decode.KernelUnavailable, match="no C\\+\\+ compiler"):
+        get_backend("cpu", torch.device("cpu"), tmp_path)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 4])
+def test_the_decode_kernel_on_any_number_of_threads(kernel: cpu_decode.DecodeKernel, threads: int) -> None:
+    """Two decode rows (and one) on 1, 2 and 4 threads: with fewer rows than threads, a row's KV heads are split
+    between threads; the output is the reference's."""
+    gen = torch.Generator().manual_seed(3)
+    block_size, heads, kv_heads, dim = 16, 6, 3, 32
+    lens = torch.tensor([70, 33], dtype=torch.int32)
+    tables = torch.randperm(12, generator=gen)[:10].view(2, 5).to(torch.int32)
+    key_cache = torch.randn(12, block_size, kv_heads, dim, generator=gen)
+    value_cache = torch.randn(12, block_size, kv_heads, dim, generator=gen)
+    query = torch.randn(2, heads, dim, generator=gen)
+    for rows in (2, 1):
+        meta = reference.make_metadata(
+            tables[:rows], torch.arange(rows + 1, dtype=torch.int32), lens[:rows], block_size
+        )
+        expected = reference.paged_attention(query[:rows], key_cache, value_cache, meta, 0.2)
+        out = torch.empty_like(expected)
+        kernel(
+            query[:rows].contiguous(),
+            key_cache,
+            value_cache,
+            tables[:rows].contiguous(),
+            lens[:rows],
+            0.2,
+            out,
+            threads,
+        )
+        torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)

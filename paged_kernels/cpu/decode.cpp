@@ -1,0 +1,89 @@
+// Paged decode attention on CPU: one new token per row, K/V read in place from the block pool (no gather into a
+// padded tensor). Plain C ABI, called through ctypes (paged_kernels/cpu_decode.py); OpenMP is the runtime torch
+// already loaded (same soname), so its threads are the forward's.
+//
+// Per row: the scores of its H query heads against every cached position (each position's K row holds all KVH
+// heads contiguously: read once, used by the H / KVH query heads of each), a softmax per head (max-subtracted,
+// normalised before the weighted sum), then the weighted sum of V rows. fp32 throughout. Rows are the parallel
+// items; with fewer rows than threads, (row, KV head) pairs are, so that one row still uses every thread.
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+// exp(x) for x <= 0 (scores minus their max), vectorisable: x = n ln2 + r (Cody-Waite), exp(r) by Cephes' expf
+// polynomial (within 2 ulp of exp), times 2^n built in the exponent bits (the loop vectorises with
+// -fno-trapping-math; libm's expf does not). Below -87 it gives exp(-87) (~1.6e-38, nothing beside the max's 1).
+static inline float exp_nonpositive(float x) {
+  x = x > -87.0f ? x : -87.0f;
+  const int32_t n = int32_t(x * 1.44269504088896341f - 0.5f);  // round to nearest (x <= 0)
+  float r = x - float(n) * 0.693359375f;
+  r = r + float(n) * 2.12194440e-4f;
+  float y = 1.9875691500e-4f;
+  y = y * r + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  y = y * (r * r) + r + 1.0f;
+  return y * __builtin_bit_cast(float, (n + 127) << 23);
+}
+
+extern "C" void paged_decode_f32(
+    const float* q,          // [S, H, D]
+    const float* k_cache,    // [num_blocks, BS, KVH, D]
+    const float* v_cache,    // [num_blocks, BS, KVH, D]
+    const int32_t* tables,   // [S, MB] physical block of each logical block
+    const int32_t* lens,     // [S] context length, the new token included
+    float* out,              // [S, H, D]
+    int64_t S, int64_t H, int64_t KVH, int64_t D, int64_t BS, int64_t MB, float scale, int32_t threads) {
+  const int64_t G = H / KVH;
+  const int64_t split = S >= threads ? 1 : KVH;  // parts of a row: all its heads, or one KV head's group each
+#pragma omp parallel num_threads(threads)
+  {
+    std::vector<float> scores;
+#pragma omp for schedule(static)
+    for (int64_t item = 0; item < S * split; ++item) {
+      const int64_t s = item / split, h0 = (item % split) * (H / split), h1 = h0 + H / split;
+      const int64_t L = lens[s];
+      scores.resize(H * L);
+      const float* qs = q + s * H * D;
+      const int32_t* table = tables + s * MB;
+      for (int64_t p = 0; p < L; ++p) {
+        const float* krow = k_cache + (int64_t(table[p / BS]) * BS + p % BS) * KVH * D;
+        for (int64_t h = h0; h < h1; ++h) {
+          const float* k = krow + (h / G) * D;
+          const float* qh = qs + h * D;
+          float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+          for (int64_t d = 0; d < D; ++d) acc += qh[d] * k[d];
+          scores[h * L + p] = acc * scale;
+        }
+      }
+      for (int64_t h = h0; h < h1; ++h) {
+        float* sc = scores.data() + h * L;
+        float m = sc[0];
+        for (int64_t p = 1; p < L; ++p) m = sc[p] > m ? sc[p] : m;
+#pragma omp simd
+        for (int64_t p = 0; p < L; ++p) sc[p] = exp_nonpositive(sc[p] - m);
+        float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t p = 0; p < L; ++p) sum += sc[p];
+        const float inv = 1.0f / sum;
+        for (int64_t p = 0; p < L; ++p) sc[p] *= inv;
+      }
+      float* o = out + s * H * D;
+      std::memset(o + h0 * D, 0, sizeof(float) * (h1 - h0) * D);
+      for (int64_t p = 0; p < L; ++p) {
+        const float* vrow = v_cache + (int64_t(table[p / BS]) * BS + p % BS) * KVH * D;
+        for (int64_t h = h0; h < h1; ++h) {
+          const float* v = vrow + (h / G) * D;
+          const float w = scores[h * L + p];
+          float* oh = o + h * D;
+#pragma omp simd
+          for (int64_t d = 0; d < D; ++d) oh[d] += w * v[d];
+        }
+      }
+    }
+  }
+}
