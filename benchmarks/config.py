@@ -104,7 +104,10 @@ ARMS = (
 # static serves the long workload's first batch only (6 requests: ~45 s instead of ~4 min), and the overhead grid
 # tries queued requests only at the target point (256 running / 1024 waiting), where alone it runs the serial loop
 # beside the pipelined one; the scale-out windows and the machine arm's pairs are shorter than they were. The shared-
-# prefix arm keeps issue 11's workload (64 requests; its transformers run is ~85 s) but skips its caching-off run.
+# prefix arm keeps issue 11's workload (64 requests; its transformers run is ~85 s) but skips its caching-off run. The
+# wave-3 arms run at half their default sizes (a whole quick run took 32 min with them at full size, 2026-12-06:
+# disagg 295 s, spec_decode 205 s, lora 69 s, peer_prefix 63 s); their keys' margins over the targets allow it, and
+# `benchmarks.run --arms X` with the size flags runs one of them larger.
 QUICK = Config(
     "quick",
     64,
@@ -122,8 +125,14 @@ QUICK = Config(
     machine_reps=5,
     long_static_requests=6,
     shared_prefix_measure_off=False,
-    spec_requests=6,
+    spec_requests=4,
     spec_max_tokens=128,
+    peer_prefix_trials=2,
+    pd_window_s=20.0,
+    pd_light_window_s=15.0,
+    pd_real_window_s=15.0,
+    pd_fit_reps=2,
+    lora_rounds=2,
 )
 FULL = Config(
     "full",
