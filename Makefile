@@ -26,7 +26,7 @@ proto: pagedserve/v1/generation_pb2.py
 model: install
 	$(BIN)/python -m executor_svc.model_store
 
-# Debian's g++ for the executor's CPU decode-attention kernel (paged_kernels/cpu_decode.py, built at the executor's
+# Debian's g++ for the executor's CPU attention kernel (paged_kernels/cpu_attention.py, built at the executor's
 # first start into the cache directory), installed only as root; without it the executor falls back to the torch
 # attention path and logs why, and the kernel's tests fail.
 cxx:

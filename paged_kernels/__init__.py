@@ -1,5 +1,5 @@
 """Paged-KV operations behind one interface: Triton kernels on CUDA; on CPU a compiled decode kernel
-(``cpu_decode.py``) beside the torch reference.
+(``cpu_attention.py``) beside the torch reference.
 
 The executor asks for a backend once (``get_backend``) and the model code only
 ever calls its three functions, so it never knows which implementation runs.
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from paged_kernels import cpu_decode, reference
+from paged_kernels import cpu_attention, reference
 from paged_kernels.reference import PagedMetadata, make_metadata, slot_mapping_for
 
 __all__ = ["Backend", "PagedMetadata", "get_backend", "make_metadata", "slot_mapping_for"]
@@ -33,7 +33,7 @@ class Backend:
 def get_backend(name: str, device: torch.device, cache_dir: Path | None = None) -> Backend:
     """``auto`` means Triton on CUDA, and elsewhere the compiled CPU decode kernel (built into
     ``cache_dir``), or the torch reference where it cannot be built (``fallback`` says why); ``cpu``
-    insists on the kernel (``cpu_decode.KernelUnavailable`` where it cannot be built)."""
+    insists on the kernel (``cpu_attention.KernelUnavailable`` where it cannot be built)."""
     if name not in BACKENDS:
         raise ValueError(f"attention backend must be one of {BACKENDS}, got {name!r}")
     if name == "auto":
@@ -41,8 +41,8 @@ def get_backend(name: str, device: torch.device, cache_dir: Path | None = None) 
         if name == "cpu":
             assert cache_dir is not None
             try:
-                return _cpu(cpu_decode.build(cache_dir))
-            except cpu_decode.KernelUnavailable as e:
+                return _cpu(cpu_attention.build(cache_dir))
+            except cpu_attention.KernelUnavailable as e:
                 return _torch(f"the CPU decode kernel is not available: {e}")
     if name == "triton":
         from paged_kernels import triton_ops
@@ -51,12 +51,12 @@ def get_backend(name: str, device: torch.device, cache_dir: Path | None = None) 
     if name == "cpu":
         if cache_dir is None:
             raise ValueError("the cpu attention backend needs a cache directory to build its kernel in")
-        return _cpu(cpu_decode.build(cache_dir))
+        return _cpu(cpu_attention.build(cache_dir))
     return _torch()
 
 
-def _cpu(kernel: cpu_decode.DecodeKernel) -> Backend:
-    return Backend("cpu", cpu_decode.attention(kernel), reference.reshape_and_cache, reference.copy_blocks)
+def _cpu(kernel: cpu_attention.Kernel) -> Backend:
+    return Backend("cpu", cpu_attention.attention(kernel), reference.reshape_and_cache, reference.copy_blocks)
 
 
 def _torch(fallback: str = "") -> Backend:

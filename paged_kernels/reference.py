@@ -32,14 +32,20 @@ class _Group:
     mask: torch.Tensor  # [S_g, 1, Q_g, B_g * block_size] bool, True where attention is allowed
 
 
-@dataclass(slots=True)
-class DecodeRows:
-    """The step's decode rows (one new token each), for a kernel that reads K/V in place."""
+# Rows of at most this many new tokens (a decode, a decode with drafts to verify) go to a ``ShortFn``, where one.
+SHORT_ROW_TOKENS = 16
 
-    token_index: torch.Tensor  # [S_d] int64: their tokens in the packed query
-    tables: torch.Tensor  # [S_d, max_blocks] int32, contiguous
-    lens: torch.Tensor  # [S_d] int32, contiguous: context length, the new token included
-    every_token: bool  # every token of the step is a decode row's (token_index is 0..T-1)
+
+@dataclass(slots=True)
+class ShortRows:
+    """The step's rows of at most ``SHORT_ROW_TOKENS`` new tokens, for a kernel that reads K/V in place."""
+
+    token_index: torch.Tensor  # [T_s] int64: their tokens in the packed query, row after row
+    starts: torch.Tensor  # [S_s + 1] int32: each row's first token among those
+    tables: torch.Tensor  # [S_s, max_blocks] int32, contiguous
+    lens: torch.Tensor  # [S_s] int32, contiguous: context length, the new tokens included
+    every_token: bool  # every token of the step is a short row's (token_index is 0..T-1)
+    others: torch.Tensor  # [S_o] int64: the rows left to the reference's groups
 
 
 @dataclass(slots=True)
@@ -56,7 +62,8 @@ class PagedMetadata:
     block_size: int
     slot_mapping: torch.Tensor  # [T] int64 flat slot of each new token
     groups: list[_Group] | None = field(default=None)
-    decode_rows: DecodeRows | None = field(default=None)
+    short_rows: ShortRows | None = field(default=None)
+    long_groups: list[_Group] | None = field(default=None)  # the groups of the rows short_rows leaves
 
     @property
     def num_seqs(self) -> int:
@@ -111,6 +118,14 @@ def _build_group(meta: PagedMetadata, seqs: torch.Tensor) -> _Group:
     return _Group(token_index, token_valid, blocks, mask[:, None])
 
 
+def _bucketed(meta: PagedMetadata, seqs: torch.Tensor) -> list[_Group]:
+    q_lens = (meta.query_start_loc[1:] - meta.query_start_loc[:-1])[seqs]
+    num_blocks = (meta.seq_lens.long()[seqs] + meta.block_size - 1) // meta.block_size
+    level = torch.ceil(torch.log2(num_blocks.clamp(min=1).double())).long()
+    bucket = torch.where(q_lens == 1, level, level + 64)  # 64 levels cover any context
+    return [_build_group(meta, seqs[bucket == b]) for b in torch.unique(bucket).tolist()]
+
+
 def _groups(meta: PagedMetadata) -> list[_Group]:
     """Decodes, then prefill chunks, each bucketed by context length (the power of two at or above
     their block count).
@@ -121,29 +136,33 @@ def _groups(meta: PagedMetadata) -> list[_Group]:
     sequence rather than with the tokens. Within a bucket the context's padding is under 2x.
     Prefill chunks apart from decodes: their query rows pad to the longest chunk of the group."""
     if meta.groups is None:
-        q_lens = meta.query_start_loc[1:] - meta.query_start_loc[:-1]
-        num_blocks = (meta.seq_lens.long() + meta.block_size - 1) // meta.block_size
-        level = torch.ceil(torch.log2(num_blocks.clamp(min=1).double())).long()
-        bucket = torch.where(q_lens == 1, level, level + 64)  # 64 levels cover any context
-        meta.groups = [_build_group(meta, torch.nonzero(bucket == b).flatten()) for b in torch.unique(bucket).tolist()]
+        meta.groups = _bucketed(meta, torch.arange(meta.num_seqs, device=meta.block_tables.device))
     return meta.groups
 
 
-def _decode_rows(meta: PagedMetadata) -> DecodeRows:
-    if meta.decode_rows is None:
+def _short_rows(meta: PagedMetadata) -> ShortRows:
+    if meta.short_rows is None:
         q_lens = meta.query_start_loc[1:] - meta.query_start_loc[:-1]
-        seqs = torch.nonzero(q_lens == 1).flatten()
-        meta.decode_rows = DecodeRows(
-            meta.query_start_loc[:-1].long()[seqs],
+        short = q_lens <= SHORT_ROW_TOKENS
+        seqs = torch.nonzero(short).flatten()
+        lens_s = q_lens[seqs].long()
+        first = meta.query_start_loc[:-1].long()[seqs]
+        token_index = torch.repeat_interleave(first, lens_s) + (
+            torch.arange(int(lens_s.sum())) - torch.repeat_interleave(torch.cumsum(lens_s, 0) - lens_s, lens_s)
+        )
+        meta.short_rows = ShortRows(
+            token_index,
+            torch.cat([lens_s.new_zeros(1), torch.cumsum(lens_s, 0)]).to(torch.int32),
             meta.block_tables[seqs].to(torch.int32).contiguous(),
             meta.seq_lens[seqs].to(torch.int32).contiguous(),
-            len(seqs) == len(q_lens) == int(meta.query_start_loc[-1]),
+            bool(short.all()),
+            torch.nonzero(~short).flatten(),
         )
-    return meta.decode_rows
+    return meta.short_rows
 
 
-# A kernel for the decode rows: (query, key_cache, value_cache, rows, scale) -> their output [S_d, H, D].
-DecodeFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, DecodeRows, float], torch.Tensor]
+# A kernel for the short rows: (query, key_cache, value_cache, rows, scale) -> their output [T_s, H, D].
+ShortFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, ShortRows, float], torch.Tensor]
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, PagedMetadata, float], torch.Tensor]
 
 
@@ -170,28 +189,32 @@ def paged_attention(
     value_cache: torch.Tensor,
     meta: PagedMetadata,
     scale: float,
-    decode: DecodeFn | None = None,
+    short: ShortFn | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its paged context.
 
     Vectorised across sequences: decode tokens (by context-length bucket) and
     prefill chunks form padded groups, each one batched
-    ``scaled_dot_product_attention`` call (``_groups``). With ``decode``, the
-    decode rows go to it instead, all at once (``cpu_decode.py``).
+    ``scaled_dot_product_attention`` call (``_groups``). With ``short``, rows of
+    at most ``SHORT_ROW_TOKENS`` new tokens go to it instead, all at once
+    (``cpu_attention.py``), and the groups hold the others.
     """
     heads, dim = query.shape[1:]
     kvh = key_cache.shape[-2]
-    if decode is not None:
-        rows = _decode_rows(meta)
+    if short is None:
+        out, groups = torch.empty_like(query), _groups(meta)
+    else:
+        rows = _short_rows(meta)
         if rows.every_token:
-            return decode(query, key_cache, value_cache, rows, scale)
-    out = torch.empty_like(query)
-    if decode is not None and len(rows.token_index):
-        out.index_copy_(0, rows.token_index, decode(query, key_cache, value_cache, rows, scale))
-    for g in _groups(meta):
+            return short(query, key_cache, value_cache, rows, scale)
+        out = torch.empty_like(query)
+        if len(rows.token_index):
+            out.index_copy_(0, rows.token_index, short(query, key_cache, value_cache, rows, scale))
+        if meta.long_groups is None:
+            meta.long_groups = _bucketed(meta, rows.others)
+        groups = meta.long_groups
+    for g in groups:
         s_g, q_g = g.token_index.shape
-        if decode is not None and q_g == 1:
-            continue
         q = query.index_select(0, g.token_index.reshape(-1)).view(s_g, q_g, heads, dim).transpose(1, 2)
         k = key_cache.index_select(0, g.blocks).view(s_g, -1, kvh, dim).transpose(1, 2).to(query.dtype)
         v = value_cache.index_select(0, g.blocks).view(s_g, -1, kvh, dim).transpose(1, 2).to(query.dtype)

@@ -1,4 +1,4 @@
-"""The torch reference, and the CPU backend's compiled decode kernel beside it (``paged_kernels/cpu_decode.py``),
+"""The torch reference, and beside it the CPU backend's compiled kernel for short rows (``cpu_attention.py``),
 against plain causal attention over contiguous K/V."""
 
 from pathlib import Path
@@ -7,12 +7,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from paged_kernels import cpu_decode, get_backend, reference
+from paged_kernels import cpu_attention, get_backend, reference
 
 
 @pytest.fixture(scope="module")
-def kernel(tmp_path_factory: pytest.TempPathFactory) -> cpu_decode.DecodeKernel:
-    return cpu_decode.build(tmp_path_factory.mktemp("kernels"))
+def kernel(tmp_path_factory: pytest.TempPathFactory) -> cpu_attention.Kernel:
+    return cpu_attention.build(tmp_path_factory.mktemp("kernels"))
 
 
 def _sdpa_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -35,6 +35,7 @@ def _sdpa_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
         ([33, 5, 64, 20], [1, 5, 31, 1], 16, 3, 1),  # mixed, chunk on cached context
         ([300, 3, 40, 41, 100, 9, 250], [1] * 7, 16, 6, 2),  # long-tailed decodes: several length buckets
         ([300, 20, 18, 150, 7], [40, 20, 18, 1, 7], 16, 4, 2),  # prefill chunks in two length buckets, a decode
+        ([90, 41, 200, 64], [6, 1, 3, 17], 16, 6, 2),  # decodes with drafts (short rows), a longer chunk
     ],
 )
 @pytest.mark.parametrize("backend", ["torch", "cpu"])
@@ -61,7 +62,7 @@ def test_reference_matches_sdpa_causal(seq_lens, q_lens, block_size, heads, kv_h
     query_start_loc = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
     meta = reference.make_metadata(block_tables, query_start_loc, seq_lens_t, block_size)
     attention = (
-        reference.paged_attention if backend == "torch" else cpu_decode.attention(request.getfixturevalue("kernel"))
+        reference.paged_attention if backend == "torch" else cpu_attention.attention(request.getfixturevalue("kernel"))
     )
     out = attention(query, key_cache, value_cache, meta, scale)
 
@@ -110,50 +111,43 @@ def test_auto_builds_the_cpu_kernel_once_per_cpu_and_source(tmp_path: Path, monk
     backend = get_backend("auto", torch.device("cpu"), tmp_path)
     assert backend.name == "cpu" and not backend.fallback
     built = sorted((tmp_path / "kernels").iterdir())
-    assert [p.name for p in built] == [cpu_decode.library_path(tmp_path).name]
+    assert [p.name for p in built] == [cpu_attention.library_path(tmp_path).name]
     mtime = built[0].stat().st_mtime_ns
     assert get_backend("auto", torch.device("cpu"), tmp_path).name == "cpu"
     assert built[0].stat().st_mtime_ns == mtime, "loaded, not rebuilt"
-    monkeypatch.setattr(cpu_decode, "_cpu_signature", lambda: b"flags : sse2")
-    assert cpu_decode.library_path(tmp_path) != built[0]
+    monkeypatch.setattr(cpu_attention, "_cpu_signature", lambda: b"flags : sse2")
+    assert cpu_attention.library_path(tmp_path) != built[0]
 
 
 def test_without_a_compiler_auto_falls_back_to_the_reference_and_says_why(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Isolates the build's failure: no g++ on PATH (``shutil.which`` patched), an empty cache directory."""
-    monkeypatch.setattr(cpu_decode.shutil, "which", lambda _: None)
+    monkeypatch.setattr(cpu_attention.shutil, "which", lambda _: None)
     backend = get_backend("auto", torch.device("cpu"), tmp_path)
     assert backend.name == "torch" and "no C++ compiler" in backend.fallback
-    with pytest.raises(cpu_decode.KernelUnavailable, match="no C\\+\\+ compiler"):
+    with pytest.raises(cpu_attention.KernelUnavailable, match="no C\\+\\+ compiler"):
         get_backend("cpu", torch.device("cpu"), tmp_path)
 
 
 @pytest.mark.parametrize("threads", [1, 2, 4])
-def test_the_decode_kernel_on_any_number_of_threads(kernel: cpu_decode.DecodeKernel, threads: int) -> None:
-    """Two decode rows (and one) on 1, 2 and 4 threads: with fewer rows than threads, a row's KV heads are split
-    between threads; the output is the reference's."""
+def test_the_kernel_on_any_number_of_threads(kernel: cpu_attention.Kernel, threads: int) -> None:
+    """Two short rows (a decode, and 5 new tokens: a decode with 4 drafts), then one, on 1, 2 and 4 threads:
+    with fewer rows than threads, a row's KV heads are split between threads; the output is the reference's."""
     gen = torch.Generator().manual_seed(3)
     block_size, heads, kv_heads, dim = 16, 6, 3, 32
     lens = torch.tensor([70, 33], dtype=torch.int32)
     tables = torch.randperm(12, generator=gen)[:10].view(2, 5).to(torch.int32)
     key_cache = torch.randn(12, block_size, kv_heads, dim, generator=gen)
     value_cache = torch.randn(12, block_size, kv_heads, dim, generator=gen)
-    query = torch.randn(2, heads, dim, generator=gen)
-    for rows in (2, 1):
-        meta = reference.make_metadata(
-            tables[:rows], torch.arange(rows + 1, dtype=torch.int32), lens[:rows], block_size
-        )
-        expected = reference.paged_attention(query[:rows], key_cache, value_cache, meta, 0.2)
+    query = torch.randn(6, heads, dim, generator=gen)
+    for rows, starts in ((2, [0, 1, 6]), (1, [0, 5])):
+        loc = torch.tensor(starts, dtype=torch.int32)
+        meta = reference.make_metadata(tables[:rows], loc, lens[:rows], block_size)
+        q = query[: starts[-1]]
+        expected = reference.paged_attention(q, key_cache, value_cache, meta, 0.2)
+        short = reference._short_rows(meta)
+        assert short.every_token and short.starts.tolist() == starts
         out = torch.empty_like(expected)
-        kernel(
-            query[:rows].contiguous(),
-            key_cache,
-            value_cache,
-            tables[:rows].contiguous(),
-            lens[:rows],
-            0.2,
-            out,
-            threads,
-        )
+        kernel(q.contiguous(), key_cache, value_cache, short, 0.2, out, threads)
         torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)

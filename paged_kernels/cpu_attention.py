@@ -1,12 +1,13 @@
-"""Paged decode attention on CPU, compiled here: the ``cpu`` attention backend.
+"""Paged attention on CPU for rows of a few new tokens, compiled here: the ``cpu`` attention backend.
 
-The torch reference (``reference.py``) gathers every decode row's blocks into a padded tensor, once per
-layer, then runs SDPA: each step reads its rows' KV three times and writes it once. ``cpu/decode.cpp`` reads
-K and V in place through the block table, once (vLLM's CPU attention does the same). It is plain C with an
+The torch reference (``reference.py``) gathers every row's blocks into a padded tensor, once per layer,
+then runs SDPA: each step reads its rows' KV three times and writes it once. ``cpu/attention.cpp`` reads
+K and V in place through the block table, once (vLLM's CPU attention does the same), for every row of at
+most ``reference.SHORT_ROW_TOKENS`` new tokens: decodes, and decodes with drafts to verify. It is plain C with an
 ``extern "C"`` entry, compiled with the system's ``g++`` at first use into the cache directory and called
 through ``ctypes`` (no torch headers: it builds in about a second). ``-march=native``: the library's name
 carries a digest of the source, the flags and this CPU's model and feature flags, so a cache shared between
-machines never runs code built for another CPU. Prefill chunks keep the reference's path.
+machines never runs code built for another CPU. Longer prefill chunks keep the reference's path.
 
 ``build`` raises ``KernelUnavailable`` with the reason (no compiler, a failed build); the executor then
 falls back to the torch backend and logs why.
@@ -29,7 +30,7 @@ import torch
 from paged_kernels import reference
 from paged_kernels.reference import PagedMetadata
 
-SOURCE = Path(__file__).with_name("cpu") / "decode.cpp"
+SOURCE = Path(__file__).with_name("cpu") / "attention.cpp"
 # -fno-trapping-math lets the exp loop vectorise (its clamp may be computed unconditionally); no reassociation, so the
 # results are what the source says.
 FLAGS = ("-O3", "-march=native", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC")
@@ -52,7 +53,7 @@ def _cpu_signature() -> bytes:
 
 def library_path(cache_dir: Path) -> Path:
     digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + _cpu_signature()).hexdigest()[:16]
-    return cache_dir / "kernels" / f"paged_decode-{digest}.so"
+    return cache_dir / "kernels" / f"paged_attention-{digest}.so"
 
 
 def _compile(target: Path) -> None:
@@ -72,8 +73,8 @@ def _compile(target: Path) -> None:
 
 
 @dataclass(frozen=True, slots=True)
-class DecodeKernel:
-    """``cpu/decode.cpp``'s entry, loaded."""
+class Kernel:
+    """``cpu/attention.cpp``'s entry, loaded."""
 
     fn: ctypes._CFuncPtr  # type: ignore[name-defined]
 
@@ -82,50 +83,51 @@ class DecodeKernel:
         query: torch.Tensor,
         key_cache: torch.Tensor,
         value_cache: torch.Tensor,
-        tables: torch.Tensor,
-        lens: torch.Tensor,
+        rows: reference.ShortRows,
         scale: float,
         out: torch.Tensor,
         threads: int | None = None,
     ) -> None:
-        """``query``/``out`` ``[S, H, D]``, caches ``[num_blocks, BS, KVH, D]`` fp32 and contiguous; ``tables``
-        ``[S, MB]`` and ``lens`` ``[S]`` int32 and contiguous. One row runs on one thread: in the executor's
-        step (SmolLM2, 512 tokens of context, 2 threads) its attention took 2.4 ms on one thread and 6-7 ms
-        split over two, where 2 rows on two threads took 2.6 ms against 4.2 on one. With fewer rows than
-        ``threads``, each row's KV heads are split between threads."""
-        s, h, d = query.shape
+        """``query``/``out`` ``[T, H, D]`` (the rows' tokens, row after row: ``rows.starts``), caches
+        ``[num_blocks, BS, KVH, D]``, fp32 and contiguous. One row runs on one thread: in the executor's
+        step (SmolLM2, 512 tokens of context, 2 threads) a decode row's attention took 2.4 ms on one
+        thread and 6-7 ms split over two, where 2 rows on two threads took 2.6 ms against 4.2 on one.
+        With fewer rows than ``threads``, each row's KV heads are split between threads."""
+        _, h, d = query.shape
         _, bs, kvh, _ = key_cache.shape
+        s = rows.tables.shape[0]
         self.fn(
             query.data_ptr(),
             key_cache.data_ptr(),
             value_cache.data_ptr(),
-            tables.data_ptr(),
-            lens.data_ptr(),
+            rows.tables.data_ptr(),
+            rows.lens.data_ptr(),
+            rows.starts.data_ptr(),
             out.data_ptr(),
             s,
             h,
             kvh,
             d,
             bs,
-            tables.shape[1],
+            rows.tables.shape[1],
             scale,
             threads or (1 if s == 1 else torch.get_num_threads()),
         )
 
 
-def build(cache_dir: Path) -> DecodeKernel:
+def build(cache_dir: Path) -> Kernel:
     """The kernel, compiled into ``cache_dir/kernels`` unless a build for this source, these flags and this
     CPU is there already."""
     lib = library_path(cache_dir)
     if not lib.exists():
         _compile(lib)
     try:
-        fn = ctypes.CDLL(str(lib)).paged_decode_f32
+        fn = ctypes.CDLL(str(lib)).paged_attention_f32
     except OSError as e:
         raise KernelUnavailable(f"cannot load {lib}: {e}") from e
     fn.restype = None
-    fn.argtypes = [_P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, ctypes.c_float, ctypes.c_int32]
-    return DecodeKernel(fn)
+    fn.argtypes = [_P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, ctypes.c_float, ctypes.c_int32]
+    return Kernel(fn)
 
 
 def _fits(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:
@@ -137,20 +139,20 @@ def _fits(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tenso
     )
 
 
-def attention(kernel: DecodeKernel) -> reference.AttentionFn:
-    """The backend's ``paged_attention``: decode rows through ``kernel``, prefill chunks (and anything not
-    fp32 on CPU) through the reference."""
+def attention(kernel: Kernel) -> reference.AttentionFn:
+    """The backend's ``paged_attention``: short rows through ``kernel``, longer prefill chunks (and anything
+    not fp32 on CPU) through the reference."""
 
-    def decode(
+    def short(
         query: torch.Tensor,
         key_cache: torch.Tensor,
         value_cache: torch.Tensor,
-        rows: reference.DecodeRows,
+        rows: reference.ShortRows,
         scale: float,
     ) -> torch.Tensor:
         q = query if rows.every_token else query.index_select(0, rows.token_index)
-        out = torch.empty_like(q)
-        kernel(q.contiguous(), key_cache, value_cache, rows.tables, rows.lens, scale, out)
+        out = torch.empty(q.shape, dtype=q.dtype)
+        kernel(q.contiguous(), key_cache, value_cache, rows, scale, out)
         return out
 
     def paged_attention(
@@ -158,6 +160,6 @@ def attention(kernel: DecodeKernel) -> reference.AttentionFn:
     ) -> torch.Tensor:
         if not _fits(query, key_cache, value_cache):
             return reference.paged_attention(query, key_cache, value_cache, meta, scale)
-        return reference.paged_attention(query, key_cache, value_cache, meta, scale, decode=decode)
+        return reference.paged_attention(query, key_cache, value_cache, meta, scale, short=short)
 
     return paged_attention
