@@ -25,7 +25,7 @@ COST_DECAY = 0.9  # weight of a range's step costs measured so far against a new
 COST_MIN_WEIGHT = 3.0  # the measured line replaces the prior once this much weight is in
 # ``Outcomes``: drafting steps measured in a range of batch sizes before their outcome may stop drafting there, how
 # many steps without drafts the range then holds off, at first and at most (the hold doubles with each failed retry).
-OUTCOME_MIN_WEIGHT = 1 + DECAY + DECAY**2 - 1e-9  # three steps
+OUTCOME_MIN_WEIGHT = sum(DECAY**i for i in range(5)) - 1e-9  # five steps
 OUTCOME_HOLD = 64
 OUTCOME_MAX_HOLD = 1024
 
@@ -132,14 +132,16 @@ class _Range:
 
 @dataclass(slots=True)
 class Outcomes:
-    """What drafting steps actually gave, per power-of-two range of decoding rows: each step's output
-    tokens per ms against what the same step without drafts would have given (``StepCost``'s curve at
-    its tokens without drafts, and the wait of a plan without drafts).
+    """What drafting steps actually cost, per power-of-two range of decoding rows: each step's output
+    tokens per ms (the tokens its drafts are expected to give at the measured acceptance, over the step
+    and its wait for the plan) against what the same step without drafts would have given (``StepCost``'s
+    curve at its tokens without drafts, and the wait of a plan without drafts).
 
-    The policy's choice rests on means (acceptance and coverage over rows that differ, a step cost by
-    tokens alone), and a step of 32 rows can defeat them: the drafted rows ride in a step whose cost is
-    set by its rows' contexts, and a drafting plan gives up the loop's overlap. A range whose drafting
-    steps measured below break-even drafts nothing for ``OUTCOME_HOLD`` steps, then measures afresh;
+    The policy's choice rests on a step cost by tokens alone and a coverage averaged over rows, and a
+    step of 32 rows can defeat them: the drafted rows ride in a step whose cost is set by its rows'
+    contexts, and a drafting plan gives up the loop's overlap. (Acceptance is ``alpha``'s to judge: a
+    step's own rejections, at batch 1, must not stop drafting there.) A range whose drafting
+    steps (five, decayed) measured below break-even drafts nothing for ``OUTCOME_HOLD`` steps, then measures afresh;
     each retry that loses again doubles the hold (up to ``OUTCOME_MAX_HOLD``), one that wins resets it.
     """
 
@@ -232,15 +234,19 @@ class DraftPolicy:
         self._rejected = DECAY * self._rejected + rejections
         self.alpha = self._accepted / (self._accepted + self._rejected)
 
-    def observe_step(self, rows: int, emitted: int, tokens: int, step_ms: float, wait_ms: float) -> None:
-        """A reported drafting step whose ``rows`` all decode: ``emitted`` output tokens, ``tokens`` the
-        step's tokens without drafts, the executor's ``step_ms`` and its ``wait_ms`` for the plan. Its
-        outcome counts against the cost curve's plain step (only once the curve is measured: the prior
-        is in decode steps, not ms)."""
+    def observe_step(self, drafts: list[int], tokens: int, step_ms: float, wait_ms: float) -> None:
+        """A reported drafting step whose rows all decode, ``drafts`` per row: ``tokens`` the step's tokens
+        without drafts, the executor's ``step_ms`` and its ``wait_ms`` for the plan. Its outcome counts
+        against the cost curve's plain step, with the tokens the measured acceptance expects of its drafts
+        (acceptance has its own estimate, ``alpha``; what is judged here is what a step with these drafts
+        cost: a row or two rejected at batch 1 must not stop drafting there). Only once the curve is
+        measured: the prior is in decode steps, not ms."""
+        rows = len(drafts)
         if not (self.adaptive and self.measured and self.cost.fitted) or rows < 1 or step_ms <= 0:
             return
+        expected = sum(expected_tokens(self.alpha, d) for d in drafts)
         plain = self.cost(tokens) + self.cost.wait(False)
-        self.outcomes.observe(rows, emitted / rows * plain / (step_ms + min(wait_ms, step_ms)))
+        self.outcomes.observe(rows, expected / rows * plain / (step_ms + min(wait_ms, step_ms)))
 
     def observe_proposals(self, proposed: int, asked: int) -> None:
         """A step's proposals: rows that got drafts of the ``asked`` rows drafts were asked for."""

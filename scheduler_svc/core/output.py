@@ -24,7 +24,6 @@ class Scheduled:
     # Whether this chunk reaches the end of the request's tokens, so a token is sampled (fixed when
     # scheduled: launching the step makes that token one more of the request's tokens).
     samples: bool = field(init=False)
-    accepted: int = 0  # of the drafts, once the step is reported (``Scheduler.update``)
 
     def __post_init__(self) -> None:
         self.samples = self.start + self.num_tokens - len(self.drafts) == self.req.num_tokens

@@ -368,11 +368,10 @@ class Scheduler:
         if self.spec is None or not out.scheduled:
             return
         if all(s.samples and s.num_tokens - len(s.drafts) == 1 for s in out.scheduled):
-            rows, drafts = len(out.scheduled), sum(len(s.drafts) for s in out.scheduled)
-            if drafts:  # its outcome, against the curve as it stood before this step
-                emitted = rows + sum(s.accepted for s in out.scheduled)
-                self.spec.policy.observe_step(rows, emitted, out.num_tokens - drafts, step_ms, wait_ms)
-            self.spec.policy.cost.observe(out.num_tokens, step_ms, bool(drafts), wait_ms)
+            drafts = [len(s.drafts) for s in out.scheduled]
+            if any(drafts):  # its outcome, against the curve as it stood before this step
+                self.spec.policy.observe_step(drafts, out.num_tokens - sum(drafts), step_ms, wait_ms)
+            self.spec.policy.cost.observe(out.num_tokens, step_ms, any(drafts), wait_ms)
 
     def _drafts(self, req: Request, budget: int) -> list[int]:
         """Up to ``self._k`` drafts for ``req``, within the budget, its max_tokens, the context and the free
@@ -637,7 +636,6 @@ class Scheduler:
     def _accept(self, req: Request, s: Scheduled, accepted: int) -> None:
         """A row with drafts came back with ``accepted`` of them: only those count as computed, and
         blocks reserved for rejected positions past the next token's are freed."""
-        s.accepted = accepted
         if req.num_computed == s.end:  # else it was preempted or restarted since (nothing of this step counts)
             req.num_computed = s.end + accepted
             self.blocks.trim(req, req.num_computed + 1)

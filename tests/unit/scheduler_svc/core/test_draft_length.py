@@ -129,6 +129,15 @@ def test_one_size_of_step_goes_on_along_the_priors_shape() -> None:
     assert pol.cost(4) == pol.cost(64) == pytest.approx(30.0) and pol.cost(128) == pytest.approx(60.0)
 
 
+def lose(pol: dl.DraftPolicy, rows: int, steps: int, gain: float = 0.7) -> None:
+    """``steps`` drafting steps of ``rows`` rows, one draft each, that give ``gain`` x a plain step's tokens per ms
+    at the policy's acceptance."""
+    plain = pol.cost(rows) + pol.cost.wait(False)
+    expected = rows * dl.expected_tokens(pol.alpha, 1)
+    for _ in range(steps):
+        pol.observe_step([1] * rows, rows, plain * expected / rows / gain, 0.0)
+
+
 def test_drafting_steps_that_lose_hold_drafting_off_in_their_range() -> None:
     """A flat measured curve (a GPU's) makes drafts at 32 rows look cheap; the drafting steps there
     measure 0.7x a plain step's tokens per ms, so that range drafts nothing for ``OUTCOME_HOLD`` steps,
@@ -138,26 +147,22 @@ def test_drafting_steps_that_lose_hold_drafting_off_in_their_range() -> None:
     feed(pol, lambda t: 20.0 + 0.01 * t, range(32, 200, 8))
     k = pol.choose(32, 32)
     assert k > 0 and pol.choose(4, 4) > 0
-    plain = pol.cost(32) + pol.cost.wait(False)
-    for _ in range(2):
-        pol.observe_step(32, 40, 32, plain * 40 / 32 / 0.7, 0.0)
-    assert pol.choose(32, 32) == k, "two steps are not yet a measurement"
-    pol.observe_step(32, 40, 32, plain * 40 / 32 / 0.7, 0.0)
+    lose(pol, 32, 4)
+    assert pol.choose(32, 32) == k, "four steps are not yet a measurement"
+    lose(pol, 32, 1)
     assert pol.choose(32, 32) == 0 and pol.choose(40, 40) == 0 and pol.choose(4, 4) > 0  # 32-63 rows held
     for _ in range(dl.OUTCOME_HOLD - 1):
         pol.observe_proposals(0, 0)  # steps without drafts
     assert pol.choose(32, 32) == 0
     pol.observe_proposals(0, 0)
     assert pol.choose(32, 32) == k, "the hold ran out: it tries again"
-    for _ in range(3):
-        pol.observe_step(32, 40, 32, plain * 40 / 32 / 0.7, 0.0)
+    lose(pol, 32, 5)
     for _ in range(2 * dl.OUTCOME_HOLD - 1):
         pol.observe_proposals(0, 0)
     assert pol.choose(32, 32) == 0, "a second loss holds twice as long"
     pol.observe_proposals(0, 0)
     assert pol.choose(32, 32) == k
-    for _ in range(20):  # drafting that pays: 1.3x
-        pol.observe_step(32, 52, 32, plain * 52 / 32 / 1.3, 0.0)
+    lose(pol, 32, 20, gain=1.3)  # drafting that pays
     assert pol.choose(32, 32) == k
 
 
@@ -165,15 +170,35 @@ def test_an_outcome_counts_the_longer_wait_of_a_drafting_plan() -> None:
     """The same step time, but the executor waited half a step longer for each drafting plan (the loop's
     overlap lost): 1.2x the tokens do not pay for 1.5x the time."""
     pol = dl.DraftPolicy(k_max=5, compute_bound_tokens=256)
+    pol.alpha = 0.2  # one draft per row: 1.2 tokens expected
     feed(pol, lambda t: 100.0, range(32, 200, 8))
-    for _ in range(3):
-        pol.observe_step(32, 38, 32, 100.0, 50.0)
-    assert pol.choose(32, 32) == 0
+    for _ in range(5):
+        pol.observe_step([1] * 32, 32, 100.0, 50.0)
+    assert pol.outcomes.holds(32)
     won = dl.DraftPolicy(k_max=5, compute_bound_tokens=256)
+    won.alpha = 0.2
     feed(won, lambda t: 100.0, range(32, 200, 8))
-    for _ in range(3):
-        won.observe_step(32, 38, 32, 100.0, 0.0)
-    assert won.choose(32, 32) > 0
+    for _ in range(5):
+        won.observe_step([1] * 32, 32, 100.0, 0.0)
+    assert not won.outcomes.holds(32)
+
+
+def test_a_steps_own_rejections_do_not_hold_drafting_off() -> None:
+    """At batch 1 a drafting step costs what a plain one does: the outcome takes the tokens the measured
+    acceptance expects of the step's drafts, not what this step's row accepted (acceptance is ``alpha``'s to
+    judge, over many steps), so steps whose drafts happened to be rejected stay above break-even, while
+    the same steps at 2.5x a plain step's cost do not."""
+    pol = dl.DraftPolicy(k_max=5, compute_bound_tokens=256)
+    feed(pol, lambda t: 22.0 + 0.1 * t, range(1, 7))
+    assert pol.alpha == dl.PRIOR_ACCEPTANCE
+    for _ in range(10):
+        pol.observe_step([5], 1, 22.6, 0.0)
+    assert not pol.outcomes.holds(1)
+    dear = dl.DraftPolicy(k_max=5, compute_bound_tokens=256)
+    feed(dear, lambda t: 22.0 + 0.1 * t, range(1, 7))
+    for _ in range(5):
+        dear.observe_step([5], 1, 2.5 * 22.6, 0.0)
+    assert dear.outcomes.holds(1)
 
 
 def test_outcomes_wait_for_a_measured_curve_and_an_adaptive_policy() -> None:
@@ -185,5 +210,5 @@ def test_outcomes_wait_for_a_measured_curve_and_an_adaptive_policy() -> None:
         dl.DraftPolicy(k_max=5, measured=False),
     ):
         for _ in range(10):
-            pol.observe_step(32, 33, 32, 1000.0, 0.0)
+            pol.observe_step([1] * 32, 32, 1000.0, 0.0)
         assert not pol.outcomes.holds(32) and pol.choose(32, 32) == 5

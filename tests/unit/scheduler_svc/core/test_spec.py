@@ -15,6 +15,7 @@ import pytest
 from pagedserve.executor.v1 import executor_pb2 as pb
 from scheduler_svc.core import spec
 from scheduler_svc.core.blocks import BlockManager, Pool
+from scheduler_svc.core.draft_length import expected_tokens
 from scheduler_svc.core.logprob import Logprob
 from scheduler_svc.core.output import SchedulerOutput
 from scheduler_svc.core.request import Finish, Params, Request, Status
@@ -161,9 +162,10 @@ def test_only_all_decode_steps_are_measured() -> None:
     assert s.spec.policy.cost._waits == {True: (1.0, 2.0)}
 
 
-def test_a_drafting_steps_outcome_counts_its_accepted_tokens() -> None:
-    """A row that drafted and had 2 of its drafts accepted gave 3 tokens in a step of 60 ms, where the
-    curve has a plain step at 30 ms: 1.5x (``Outcomes``)."""
+def test_a_drafting_steps_outcome_counts_the_tokens_its_drafts_are_expected_to_give() -> None:
+    """A row with 4 drafts, at the measured acceptance alpha, is expected to give expected_tokens(alpha, 4)
+    tokens; in a step of 60 ms where the curve has a plain step at 30 ms that is half of it per ms
+    (``Outcomes``), whatever this one step accepted."""
     s = make()
     r = Request("r", [5, 6, 7, 8, 5, 6, 7], Params(max_tokens=20))
     s.add(r)
@@ -173,12 +175,12 @@ def test_a_drafting_steps_outcome_counts_its_accepted_tokens() -> None:
         for t in range(1, 6):  # a flat step: the weights' reading
             s.spec.policy.cost.observe(t, 30.0, t > 1, 0.0)
     out = s.schedule()
-    assert len(out.scheduled[0].drafts) >= 3
+    assert len(out.scheduled[0].drafts) == 4
     s.update(out, {"r": 5}, more={"r": [6, 7]})
-    assert out.scheduled[0].accepted == 2 and r.output_ids[-3:] == [5, 6, 7]
     s.observe_step(out, 60.0, 0.0)
     rng = s.spec.policy.outcomes._ranges[1]
-    assert rng.weight == 1.0 and rng.gains == pytest.approx(1.5)
+    alpha = s.spec.policy.alpha
+    assert rng.weight == 1.0 and rng.gains == pytest.approx(expected_tokens(alpha, 4) * 30 / 60)
 
 
 # -- the scheduler ----------------------------------------------------------------------------
