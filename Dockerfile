@@ -69,10 +69,9 @@ FROM ${BASE_IMAGE} AS runtime
 ARG EXTRA_APT_PACKAGES=
 
 # tini as PID 1: forwards SIGTERM to the server and reaps children, so
-# graceful shutdown works whether or not Python runs as PID 1. g++: the
-# executor builds its CPU attention kernel for the CPU it runs on at
-# its first start (-march=native, paged_kernels/cpu_attention.py; without a
-# compiler it falls back to the torch path and logs why).
+# graceful shutdown works whether or not Python runs as PID 1. g++: with
+# --attention-backend cpu the executor builds its attention kernel for the CPU
+# it runs on at its first start (-march=native, paged_kernels/cpu_attention.py).
 RUN apt-get update \
  && apt-get install -y --no-install-recommends tini g++ $EXTRA_APT_PACKAGES \
  && rm -rf /var/lib/apt/lists/*

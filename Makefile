@@ -26,12 +26,11 @@ proto: pagedserve/v1/generation_pb2.py
 model: install
 	$(BIN)/python -m executor_svc.model_store
 
-# Debian's g++ for the executor's CPU attention kernel (paged_kernels/cpu_attention.py, built at the executor's
-# first start into the cache directory), installed only as root; without it the executor falls back to the torch
-# attention path and logs why, and the kernel's tests fail.
+# Debian's g++ for the executor's CPU attention kernel (--attention-backend cpu, paged_kernels/cpu_attention.py, built
+# at the executor's first start into the cache directory) and its tests, installed only as root.
 cxx:
 	@command -v g++ >/dev/null 2>&1 || [ "$$(id -u)" -ne 0 ] || { \
-	  echo "installing Debian's g++ for the CPU decode kernel"; export DEBIAN_FRONTEND=noninteractive; \
+	  echo "installing Debian's g++ for the CPU attention kernel"; export DEBIAN_FRONTEND=noninteractive; \
 	  install="apt-get install -y -q --no-install-recommends g++"; \
 	  $$install >/dev/null || { apt-get update -q >/dev/null && $$install >/dev/null; }; }
 

@@ -22,6 +22,7 @@ from executor_svc.model_store import DEFAULT_MODEL, cache_dir, resolve_model
 from executor_svc.server import SERVICE_NAME, ExecutorServicer, add_to_server
 from executor_svc.transfer import Puller
 from paged_kernels import BACKENDS
+from paged_kernels.cpu_attention import KernelUnavailable
 from pagedserve import heap, logs, metrics, rpc
 from pagedserve.auth import SecretFile, internal_token_interceptor
 from pagedserve.keys import Keys
@@ -88,7 +89,8 @@ def _engine_arguments(p: argparse.ArgumentParser) -> None:
         "--attention-backend",
         choices=BACKENDS,
         default="auto",
-        help="auto: Triton on CUDA; on CPU the compiled decode kernel (cpu), else the torch reference (torch)",
+        help="auto: Triton on CUDA, torch elsewhere; cpu: a compiled kernel for rows of up to 16 new tokens beside "
+        "torch (faster decode attention; seeded sampling then not bit-exact across preemption and prefix hits)",
     )
     p.add_argument(
         "--cpu-linear",
@@ -108,7 +110,7 @@ def _engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--cache-dir",
         default=None,
-        help="where the default model is converted and the CPU decode kernel built (default: $PAGEDSERVE_CACHE or "
+        help="where the default model is converted and the cpu attention kernel built (default: $PAGEDSERVE_CACHE or "
         "~/.cache/pagedserve)",
     )
 
@@ -278,8 +280,6 @@ def _engine(args: argparse.Namespace) -> Engine:
 def _log_serving(args: argparse.Namespace, engine: Engine, port: int, *, tls: bool) -> None:
     """How the port is protected, then what this executor serves and its pool's size per tier."""
     pool = engine.pool
-    if engine.backend.fallback:
-        log.warning("%s; attention runs on the torch reference", engine.backend.fallback)
     log.info(
         "port %d: %s, %s",
         port,
@@ -322,7 +322,7 @@ async def serve(args: argparse.Namespace) -> None:
         log.info("malloc keeps freed memory (mmap threshold %d MiB)", heap.MMAP_THRESHOLD >> 20)
     try:
         engine = _engine(args)
-    except ContextTooLong as exc:
+    except (ContextTooLong, KernelUnavailable) as exc:
         raise SystemExit(f"error: {exc}") from None  # one line, exit 1
     registry = CollectorRegistry()
     executor_metrics = ExecutorMetrics(registry, engine.cfg.model.name)

@@ -54,7 +54,7 @@ class EngineConfig:
     swap_dir: Path | None = None
     disk_swap_space: float = 4.0  # GiB on disk, used only with swap_dir
     attention_backend: str = "auto"
-    kernel_cache: Path | None = None  # where the CPU decode kernel is built (None: model_store.cache_dir())
+    kernel_cache: Path | None = None  # where the cpu attention kernel is built (None: model_store.cache_dir())
     cpu_linear: str = "onednn"  # executor_svc/linear.py: prepacked oneDNN GEMMs on CPU, or torch's F.linear
     device: str | None = None
     dtype: str = "float32"

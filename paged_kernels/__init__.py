@@ -1,5 +1,5 @@
-"""Paged-KV operations behind one interface: Triton kernels on CUDA; on CPU a compiled decode kernel
-(``cpu_attention.py``) beside the torch reference.
+"""Paged-KV operations behind one interface: Triton kernels on CUDA, torch on CPU (and, on request, a
+compiled kernel for short rows beside it, ``cpu_attention.py``).
 
 The executor asks for a backend once (``get_backend``) and the model code only
 ever calls its three functions, so it never knows which implementation runs.
@@ -27,23 +27,18 @@ class Backend:
     paged_attention: Callable[..., torch.Tensor]
     reshape_and_cache: Callable[..., None]
     copy_blocks: Callable[..., None]
-    fallback: str = ""  # why ``auto`` did not give the compiled CPU kernel (empty: it did, or was not asked)
 
 
 def get_backend(name: str, device: torch.device, cache_dir: Path | None = None) -> Backend:
-    """``auto`` means Triton on CUDA, and elsewhere the compiled CPU decode kernel (built into
-    ``cache_dir``), or the torch reference where it cannot be built (``fallback`` says why); ``cpu``
-    insists on the kernel (``cpu_attention.KernelUnavailable`` where it cannot be built)."""
+    """``auto`` means Triton on CUDA and the torch reference elsewhere; ``cpu`` is the compiled kernel for
+    short rows beside the reference (built into ``cache_dir``; ``cpu_attention.KernelUnavailable`` says why
+    where it cannot be). Not ``auto``'s choice on CPU: a token's attention then depends on whether its row
+    was short, so a seeded request is not bit-for-bit the same after a preemption or a prefix-cache hit
+    (``cpu_attention.py``)."""
     if name not in BACKENDS:
         raise ValueError(f"attention backend must be one of {BACKENDS}, got {name!r}")
     if name == "auto":
-        name = "triton" if device.type == "cuda" else "cpu" if cache_dir is not None else "torch"
-        if name == "cpu":
-            assert cache_dir is not None
-            try:
-                return _cpu(cpu_attention.build(cache_dir))
-            except cpu_attention.KernelUnavailable as e:
-                return _torch(f"the CPU decode kernel is not available: {e}")
+        name = "triton" if device.type == "cuda" else "torch"
     if name == "triton":
         from paged_kernels import triton_ops
 
@@ -51,13 +46,6 @@ def get_backend(name: str, device: torch.device, cache_dir: Path | None = None) 
     if name == "cpu":
         if cache_dir is None:
             raise ValueError("the cpu attention backend needs a cache directory to build its kernel in")
-        return _cpu(cpu_attention.build(cache_dir))
-    return _torch()
-
-
-def _cpu(kernel: cpu_attention.Kernel) -> Backend:
-    return Backend("cpu", cpu_attention.attention(kernel), reference.reshape_and_cache, reference.copy_blocks)
-
-
-def _torch(fallback: str = "") -> Backend:
-    return Backend("torch", reference.paged_attention, reference.reshape_and_cache, reference.copy_blocks, fallback)
+        kernel = cpu_attention.build(cache_dir)
+        return Backend("cpu", cpu_attention.attention(kernel), reference.reshape_and_cache, reference.copy_blocks)
+    return Backend("torch", reference.paged_attention, reference.reshape_and_cache, reference.copy_blocks)

@@ -9,8 +9,15 @@ through ``ctypes`` (no torch headers: it builds in about a second). ``-march=nat
 carries a digest of the source, the flags and this CPU's model and feature flags, so a cache shared between
 machines never runs code built for another CPU. Longer prefill chunks keep the reference's path.
 
-``build`` raises ``KernelUnavailable`` with the reason (no compiler, a failed build); the executor then
-falls back to the torch backend and logs why.
+``build`` raises ``KernelUnavailable`` with the reason (no compiler, a failed build).
+
+**Not the default** (``--attention-backend cpu`` asks for it). Each token's attention is the same whatever
+its row's batch, but it differs in the last bits between the kernel (rows of up to 16 new tokens) and the
+reference's SDPA (longer chunks), and a token's path depends on how its row was chunked: a prompt computed
+in one chunk of 40 and then, after a prefix-cache hit, as a tail of 8, or a decoded token recomputed inside
+a chunk after a preemption. Seeded sampling is bit-for-bit reproducible across those only when every token
+takes one path (``tests/test_sampling.py``: the same seed gave other logprobs in the 7th digit with the
+kernel). Greedy output stays transformers' in the oracle tests either way.
 """
 
 from __future__ import annotations

@@ -105,27 +105,26 @@ def test_prefill_chunks_are_padded_within_a_length_bucket_only():
     assert sum(len(g.blocks) for g in groups) == 63 + 2 * 2  # not 3 x 63
 
 
-def test_auto_builds_the_cpu_kernel_once_per_cpu_and_source(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """``auto`` on CPU compiles the decode kernel into the cache directory and loads it from there next time;
-    a CPU with other features (``-march=native``) gets a build of its own."""
-    backend = get_backend("auto", torch.device("cpu"), tmp_path)
-    assert backend.name == "cpu" and not backend.fallback
+def test_the_cpu_backend_builds_its_kernel_once_per_cpu_and_source(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``cpu`` compiles the kernel into the cache directory and loads it from there next time; a CPU with
+    other features (``-march=native``) gets a build of its own; ``auto`` on CPU stays the reference."""
+    assert get_backend("auto", torch.device("cpu"), tmp_path).name == "torch"
+    assert not (tmp_path / "kernels").exists()
+    assert get_backend("cpu", torch.device("cpu"), tmp_path).name == "cpu"
     built = sorted((tmp_path / "kernels").iterdir())
     assert [p.name for p in built] == [cpu_attention.library_path(tmp_path).name]
     mtime = built[0].stat().st_mtime_ns
-    assert get_backend("auto", torch.device("cpu"), tmp_path).name == "cpu"
+    assert get_backend("cpu", torch.device("cpu"), tmp_path).name == "cpu"
     assert built[0].stat().st_mtime_ns == mtime, "loaded, not rebuilt"
     monkeypatch.setattr(cpu_attention, "_cpu_signature", lambda: b"flags : sse2")
     assert cpu_attention.library_path(tmp_path) != built[0]
 
 
-def test_without_a_compiler_auto_falls_back_to_the_reference_and_says_why(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_without_a_compiler_the_cpu_backend_says_why(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Isolates the build's failure: no g++ on PATH (``shutil.which`` patched), an empty cache directory."""
     monkeypatch.setattr(cpu_attention.shutil, "which", lambda _: None)
-    backend = get_backend("auto", torch.device("cpu"), tmp_path)
-    assert backend.name == "torch" and "no C++ compiler" in backend.fallback
     with pytest.raises(cpu_attention.KernelUnavailable, match="no C\\+\\+ compiler"):
         get_backend("cpu", torch.device("cpu"), tmp_path)
 
