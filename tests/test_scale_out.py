@@ -112,9 +112,11 @@ def test_three_executors_serve_in_parallel_and_survive_a_sigkill(
             "every executor served some"
         )
 
-        # Again, and one executor dies mid-run.
+        # Again, and one executor dies mid-run. Two of them holding work is what that needs: a loop that a replica
+        # hands to another (their share of 3 is 2 and 1) places nothing for the second or so it moves, and a
+        # clean-clone run timed out waiting for all three at once (the hand-off was logged just before).
         runs = split(cluster, REQS)
-        wait_for(lambda: min(placed(client, ns).values()) > 0, what="work on every executor")
+        wait_for(lambda: sorted(placed(client, ns).values())[-2] > 0, what="work on two executors")
         victim, dead = busiest(cluster, client, ns)
         victim.proc.send_signal(signal.SIGKILL)
         results = join(*runs)
