@@ -234,6 +234,13 @@ class DraftPolicy:
         self._rejected = DECAY * self._rejected + rejections
         self.alpha = self._accepted / (self._accepted + self._rejected)
 
+    def stepped(self, drafts: list[int], tokens: int, step_ms: float, wait_ms: float) -> None:
+        """A reported step whose rows all decode, ``drafts`` per row (``tokens`` without them): a drafting
+        one is scored against the cost curve as it stood (``observe_step``), then every one joins the curve."""
+        if any(drafts):
+            self.observe_step(drafts, tokens, step_ms, wait_ms)
+        self.cost.observe(tokens + sum(drafts), step_ms, any(drafts), wait_ms)
+
     def observe_step(self, drafts: list[int], tokens: int, step_ms: float, wait_ms: float) -> None:
         """A reported drafting step whose rows all decode, ``drafts`` per row: ``tokens`` the step's tokens
         without drafts, the executor's ``step_ms`` and its ``wait_ms`` for the plan. Its outcome counts

@@ -369,9 +369,7 @@ class Scheduler:
             return
         if all(s.samples and s.num_tokens - len(s.drafts) == 1 for s in out.scheduled):
             drafts = [len(s.drafts) for s in out.scheduled]
-            if any(drafts):  # its outcome, against the curve as it stood before this step
-                self.spec.policy.observe_step(drafts, out.num_tokens - sum(drafts), step_ms, wait_ms)
-            self.spec.policy.cost.observe(out.num_tokens, step_ms, any(drafts), wait_ms)
+            self.spec.policy.stepped(drafts, out.num_tokens - sum(drafts), step_ms, wait_ms)
 
     def _drafts(self, req: Request, budget: int) -> list[int]:
         """Up to ``self._k`` drafts for ``req``, within the budget, its max_tokens, the context and the free
