@@ -1,5 +1,5 @@
-"""Paged-KV operations behind one interface: Triton kernels on CUDA, torch on CPU (and, on request, a
-compiled kernel for short rows beside it, ``cpu_attention.py``).
+"""Paged-KV operations behind one interface: Triton kernels on CUDA, a compiled kernel on CPU
+(``cpu_attention.py``), the torch reference where that cannot be built.
 
 The executor asks for a backend once (``get_backend``) and the model code only
 ever calls its three functions, so it never knows which implementation runs.
@@ -7,6 +7,7 @@ ever calls its three functions, so it never knows which implementation runs.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +20,7 @@ from paged_kernels.reference import PagedMetadata, make_metadata, slot_mapping_f
 __all__ = ["Backend", "PagedMetadata", "get_backend", "make_metadata", "slot_mapping_for"]
 
 BACKENDS = ("auto", "triton", "cpu", "torch")
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,22 +32,26 @@ class Backend:
 
 
 def get_backend(name: str, device: torch.device, cache_dir: Path | None = None) -> Backend:
-    """``auto`` means Triton on CUDA and the torch reference elsewhere; ``cpu`` is the compiled kernel for
-    short rows beside the reference (built into ``cache_dir``; ``cpu_attention.KernelUnavailable`` says why
-    where it cannot be). Not ``auto``'s choice on CPU: a token's attention then depends on whether its row
-    was short, so a seeded request is not bit-for-bit the same after a preemption or a prefix-cache hit
-    (``cpu_attention.py``)."""
+    """``auto`` means Triton on CUDA and the compiled kernel on CPU (built into ``cache_dir``), or the torch
+    reference where it cannot be built (the reason logged); ``cpu`` asked for by name raises
+    ``cpu_attention.KernelUnavailable`` with the reason instead."""
     if name not in BACKENDS:
         raise ValueError(f"attention backend must be one of {BACKENDS}, got {name!r}")
-    if name == "auto":
-        name = "triton" if device.type == "cuda" else "torch"
+    if name == "auto" and device.type == "cuda":
+        name = "triton"
     if name == "triton":
         from paged_kernels import triton_ops
 
         return Backend("triton", triton_ops.paged_attention, triton_ops.reshape_and_cache, triton_ops.copy_blocks)
-    if name == "cpu":
+    if name in ("cpu", "auto"):
         if cache_dir is None:
             raise ValueError("the cpu attention backend needs a cache directory to build its kernel in")
-        kernel = cpu_attention.build(cache_dir)
-        return Backend("cpu", cpu_attention.attention(kernel), reference.reshape_and_cache, reference.copy_blocks)
+        try:
+            kernel = cpu_attention.build(cache_dir)
+        except cpu_attention.KernelUnavailable as e:
+            if name == "cpu":
+                raise
+            log.warning("attention: the cpu kernel is unavailable (%s); using the torch reference", e)
+        else:
+            return Backend("cpu", cpu_attention.attention(kernel), reference.reshape_and_cache, reference.copy_blocks)
     return Backend("torch", reference.paged_attention, reference.reshape_and_cache, reference.copy_blocks)

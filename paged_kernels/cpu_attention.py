@@ -1,23 +1,23 @@
-"""Paged attention on CPU for rows of a few new tokens, compiled here: the ``cpu`` attention backend.
+"""Paged attention on CPU, compiled here: the ``cpu`` attention backend (``auto``'s choice on CPU).
 
-The torch reference (``reference.py``) gathers every row's blocks into a padded tensor, once per layer,
-then runs SDPA: each step reads its rows' KV three times and writes it once. ``cpu/attention.cpp`` reads
-K and V in place through the block table, once (vLLM's CPU attention does the same), for every row of at
-most ``reference.SHORT_ROW_TOKENS`` new tokens: decodes, and decodes with drafts to verify. It is plain C with an
-``extern "C"`` entry, compiled with the system's ``g++`` at first use into the cache directory and called
-through ``ctypes`` (no torch headers: it builds in about a second). ``-march=native``: the library's name
-carries a digest of the source, the flags and this CPU's model and feature flags, so a cache shared between
-machines never runs code built for another CPU. Longer prefill chunks keep the reference's path.
+The torch reference (``reference.py``) gathers every row's blocks into a padded tensor, once per layer, then runs
+SDPA: each step reads its rows' KV three times and writes it once. ``cpu/attention.cpp`` reads K and V in place
+through the block table, once (vLLM's CPU attention does the same), for every row of the step: decodes, decodes with
+drafts to verify, prefill chunks of any length. It is plain C with an ``extern "C"`` entry, compiled with the
+system's ``g++`` at first use into the cache directory and called through ``ctypes`` (no torch headers: it builds in
+about a second). ``-march=native``: the library's name carries a digest of the source, the flags and this CPU's model
+and feature flags, so a cache shared between machines never runs code built for another CPU.
 
-``build`` raises ``KernelUnavailable`` with the reason (no compiler, a failed build).
+**A token's attention does not depend on its row** (the source's header says how): a prompt computed in one chunk
+or, after a prefix-cache hit, as a tail, a decoded token or the same token recomputed inside a chunk after a
+preemption, in a batch of one or of 32, on one thread or two, all give the same bits. So a seeded request samples
+the same tokens with the same logprobs across those (``tests/test_sampling.py``), which the reference's SDPA does
+not promise between a decode and a chunk. An earlier version took only rows of up to 16 new tokens and left longer
+chunks to SDPA; a token's path then depended on its chunking, and a seeded request's logprobs moved in the 7th digit
+after a preemption.
 
-**Not the default** (``--attention-backend cpu`` asks for it). Each token's attention is the same whatever
-its row's batch, but it differs in the last bits between the kernel (rows of up to 16 new tokens) and the
-reference's SDPA (longer chunks), and a token's path depends on how its row was chunked: a prompt computed
-in one chunk of 40 and then, after a prefix-cache hit, as a tail of 8, or a decoded token recomputed inside
-a chunk after a preemption. Seeded sampling is bit-for-bit reproducible across those only when every token
-takes one path (``tests/test_sampling.py``: the same seed gave other logprobs in the 7th digit with the
-kernel). Greedy output stays transformers' in the oracle tests either way.
+``build`` raises ``KernelUnavailable`` with the reason (no compiler, a failed build); ``auto`` then keeps the torch
+reference, ``cpu`` asked for by name stops the executor.
 """
 
 from __future__ import annotations
@@ -38,10 +38,12 @@ from paged_kernels import reference
 from paged_kernels.reference import PagedMetadata
 
 SOURCE = Path(__file__).with_name("cpu") / "attention.cpp"
-# -fno-trapping-math lets the exp loop vectorise (its clamp may be computed unconditionally); no reassociation, so the
-# results are what the source says.
-FLAGS = ("-O3", "-march=native", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC")
+# -ffp-contract=off: a multiply-add is fused only where the source says fmaf, so a loop's vectorised body and its scalar
+# tail compute the same bits; -fno-trapping-math lets the exp loop vectorise (its clamp may be computed
+# unconditionally); no reassociation (no -ffast-math), so the results are what the source says.
+FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC")
 _P, _I = ctypes.c_void_p, ctypes.c_int64
+ONE_THREAD_TOKENS = 16  # a step of one row and at most this many tokens runs on one thread (``Kernel.__call__``)
 
 
 class KernelUnavailable(RuntimeError):
@@ -79,6 +81,10 @@ def _compile(target: Path) -> None:
         Path(tmp).unlink(missing_ok=True)
 
 
+def _i32(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype == torch.int32 and t.is_contiguous() else t.to(torch.int32).contiguous()
+
+
 @dataclass(frozen=True, slots=True)
 class Kernel:
     """``cpu/attention.cpp``'s entry, loaded."""
@@ -90,35 +96,35 @@ class Kernel:
         query: torch.Tensor,
         key_cache: torch.Tensor,
         value_cache: torch.Tensor,
-        rows: reference.ShortRows,
+        meta: PagedMetadata,
         scale: float,
         out: torch.Tensor,
         threads: int | None = None,
     ) -> None:
-        """``query``/``out`` ``[T, H, D]`` (the rows' tokens, row after row: ``rows.starts``), caches
-        ``[num_blocks, BS, KVH, D]``, fp32 and contiguous. One row runs on one thread: in the executor's
-        step (SmolLM2, 512 tokens of context, 2 threads) a decode row's attention took 2.4 ms on one
-        thread and 6-7 ms split over two, where 2 rows on two threads took 2.6 ms against 4.2 on one.
-        With fewer rows than ``threads``, each row's KV heads are split between threads."""
+        """``query``/``out`` ``[T, H, D]`` (every row's new tokens, row after row), caches
+        ``[num_blocks, BS, KVH, D]``, fp32 and contiguous. A step of one short row runs on one thread: a decode
+        row's attention (SmolLM2, 512 tokens of context, 2 threads) took 2.4 ms on one thread and 6-7 ms split
+        over two, where 2 rows on two threads took 2.6 ms against 4.2 on one."""
         _, h, d = query.shape
         _, bs, kvh, _ = key_cache.shape
-        s = rows.tables.shape[0]
+        tables, lens, starts = _i32(meta.block_tables), _i32(meta.seq_lens), _i32(meta.query_start_loc)
+        s = tables.shape[0]
         self.fn(
             query.data_ptr(),
             key_cache.data_ptr(),
             value_cache.data_ptr(),
-            rows.tables.data_ptr(),
-            rows.lens.data_ptr(),
-            rows.starts.data_ptr(),
+            tables.data_ptr(),
+            lens.data_ptr(),
+            starts.data_ptr(),
             out.data_ptr(),
             s,
             h,
             kvh,
             d,
             bs,
-            rows.tables.shape[1],
+            tables.shape[1],
             scale,
-            threads or (1 if s == 1 else torch.get_num_threads()),
+            threads or (1 if s == 1 and query.shape[0] <= ONE_THREAD_TOKENS else torch.get_num_threads()),
         )
 
 
@@ -147,26 +153,16 @@ def _fits(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tenso
 
 
 def attention(kernel: Kernel) -> reference.AttentionFn:
-    """The backend's ``paged_attention``: short rows through ``kernel``, longer prefill chunks (and anything
-    not fp32 on CPU) through the reference."""
-
-    def short(
-        query: torch.Tensor,
-        key_cache: torch.Tensor,
-        value_cache: torch.Tensor,
-        rows: reference.ShortRows,
-        scale: float,
-    ) -> torch.Tensor:
-        q = query if rows.every_token else query.index_select(0, rows.token_index)
-        out = torch.empty(q.shape, dtype=q.dtype)
-        kernel(q.contiguous(), key_cache, value_cache, rows, scale, out)
-        return out
+    """The backend's ``paged_attention``: every row through ``kernel`` (anything not fp32 on CPU through the
+    reference)."""
 
     def paged_attention(
         query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, meta: PagedMetadata, scale: float
     ) -> torch.Tensor:
         if not _fits(query, key_cache, value_cache):
             return reference.paged_attention(query, key_cache, value_cache, meta, scale)
-        return reference.paged_attention(query, key_cache, value_cache, meta, scale, short=short)
+        out = torch.empty(query.shape, dtype=query.dtype)
+        kernel(query.contiguous(), key_cache, value_cache, meta, scale, out)
+        return out
 
     return paged_attention

@@ -32,22 +32,6 @@ class _Group:
     mask: torch.Tensor  # [S_g, 1, Q_g, B_g * block_size] bool, True where attention is allowed
 
 
-# Rows of at most this many new tokens (a decode, a decode with drafts to verify) go to a ``ShortFn``, where one.
-SHORT_ROW_TOKENS = 16
-
-
-@dataclass(slots=True)
-class ShortRows:
-    """The step's rows of at most ``SHORT_ROW_TOKENS`` new tokens, for a kernel that reads K/V in place."""
-
-    token_index: torch.Tensor  # [T_s] int64: their tokens in the packed query, row after row
-    starts: torch.Tensor  # [S_s + 1] int32: each row's first token among those
-    tables: torch.Tensor  # [S_s, max_blocks] int32, contiguous
-    lens: torch.Tensor  # [S_s] int32, contiguous: context length, the new tokens included
-    every_token: bool  # every token of the step is a short row's (token_index is 0..T-1)
-    others: torch.Tensor  # [S_o] int64: the rows left to the reference's groups
-
-
 @dataclass(slots=True)
 class PagedMetadata:
     """Per-step attention inputs, shared by every layer of the forward pass.
@@ -62,8 +46,6 @@ class PagedMetadata:
     block_size: int
     slot_mapping: torch.Tensor  # [T] int64 flat slot of each new token
     groups: list[_Group] | None = field(default=None)
-    short_rows: ShortRows | None = field(default=None)
-    long_groups: list[_Group] | None = field(default=None)  # the groups of the rows short_rows leaves
 
     @property
     def num_seqs(self) -> int:
@@ -140,29 +122,6 @@ def _groups(meta: PagedMetadata) -> list[_Group]:
     return meta.groups
 
 
-def _short_rows(meta: PagedMetadata) -> ShortRows:
-    if meta.short_rows is None:
-        q_lens = meta.query_start_loc[1:] - meta.query_start_loc[:-1]
-        short = q_lens <= SHORT_ROW_TOKENS
-        seqs = torch.nonzero(short).flatten()
-        lens_s = q_lens[seqs].long()
-        first = meta.query_start_loc[:-1].long()[seqs]
-        token_index = torch.repeat_interleave(first, lens_s) + (
-            torch.arange(int(lens_s.sum())) - torch.repeat_interleave(torch.cumsum(lens_s, 0) - lens_s, lens_s)
-        )
-        meta.short_rows = ShortRows(
-            token_index,
-            torch.cat([lens_s.new_zeros(1), torch.cumsum(lens_s, 0)]).to(torch.int32),
-            meta.block_tables[seqs].to(torch.int32).contiguous(),
-            meta.seq_lens[seqs].to(torch.int32).contiguous(),
-            bool(short.all()),
-            torch.nonzero(~short).flatten(),
-        )
-    return meta.short_rows
-
-
-# A kernel for the short rows: (query, key_cache, value_cache, rows, scale) -> their output [T_s, H, D].
-ShortFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, ShortRows, float], torch.Tensor]
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, PagedMetadata, float], torch.Tensor]
 
 
@@ -189,31 +148,17 @@ def paged_attention(
     value_cache: torch.Tensor,
     meta: PagedMetadata,
     scale: float,
-    short: ShortFn | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its paged context.
 
     Vectorised across sequences: decode tokens (by context-length bucket) and
     prefill chunks form padded groups, each one batched
-    ``scaled_dot_product_attention`` call (``_groups``). With ``short``, rows of
-    at most ``SHORT_ROW_TOKENS`` new tokens go to it instead, all at once
-    (``cpu_attention.py``), and the groups hold the others.
+    ``scaled_dot_product_attention`` call (``_groups``).
     """
     heads, dim = query.shape[1:]
     kvh = key_cache.shape[-2]
-    if short is None:
-        out, groups = torch.empty_like(query), _groups(meta)
-    else:
-        rows = _short_rows(meta)
-        if rows.every_token:
-            return short(query, key_cache, value_cache, rows, scale)
-        out = torch.empty_like(query)
-        if len(rows.token_index):
-            out.index_copy_(0, rows.token_index, short(query, key_cache, value_cache, rows, scale))
-        if meta.long_groups is None:
-            meta.long_groups = _bucketed(meta, rows.others)
-        groups = meta.long_groups
-    for g in groups:
+    out = torch.empty_like(query)
+    for g in _groups(meta):
         s_g, q_g = g.token_index.shape
         q = query.index_select(0, g.token_index.reshape(-1)).view(s_g, q_g, heads, dim).transpose(1, 2)
         k = key_cache.index_select(0, g.blocks).view(s_g, -1, kvh, dim).transpose(1, 2).to(query.dtype)

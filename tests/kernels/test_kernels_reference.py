@@ -1,5 +1,5 @@
-"""The torch reference, and beside it the CPU backend's compiled kernel for short rows (``cpu_attention.py``),
-against plain causal attention over contiguous K/V."""
+"""The torch reference and the CPU backend's compiled kernel (``cpu_attention.py``) against plain causal attention
+over contiguous K/V; the kernel's result for a token whatever its row's chunking, batch and threads."""
 
 from pathlib import Path
 
@@ -35,7 +35,8 @@ def _sdpa_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
         ([33, 5, 64, 20], [1, 5, 31, 1], 16, 3, 1),  # mixed, chunk on cached context
         ([300, 3, 40, 41, 100, 9, 250], [1] * 7, 16, 6, 2),  # long-tailed decodes: several length buckets
         ([300, 20, 18, 150, 7], [40, 20, 18, 1, 7], 16, 4, 2),  # prefill chunks in two length buckets, a decode
-        ([90, 41, 200, 64], [6, 1, 3, 17], 16, 6, 2),  # decodes with drafts (short rows), a longer chunk
+        ([90, 41, 200, 64], [6, 1, 3, 17], 16, 6, 2),  # decodes with drafts, a longer chunk
+        ([5, 70], [5, 70], 4, 8, 8),  # blocks smaller than the kernel's 16-position key tile, no GQA
     ],
 )
 @pytest.mark.parametrize("backend", ["torch", "cpu"])
@@ -109,10 +110,10 @@ def test_the_cpu_backend_builds_its_kernel_once_per_cpu_and_source(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """``cpu`` compiles the kernel into the cache directory and loads it from there next time; a CPU with
-    other features (``-march=native``) gets a build of its own; ``auto`` on CPU stays the reference."""
-    assert get_backend("auto", torch.device("cpu"), tmp_path).name == "torch"
+    other features (``-march=native``) gets a build of its own; ``auto`` on CPU is this backend."""
+    assert get_backend("torch", torch.device("cpu"), tmp_path).name == "torch"
     assert not (tmp_path / "kernels").exists()
-    assert get_backend("cpu", torch.device("cpu"), tmp_path).name == "cpu"
+    assert get_backend("auto", torch.device("cpu"), tmp_path).name == "cpu"
     built = sorted((tmp_path / "kernels").iterdir())
     assert [p.name for p in built] == [cpu_attention.library_path(tmp_path).name]
     mtime = built[0].stat().st_mtime_ns
@@ -123,16 +124,18 @@ def test_the_cpu_backend_builds_its_kernel_once_per_cpu_and_source(
 
 
 def test_without_a_compiler_the_cpu_backend_says_why(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Isolates the build's failure: no g++ on PATH (``shutil.which`` patched), an empty cache directory."""
+    """Isolates the build's failure: no g++ on PATH (``shutil.which`` patched), an empty cache directory. Asked for
+    by name, the backend raises the reason; ``auto`` keeps the torch reference."""
     monkeypatch.setattr(cpu_attention.shutil, "which", lambda _: None)
     with pytest.raises(cpu_attention.KernelUnavailable, match="no C\\+\\+ compiler"):
         get_backend("cpu", torch.device("cpu"), tmp_path)
+    assert get_backend("auto", torch.device("cpu"), tmp_path).name == "torch"
 
 
 @pytest.mark.parametrize("threads", [1, 2, 4])
 def test_the_kernel_on_any_number_of_threads(kernel: cpu_attention.Kernel, threads: int) -> None:
-    """Two short rows (a decode, and 5 new tokens: a decode with 4 drafts), then one, on 1, 2 and 4 threads:
-    with fewer rows than threads, a row's KV heads are split between threads; the output is the reference's."""
+    """Two rows (a decode, and 5 new tokens: a decode with 4 drafts), then one, on 1, 2 and 4 threads: the output is
+    the reference's, and the same bits on any number of threads."""
     gen = torch.Generator().manual_seed(3)
     block_size, heads, kv_heads, dim = 16, 6, 3, 32
     lens = torch.tensor([70, 33], dtype=torch.int32)
@@ -145,8 +148,40 @@ def test_the_kernel_on_any_number_of_threads(kernel: cpu_attention.Kernel, threa
         meta = reference.make_metadata(tables[:rows], loc, lens[:rows], block_size)
         q = query[: starts[-1]]
         expected = reference.paged_attention(q, key_cache, value_cache, meta, 0.2)
-        short = reference._short_rows(meta)
-        assert short.every_token and short.starts.tolist() == starts
-        out = torch.empty_like(expected)
-        kernel(q.contiguous(), key_cache, value_cache, short, 0.2, out, threads)
+        out, one = torch.empty_like(expected), torch.empty_like(expected)
+        kernel(q.contiguous(), key_cache, value_cache, meta, 0.2, out, threads)
+        kernel(q.contiguous(), key_cache, value_cache, meta, 0.2, one, 1)
         torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+        assert torch.equal(out, one)
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 16, 37, 90])
+def test_a_tokens_attention_does_not_depend_on_its_chunking_or_batch(kernel: cpu_attention.Kernel, chunk: int) -> None:
+    """A 90-token sequence attended in one chunk, then in chunks of ``chunk`` (1: decode by decode), each chunk in a
+    batch with other rows of other lengths: every token's output is the same bits. This is what lets a seeded request
+    sample the same after a prefix-cache hit or a preemption's recompute (``tests/test_sampling.py``)."""
+    gen = torch.Generator().manual_seed(5)
+    block_size, heads, kv_heads, dim, n = 16, 9, 3, 64, 90
+    key_cache = torch.randn(40, block_size, kv_heads, dim, generator=gen)
+    value_cache = torch.randn(40, block_size, kv_heads, dim, generator=gen)
+    tables = torch.randperm(40, generator=gen).view(5, 8).to(torch.int32)
+    query = torch.randn(n, heads, dim, generator=gen)
+
+    def attend(rows: list[tuple[int, int, torch.Tensor]]) -> torch.Tensor:
+        """rows: (table row, context length, new tokens' queries)."""
+        loc = torch.tensor([0, *torch.tensor([len(q) for _, _, q in rows]).cumsum(0).tolist()], dtype=torch.int32)
+        meta = reference.make_metadata(
+            tables[[r for r, _, _ in rows]], loc, torch.tensor([c for _, c, _ in rows], dtype=torch.int32), block_size
+        )
+        q = torch.cat([q for _, _, q in rows])
+        out = torch.empty_like(q)
+        kernel(q, key_cache, value_cache, meta, 0.125, out)
+        return out[: len(rows[0][2])]
+
+    whole = attend([(0, n, query)])
+    other = torch.randn(40, heads, dim, generator=gen)
+    pieces = [
+        attend([(0, min(n, s + chunk), query[s : s + chunk]), (1, 100, other[:1]), (2, 60, other[: 1 + s % 20])])
+        for s in range(0, n, chunk)
+    ]
+    assert torch.equal(torch.cat(pieces), whole)
