@@ -12,7 +12,7 @@ from pathlib import Path
 import redis.asyncio as aioredis
 from prometheus_client import CollectorRegistry
 
-from executor_svc import linear
+from executor_svc import lean, linear
 from executor_svc.context import ContextTooLong
 from executor_svc.engine import Engine, EngineConfig
 from executor_svc.lifecycle import Lifecycle, Registration, quiet
@@ -89,14 +89,21 @@ def _engine_arguments(p: argparse.ArgumentParser) -> None:
         "--attention-backend",
         choices=BACKENDS,
         default="auto",
-        help="auto: Triton on CUDA, torch elsewhere; cpu: a compiled kernel for rows of up to 16 new tokens beside "
-        "torch (faster decode attention; seeded sampling then not bit-exact across preemption and prefix hits)",
+        help="auto: Triton on CUDA, else the compiled cpu kernel (the torch reference where it cannot be built); "
+        "cpu: that kernel or exit with the reason; torch: the reference (gather + SDPA)",
     )
     p.add_argument(
         "--cpu-linear",
         choices=linear.CHOICES,
         default="onednn",
         help="the linear layers on CPU: onednn (weights prepacked once, as vLLM's CPU backend) or torch (F.linear)",
+    )
+    p.add_argument(
+        "--model-impl",
+        choices=lean.CHOICES,
+        default="auto",
+        help="the forward pass: lean (Llama and Qwen2 in a few ops a layer, same logits as transformers'; "
+        "executor_svc/lean.py), transformers (its eager model), or auto: lean where it supports the model",
     )
     p.add_argument(
         "--keep-freed-memory",
@@ -268,6 +275,7 @@ def _engine(args: argparse.Namespace) -> Engine:
             attention_backend=args.attention_backend,
             kernel_cache=cache_dir(args.cache_dir),
             cpu_linear=args.cpu_linear,
+            model_impl=args.model_impl,
             device=args.device,
             dtype=args.dtype,
             lora=LoraConfig(args.max_loras, args.max_lora_rank, max(args.max_cpu_loras, args.max_loras))

@@ -8,6 +8,7 @@ that, in one packed forward pass, and returns the sampled tokens.
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 import uuid
 from collections import defaultdict
@@ -18,7 +19,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from executor_svc import attention, linear, logprobs, model, model_store, verify
+from executor_svc import attention, lean, linear, logprobs, model, model_store, verify
 from executor_svc.block_tables import BlockTables
 from executor_svc.context import check_max_model_len
 from executor_svc.grammar import Grammars, Row
@@ -40,6 +41,7 @@ from pagedserve.grammar import Compiler
 from pagedserve.tiers import BlockMove
 
 TIER_NAMES = ("device", "cpu", "disk")
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +61,7 @@ class EngineConfig:
     device: str | None = None
     dtype: str = "float32"
     lora: LoraConfig | None = None  # --enable-lora: adapters' slots and caches (executor_svc/lora.py)
+    model_impl: str = "auto"  # executor_svc/lean.py where it supports the model (auto), or transformers' forward
 
 
 class Engine:
@@ -73,6 +76,7 @@ class Engine:
         self.linear = linear.apply(self.model, cfg.cpu_linear, self.device)
         self.backend = get_backend(cfg.attention_backend, self.device, cfg.kernel_cache or model_store.cache_dir())
         self.adapters = Adapters(self.model, cfg.lora, self.device, dtype) if cfg.lora is not None else None
+        self.lean = self._lean_forward()  # after linear.apply and the adapters: it calls the modules they leave
         text_config = config.get_text_config()
         heads = text_config.num_attention_heads
         self.geometry = KVGeometry(
@@ -103,6 +107,23 @@ class Engine:
         self.grammars = Grammars(self._grammar_compiler, self.vocab_size, self.eos_token_ids)
         self.sampled = LastSampled()  # what a pipelined plan's from_last_sample refers to
         self.model_digest = model.digest(self.tokenizer_files())
+
+    def _lean_forward(self) -> lean.LeanForward | None:
+        """The forward ``cfg.model_impl`` asks for: the lean one, or None for transformers'."""
+        impl = self.cfg.model_impl
+        if impl not in lean.CHOICES:
+            raise ValueError(f"model_impl must be one of {lean.CHOICES}, got {impl!r}")
+        if impl == "transformers":
+            return None
+        reason = lean.supports(self.model)
+        if reason is None:
+            forward = lean.LeanForward(self.model)
+            log.info("model: the lean forward (executor_svc/lean.py; RMSNorm by %s)", forward.norm.__name__)
+            return forward
+        if impl == "lean":
+            raise ValueError(f"--model-impl lean: {reason}")
+        log.info("model: transformers' forward; the lean one does not support this model (%s)", reason)
+        return None
 
     def _device_blocks(self) -> int:
         if self.cfg.kv_cache_memory is not None:
@@ -418,14 +439,20 @@ class Engine:
         seq_lens = (starts + lens).to(torch.int32)
         meta = make_metadata(tables.to(dev), qsl.to(dev), seq_lens.to(dev), self.geometry.block_size)
         rows = _Rows.of(seqs, qsl.tolist())
-        out = self.model(
-            input_ids=ids[None].to(dev),
-            position_ids=positions[None].to(dev),
-            use_cache=False,
-            logits_to_keep=torch.tensor(rows.keep or [0]).to(dev),
-            paged=attention.StepContext(meta, self.pool.device, self.backend),
-        )
-        return (out.logits[0] if rows.keep else None), rows
+        keep = torch.tensor(rows.keep or [0]).to(dev)
+        ctx = attention.StepContext(meta, self.pool.device, self.backend)
+        if self.lean is not None:
+            logits = self.lean(ids.to(dev), positions.to(dev), keep, ctx)
+        else:
+            out = self.model(
+                input_ids=ids[None].to(dev),
+                position_ids=positions[None].to(dev),
+                use_cache=False,
+                logits_to_keep=keep,
+                paged=ctx,
+            )
+            logits = out.logits[0]
+        return (logits if rows.keep else None), rows
 
 
 @dataclass(slots=True)
