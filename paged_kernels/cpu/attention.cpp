@@ -6,18 +6,18 @@
 // **One token's result does not depend on its row.** A query token at position t computes the same operations in the
 // same order whatever else is in the step, however its row was chunked (a prompt in one chunk, the tail after a
 // prefix-cache hit, a decoded token recomputed inside a chunk after a preemption), and whichever thread runs it:
-// - a score is one fmaf chain over d = 0..D-1, then times the scale;
+// - a score is ``dot``: 16 lanes, lane l the fmaf chain over d = l, l + 16, ..., then the lanes summed pairwise in a
+//   fixed order; times the scale;
 // - the softmax's max is exact in any order; exp is elementwise;
 // - its sum runs in 16 lanes over positions (lane j takes positions j, j + 16, ...; positions past the token's own
 //   are 0, and x + 0 == x), then lanes 0..15 in order;
-// - the output is one fmaf chain over positions per element (weight 0 past the token's position: fmaf(0, v, a) == a
-//   for finite v, and every position a row's tokens can see was written before this call), times 1 / sum.
+// - the output is one fmaf chain over the positions it sees, in order, per element, times 1 / sum.
 // Nothing is reassociated: the flags carry -ffp-contract=off (no mul+add fused behind our back) and no -ffast-math,
 // and every multiply-add meant to be fused is an explicit fmaf, so a vectorised loop and its scalar tail agree bit
 // for bit.
 //
-// Work items are (row, tile of up to QT of its tokens, KV head): the tile's tokens and the KV head's query heads share
-// each 16-position key tile (transposed once) and each V row.
+// Work items are (row, tile of up to QT of its tokens): the tile's tokens and every query head share each position's
+// K and V rows (all KV heads, contiguous), read once per item; with fewer tiles than threads, (tile, KV head).
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -25,9 +25,8 @@
 
 namespace {
 
-constexpr int64_t KT = 16;  // key positions per tile (and lanes of the sums)
+constexpr int64_t KT = 16;  // lanes of the softmax's sum
 constexpr int64_t QT = 8;   // query tokens per work item
-constexpr int64_t UNROLL = 4;  // score chains run side by side
 
 // exp(x) for x <= 0 (scores minus their max), vectorisable: x = n ln2 + r (Cody-Waite), exp(r) by Cephes' expf
 // polynomial (within 2 ulp of exp), times 2^n built in the exponent bits (the loop vectorises with
@@ -53,65 +52,59 @@ struct Shape {
 };
 
 struct Scratch {
-  std::vector<float> kt;      // [D][KT]: one key tile, transposed
   std::vector<float> scores;  // [QT * G][P]: the item's scores, then weights
   std::vector<float> acc;     // [QT * G][D]
   std::vector<float> inv;     // [QT * G]: 1 / each pair's sum
 };
 
-// The item: row tokens [i0, i1) of a row with L positions of context (its new tokens included, first = L - n), KV
-// head g; q/out point at the row's first token.
+// q . k over D: lane l (of 16) is the fmaf chain over d = l, l + 16, ...; then the lanes pairwise, halving, in a fixed
+// order. One function for every score, so a score's bits never depend on which loop computed it.
+inline float dot(const float* q, const float* k, int64_t D) {
+  float lane[16] = {};
+  if (D % 16 == 0) {
+    for (int64_t d0 = 0; d0 < D; d0 += 16) {
+#pragma omp simd
+      for (int64_t l = 0; l < 16; ++l) lane[l] = std::fmaf(q[d0 + l], k[d0 + l], lane[l]);
+    }
+  } else {
+    for (int64_t d = 0; d < D; ++d) lane[d % 16] = std::fmaf(q[d], k[d], lane[d % 16]);
+  }
+  for (int64_t half = 8; half >= 1; half /= 2) {
+#pragma omp simd
+    for (int64_t l = 0; l < half; ++l) lane[l] = lane[l] + lane[l + half];
+  }
+  return lane[0];
+}
+
+inline const float* row_at(const float* cache, const int32_t* table, int64_t p, int64_t g, const Shape& s) {
+  return cache + ((int64_t(table[p / s.BS]) * s.BS + p % s.BS) * s.KVH + g) * s.D;
+}
+
+// The item: row tokens [i0, i1) of a row with L positions of context (its new tokens included, first = L - n), query
+// heads [h0, h0 + nh) (whole KV groups); q/out point at the row's first token.
 void item(const float* q, const float* k_cache, const float* v_cache, const int32_t* table, int64_t L, int64_t n,
-          int64_t i0, int64_t i1, int64_t g, const Shape& s, float* out, Scratch& w) {
+          int64_t i0, int64_t i1, int64_t h0, int64_t nh, const Shape& s, float* out, Scratch& w) {
   const int64_t G = s.H / s.KVH, D = s.D, first = L - n;
   const int64_t P = first + i1;  // positions the tile's last token sees
-  const int64_t tiles = (P + KT - 1) / KT, span = tiles * KT;
-  const int64_t pairs = (i1 - i0) * G;  // (token, query head) pairs: pair r = (i0 + r / G, g * G + r % G)
-  w.kt.resize(D * KT);
+  const int64_t span = (P + KT - 1) / KT * KT;
+  const int64_t pairs = (i1 - i0) * nh;  // (token, query head) pairs: pair r = (i0 + r / nh, h0 + r % nh)
   w.scores.resize(pairs * span);
   w.acc.assign(pairs * D, 0.0f);
   w.inv.resize(pairs);
-  float* kt = w.kt.data();
-  // Scores: per key tile, K transposed to [D][KT], then one fmaf chain over d per (pair, position).
-  for (int64_t t = 0; t < tiles; ++t) {
-    const int64_t p0 = t * KT;
-    for (int64_t j = 0; j < KT; ++j) {
-      const int64_t p = p0 + j;
-      if (p < P) {
-        const float* krow = k_cache + ((int64_t(table[p / s.BS]) * s.BS + p % s.BS) * s.KVH + g) * D;
-        for (int64_t d = 0; d < D; ++d) kt[d * KT + j] = krow[d];
-      } else {
-        for (int64_t d = 0; d < D; ++d) kt[d * KT + j] = 0.0f;
-      }
-    }
-    // UNROLL pairs at a time: independent fmaf chains, so the FMA unit is not waiting on one chain's latency.
-    for (int64_t r0 = 0; r0 < pairs; r0 += UNROLL) {
-      const int64_t u_n = pairs - r0 < UNROLL ? pairs - r0 : UNROLL;
-      const float* qr[UNROLL];
-      for (int64_t u = 0; u < UNROLL; ++u) {
-        const int64_t r = r0 + (u < u_n ? u : 0);
-        qr[u] = q + ((i0 + r / G) * s.H + g * G + r % G) * D;
-      }
-      float a[UNROLL][KT] = {};
-      for (int64_t d = 0; d < D; ++d) {
-        const float* kd = kt + d * KT;
-        for (int64_t u = 0; u < UNROLL; ++u) {
-          const float x = qr[u][d];
-#pragma omp simd
-          for (int64_t j = 0; j < KT; ++j) a[u][j] = std::fmaf(x, kd[j], a[u][j]);
-        }
-      }
-      for (int64_t u = 0; u < u_n; ++u) {
-        float* sc = w.scores.data() + (r0 + u) * span + p0;
-#pragma omp simd
-        for (int64_t j = 0; j < KT; ++j) sc[j] = a[u][j] * s.scale;
-      }
+  // Scores: each position's K row (this KV head's) read once, for every token of the tile that sees it and every
+  // query head of the group.
+  for (int64_t p = 0; p < P; ++p) {
+    const float* k = row_at(k_cache, table, p, 0, s);  // every KV head's, contiguous
+    for (int64_t r = (p > first + i0 ? p - first - i0 : 0) * nh; r < pairs; ++r) {
+      const int64_t h = h0 + r % nh;
+      const float* qr = q + ((i0 + r / nh) * s.H + h) * D;
+      w.scores[r * span + p] = dot(qr, k + (h / G) * D, D) * s.scale;
     }
   }
   // Softmax per pair: weights exp(score - max) over the positions the token sees, 0 past them.
   for (int64_t r = 0; r < pairs; ++r) {
     float* sc = w.scores.data() + r * span;
-    const int64_t seen = first + i0 + r / G + 1;
+    const int64_t seen = first + i0 + r / nh + 1;
     float m = sc[0];
     for (int64_t p = 1; p < seen; ++p) m = sc[p] > m ? sc[p] : m;
 #pragma omp simd
@@ -128,16 +121,17 @@ void item(const float* q, const float* k_cache, const float* v_cache, const int3
   }
   // Weighted sum of V: one fmaf chain over positions per output element.
   for (int64_t p = 0; p < P; ++p) {
-    const float* v = v_cache + ((int64_t(table[p / s.BS]) * s.BS + p % s.BS) * s.KVH + g) * D;
-    for (int64_t r = 0; r < pairs; ++r) {
+    const float* v = row_at(v_cache, table, p, 0, s);
+    for (int64_t r = (p > first + i0 ? p - first - i0 : 0) * nh; r < pairs; ++r) {
       const float wt = w.scores[r * span + p];
+      const float* vh = v + ((h0 + r % nh) / G) * D;
       float* a = w.acc.data() + r * D;
 #pragma omp simd
-      for (int64_t d = 0; d < D; ++d) a[d] = std::fmaf(wt, v[d], a[d]);
+      for (int64_t d = 0; d < D; ++d) a[d] = std::fmaf(wt, vh[d], a[d]);
     }
   }
   for (int64_t r = 0; r < pairs; ++r) {
-    float* o = out + ((i0 + r / G) * s.H + g * G + r % G) * D;
+    float* o = out + ((i0 + r / nh) * s.H + h0 + r % nh) * D;
     const float* a = w.acc.data() + r * D;
     const float inv = w.inv[r];
 #pragma omp simd
@@ -165,16 +159,18 @@ extern "C" void paged_attention_f32(
       tile_start.push_back(i);
     }
   }
-  const int64_t items = int64_t(tile_row.size()) * KVH;
+  // Fewer tiles than threads: each tile's KV heads are items of their own, so that every thread has work.
+  const int64_t split = int64_t(tile_row.size()) >= threads ? 1 : KVH, nh = H / split;
+  const int64_t items = int64_t(tile_row.size()) * split;
 #pragma omp parallel num_threads(threads)
   {
     Scratch w;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t it = 0; it < items; ++it) {
-      const int64_t tile = it / KVH, g = it % KVH, s = tile_row[tile];
+      const int64_t tile = it / split, h0 = (it % split) * nh, s = tile_row[tile];
       const int64_t t0 = starts[s], n = starts[s + 1] - t0, i0 = tile_start[tile];
       const int64_t i1 = i0 + QT < n ? i0 + QT : n;
-      item(q + t0 * H * D, k_cache, v_cache, tables + s * MB, lens[s], n, i0, i1, g, shape, out + t0 * H * D, w);
+      item(q + t0 * H * D, k_cache, v_cache, tables + s * MB, lens[s], n, i0, i1, h0, nh, shape, out + t0 * H * D, w);
     }
   }
 }
