@@ -10,6 +10,7 @@ import socket
 from pathlib import Path
 
 import redis.asyncio as aioredis
+import torch
 from prometheus_client import CollectorRegistry
 
 from executor_svc import lean, linear
@@ -19,6 +20,7 @@ from executor_svc.lifecycle import Lifecycle, Registration, quiet
 from executor_svc.lora import LoraConfig
 from executor_svc.metrics import ExecutorMetrics
 from executor_svc.model_store import DEFAULT_MODEL, cache_dir, resolve_model
+from executor_svc.runner import TorchThread
 from executor_svc.server import SERVICE_NAME, ExecutorServicer, add_to_server
 from executor_svc.transfer import Puller
 from paged_kernels import BACKENDS
@@ -328,16 +330,24 @@ async def serve(args: argparse.Namespace) -> None:
     await require_redis(args.redis_url)  # wrong or missing credentials: one clear line, exit 2
     if args.keep_freed_memory and heap.keep_freed_memory():
         log.info("malloc keeps freed memory (mmap threshold %d MiB)", heap.MMAP_THRESHOLD >> 20)
+    torch_thread = TorchThread()
     try:
-        engine = _engine(args)
+        engine = torch_thread.call(_engine, args)
     except (ContextTooLong, KernelUnavailable) as exc:
         raise SystemExit(f"error: {exc}") from None  # one line, exit 1
+    torch.set_num_threads(1)  # the event loop's own torch work (blocks for peers) starts no OpenMP team (runner.py)
     registry = CollectorRegistry()
     executor_metrics = ExecutorMetrics(registry, engine.cfg.model.name)
     executor_metrics.pools({t: engine.pool.count(t) for t in Tier})
     metrics.serve(args.metrics_port, registry, args.metrics_host)
     servicer = ExecutorServicer(
-        engine, Lifecycle(), executor_metrics, _puller(args, engine), args.read_blocks_delay_ms / 1000, args.role
+        engine,
+        Lifecycle(),
+        executor_metrics,
+        _puller(args, engine),
+        args.read_blocks_delay_ms / 1000,
+        args.role,
+        torch_thread,
     )
     certificate = server_tls(args.tls, verify_clients=True)
     server, health, port = rpc.make_server(

@@ -20,7 +20,7 @@ from executor_svc.lifecycle import Lifecycle
 from executor_svc.logprobs import Entry
 from executor_svc.metrics import ExecutorMetrics
 from executor_svc.plan import LoraRef, PlanError, SeqInput, StepInput, StepOutput
-from executor_svc.runner import PlanRunner, UnknownSample, in_thread
+from executor_svc.runner import PlanRunner, TorchThread, UnknownSample
 from executor_svc.sampler import Sampling
 from executor_svc.transfer import LendError, Lends, Puller, chunks, refs
 from pagedserve import handlers
@@ -142,8 +142,10 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
         puller: Puller | None = None,
         read_delay_s: float = 0.0,
         role: str = "mixed",
+        torch_thread: TorchThread | None = None,
     ) -> None:
         self.engine = engine
+        self.torch = torch_thread or TorchThread()  # where steps run: the thread that built the engine (runner.py)
         self.role = role  # --role: what its schedulers give it (pagedserve.members.ROLES)
         self.read_delay_s = read_delay_s  # --read-blocks-delay-ms: fault injection (transfer.chunks)
         self.lends = Lends()  # blocks this executor's loop lent to peers (executor_svc/transfer.py)
@@ -239,7 +241,7 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
         pulls = [asyncio.ensure_future(self._pull(p)) for p in request.pulls]  # beside the forward pass
         try:
             # The forward pass holds the GIL-free torch kernels; a thread keeps health checks answering.
-            out = await in_thread(self.engine.step, plan)
+            out = await self.torch.run(self.engine.step, plan)
         except UnknownTable as exc:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"no block table for {exc}; send it in full")
         except UnknownSample as exc:
