@@ -97,9 +97,6 @@ class TorchThread:
             await asyncio.wait([task])
             raise
 
-    def close(self) -> None:
-        self._pool.shutdown(wait=False)
-
 
 class Refusal(Exception):
     """A plan's abort, raised where it was refused and sent on the stream after the results before it."""
