@@ -12,9 +12,11 @@ less), ~0.9x at batch 32, a prefill ~0.95x. This module runs the packed ``[T, hi
 - RMSNorm is ``F.rms_norm`` (one op) where it gives transformers' ``LlamaRMSNorm`` bits on this device and dtype
   (checked once, at construction), transformers' formula otherwise.
 - Rotary: ``cos``/``sin`` come from the model's own ``rotary_emb`` once a step (any ``rope_scaling``); then
-  ``x*cos + rotate_half(x)*sin`` as ``x*cos + roll(x, D/2) * (sin with its first half negated)``: the same
-  products and sums, element for element, hence the same bits, in 4 ops instead of 7.
-- Attention calls the step's paged backend exactly as ``attention.paged_attention_forward`` does.
+  ``x*cos + rotate_half(x)*sin`` as ``x*cos + roll(x, D/2) * (sin with its first half negated)``
+  (``paged_kernels.reference.rope``): the same products and sums, element for element, hence the same bits. The
+  backend's ``rope_and_cache`` rotates q and k and writes k and v into the cache: on the cpu backend one C call a
+  layer where torch took ~19 ops, with the same bits.
+- Attention calls the step's paged backend as ``attention.paged_attention_forward`` does.
 - Every linear layer (and the embedding) is called as the module it is, never through its weight: LoRA's forward
   hooks (``lora.py``) and the fused q/k/v and gate/up GEMMs (``linear.py``: same input object, in that order) apply.
 
@@ -85,15 +87,6 @@ def pick_norm(hidden: int, eps: float, device: torch.device, dtype: torch.dtype)
         if not torch.equal(fused_rms_norm(x, w, eps), hf_rms_norm(x, w, eps)):
             return hf_rms_norm
     return fused_rms_norm
-
-
-def rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
-    """``x * cos + rotate_half(x) * sin`` for ``x [T, heads, D]``, ``cos``/``sin_signed`` ``[T, 1, D]``.
-
-    ``rotate_half(x)`` is ``cat(-x2, x1)``; ``roll(x, D/2)`` is ``cat(x2, x1)``, and ``-a * b == a * -b`` exactly,
-    so with ``sin_signed = cat(-sin1, sin2)`` every element is the same product and sum as transformers'.
-    """
-    return (x * cos).add_(torch.roll(x, x.shape[-1] // 2, -1).mul_(sin_signed))
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,10 +187,10 @@ class LeanForward:
         q = layer.q_proj(x).view(t, s.heads, s.head_dim)  # q, k, v on the same x: one fused GEMM (linear.py)
         k = layer.k_proj(x).view(t, s.kv_heads, s.head_dim)
         v = layer.v_proj(x).view(t, s.kv_heads, s.head_dim)
-        q, k = rope(q, step.cos, step.sin_signed), rope(k, step.cos, step.sin_signed)
-        # As attention.paged_attention_forward: write this step's K/V, then attend over the paged context.
+        # As attention.paged_attention_forward, with the rotary first: write this step's K/V, then attend over the
+        # paged context. The cpu backend does the rotary and the writes in one call (paged_kernels.reference.rope).
         ctx = step.ctx
-        ctx.backend.reshape_and_cache(k, v.contiguous(), k_cache, v_cache, ctx.meta.slot_mapping)
+        q = ctx.backend.rope_and_cache(q, k, v, step.cos, step.sin_signed, k_cache, v_cache, ctx.meta.slot_mapping)
         out = ctx.backend.paged_attention(q, k_cache, v_cache, ctx.meta, s.scale)
         h.add_(layer.o_proj(out.reshape(t, -1)))
         x = self.norm(h, layer.mlp_norm, s.eps)

@@ -29,6 +29,8 @@ class Backend:
     paged_attention: Callable[..., torch.Tensor]
     reshape_and_cache: Callable[..., None]
     copy_blocks: Callable[..., None]
+    # q and k rotated, k and v cached, in one call (the lean forward's; reference.rope_then): -> rotated q
+    rope_and_cache: Callable[..., torch.Tensor]
 
 
 def get_backend(name: str, device: torch.device, cache_dir: Path | None = None) -> Backend:
@@ -42,16 +44,30 @@ def get_backend(name: str, device: torch.device, cache_dir: Path | None = None) 
     if name == "triton":
         from paged_kernels import triton_ops
 
-        return Backend("triton", triton_ops.paged_attention, triton_ops.reshape_and_cache, triton_ops.copy_blocks)
+        return Backend(
+            "triton",
+            triton_ops.paged_attention,
+            triton_ops.reshape_and_cache,
+            triton_ops.copy_blocks,
+            reference.rope_then(triton_ops.reshape_and_cache),
+        )
     if name in ("cpu", "auto"):
         if cache_dir is None:
             raise ValueError("the cpu attention backend needs a cache directory to build its kernel in")
         try:
             kernel = cpu_attention.build(cache_dir)
+            rope_and_cache = cpu_attention.build_rope_and_cache(cache_dir)
         except cpu_attention.KernelUnavailable as e:
             if name == "cpu":
                 raise
             log.warning("attention: the cpu kernel is unavailable (%s); using the torch reference", e)
         else:
-            return Backend("cpu", cpu_attention.attention(kernel), reference.reshape_and_cache, reference.copy_blocks)
-    return Backend("torch", reference.paged_attention, reference.reshape_and_cache, reference.copy_blocks)
+            attend = cpu_attention.attention(kernel)
+            return Backend("cpu", attend, reference.reshape_and_cache, reference.copy_blocks, rope_and_cache)
+    return Backend(
+        "torch",
+        reference.paged_attention,
+        reference.reshape_and_cache,
+        reference.copy_blocks,
+        reference.rope_then(reference.reshape_and_cache),
+    )

@@ -128,19 +128,82 @@ class Kernel:
         )
 
 
-def build(cache_dir: Path) -> Kernel:
-    """The kernel, compiled into ``cache_dir/kernels`` unless a build for this source, these flags and this
-    CPU is there already."""
+@dataclass(frozen=True, slots=True)
+class RopeAndCache:
+    """``cpu/attention.cpp``'s ``rope_and_cache_f32``, loaded: the backend's ``rope_and_cache``."""
+
+    fn: ctypes._CFuncPtr  # type: ignore[name-defined]
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cos: torch.Tensor,
+        sin_signed: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> torch.Tensor:
+        """``q [T, H, D]`` rotated in place (returned), ``k``/``v [T, KVH, D]`` (k rotated) written into their slots;
+        ``cos``/``sin_signed`` ``[T, D]`` (any shape of those elements). The reference's ``rope_and_cache`` where
+        the tensors do not fit (not fp32 on CPU, or rows not dense)."""
+        t, h, d = q.shape
+        kvh = k.shape[1]
+        tensors = (q, k, v, cos, sin_signed, key_cache, value_cache)
+        if not all(x.dtype == torch.float32 and x.device.type == "cpu" for x in tensors) or not all(
+            x.stride(-1) == 1 and x.stride(-2) == d for x in (q, k, v)
+        ):
+            write = reference.rope_then(reference.reshape_and_cache)
+            return write(q, k, v, cos, sin_signed, key_cache, value_cache, slot_mapping)
+        cos, sin_signed = cos.contiguous(), sin_signed.contiguous()
+        slots = slot_mapping if slot_mapping.dtype == torch.int64 else slot_mapping.long()
+        self.fn(
+            q.data_ptr(),
+            k.data_ptr(),
+            v.data_ptr(),
+            cos.data_ptr(),
+            sin_signed.data_ptr(),
+            key_cache.data_ptr(),
+            value_cache.data_ptr(),
+            slots.contiguous().data_ptr(),
+            t,
+            h,
+            kvh,
+            d,
+            q.stride(0),
+            k.stride(0),
+            v.stride(0),
+        )
+        return q
+
+
+def _symbol(cache_dir: Path, name: str) -> ctypes._CFuncPtr:  # type: ignore[name-defined]
+    """``name`` from the library, compiled into ``cache_dir/kernels`` unless a build for this source, these flags
+    and this CPU is there already."""
     lib = library_path(cache_dir)
     if not lib.exists():
         _compile(lib)
     try:
-        fn = ctypes.CDLL(str(lib)).paged_attention_f32
-    except OSError as e:
-        raise KernelUnavailable(f"cannot load {lib}: {e}") from e
+        fn = getattr(ctypes.CDLL(str(lib)), name)
+    except (OSError, AttributeError) as e:
+        raise KernelUnavailable(f"cannot load {name} from {lib}: {e}") from e
     fn.restype = None
+    return fn
+
+
+def build(cache_dir: Path) -> Kernel:
+    """The attention kernel."""
+    fn = _symbol(cache_dir, "paged_attention_f32")
     fn.argtypes = [_P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, ctypes.c_float, ctypes.c_int32]
     return Kernel(fn)
+
+
+def build_rope_and_cache(cache_dir: Path) -> RopeAndCache:
+    """The rotary-and-cache entry."""
+    fn = _symbol(cache_dir, "rope_and_cache_f32")
+    fn.argtypes = [_P] * 8 + [_I] * 7
+    return RopeAndCache(fn)
 
 
 def _fits(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:

@@ -142,6 +142,40 @@ def reshape_and_cache(
     value_cache.view(-1, kvh, d).index_copy_(0, slots, value.to(value_cache.dtype))
 
 
+def rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """``x * cos + rotate_half(x) * sin`` for ``x [T, heads, D]``, ``cos``/``sin_signed`` ``[T, 1, D]``.
+
+    ``rotate_half(x)`` is ``cat(-x2, x1)``; ``roll(x, D/2)`` is ``cat(x2, x1)``, and ``-a * b == a * -b`` exactly,
+    so with ``sin_signed = cat(-sin1, sin2)`` every element is the same product and sum as transformers'.
+    """
+    return (x * cos).add_(torch.roll(x, x.shape[-1] // 2, -1).mul_(sin_signed))
+
+
+RopeAndCacheFn = Callable[..., torch.Tensor]
+
+
+def rope_then(write: Callable[..., None]) -> RopeAndCacheFn:
+    """A backend's ``rope_and_cache(q, k, v, cos, sin_signed, key_cache, value_cache, slot_mapping) -> q``: q and k
+    rotated (``rope``; ``cos``/``sin_signed`` hold ``[T, D]`` elements), then k and v written into their slots by
+    ``write`` (a backend's ``reshape_and_cache``)."""
+
+    def rope_and_cache(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cos: torch.Tensor,
+        sin_signed: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> torch.Tensor:
+        cos, sin_signed = cos.view(q.shape[0], 1, -1), sin_signed.view(q.shape[0], 1, -1)
+        write(rope(k, cos, sin_signed), v.contiguous(), key_cache, value_cache, slot_mapping)
+        return rope(q, cos, sin_signed)
+
+    return rope_and_cache
+
+
 def paged_attention(
     query: torch.Tensor,
     key_cache: torch.Tensor,

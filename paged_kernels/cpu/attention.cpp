@@ -174,3 +174,47 @@ extern "C" void paged_attention_f32(
     }
   }
 }
+
+// Rotary embedding of a step's q and k, and k and v written into their cache slots, in one call (the lean forward's
+// ``rope`` then ``reshape_and_cache``: ~19 torch ops a layer). Element for element the same arithmetic as
+// ``x * cos + roll(x, D / 2) * sin_signed`` in torch, two products rounded, then their sum (-ffp-contract=off: no
+// fused multiply-add), so the bits are torch's. q is rotated in place; a slot < 0 is skipped. One thread: a decode
+// step's rows are a few KB, and a parallel region would be one more barrier a step.
+extern "C" void rope_and_cache_f32(
+    float* q,                 // [T, H, D], row stride q_stride
+    const float* k,           // [T, KVH, D], row stride k_stride
+    const float* v,           // [T, KVH, D], row stride v_stride
+    const float* cos,         // [T, D]
+    const float* sin_signed,  // [T, D]: sin with its first half negated
+    float* k_cache,           // [num_blocks * BS, KVH, D]
+    float* v_cache,
+    const int64_t* slots,  // [T]
+    int64_t T, int64_t H, int64_t KVH, int64_t D, int64_t q_stride, int64_t k_stride, int64_t v_stride) {
+  std::vector<float> row(D);
+  const int64_t half = D / 2;
+  for (int64_t t = 0; t < T; ++t) {
+    const float* c = cos + t * D;
+    const float* s = sin_signed + t * D;
+    for (int64_t h = 0; h < H; ++h) {
+      float* x = q + t * q_stride + h * D;
+      for (int64_t d = 0; d < D; ++d) {
+        const float a = x[d] * c[d];
+        const float b = x[d < half ? d + half : d - half] * s[d];
+        row[d] = a + b;
+      }
+      std::memcpy(x, row.data(), sizeof(float) * D);
+    }
+    const int64_t slot = slots[t];
+    if (slot < 0) continue;
+    for (int64_t h = 0; h < KVH; ++h) {
+      const float* x = k + t * k_stride + h * D;
+      float* kc = k_cache + (slot * KVH + h) * D;
+      for (int64_t d = 0; d < D; ++d) {
+        const float a = x[d] * c[d];
+        const float b = x[d < half ? d + half : d - half] * s[d];
+        kc[d] = a + b;
+      }
+      std::memcpy(v_cache + (slot * KVH + h) * D, v + t * v_stride + h * D, sizeof(float) * D);
+    }
+  }
+}

@@ -185,3 +185,23 @@ def test_a_tokens_attention_does_not_depend_on_its_chunking_or_batch(kernel: cpu
         for s in range(0, n, chunk)
     ]
     assert torch.equal(torch.cat(pieces), whole)
+
+
+def test_rope_and_cache_in_c_gives_the_reference_bits(tmp_path: Path) -> None:
+    """The cpu backend's ``rope_and_cache`` (one C call) against the reference's (torch ops): the rotated q and every
+    cache slot written are the same bits; a slot of -1 is skipped; strided rows (q/k/v as column slices of one
+    product, as a fused GEMM leaves them) too."""
+    gen = torch.Generator().manual_seed(9)
+    t, h, kvh, d, bs = 7, 6, 2, 32, 4
+    qkv = torch.randn(t, (h + 2 * kvh) * d, generator=gen) * 3
+    q, k, v = (x.view(t, -1, d) for x in qkv.split([h * d, kvh * d, kvh * d], dim=-1))
+    cos, sin = torch.randn(t, d, generator=gen), torch.randn(t, d, generator=gen)
+    slots = torch.tensor([5, 0, -1, 9, 13, 2, 11])
+    c_backend = get_backend("cpu", torch.device("cpu"), tmp_path)
+    t_backend = get_backend("torch", torch.device("cpu"), tmp_path)
+    caches = [(torch.zeros(4, bs, kvh, d), torch.zeros(4, bs, kvh, d)) for _ in range(2)]
+    q_c = c_backend.rope_and_cache(q.clone(), k, v, cos, sin, *caches[0], slots)
+    q_t = t_backend.rope_and_cache(q.clone(), k, v, cos[:, None], sin[:, None], *caches[1], slots)
+    assert torch.equal(q_c, q_t)
+    assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
+    assert int((caches[0][0].view(-1, kvh, d).abs().sum((1, 2)) > 0).sum()) == 6, "six slots written, -1 skipped"
