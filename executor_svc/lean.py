@@ -26,7 +26,7 @@ Greedy output is token-identical to transformers' and the logits equal the trans
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import LlamaForCausalLM, Qwen2ForCausalLM
 
+from executor_svc import linear
 from executor_svc.attention import StepContext
 
 CHOICES = ("auto", "lean", "transformers")
@@ -90,17 +91,37 @@ def pick_norm(hidden: int, eps: float, device: torch.device, dtype: torch.dtype)
 
 
 @dataclass(frozen=True, slots=True)
+class Project:
+    """``x -> [m(x) for m in modules]`` for modules called on one input: q/k/v, gate/up. Where they are the parts of
+    one fused GEMM (``linear.Fused``, in order) and nothing hooks them (no LoRA), one call of that GEMM, and the outputs
+    are column views of its product: no module calls, no copies (the C kernels read strided rows)."""
+
+    modules: tuple[nn.Module, ...]
+    fused: linear.Fused | None
+
+    @classmethod
+    def of(cls, *modules: nn.Module) -> Project:
+        parts = [m for m in modules if isinstance(m, linear.Part) and not (m._forward_hooks or m._forward_pre_hooks)]
+        fused = parts[0].fused if parts and len(parts) == len(modules) else None
+        if fused is None or [(p.fused, p.index) for p in parts] != [(fused, i) for i in range(len(fused.sizes))]:
+            return cls(modules, None)
+        return cls(modules, fused)
+
+    def __call__(self, x: torch.Tensor) -> Sequence[torch.Tensor]:
+        if self.fused is not None:
+            return self.fused.product(x).split(self.fused.sizes, dim=-1)
+        return [m(x) for m in self.modules]
+
+
+@dataclass(frozen=True, slots=True)
 class Layer:
     """One decoder layer's modules and norm weights, as the lean forward uses them."""
 
     attn_norm: torch.Tensor
     mlp_norm: torch.Tensor
-    q_proj: nn.Module
-    k_proj: nn.Module
-    v_proj: nn.Module
+    qkv: Project
     o_proj: nn.Module
-    gate_proj: nn.Module
-    up_proj: nn.Module
+    gate_up: Project
     down_proj: nn.Module
 
     @classmethod
@@ -109,12 +130,9 @@ class Layer:
         return cls(
             layer.input_layernorm.weight,
             layer.post_attention_layernorm.weight,
-            attn.q_proj,
-            attn.k_proj,
-            attn.v_proj,
+            Project.of(attn.q_proj, attn.k_proj, attn.v_proj),
             attn.o_proj,
-            mlp.gate_proj,
-            mlp.up_proj,
+            Project.of(mlp.gate_proj, mlp.up_proj),
             mlp.down_proj,
         )
 
@@ -184,9 +202,8 @@ class LeanForward:
         then the sums): updated in place."""
         s, t = self.shape, h.shape[0]
         x = self.norm(h, layer.attn_norm, s.eps)
-        q = layer.q_proj(x).view(t, s.heads, s.head_dim)  # q, k, v on the same x: one fused GEMM (linear.py)
-        k = layer.k_proj(x).view(t, s.kv_heads, s.head_dim)
-        v = layer.v_proj(x).view(t, s.kv_heads, s.head_dim)
+        q, k, v = layer.qkv(x)  # one fused GEMM (linear.py), or the three modules (LoRA's hooks)
+        q, k, v = q.view(t, s.heads, s.head_dim), k.view(t, s.kv_heads, s.head_dim), v.view(t, s.kv_heads, s.head_dim)
         # As attention.paged_attention_forward, with the rotary first: write this step's K/V, then attend over the
         # paged context. The cpu backend does the rotary and the writes in one call (paged_kernels.reference.rope).
         ctx = step.ctx
@@ -194,6 +211,5 @@ class LeanForward:
         out = ctx.backend.paged_attention(q, k_cache, v_cache, ctx.meta, s.scale)
         h.add_(layer.o_proj(out.reshape(t, -1)))
         x = self.norm(h, layer.mlp_norm, s.eps)
-        gate = layer.gate_proj(x)  # gate then up on the same x: one fused GEMM
-        up = layer.up_proj(x)
+        gate, up = layer.gate_up(x)
         return h.add_(layer.down_proj(F.silu(gate).mul_(up)))

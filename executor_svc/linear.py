@@ -69,9 +69,13 @@ class Fused:
         self.input: torch.Tensor | None = None
         self.outputs: list[torch.Tensor | None] = []
 
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        """The whole product: every part's output, side by side in ``sizes`` columns."""
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
     def take(self, x: torch.Tensor, i: int) -> torch.Tensor:
         if x is not self.input or self.outputs[i] is None:
-            y = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+            y = self.product(x)
             # contiguous copies: elementwise kernels take another (vectorised or not) path on strided views
             self.input, self.outputs = x, [t.contiguous() for t in y.split(self.sizes, dim=-1)]
         out, self.outputs[i] = self.outputs[i], None
