@@ -17,8 +17,9 @@ less), ~0.9x at batch 32, a prefill ~0.95x. This module runs the packed ``[T, hi
   backend's ``rope_and_cache`` rotates q and k and writes k and v into the cache: on the cpu backend one C call a
   layer where torch took ~19 ops, with the same bits.
 - Attention calls the step's paged backend as ``attention.paged_attention_forward`` does.
-- Every linear layer (and the embedding) is called as the module it is, never through its weight: LoRA's forward
-  hooks (``lora.py``) and the fused q/k/v and gate/up GEMMs (``linear.py``: same input object, in that order) apply.
+- q/k/v and gate/up are one call each of their fused GEMM (``linear.Fused``), the outputs column views of its product
+  (``Project``), where nothing hooks the parts; with LoRA's forward hooks (``lora.py``) the modules are called, in
+  order, on one input. Every other linear layer (and the embedding) is called as the module it is.
 
 Greedy output is token-identical to transformers' and the logits equal the transformers path's on the same executor
 (``tests/unit/executor_svc/test_lean.py``). A model this does not cover keeps transformers' forward (``supports``).
