@@ -18,6 +18,7 @@
 //
 // Work items are (row, tile of up to QT of its tokens): the tile's tokens and every query head share each position's
 // K and V rows (all KV heads, contiguous), read once per item; with fewer tiles than threads, (tile, KV head).
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -151,10 +152,17 @@ extern "C" void paged_attention_f32(
     float* out,              // [T, H, D]
     int64_t S, int64_t H, int64_t KVH, int64_t D, int64_t BS, int64_t MB, float scale, int32_t threads) {
   const Shape shape{H, KVH, D, BS, MB, scale};
-  // Items, row-major: (row, tile of its tokens), then the KV head.
+  // Items, row-major: (row, tile of its tokens), then the KV head. Fewer rows than threads (one row of drafts to
+  // verify): tiles of fewer tokens, so that each thread has some (a tile's size never changes a token's result).
+  int64_t qt = QT;
+  if (S < threads) {
+    int64_t longest = 1;
+    for (int64_t s = 0; s < S; ++s) longest = std::max<int64_t>(longest, starts[s + 1] - starts[s]);
+    qt = std::min<int64_t>(QT, (longest + threads - 1) / threads);
+  }
   std::vector<int64_t> tile_row, tile_start;
   for (int64_t s = 0; s < S; ++s) {
-    for (int64_t i = 0; i < starts[s + 1] - starts[s]; i += QT) {
+    for (int64_t i = 0; i < starts[s + 1] - starts[s]; i += qt) {
       tile_row.push_back(s);
       tile_start.push_back(i);
     }
@@ -169,7 +177,7 @@ extern "C" void paged_attention_f32(
     for (int64_t it = 0; it < items; ++it) {
       const int64_t tile = it / split, h0 = (it % split) * nh, s = tile_row[tile];
       const int64_t t0 = starts[s], n = starts[s + 1] - t0, i0 = tile_start[tile];
-      const int64_t i1 = i0 + QT < n ? i0 + QT : n;
+      const int64_t i1 = i0 + qt < n ? i0 + qt : n;
       item(q + t0 * H * D, k_cache, v_cache, tables + s * MB, lens[s], n, i0, i1, h0, nh, shape, out + t0 * H * D, w);
     }
   }
