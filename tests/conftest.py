@@ -191,6 +191,11 @@ def build_tiny(kind: str, dst: Path, tokenizer_src: Path) -> Path:
         model = Qwen2ForCausalLM(Qwen2Config(num_attention_heads=6, num_key_value_heads=2, **common))
     else:
         raise ValueError(kind)
+    return save_model(model, dst, tokenizer_src)
+
+
+def save_model(model: torch.nn.Module, dst: Path, tokenizer_src: Path) -> Path:
+    """``model``'s weights and config into ``dst``, beside ``tokenizer_src``'s tokenizer files: a model directory."""
     model.save_pretrained(dst)
     for name in TOKENIZER_FILES:
         if (tokenizer_src / name).exists():

@@ -6,7 +6,6 @@ rope scaling, random norm weights) in fp32 and bf16, and with LoRA adapters on; 
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -27,19 +26,11 @@ from executor_svc.engine import Engine, EngineConfig
 from executor_svc.lora import LoraConfig
 from executor_svc.plan import LoraRef, SeqInput, StepInput
 from pagedserve import lora
-from tests.conftest import TOKENIZER_FILES
+from tests.conftest import save_model
 from tests.helpers import block_bytes
 from tests.lora_support import make_adapter
 
 TINY = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2, max_position_embeddings=512)
-
-
-def save(model: torch.nn.Module, dst: Path, tokenizer_src: Path) -> Path:
-    model.save_pretrained(dst)
-    for name in TOKENIZER_FILES:
-        if (tokenizer_src / name).exists():
-            shutil.copy(tokenizer_src / name, dst / name)
-    return dst
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +46,7 @@ def odd_llama(tmp_path_factory: pytest.TempPathFactory, smol_dir: Path) -> Path:
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.normal_(1.0, 0.5)
-    return save(model, tmp_path_factory.mktemp("odd-llama"), smol_dir)
+    return save_model(model, tmp_path_factory.mktemp("odd-llama"), smol_dir)
 
 
 def engine(model: Path, impl: str, **kw: Any) -> Engine:
@@ -167,7 +158,7 @@ def sliding_qwen2(tmp_path_factory: pytest.TempPathFactory, smol_dir: Path) -> P
     torch.manual_seed(0)
     window = dict(use_sliding_window=True, sliding_window=64, max_window_layers=1)
     config = Qwen2Config(num_attention_heads=4, num_key_value_heads=2, **window, **TINY)
-    return save(Qwen2ForCausalLM(config), tmp_path_factory.mktemp("sliding-qwen2"), smol_dir)
+    return save_model(Qwen2ForCausalLM(config), tmp_path_factory.mktemp("sliding-qwen2"), smol_dir)
 
 
 def test_engine_keeps_transformers_forward_where_lean_cannot(sliding_qwen2: Path) -> None:
