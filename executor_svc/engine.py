@@ -8,7 +8,6 @@ that, in one packed forward pass, and returns the sampled tokens.
 from __future__ import annotations
 
 import contextlib
-import logging
 import time
 import uuid
 from collections import defaultdict
@@ -41,7 +40,6 @@ from pagedserve.grammar import Compiler
 from pagedserve.tiers import BlockMove
 
 TIER_NAMES = ("device", "cpu", "disk")
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,7 +74,7 @@ class Engine:
         self.linear = linear.apply(self.model, cfg.cpu_linear, self.device)
         self.backend = get_backend(cfg.attention_backend, self.device, cfg.kernel_cache or model_store.cache_dir())
         self.adapters = Adapters(self.model, cfg.lora, self.device, dtype) if cfg.lora is not None else None
-        self.lean = self._lean_forward()  # after linear.apply and the adapters: it calls the modules they leave
+        self.lean = lean.choose(self.model, cfg.model_impl)  # after linear.apply and the adapters: it keeps theirs
         text_config = config.get_text_config()
         heads = text_config.num_attention_heads
         self.geometry = KVGeometry(
@@ -107,23 +105,6 @@ class Engine:
         self.grammars = Grammars(self._grammar_compiler, self.vocab_size, self.eos_token_ids)
         self.sampled = LastSampled()  # what a pipelined plan's from_last_sample refers to
         self.model_digest = model.digest(self.tokenizer_files())
-
-    def _lean_forward(self) -> lean.LeanForward | None:
-        """The forward ``cfg.model_impl`` asks for: the lean one, or None for transformers'."""
-        impl = self.cfg.model_impl
-        if impl not in lean.CHOICES:
-            raise ValueError(f"model_impl must be one of {lean.CHOICES}, got {impl!r}")
-        if impl == "transformers":
-            return None
-        reason = lean.supports(self.model)
-        if reason is None:
-            forward = lean.LeanForward(self.model)
-            log.info("model: the lean forward (executor_svc/lean.py; RMSNorm by %s)", forward.norm.__name__)
-            return forward
-        if impl == "lean":
-            raise ValueError(f"--model-impl lean: {reason}")
-        log.info("model: transformers' forward; the lean one does not support this model (%s)", reason)
-        return None
 
     def _device_blocks(self) -> int:
         if self.cfg.kv_cache_memory is not None:

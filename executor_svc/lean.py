@@ -27,6 +27,7 @@ Greedy output is token-identical to transformers' and the logits equal the trans
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -40,6 +41,7 @@ from executor_svc import linear
 from executor_svc.attention import StepContext
 
 CHOICES = ("auto", "lean", "transformers")
+log = logging.getLogger(__name__)
 ARCHITECTURES: dict[str, type[nn.Module]] = {"llama": LlamaForCausalLM, "qwen2": Qwen2ForCausalLM}
 
 Norm = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
@@ -65,6 +67,24 @@ def supports(model: nn.Module) -> str | None:
     layer_types = getattr(config, "layer_types", None) or []
     if any(t != "full_attention" for t in layer_types):
         return f"layer types {sorted(set(layer_types))} are not all full_attention"
+    return None
+
+
+def choose(model: nn.Module, impl: str) -> LeanForward | None:
+    """The forward ``impl`` (``--model-impl``) asks for: a ``LeanForward``, or None for transformers' own. ``auto``
+    takes the lean one where ``supports`` allows; ``lean`` on a model it does not support is a ValueError."""
+    if impl not in CHOICES:
+        raise ValueError(f"model_impl must be one of {CHOICES}, got {impl!r}")
+    if impl == "transformers":
+        return None
+    reason = supports(model)
+    if reason is None:
+        forward = LeanForward(model)
+        log.info("model: the lean forward (executor_svc/lean.py; RMSNorm by %s)", forward.norm.__name__)
+        return forward
+    if impl == "lean":
+        raise ValueError(f"--model-impl lean: {reason}")
+    log.info("model: transformers' forward; the lean one does not support this model (%s)", reason)
     return None
 
 

@@ -130,6 +130,9 @@ class Kernel:
         )
 
 
+_REFERENCE_ROPE_AND_CACHE = reference.rope_then(reference.reshape_and_cache)  # where the C entry does not fit
+
+
 @dataclass(frozen=True, slots=True)
 class RopeAndCache:
     """``cpu/attention.cpp``'s ``rope_and_cache_f32``, loaded: the backend's ``rope_and_cache``."""
@@ -156,8 +159,7 @@ class RopeAndCache:
         if not all(x.dtype == torch.float32 and x.device.type == "cpu" for x in tensors) or not all(
             x.stride(-1) == 1 and x.stride(-2) == d for x in (q, k, v)
         ):
-            write = reference.rope_then(reference.reshape_and_cache)
-            return write(q, k, v, cos, sin_signed, key_cache, value_cache, slot_mapping)
+            return _REFERENCE_ROPE_AND_CACHE(q, k, v, cos, sin_signed, key_cache, value_cache, slot_mapping)
         cos, sin_signed = cos.contiguous(), sin_signed.contiguous()
         slots = slot_mapping if slot_mapping.dtype == torch.int64 else slot_mapping.long()
         self.fn(
