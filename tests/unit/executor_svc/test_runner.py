@@ -5,10 +5,12 @@ stream from the model."""
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 
 import grpc
 
-from executor_svc.runner import PlanRunner
+from executor_svc.runner import PlanRunner, TorchThread
 from pagedserve import handlers
 from pagedserve.executor.v1 import executor_pb2 as pb
 
@@ -140,3 +142,32 @@ def test_the_next_plan_runs_while_a_result_is_still_being_written() -> None:
         await results.aclose()
 
     asyncio.run(go())
+
+
+def test_the_torch_thread_runs_everything_on_one_thread_and_a_cancelled_call_waits() -> None:
+    """``TorchThread`` (plain callables, no torch: what it isolates is the threading). Start-up work (``call``) and
+    every step (``run``) land on one thread, not the event loop's; a caller cancelled mid-call gets its cancellation
+    only after the callable has ended, so the engine's lock is held until the engine is free."""
+    worker = TorchThread()
+    built_on = worker.call(threading.get_ident)
+    ended: list[float] = []
+
+    def slow() -> None:
+        time.sleep(0.2)
+        ended.append(time.monotonic())
+
+    async def go() -> tuple[list[int], float]:
+        ran_on = [await worker.run(threading.get_ident) for _ in range(3)]
+        task = asyncio.ensure_future(worker.run(slow))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        try:
+            await task
+        except asyncio.CancelledError:
+            return ran_on, time.monotonic()
+        raise AssertionError("the cancellation was swallowed")
+
+    ran_on, cancelled_at = asyncio.run(go())
+    assert built_on != threading.get_ident()
+    assert ran_on == [built_on] * 3
+    assert ended and cancelled_at >= ended[0], "the cancellation came before the callable ended"
