@@ -413,7 +413,12 @@ def run_all(args: argparse.Namespace, cfg: Config, out: Path, started: float) ->
         nonlocal spread
         spread = ks.run(
             model_dir,
-            ks.SpreadConfig(cfg.kv_spread_budget_tokens, cfg.kv_spread_requests, seed=args.seed),
+            ks.SpreadConfig(
+                cfg.kv_spread_budget_tokens,
+                cfg.kv_spread_requests,
+                sample_s=cfg.kv_spread_sample_ms / 1000,
+                seed=args.seed,
+            ),
             per_token,
             logs / "kv_spread",
         )

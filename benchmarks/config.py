@@ -29,6 +29,7 @@ class Config:
     scale_out_step_ms: float = 20.0  # the stub executors' simulated step
     kv_spread_budget_tokens: int = 1024  # per executor
     kv_spread_requests: int = 48
+    kv_spread_sample_ms: float = 50.0  # how often every pool's usage is read
     migration_requests: int = 4  # the migration arm: long-context streams, about half on the drained executor
     migration_prompt_len: int = 1024  # their context at the move is at least this
     migration_output_len: int = 160

@@ -79,6 +79,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="KV budget per executor of the kv_spread arm, in tokens (default: 1024)",
     )
     p.add_argument("--kv-spread-requests", type=int, default=None, help="requests of the kv_spread arm")
+    p.add_argument(
+        "--kv-spread-sample-ms",
+        type=float,
+        default=None,
+        help="how often the kv_spread arm reads every pool's usage, in ms (default: 50)",
+    )
     p.add_argument("--migration-requests", type=int, default=None, help="streams of the migration arm (default: 4)")
     p.add_argument(
         "--migration-prompt-len", type=int, default=None, help="prompt tokens of the migration arm's streams (1024)"
@@ -279,6 +285,7 @@ def build_config(args: argparse.Namespace) -> Config:
         scale_out_step_ms=pick(args.scale_out_step_ms, base.scale_out_step_ms),
         kv_spread_budget_tokens=pick(args.kv_spread_budget_tokens, base.kv_spread_budget_tokens),
         kv_spread_requests=pick(args.kv_spread_requests, base.kv_spread_requests),
+        kv_spread_sample_ms=pick(args.kv_spread_sample_ms, base.kv_spread_sample_ms),
         migration_requests=pick(args.migration_requests, base.migration_requests),
         migration_prompt_len=pick(args.migration_prompt_len, base.migration_prompt_len),
         migration_output_len=pick(args.migration_output_len, base.migration_output_len),

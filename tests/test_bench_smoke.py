@@ -123,6 +123,9 @@ def test_harness_writes_report(tiny_model: Path, tmp_path: Path, capsys: pytest.
             "256",
             "--kv-spread-requests",
             "12",
+            # The tiny model's run lasts ~0.1 s (less on a faster machine): a 50 ms sampler could see no pool in use.
+            "--kv-spread-sample-ms",
+            "2",
             "--migration-requests",
             "2",
             "--migration-prompt-len",
