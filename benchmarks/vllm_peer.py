@@ -34,6 +34,10 @@ class PeerConfig:
     max_model_len: int = 2048
     bench_prompts: int = 32  # vllm bench serve's random dataset
     venv: Path = arm_vllm.VENV
+    # Both servers' KV block: vLLM's CPU attention needs a multiple of 32, and pagedserve runs the same. (At 16, a
+    # decode step's attention reads twice as many separate runs of the pool: 15 against 11 ms a step of 8-15 rows
+    # in this workload, 239-257 against 279-280 tok/s; docs/benchmarks.md.)
+    block_size: int = 32
 
 
 @dataclass(slots=True)
@@ -120,7 +124,7 @@ def run(cfg: PeerConfig, short: Workload, long: Workload, log_dir: Path) -> Peer
     mean_in = round(sum(len(r.prompt_ids) for r in long.requests) / len(long.requests))
     mean_out = round(long.total_output_tokens / len(long.requests))
     b = arm_vllm.BenchServe(mean_in, mean_out, cfg.bench_prompts)
-    # pagedserve: the bench's deployment (block 16), the same budget, with its HTTP door.
+    # pagedserve: the bench's deployment at vLLM's block size, the same budget, with its HTTP door.
     http_port = free_port()
     scfg = arm_pagedserve.ServeConfig(
         cfg.kv_tokens * cfg.per_token,
@@ -131,7 +135,7 @@ def run(cfg: PeerConfig, short: Workload, long: Workload, log_dir: Path) -> Peer
     base = arm_pagedserve.stack_config(scfg, log_dir / "pagedserve" / "steps.jsonl")
     sc = stack.StackConfig(
         base.kv_cache_bytes,
-        base.block_size,
+        cfg.block_size,
         base.executor_args,
         (*base.scheduler_args, "--http-port", str(http_port)),
         step_log=base.step_log,
@@ -149,6 +153,7 @@ def run(cfg: PeerConfig, short: Workload, long: Workload, log_dir: Path) -> Peer
         cfg.model_dir,
         cfg.kv_tokens,
         cfg.per_token,
+        block_size=cfg.block_size,
         max_num_seqs=cfg.max_num_seqs,
         max_num_batched_tokens=cfg.max_num_batched_tokens,
         max_model_len=cfg.max_model_len,
@@ -198,7 +203,7 @@ def section(summary: dict) -> list[str]:
         f"{cfg['kv_cache_memory_bytes']:,} ({cfg['kv_tokens_usable']} usable tokens), fp32, "
         f"`VLLM_CPU_OMP_THREADS_BIND={cfg['VLLM_CPU_OMP_THREADS_BIND']}` (its model runner on those cores), "
         f"{'eager' if cfg['enforce_eager'] else 'compiled'}, started in {cfg.get('startup_s')} s. pagedserve: block "
-        f"size {ours['block_size']}, the same budget ({ours['kv_cache_memory_bytes']:,} bytes), every process "
+        f"size {ours['block_size']} (vLLM's), the same budget ({ours['kv_cache_memory_bytes']:,} bytes), every process "
         "(Redis, scheduler, loop, HTTP door, executor) unbound on the same cores. Ratios are pagedserve / vLLM.",
         "",
         "| workload | server (door) | output tok/s | TTFT p50 ms | ITL p50 ms | TPOT p50 ms |",
