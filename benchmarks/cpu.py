@@ -5,7 +5,8 @@ do much less. ``Meter`` snapshots the CPU time (user + system) of every process 
 given, names each process's role from its command line, and ``per_token`` divides what each role spent between two
 snapshots by the output tokens served meanwhile. For pagedserve the roles are the executor, the scheduler's
 frontend (public gRPC and HTTP door), its scheduling loop (a child process) and redis-server; for vLLM its API
-server and its engine core (a child). ``client`` is this process: the load generator, on the same cores.
+server, its engine core (scheduling, a child) and the engine core's worker (the model runner, a grandchild).
+``client`` is this process: the load generator, on the same cores.
 
 The serving path is everything but the compute: what ``serving_ms_per_token`` sums is CPU taken from the cores the
 forward pass wants, whether it runs on them at the same instant or not.
@@ -19,7 +20,7 @@ from dataclasses import dataclass, field
 
 import psutil
 
-COMPUTE = frozenset({"executor", "engine_core"})  # the roles that run the model's forward pass
+COMPUTE = frozenset({"executor", "worker"})  # the roles that run the model's forward pass
 
 
 def pagedserve_role(cmdline: list[str]) -> str:
@@ -34,10 +35,14 @@ def pagedserve_role(cmdline: list[str]) -> str:
 
 
 def vllm_role(cmdline: list[str]) -> str:
+    """vLLM 0.32 titles its processes (setproctitle): ``VLLM::APIServer``, ``VLLM::EngineCore`` (the scheduler, the
+    outputs) and ``VLLM::Worker`` (the model runner: the forward pass)."""
     line = " ".join(cmdline)
-    if "EngineCore" in line:  # vLLM sets its engine core's process title to VLLM::EngineCore
+    if "VLLM::Worker" in line:
+        return "worker"
+    if "EngineCore" in line:
         return "engine_core"
-    if "vllm" in line and "serve" in line:
+    if "APIServer" in line or ("vllm" in line and "serve" in line):  # titled, or still its command line
         return "api_server"
     return "other"
 
