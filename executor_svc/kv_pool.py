@@ -14,8 +14,6 @@ from pathlib import Path
 
 import torch
 
-from pagedserve import heap
-
 GIB = 1 << 30
 
 
@@ -53,14 +51,8 @@ class Tier:
 
 
 def device_tier(geo: KVGeometry, num_blocks: int, device: torch.device) -> Tier:
-    """Zeroed. On CPU on 2 MiB pages where Linux allows (``heap.huge_pages``: asked for before the zeros touch them)."""
     shape = geo.shape(num_blocks)
-    tensors = [torch.empty(shape, dtype=geo.dtype, device=device) for _ in "kv"]
-    for t in tensors:
-        if device.type == "cpu":
-            heap.huge_pages(t)
-        t.zero_()
-    return Tier(*tensors)
+    return Tier(torch.zeros(shape, dtype=geo.dtype, device=device), torch.zeros(shape, dtype=geo.dtype, device=device))
 
 
 def cpu_tier(geo: KVGeometry, num_blocks: int, pin: bool) -> Tier:

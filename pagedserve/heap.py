@@ -27,10 +27,6 @@ from __future__ import annotations
 import ctypes
 import gc
 import logging
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    import torch
 
 log = logging.getLogger(__name__)
 
@@ -62,26 +58,3 @@ def keep_freed_memory() -> bool:
     if not done:
         log.warning("mallopt refused the thresholds; freed memory goes back to the kernel as before")
     return done
-
-
-MADV_HUGEPAGE = 14  # linux/mman.h
-HUGE_PAGE = 2 << 20
-
-
-def huge_pages(t: torch.Tensor) -> bool:
-    """Ask Linux to back ``t``'s memory with 2 MiB pages (``madvise(MADV_HUGEPAGE)``); call it before the pages are
-    first touched. A CPU KV pool is read a block (12 KiB a layer for SmolLM2) at a time from wherever the block
-    tables point, each block a fresh TLB walk on 4 KiB pages: decode attention over scattered tables (12 rows of 300
-    positions, cold caches) took 0.53 ms a layer on 2 MiB pages against 0.57-0.63 on 4 KiB ones. Where transparent
-    huge pages are ``madvise`` (this machine; ``always`` needs no call, ``never`` ignores it) this is what gives the
-    pool large pages. False where the call is refused or the tensor spans no whole huge page."""
-    start = t.data_ptr()
-    end = start + t.numel() * t.element_size()
-    lo, hi = -(-start // HUGE_PAGE) * HUGE_PAGE, end // HUGE_PAGE * HUGE_PAGE
-    if hi <= lo:
-        return False
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        return libc.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), MADV_HUGEPAGE) == 0
-    except (OSError, AttributeError):
-        return False

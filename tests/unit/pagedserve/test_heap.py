@@ -53,31 +53,3 @@ def test_kept_freed_memory_serves_the_next_steps_temporaries_without_page_faults
     assert count < touched / 100, f"{count} page faults for {touched} pages touched"
     _, default = faults(keep=False)
     assert default > 10 * max(count, 1), "glibc's defaults unmap what was freed (the reason for the call)"
-
-
-# 64 MiB zeroed after ``huge_pages``, as a CPU KV pool is: on 4 KiB pages that is 16,384 page faults, on 2 MiB pages 32.
-HUGE = """
-import resource, torch
-from pagedserve import heap
-t = torch.empty(16 << 20)
-small = heap.huge_pages(torch.empty(1 << 10))
-asked = heap.huge_pages(t)
-before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-t.zero_()
-print(small, asked, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
-"""
-
-
-def test_a_pool_asked_for_huge_pages_faults_in_2_mib_at_a_time() -> None:
-    try:
-        mode = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
-    except OSError:
-        pytest.skip("no transparent huge pages in this kernel")
-    if "[never]" in mode:
-        pytest.skip("transparent huge pages are off on this machine ([never])")
-    out = subprocess.run([sys.executable, "-c", HUGE], capture_output=True, text=True, check=True).stdout.split()
-    small, asked, count = out[0] == "True", out[1] == "True", int(out[2])
-    assert not small, "a tensor inside one huge page has no whole huge page to ask for"
-    assert asked
-    # 575 here; at most three quarters of 16,384 leaves room for a huge page Linux could not find (4 KiB instead)
-    assert count < 16384 * 3 // 4, f"{count} page faults zeroing 64 MiB: not on 2 MiB pages"
