@@ -29,8 +29,21 @@ class Backend:
     paged_attention: Callable[..., torch.Tensor]
     reshape_and_cache: Callable[..., None]
     copy_blocks: Callable[..., None]
-    # q and k rotated, k and v cached, in one call (the lean forward's; reference.rope_then): -> rotated q
+    # q and k rotated, k and v cached, in one call (the lean forward's): -> rotated q
     rope_and_cache: Callable[..., torch.Tensor]
+
+    @classmethod
+    def of(
+        cls,
+        name: str,
+        paged_attention: Callable[..., torch.Tensor],
+        reshape_and_cache: Callable[..., None],
+        copy_blocks: Callable[..., None],
+        rope_and_cache: Callable[..., torch.Tensor] | None = None,
+    ) -> Backend:
+        """A backend; without a fused ``rope_and_cache`` of its own, the reference rotary, then its own writes."""
+        fused = rope_and_cache or reference.rope_then(reshape_and_cache)
+        return cls(name, paged_attention, reshape_and_cache, copy_blocks, fused)
 
 
 def get_backend(name: str, device: torch.device, cache_dir: Path | None = None) -> Backend:
@@ -44,13 +57,7 @@ def get_backend(name: str, device: torch.device, cache_dir: Path | None = None) 
     if name == "triton":
         from paged_kernels import triton_ops
 
-        return Backend(
-            "triton",
-            triton_ops.paged_attention,
-            triton_ops.reshape_and_cache,
-            triton_ops.copy_blocks,
-            reference.rope_then(triton_ops.reshape_and_cache),
-        )
+        return Backend.of("triton", triton_ops.paged_attention, triton_ops.reshape_and_cache, triton_ops.copy_blocks)
     if name in ("cpu", "auto"):
         if cache_dir is None:
             raise ValueError("the cpu attention backend needs a cache directory to build its kernel in")
@@ -63,11 +70,5 @@ def get_backend(name: str, device: torch.device, cache_dir: Path | None = None) 
             log.warning("attention: the cpu kernel is unavailable (%s); using the torch reference", e)
         else:
             attend = cpu_attention.attention(kernel)
-            return Backend("cpu", attend, reference.reshape_and_cache, reference.copy_blocks, rope_and_cache)
-    return Backend(
-        "torch",
-        reference.paged_attention,
-        reference.reshape_and_cache,
-        reference.copy_blocks,
-        reference.rope_then(reference.reshape_and_cache),
-    )
+            return Backend.of("cpu", attend, reference.reshape_and_cache, reference.copy_blocks, rope_and_cache)
+    return Backend.of("torch", reference.paged_attention, reference.reshape_and_cache, reference.copy_blocks)
