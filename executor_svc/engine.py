@@ -216,14 +216,9 @@ class Engine:
         """Block copies run on a side stream on CUDA, inline on CPU."""
         return torch.cuda.stream(self._copy_stream) if self._copy_stream is not None else contextlib.nullcontext()
 
-    def step(self, plan: StepInput) -> StepOutput:
-        """Swap-ins and copies, then the forward pass; swap-outs overlap the forward.
-
-        Overlap is safe because the scheduler never lets a plan write a block
-        that the same plan swaps out. The step returns only once every copy is
-        done, so the scheduler may reuse the sources as soon as it has the result.
-        """
-        t0 = time.perf_counter()
+    def _admit(self, plan: StepInput) -> None:
+        """The plan's sequences made ready to run, or a ``PlanError`` before anything runs: last samples resolved,
+        drafts appended, forgotten tables dropped, each sequence checked, its adapter loaded, its history kept."""
         # First of all: a token the plan refers to by "sampled last step" becomes a token like any other
         # (before a forget or a reset drops it, and before any check or bookkeeping reads token_ids).
         self.sampled.resolve(plan.seqs)
@@ -241,6 +236,16 @@ class Engine:
         elif any(seq.lora is not None for seq in plan.seqs):
             raise PlanError("a sequence names a LoRA adapter; this executor runs without --enable-lora")
         self._record_history(plan.seqs)
+
+    def step(self, plan: StepInput) -> StepOutput:
+        """Swap-ins and copies, then the forward pass; swap-outs overlap the forward.
+
+        Overlap is safe because the scheduler never lets a plan write a block
+        that the same plan swaps out. The step returns only once every copy is
+        done, so the scheduler may reuse the sources as soon as it has the result.
+        """
+        t0 = time.perf_counter()
+        self._admit(plan)
         masks, grammar_rows = self._start_masks(plan.seqs)
         ts = time.perf_counter()
         with self._copying():
