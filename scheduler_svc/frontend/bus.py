@@ -76,9 +76,13 @@ class EventBus:
         # duplicate is being refused): each has its own queue, and leaving removes only its
         # own (tests/test_fuzz.py found a refused duplicate silencing the running stream).
         self._queues: dict[str, list[StreamQueue]] = {}
+        self.draining = False
 
     def subscribe(self, request_id: str) -> StreamQueue:
+        """A queue of ``request_id``'s events; once the replica drains, one that says so at once."""
         q = StreamQueue()
+        if self.draining:
+            q.put_nowait((DRAIN, None))
         self._queues.setdefault(request_id, []).append(q)
         return q
 
@@ -89,10 +93,14 @@ class EventBus:
         if not queues:
             self._queues.pop(request_id, None)
 
-    def broadcast(self, kind: str) -> None:
+    def drain(self) -> None:
+        """End every stream, and every one that subscribes from now on: a stream that was past the
+        replica's open check but not yet subscribed when the drain began would otherwise run on until
+        the server's grace ran out, and end CANCELLED instead of UNAVAILABLE with where to resume."""
+        self.draining = True
         for queues in self._queues.values():
             for q in queues:
-                q.put_nowait((kind, None))
+                q.put_nowait((DRAIN, None))
 
     async def run(self, stop: asyncio.Event) -> None:
         last = await self.store.events_tail()

@@ -35,7 +35,7 @@ from scheduler_svc.core.deadline import deadline_ms
 from scheduler_svc.core.request import Finish, Request, Status
 from scheduler_svc.frontend import bad_words, chat_template, tools
 from scheduler_svc.frontend.attachments import Attachments
-from scheduler_svc.frontend.bus import DRAIN, EventBus, StreamQueue
+from scheduler_svc.frontend.bus import EventBus, StreamQueue
 from scheduler_svc.frontend.detok import Detokenizer
 from scheduler_svc.frontend.expiry import Expiries
 from scheduler_svc.frontend.loras import LoraRegistry
@@ -458,4 +458,4 @@ class Frontend:
     def drain(self) -> None:
         """Stop taking streams and end the open ones (their requests go on)."""
         self.draining = True
-        self.bus.broadcast(DRAIN)
+        self.bus.drain()

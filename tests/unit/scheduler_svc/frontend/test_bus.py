@@ -1,11 +1,15 @@
 """How a lagging stream's queued events merge into one chunk: ``merge_tokens`` (pure) and the
-``StreamQueue`` a stream reads (an asyncio queue, no Redis)."""
+``StreamQueue`` a stream reads (an asyncio queue, no Redis); and how a drain reaches every stream
+(``EventBus`` routing only: its Redis reader is not started)."""
 
 from __future__ import annotations
 
 import asyncio
 
-from scheduler_svc.frontend.bus import DRAIN, StreamQueue, merge_tokens
+from typing import cast
+
+from scheduler_svc.frontend.bus import DRAIN, EventBus, StreamQueue, merge_tokens
+from scheduler_svc.state.store import RedisStore
 
 
 def t(offset: int, tokens: list[int], lps: list[str] | None = None) -> tuple:
@@ -48,3 +52,15 @@ def test_a_stream_queue_hands_out_what_queued_behind_merged() -> None:
         return [*got, await waiter]
 
     assert asyncio.run(go()) == [t(0, [1, 2]), ("f", ("length", 3, 0)), t(3, [4]), (DRAIN, None)]
+
+
+def test_a_drain_ends_open_streams_and_those_that_subscribe_after_it() -> None:
+    async def go() -> None:
+        bus = EventBus(cast(RedisStore, None))
+        before = bus.subscribe("a")
+        bus.drain()
+        after = bus.subscribe("b")  # a stream past the open check when the drain began
+        assert await asyncio.wait_for(before.get(), 1) == (DRAIN, None)
+        assert await asyncio.wait_for(after.get(), 1) == (DRAIN, None)
+
+    asyncio.run(go())
