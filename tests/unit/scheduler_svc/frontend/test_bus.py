@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import asyncio
-
 from typing import cast
 
 from scheduler_svc.frontend.bus import DRAIN, EventBus, StreamQueue, merge_tokens
