@@ -11,13 +11,18 @@
 // - the softmax's max is exact in any order; exp is elementwise;
 // - its sum runs in 16 lanes over positions (lane j takes positions j, j + 16, ...; positions past the token's own
 //   are 0, and x + 0 == x), then lanes 0..15 in order;
-// - the output is one fmaf chain over the positions it sees, in order, per element, times 1 / sum.
+// - the output, per element: each block's share is one fmaf chain over the block's positions the token sees, in
+//   order, from 0; the shares are added in block order, from 0; times 1 / sum. (Blocks, not the whole context,
+//   so that rows can be read block by block in the pool's order; a block is a position's place in the table, not
+//   where it lies in the pool, so where a row's blocks lie changes no bit either.)
 // Nothing is reassociated: the flags carry -ffp-contract=off (no mul+add fused behind our back) and no -ffast-math,
 // and every multiply-add meant to be fused is an explicit fmaf, so a vectorised loop and its scalar tail agree bit
 // for bit.
 //
-// Work items are (row, tile of up to QT of its tokens): the tile's tokens and every query head share each position's
-// K and V rows (all KV heads, contiguous), read once per item; with fewer tiles than threads, (tile, KV head).
+// Rows of up to SWEEP new tokens (decodes, drafts to verify) go through ``sweep``: every block the step's short rows
+// read, once, in the pool's order. Longer rows (prefill chunks) are work items (row, tile of up to QT of its tokens):
+// the tile's tokens and every query head share each position's K and V rows (all KV heads, contiguous), read once
+// per item; with fewer tiles than threads, (tile, KV head).
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -28,6 +33,7 @@ namespace {
 
 constexpr int64_t KT = 16;  // lanes of the softmax's sum
 constexpr int64_t QT = 8;   // query tokens per work item
+constexpr int64_t SWEEP = 16;  // rows of up to this many new tokens go through ``sweep``
 
 // exp(x) for x <= 0 (scores minus their max), vectorisable: x = n ln2 + r (Cody-Waite), exp(r) by Cephes' expf
 // polynomial (within 2 ulp of exp), times 2^n built in the exponent bits (the loop vectorises with
@@ -56,7 +62,13 @@ struct Scratch {
   std::vector<float> scores;  // [QT * G][P]: the item's scores, then weights
   std::vector<float> acc;     // [QT * G][D]
   std::vector<float> inv;     // [QT * G]: 1 / each pair's sum
+  std::vector<float> part;    // [QT * G][D]: one block's share of acc
 };
+
+inline void add(float* acc, const float* part, int64_t D) {
+#pragma omp simd
+  for (int64_t d = 0; d < D; ++d) acc[d] = acc[d] + part[d];
+}
 
 // q . k over D: lane l (of 16) is the fmaf chain over d = l, l + 16, ...; then the lanes pairwise, halving, in a fixed
 // order. One function for every score, so a score's bits never depend on which loop computed it.
@@ -81,6 +93,24 @@ inline const float* row_at(const float* cache, const int32_t* table, int64_t p, 
   return cache + ((int64_t(table[p / s.BS]) * s.BS + p % s.BS) * s.KVH + g) * s.D;
 }
 
+// Softmax of a pair's scores: weights exp(score - max) over the ``seen`` positions its token sees, 0 past them up to
+// ``span`` (a multiple of KT); returns 1 / the weights' sum.
+inline float softmax(float* sc, int64_t seen, int64_t span) {
+  float m = sc[0];
+  for (int64_t p = 1; p < seen; ++p) m = sc[p] > m ? sc[p] : m;
+#pragma omp simd
+  for (int64_t p = 0; p < seen; ++p) sc[p] = exp_nonpositive(sc[p] - m);
+  for (int64_t p = seen; p < span; ++p) sc[p] = 0.0f;
+  float lane[KT] = {};
+  for (int64_t p0 = 0; p0 < span; p0 += KT) {
+#pragma omp simd
+    for (int64_t j = 0; j < KT; ++j) lane[j] = lane[j] + sc[p0 + j];
+  }
+  float sum = 0.0f;
+  for (int64_t j = 0; j < KT; ++j) sum = sum + lane[j];
+  return 1.0f / sum;
+}
+
 // The item: row tokens [i0, i1) of a row with L positions of context (its new tokens included, first = L - n), query
 // heads [h0, h0 + nh) (whole KV groups); q/out point at the row's first token.
 void item(const float* q, const float* k_cache, const float* v_cache, const int32_t* table, int64_t L, int64_t n,
@@ -102,34 +132,25 @@ void item(const float* q, const float* k_cache, const float* v_cache, const int3
       w.scores[r * span + p] = dot(qr, k + (h / G) * D, D) * s.scale;
     }
   }
-  // Softmax per pair: weights exp(score - max) over the positions the token sees, 0 past them.
-  for (int64_t r = 0; r < pairs; ++r) {
-    float* sc = w.scores.data() + r * span;
-    const int64_t seen = first + i0 + r / nh + 1;
-    float m = sc[0];
-    for (int64_t p = 1; p < seen; ++p) m = sc[p] > m ? sc[p] : m;
+  for (int64_t r = 0; r < pairs; ++r) w.inv[r] = softmax(w.scores.data() + r * span, first + i0 + r / nh + 1, span);
+  // Weighted sum of V, block by block: each block's own fmaf chain over its positions (``block_sum``), added to the
+  // pair's sum in block order.
+  w.part.resize(pairs * D);
+  for (int64_t b0 = 0; b0 < P; b0 += s.BS) {
+    const int64_t r0 = (b0 > first + i0 ? b0 - first - i0 : 0) * nh;  // the pairs whose token sees the block
+    std::fill(w.part.begin() + r0 * D, w.part.end(), 0.0f);
+    const float* vb = v_cache + int64_t(table[b0 / s.BS]) * s.BS * s.KVH * D;
+    for (int64_t p = b0; p < std::min(P, b0 + s.BS); ++p) {
+      const float* v = vb + (p - b0) * s.KVH * D;
+      for (int64_t r = (p > first + i0 ? p - first - i0 : 0) * nh; r < pairs; ++r) {
+        const float wt = w.scores[r * span + p];
+        const float* vh = v + ((h0 + r % nh) / G) * D;
+        float* a = w.part.data() + r * D;
 #pragma omp simd
-    for (int64_t p = 0; p < seen; ++p) sc[p] = exp_nonpositive(sc[p] - m);
-    for (int64_t p = seen; p < span; ++p) sc[p] = 0.0f;
-    float lane[KT] = {};
-    for (int64_t p0 = 0; p0 < span; p0 += KT) {
-#pragma omp simd
-      for (int64_t j = 0; j < KT; ++j) lane[j] = lane[j] + sc[p0 + j];
+        for (int64_t d = 0; d < D; ++d) a[d] = std::fmaf(wt, vh[d], a[d]);
+      }
     }
-    float sum = 0.0f;
-    for (int64_t j = 0; j < KT; ++j) sum = sum + lane[j];
-    w.inv[r] = 1.0f / sum;
-  }
-  // Weighted sum of V: one fmaf chain over positions per output element.
-  for (int64_t p = 0; p < P; ++p) {
-    const float* v = row_at(v_cache, table, p, 0, s);
-    for (int64_t r = (p > first + i0 ? p - first - i0 : 0) * nh; r < pairs; ++r) {
-      const float wt = w.scores[r * span + p];
-      const float* vh = v + ((h0 + r % nh) / G) * D;
-      float* a = w.acc.data() + r * D;
-#pragma omp simd
-      for (int64_t d = 0; d < D; ++d) a[d] = std::fmaf(wt, vh[d], a[d]);
-    }
+    for (int64_t r = r0; r < pairs; ++r) add(w.acc.data() + r * D, w.part.data() + r * D, D);
   }
   for (int64_t r = 0; r < pairs; ++r) {
     float* o = out + ((i0 + r / nh) * s.H + h0 + r % nh) * D;
@@ -137,6 +158,116 @@ void item(const float* q, const float* k_cache, const float* v_cache, const int3
     const float inv = w.inv[r];
 #pragma omp simd
     for (int64_t d = 0; d < D; ++d) o[d] = a[d] * inv;
+  }
+}
+
+// A short row's use of one of its blocks: the row (its index among the step's short rows), the block's place in its
+// table, the block, and where its share of the row's output sums is kept.
+struct Use {
+  int32_t block, row, j;
+  int64_t part;
+};
+
+struct Short {
+  const float* q;
+  float* out;
+  int64_t L, n, scores, span, uses;  // context length, new tokens, offset of its scores, their stride, first use
+};
+
+// Rows of a few new tokens (decodes, drafts to verify) over every block they read, in the pool's order: a full pool
+// read block after block in place of one row's blocks after another's (each a short run somewhere in the pool, which
+// memory serves at a third of its bandwidth on this class of machine; docs/benchmarks.md). The arithmetic is
+// ``item``'s, so a token's bits do not depend on which path it took: the same ``dot`` for each score and
+// ``softmax`` for each pair; each block's share of the output the same fmaf chain over its positions; the shares
+// added in block order.
+void sweep(const std::vector<Short>& rows, const std::vector<Use>& uses, const float* k_cache, const float* v_cache,
+           const Shape& s, int32_t threads) {
+  const int64_t H = s.H, G = s.H / s.KVH, D = s.D, BS = s.BS, stride = s.KVH * s.D;
+  static thread_local std::vector<float> scores, inv, parts;
+  static thread_local std::vector<int64_t> at;  // rows[r].uses + j: the use of the row's block j
+  static thread_local std::vector<int64_t> pair_row;  // first pair of each row, then the total
+  int64_t n_scores = 0, n_parts = 0, n_pairs = 0;
+  pair_row.assign(1, 0);
+  for (const Short& r : rows) {
+    n_scores += r.n * H * r.span;
+    n_pairs += r.n * H;
+    pair_row.push_back(n_pairs);
+  }
+  for (const Use& u : uses) n_parts = std::max(n_parts, u.part + rows[u.row].n * H * D);
+  if (int64_t(scores.size()) < n_scores) scores.resize(n_scores);
+  if (int64_t(parts.size()) < n_parts) parts.resize(n_parts);
+  inv.resize(n_pairs);
+  at.resize(uses.size());
+  for (int64_t k = 0; k < int64_t(uses.size()); ++k) at[rows[uses[k].row].uses + uses[k].j] = k;
+  // thread_local: the buffers are the calling thread's; the team reaches them through these pointers.
+  float* const sc = scores.data();
+  float* const iv = inv.data();
+  float* const pa = parts.data();
+  const int64_t* const pair0 = pair_row.data();
+  const int64_t* const use_at = at.data();
+  const int64_t n_uses = int64_t(uses.size()), R = int64_t(rows.size());
+#pragma omp parallel num_threads(threads)
+  {
+    // Scores: each block's K rows once, for every token of its row that sees them and every query head.
+#pragma omp for schedule(static)
+    for (int64_t k = 0; k < n_uses; ++k) {
+      const Use& u = uses[k];
+      const Short& r = rows[u.row];
+      const int64_t first = r.L - r.n, p0 = int64_t(u.j) * BS, p1 = std::min(r.L, p0 + BS);
+      const float* kb = k_cache + int64_t(u.block) * BS * stride;
+      for (int64_t p = p0; p < p1; ++p) {
+        const float* kr = kb + (p - p0) * stride;
+        for (int64_t i = p > first ? p - first : 0; i < r.n; ++i) {
+          for (int64_t h = 0; h < H; ++h) {
+            sc[r.scores + (i * H + h) * r.span + p] = dot(r.q + (i * H + h) * D, kr + (h / G) * D, D) * s.scale;
+          }
+        }
+      }
+    }
+#pragma omp for schedule(static)
+    for (int64_t x = 0; x < n_pairs; ++x) {
+      const int64_t ri = std::upper_bound(pair0, pair0 + R + 1, x) - pair0 - 1;
+      const Short& r = rows[ri];
+      const int64_t pr = x - pair0[ri];  // (token, head) = (pr / H, pr % H)
+      iv[x] = softmax(sc + r.scores + pr * r.span, r.L - r.n + pr / H + 1, r.span);
+    }
+    // Each block's share of the output: its V rows once.
+#pragma omp for schedule(static)
+    for (int64_t k = 0; k < n_uses; ++k) {
+      const Use& u = uses[k];
+      const Short& r = rows[u.row];
+      const int64_t first = r.L - r.n, p0 = int64_t(u.j) * BS, p1 = std::min(r.L, p0 + BS);
+      const int64_t i0 = p0 > first ? p0 - first : 0;  // the first token that sees the block
+      float* part = pa + u.part;
+      std::fill(part + i0 * H * D, part + r.n * H * D, 0.0f);
+      const float* vb = v_cache + int64_t(u.block) * BS * stride;
+      for (int64_t p = p0; p < p1; ++p) {
+        const float* vr = vb + (p - p0) * stride;
+        for (int64_t i = p > first ? p - first : 0; i < r.n; ++i) {
+          for (int64_t h = 0; h < H; ++h) {
+            const float wt = sc[r.scores + (i * H + h) * r.span + p];
+            const float* vh = vr + (h / G) * D;
+            float* a = part + (i * H + h) * D;
+#pragma omp simd
+            for (int64_t d = 0; d < D; ++d) a[d] = std::fmaf(wt, vh[d], a[d]);
+          }
+        }
+      }
+    }
+    // The shares added in block order, times 1 / sum.
+    std::vector<float> acc(D);
+#pragma omp for schedule(static)
+    for (int64_t x = 0; x < n_pairs; ++x) {
+      const int64_t ri = std::upper_bound(pair0, pair0 + R + 1, x) - pair0 - 1;
+      const Short& r = rows[ri];
+      const int64_t pr = x - pair0[ri], i = pr / H;
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (int64_t j = 0; j <= (r.L - r.n + i) / BS; ++j) add(acc.data(), pa + uses[use_at[r.uses + j]].part + pr * D, D);
+      float* o = r.out + pr * D;
+      const float ix = iv[x];
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) o[d] = acc[d] * ix;
+    }
   }
 }
 
@@ -152,16 +283,45 @@ extern "C" void paged_attention_f32(
     float* out,              // [T, H, D]
     int64_t S, int64_t H, int64_t KVH, int64_t D, int64_t BS, int64_t MB, float scale, int32_t threads) {
   const Shape shape{H, KVH, D, BS, MB, scale};
-  // Items, row-major: (row, tile of its tokens), then the KV head. Fewer rows than threads (one row of drafts to
-  // verify): tiles of fewer tokens, so that each thread has some (a tile's size never changes a token's result).
+  // Rows of up to SWEEP tokens go through ``sweep``, every block of theirs in the pool's order; longer ones (prefill
+  // chunks) by items.
+  std::vector<Short> shorts;
+  std::vector<Use> uses;
+  std::vector<int64_t> longs;
+  int64_t n_scores = 0, n_parts = 0;
+  for (int64_t r = 0; r < S; ++r) {
+    const int64_t n = starts[r + 1] - starts[r], L = lens[r];
+    if (n == 0) continue;
+    if (n > SWEEP) {
+      longs.push_back(r);
+      continue;
+    }
+    const int64_t span = (L + KT - 1) / KT * KT, blocks = (L + BS - 1) / BS;
+    const int32_t row = int32_t(shorts.size());
+    shorts.push_back({q + starts[r] * H * D, out + starts[r] * H * D, L, n, n_scores, span, int64_t(uses.size())});
+    n_scores += n * H * span;
+    for (int64_t j = 0; j < blocks; ++j) {
+      uses.push_back({tables[r * MB + j], row, int32_t(j), n_parts});
+      n_parts += n * H * D;
+    }
+  }
+  if (!shorts.empty()) {
+    std::sort(uses.begin(), uses.end(), [](const Use& a, const Use& b) {
+      return a.block != b.block ? a.block < b.block : a.row != b.row ? a.row < b.row : a.j < b.j;
+    });
+    sweep(shorts, uses, k_cache, v_cache, shape, threads);
+  }
+  if (longs.empty()) return;
+  // Items, row-major: (row, tile of its tokens), then the KV head. Fewer rows than threads (one long row): tiles of
+  // fewer tokens, so that each thread has some (a tile's size never changes a token's result).
   int64_t qt = QT;
-  if (S < threads) {
+  if (int64_t(longs.size()) < threads) {
     int64_t longest = 1;
-    for (int64_t s = 0; s < S; ++s) longest = std::max<int64_t>(longest, starts[s + 1] - starts[s]);
+    for (int64_t s : longs) longest = std::max<int64_t>(longest, starts[s + 1] - starts[s]);
     qt = std::min<int64_t>(QT, (longest + threads - 1) / threads);
   }
   std::vector<int64_t> tile_row, tile_start;
-  for (int64_t s = 0; s < S; ++s) {
+  for (int64_t s : longs) {
     for (int64_t i = 0; i < starts[s + 1] - starts[s]; i += qt) {
       tile_row.push_back(s);
       tile_start.push_back(i);

@@ -187,6 +187,33 @@ def test_a_tokens_attention_does_not_depend_on_its_chunking_or_batch(kernel: cpu
     assert torch.equal(torch.cat(pieces), whole)
 
 
+def test_where_a_rows_blocks_lie_changes_no_bit(kernel: cpu_attention.Kernel) -> None:
+    """Decodes, a decode with drafts and a 40-token chunk (two rows sharing their first two blocks, as a prefix-cache
+    hit does), then the same with every block moved elsewhere in the pool: the same bits, on 1 and 2 threads. Short
+    rows are read block by block in the pool's order (``sweep``); a token's sums follow its table, not the pool."""
+    gen = torch.Generator().manual_seed(7)
+    block_size, heads, kv_heads, dim, blocks = 16, 9, 3, 64, 48
+    key_cache = torch.randn(blocks, block_size, kv_heads, dim, generator=gen)
+    value_cache = torch.randn(blocks, block_size, kv_heads, dim, generator=gen)
+    tables = torch.randperm(blocks, generator=gen)[:40].view(4, 10).to(torch.int32)
+    tables[1, :2] = tables[0, :2]  # a shared prefix
+    lens = torch.tensor([150, 37, 96, 160], dtype=torch.int32)
+    loc = torch.tensor([0, 1, 6, 7, 47], dtype=torch.int32)  # a decode, 5 drafts, a decode, a chunk of 40
+    query = torch.randn(47, heads, dim, generator=gen)
+    meta = reference.make_metadata(tables, loc, lens, block_size)
+    want = torch.empty_like(query)
+    kernel(query, key_cache, value_cache, meta, 0.125, want)
+    torch.testing.assert_close(want, reference.paged_attention(query, key_cache, value_cache, meta, 0.125))
+    moved = torch.randperm(blocks, generator=gen)  # block b now lies at moved[b]
+    k2, v2 = torch.empty_like(key_cache), torch.empty_like(value_cache)
+    k2[moved], v2[moved] = key_cache, value_cache
+    meta2 = reference.make_metadata(moved[tables.long()].to(torch.int32), loc, lens, block_size)
+    for threads in (1, 2):
+        got = torch.empty_like(query)
+        kernel(query, k2, v2, meta2, 0.125, got, threads)
+        assert torch.equal(got, want), f"{threads} threads"
+
+
 def test_rope_and_cache_in_c_gives_the_reference_bits(tmp_path: Path) -> None:
     """The cpu backend's ``rope_and_cache`` (one C call) against the reference's (torch ops): the rotated q and every
     cache slot written are the same bits; a slot of -1 is skipped; strided rows (q/k/v as column slices of one
