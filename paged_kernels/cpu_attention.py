@@ -3,7 +3,8 @@
 The torch reference (``reference.py``) gathers every row's blocks into a padded tensor, once per layer, then runs
 SDPA: each step reads its rows' KV three times and writes it once. ``cpu/attention.cpp`` reads K and V in place
 through the block table, once (vLLM's CPU attention does the same), for every row of the step: decodes, decodes with
-drafts to verify, prefill chunks of any length. It is plain C with an ``extern "C"`` entry, compiled with the
+drafts to verify, prefill chunks of any length (rows of a few tokens read the step's blocks in the pool's order, not
+row after row: the source's header says why). It is plain C with an ``extern "C"`` entry, compiled with the
 system's ``g++`` at first use into the cache directory and called through ``ctypes`` (no torch headers: it builds in
 about a second). ``-march=native``: the library's name carries a digest of the source, the flags and this CPU's model
 and feature flags, so a cache shared between machines never runs code built for another CPU.
@@ -105,8 +106,7 @@ class Kernel:
         ``[num_blocks, BS, KVH, D]``, fp32 and contiguous. A step of one decode token runs on one thread: its
         attention (SmolLM2, 512 tokens of context, 2 threads) took 2.4 ms on one thread and 6-7 ms split over two,
         where 2 rows on two threads took 2.6 ms against 4.2 on one. One row of a few tokens (drafts to verify) is
-        split by tokens over the threads (the kernel's tiles): the step of 1 row x 6 tokens at 400 tokens of
-        context 19.6 against 22.6 ms on one thread."""
+        split over the threads by its blocks (the kernel's sweep)."""
         _, h, d = query.shape
         _, bs, kvh, _ = key_cache.shape
         tables, lens, starts = _i32(meta.block_tables), _i32(meta.seq_lens), _i32(meta.query_start_loc)
