@@ -43,7 +43,12 @@ NS = "spec"
 FIXED_K = {"adaptive_draft_length": False}
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3, **FIXED_K}
 SUFFIX = {"method": "suffix", "num_speculative_tokens": 4, "suffix_decoding_max_tree_depth": 12, **FIXED_K}
-# A pool of 20 blocks of 16 tokens for 8 requests of ~90 tokens at most: some are preempted.
+# A pool of 12 blocks of 16 tokens for 8 requests of 36-57 prompt tokens and 17-40 new ones (5-7 blocks each at full
+# length, the group of three completions 8): the first step's 96 tokens already take two prompts and a chunk of a
+# third, which together outgrow the pool, so some are preempted unless the requests arrive steps apart (2 and 8
+# preemptions in two runs beside two busy processes). With 20 blocks, a clean-clone run whose requests finished as
+# fast as the others grew preempted none.
+BLOCKS = 12
 SCHED = ["--max-num-batched-tokens", "96"]  # the pipelined loop (the default)
 
 
@@ -72,7 +77,9 @@ class Stack:
 @pytest.fixture(scope="module")
 def stack(tiny_llama: Path, redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     args = [*SCHED, "--speculative-config", json.dumps(NGRAM)]
-    with make_cluster(tiny_llama, redis_url, NS, tmp_path_factory.mktemp("logs"), blocks=20, scheduler_args=args) as c:
+    with make_cluster(
+        tiny_llama, redis_url, NS, tmp_path_factory.mktemp("logs"), blocks=BLOCKS, scheduler_args=args
+    ) as c:
         yield Stack(c, redis_url)
 
 
