@@ -330,7 +330,9 @@ class Engine:
         if any(s.num_drafts for s in picked):
             chosen, first, more = self._verify(picked, last, histories, grammar_rows)
         else:
-            chosen = sample(last, [s.sampling for s in picked], [s.num_generated for s in picked], histories)
+            chosen = sample(
+                last, [s.sampling for s in picked], [s.num_generated for s in picked], histories, self.backend.race
+            )
             self.grammars.accept(grammar_rows, chosen)
             first = list(range(len(picked)))
         tokens = [(s.request_id, t) for s, t in zip(picked, chosen)]
@@ -360,7 +362,7 @@ class Engine:
         the tokens after the first of rows that yield several."""
         drafts = [s.token_ids[len(s.token_ids) - s.num_drafts :] for s in picked]
         sampled = verify.sample_rows(
-            last, [s.sampling for s in picked], [s.num_generated for s in picked], histories, drafts
+            last, [s.sampling for s in picked], [s.num_generated for s in picked], histories, drafts, self.backend.race
         )
         first, at = [], 0
         for d in drafts:

@@ -22,7 +22,7 @@ num_generated)``, as before.
 from __future__ import annotations
 
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -262,14 +262,19 @@ def process(
     return out
 
 
+Race = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (scaled logits [R, V], keys [R]) -> tokens [R]
+
+
 def sample(
     logits: torch.Tensor,
-    params: list[Sampling],
-    num_generated: list[int],
+    params: Sequence[Sampling],
+    num_generated: Sequence[int],
     histories: Sequence[Sequence[int] | None] | None = None,
+    race: Race | None = None,
 ) -> list[int]:
     """One token per row of ``logits`` ``[S, vocab]``. ``histories``: each row's tokens so
-    far (prompt + outputs), needed by rows with penalties."""
+    far (prompt + outputs), needed by rows with penalties. ``race``: the CPU backend's compiled draw for
+    rows that keep the whole vocabulary (``paged_kernels.cpu_attention.Race``); without it, torch's."""
     raw = logits.float()
     logits = process(raw, params, num_generated, histories)
     if logits is not raw:
@@ -295,14 +300,14 @@ def sample(
         if len(filtered) == len(rows):
             tokens[sel] = _draw_candidates(scaled, top_k, top_p, rows, params, num_generated)
         elif not filtered:
-            tokens[sel] = _draw_whole(scaled, rows, params, num_generated)
+            tokens[sel] = _draw_whole(scaled, rows, params, num_generated, race)
         else:
             whole = sorted(set(range(len(rows))) - set(filtered))
             f, w = torch.tensor(filtered, device=dev), torch.tensor(whole, device=dev)
             tokens[sel[f]] = _draw_candidates(
                 scaled[f], top_k[f], top_p[f], [rows[j] for j in filtered], params, num_generated
             )
-            tokens[sel[w]] = _draw_whole(scaled[w], [rows[j] for j in whole], params, num_generated)
+            tokens[sel[w]] = _draw_whole(scaled[w], [rows[j] for j in whole], params, num_generated, race)
     return tokens.tolist()
 
 
@@ -320,24 +325,40 @@ def _draw_candidates(
     assert ids is not None
     width = max(1, int((kept > float("-inf")).sum(dim=-1).max()))  # a row with no finite logit keeps one
     kept, ids = kept[:, :width], ids[:, :width]
-    # Unseeded rows take their key from torch's global generator.
+    keys = _keys(rows, params, num_generated, scaled.device)
+    pick = (kept.softmax(dim=-1) / noise(keys, ids)).argmax(dim=-1)
+    return ids.gather(1, pick[:, None])[:, 0]
+
+
+def _keys(
+    rows: list[int], params: Sequence[Sampling], num_generated: Sequence[int], device: torch.device
+) -> torch.Tensor:
+    """Each row's noise key: ``row_key`` of its seed and position; unseeded rows take theirs from torch's global
+    generator."""
     fresh = torch.randint(-(1 << 63), (1 << 63) - 1, (len(rows),), dtype=torch.int64).tolist()
-    keys = torch.tensor(
+    return torch.tensor(
         [
             row_key(seed, num_generated[i]) if (seed := params[i].seed) is not None else fresh[j]
             for j, i in enumerate(rows)
         ],
         dtype=torch.int64,
-        device=scaled.device,
+        device=device,
     )
-    pick = (kept.softmax(dim=-1) / noise(keys, ids)).argmax(dim=-1)
-    return ids.gather(1, pick[:, None])[:, 0]
 
 
 def _draw_whole(
-    scaled: torch.Tensor, rows: list[int], params: Sequence[Sampling], num_generated: Sequence[int]
+    scaled: torch.Tensor,
+    rows: list[int],
+    params: Sequence[Sampling],
+    num_generated: Sequence[int],
+    race: Race | None = None,
 ) -> torch.Tensor:
-    """Rows that keep the whole vocabulary: a generator per seeded row (one Exp(1) draw per token)."""
+    """Rows that keep the whole vocabulary. With the CPU backend's ``race``: its compiled Gumbel-max over
+    counter-based noise of (key, token id), one pass over each row (32 rows of 49,152 tokens: ~1.7 against ~32 ms).
+    Otherwise a generator per seeded row (one Exp(1) draw per token). Either way the draw is a function of the
+    request's seed and position only; the two draw different tokens for the same seed."""
+    if race is not None and scaled.device.type == "cpu" and scaled.dtype == torch.float32:
+        return race(scaled, _keys(rows, params, num_generated, scaled.device))
     probs = scaled.softmax(dim=-1)
     draws = torch.empty_like(probs)
     for j, i in enumerate(rows):

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 
 import torch
 
-from executor_svc.sampler import Sampling, sample
+from executor_svc.sampler import Race, Sampling, sample
 
 
 def accept(sampled: Sequence[int], drafts: Sequence[int]) -> list[int]:
@@ -64,12 +64,13 @@ def sample_rows(
     num_generated: Sequence[int],
     histories: Sequence[Sequence[int] | None] | None,
     drafts: Sequence[Sequence[int]],
+    race: Race | None = None,
 ) -> list[list[int]]:
     """Each row's sampled tokens at its ``1 + len(drafts[i])`` positions (``logits``: those positions'
-    rows, grammar masks applied), in one batched ``sample``."""
+    rows, grammar masks applied), in one batched ``sample`` (``race``: as ``sample``'s)."""
     widths = [1 + len(d) for d in drafts]
     ps, gens, hists = expand(params, num_generated, histories, widths)
-    chosen = sample(logits, ps, gens, hists)
+    chosen = sample(logits, ps, gens, hists, race)
     out, at = [], 0
     for w in widths:
         out.append(chosen[at : at + w])

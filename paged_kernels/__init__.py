@@ -31,6 +31,8 @@ class Backend:
     copy_blocks: Callable[..., None]
     # q and k rotated, k and v cached, in one call (the lean forward's): -> rotated q
     rope_and_cache: Callable[..., torch.Tensor]
+    # whole-vocabulary sampled rows in one compiled pass (scaled logits, keys) -> tokens; None: the sampler's torch draw
+    race: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
     @classmethod
     def of(
@@ -40,10 +42,11 @@ class Backend:
         reshape_and_cache: Callable[..., None],
         copy_blocks: Callable[..., None],
         rope_and_cache: Callable[..., torch.Tensor] | None = None,
+        race: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
     ) -> Backend:
         """A backend; without a fused ``rope_and_cache`` of its own, the reference rotary, then its own writes."""
         fused = rope_and_cache or reference.rope_then(reshape_and_cache)
-        return cls(name, paged_attention, reshape_and_cache, copy_blocks, fused)
+        return cls(name, paged_attention, reshape_and_cache, copy_blocks, fused, race)
 
 
 def get_backend(name: str, device: torch.device, cache_dir: Path | None = None) -> Backend:
@@ -64,11 +67,12 @@ def get_backend(name: str, device: torch.device, cache_dir: Path | None = None) 
         try:
             kernel = cpu_attention.build(cache_dir)
             rope_and_cache = cpu_attention.build_rope_and_cache(cache_dir)
+            race = cpu_attention.build_race(cache_dir)
         except cpu_attention.KernelUnavailable as e:
             if name == "cpu":
                 raise
             log.warning("attention: the cpu kernel is unavailable (%s); using the torch reference", e)
         else:
             attend = cpu_attention.attention(kernel)
-            return Backend.of("cpu", attend, reference.reshape_and_cache, reference.copy_blocks, rope_and_cache)
+            return Backend.of("cpu", attend, reference.reshape_and_cache, reference.copy_blocks, rope_and_cache, race)
     return Backend.of("torch", reference.paged_attention, reference.reshape_and_cache, reference.copy_blocks)

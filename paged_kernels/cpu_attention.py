@@ -210,6 +210,30 @@ def build_rope_and_cache(cache_dir: Path) -> RopeAndCache:
     return RopeAndCache(fn)
 
 
+@dataclass(frozen=True, slots=True)
+class Race:
+    """``cpu/attention.cpp``'s ``race_f32``, loaded: whole-vocabulary sampled rows drawn in one vectorised pass
+    (``executor_svc.sampler``)."""
+
+    fn: ctypes._CFuncPtr  # type: ignore[name-defined]
+
+    def __call__(self, scaled: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        """``scaled [R, V]`` fp32 (logits over temperature), ``keys [R]`` int64: each row's token."""
+        scaled = scaled.contiguous()
+        keys = keys.to(torch.int64).contiguous()
+        out = torch.empty(scaled.shape[0], dtype=torch.int64)
+        threads = min(torch.get_num_threads(), scaled.shape[0])
+        self.fn(scaled.data_ptr(), keys.data_ptr(), scaled.shape[0], scaled.shape[1], threads, out.data_ptr())
+        return out
+
+
+def build_race(cache_dir: Path) -> Race:
+    """The sampler's race entry."""
+    fn = _symbol(cache_dir, "race_f32")
+    fn.argtypes = [_P, _P, _I, _I, ctypes.c_int32, _P]
+    return Race(fn)
+
+
 def _fits(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:
     return (
         query.dtype == key_cache.dtype == value_cache.dtype == torch.float32
