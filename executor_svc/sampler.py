@@ -15,8 +15,9 @@ was preempted and recomputed in between (the penalties' inputs, the request's
 tokens, do not depend on it either). A row that top-k or top-p filters draws its
 noise only for its candidates, as a counter-based hash of ``(seed, num_generated,
 token id)`` (SplitMix64) computed for all such rows at once; a row that keeps the
-whole vocabulary draws it from a ``torch.Generator`` seeded with ``(seed,
-num_generated)``, as before.
+whole vocabulary is drawn by the CPU backend's compiled race (``race``: the same hash's
+noise for every token, in one vectorised pass; vLLM's CPU sampler is a fused op too), or
+without it from a ``torch.Generator`` seeded with ``(seed, num_generated)``.
 """
 
 from __future__ import annotations

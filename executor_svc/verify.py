@@ -5,7 +5,7 @@ logits of all ``1 + d`` positions. Position ``j`` is sampled exactly as a plain 
 position would sample it, given the drafts before it as the request's tokens: the same logits
 processors (token masks, bias, min_tokens, penalties over the history up to there, the grammar's
 mask after the drafts before it), the same temperature and filters, and the same seeded draw,
-which is a function of (seed, output position) only (``sampler.row_key``; ``_draw_whole``).
+which is a function of (seed, output position) only (``sampler.row_key``; ``_draw_whole``; the same ``race``).
 Drafts are accepted while the sampled token equals them; the first token that differs (or the
 token after the last draft) is the row's next token and ends the row.
 
