@@ -275,7 +275,7 @@ def sample(
 ) -> list[int]:
     """One token per row of ``logits`` ``[S, vocab]``. ``histories``: each row's tokens so
     far (prompt + outputs), needed by rows with penalties. ``race``: the CPU backend's compiled draw for
-    rows that keep the whole vocabulary (``paged_kernels.cpu_attention.Race``); without it, torch's."""
+    rows that keep the whole vocabulary (``paged_kernels.cpu_race.Race``); without it, torch's."""
     raw = logits.float()
     logits = process(raw, params, num_generated, histories)
     if logits is not raw:

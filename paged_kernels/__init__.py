@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from paged_kernels import cpu_attention, reference
+from paged_kernels import cpu_attention, cpu_race, reference
 from paged_kernels.reference import PagedMetadata, make_metadata, slot_mapping_for
 
 __all__ = ["Backend", "PagedMetadata", "get_backend", "make_metadata", "slot_mapping_for"]
@@ -67,7 +67,7 @@ def get_backend(name: str, device: torch.device, cache_dir: Path | None = None) 
         try:
             kernel = cpu_attention.build(cache_dir)
             rope_and_cache = cpu_attention.build_rope_and_cache(cache_dir)
-            race = cpu_attention.build_race(cache_dir)
+            race = cpu_race.build(cache_dir)
         except cpu_attention.KernelUnavailable as e:
             if name == "cpu":
                 raise

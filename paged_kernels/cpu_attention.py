@@ -38,7 +38,8 @@ import torch
 from paged_kernels import reference
 from paged_kernels.reference import PagedMetadata
 
-SOURCE = Path(__file__).with_name("cpu") / "attention.cpp"
+# One library: the attention kernels, and the sampler's draw (``cpu_race.py``).
+SOURCES = (Path(__file__).with_name("cpu") / "attention.cpp", Path(__file__).with_name("cpu") / "race.cpp")
 # -ffp-contract=off: a multiply-add is fused only where the source says fmaf, so a loop's vectorised body and its scalar
 # tail compute the same bits; -fno-trapping-math lets the exp loop vectorise (its clamp may be computed
 # unconditionally); no reassociation (no -ffast-math), so the results are what the source says.
@@ -62,7 +63,8 @@ def _cpu_signature() -> bytes:
 
 
 def library_path(cache_dir: Path) -> Path:
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + _cpu_signature()).hexdigest()[:16]
+    sources = b"".join(src.read_bytes() for src in SOURCES)
+    digest = hashlib.sha256(sources + " ".join(FLAGS).encode() + _cpu_signature()).hexdigest()[:16]
     return cache_dir / "kernels" / f"paged_attention-{digest}.so"
 
 
@@ -74,7 +76,7 @@ def _compile(target: Path) -> None:
     fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so.tmp")
     os.close(fd)
     try:
-        done = subprocess.run([cxx, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True, timeout=120)
+        done = subprocess.run([cxx, *FLAGS, *map(str, SOURCES), "-o", tmp], capture_output=True, text=True, timeout=120)
         if done.returncode != 0:
             raise KernelUnavailable(f"g++ failed: {done.stderr.strip()[-500:]}")
         os.replace(tmp, target)  # atomic: a concurrent build (another worker, another executor) loads either copy
@@ -182,7 +184,7 @@ class RopeAndCache:
         return q
 
 
-def _symbol(cache_dir: Path, name: str) -> ctypes._CFuncPtr:  # type: ignore[name-defined]
+def symbol(cache_dir: Path, name: str) -> ctypes._CFuncPtr:  # type: ignore[name-defined]
     """``name`` from the library, compiled into ``cache_dir/kernels`` unless a build for this source, these flags
     and this CPU is there already."""
     lib = library_path(cache_dir)
@@ -198,40 +200,16 @@ def _symbol(cache_dir: Path, name: str) -> ctypes._CFuncPtr:  # type: ignore[nam
 
 def build(cache_dir: Path) -> Kernel:
     """The attention kernel."""
-    fn = _symbol(cache_dir, "paged_attention_f32")
+    fn = symbol(cache_dir, "paged_attention_f32")
     fn.argtypes = [_P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, ctypes.c_float, ctypes.c_int32]
     return Kernel(fn)
 
 
 def build_rope_and_cache(cache_dir: Path) -> RopeAndCache:
     """The rotary-and-cache entry."""
-    fn = _symbol(cache_dir, "rope_and_cache_f32")
+    fn = symbol(cache_dir, "rope_and_cache_f32")
     fn.argtypes = [_P] * 8 + [_I] * 7
     return RopeAndCache(fn)
-
-
-@dataclass(frozen=True, slots=True)
-class Race:
-    """``cpu/attention.cpp``'s ``race_f32``, loaded: whole-vocabulary sampled rows drawn in one vectorised pass
-    (``executor_svc.sampler``)."""
-
-    fn: ctypes._CFuncPtr  # type: ignore[name-defined]
-
-    def __call__(self, scaled: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-        """``scaled [R, V]`` fp32 (logits over temperature), ``keys [R]`` int64: each row's token."""
-        scaled = scaled.contiguous()
-        keys = keys.to(torch.int64).contiguous()
-        out = torch.empty(scaled.shape[0], dtype=torch.int64)
-        threads = min(torch.get_num_threads(), scaled.shape[0])
-        self.fn(scaled.data_ptr(), keys.data_ptr(), scaled.shape[0], scaled.shape[1], threads, out.data_ptr())
-        return out
-
-
-def build_race(cache_dir: Path) -> Race:
-    """The sampler's race entry."""
-    fn = _symbol(cache_dir, "race_f32")
-    fn.argtypes = [_P, _P, _I, _I, ctypes.c_int32, _P]
-    return Race(fn)
 
 
 def _fits(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:

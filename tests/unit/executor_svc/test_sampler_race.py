@@ -1,7 +1,7 @@
-"""The CPU backend's compiled draw for sampled rows that keep the whole vocabulary (``cpu/attention.cpp``'s
-``race_f32``, through ``sampler.sample``'s ``race``): the distribution, a draw's independence from its batch, masked
-tokens, and agreement with a torch reference of the same arithmetic's definition (Gumbel-max over SplitMix64 noise of
-key and token id). The library is compiled here, as the executor does at its first start."""
+"""The CPU backend's compiled draw for sampled rows that keep the whole vocabulary (``paged_kernels/cpu_race.py``,
+``cpu/race.cpp``'s ``race_f32``, through ``sampler.sample``'s ``race``): the distribution, a draw's independence
+from its batch, masked tokens, and agreement with a torch reference of the same arithmetic's definition (Gumbel-max
+over SplitMix64 noise of key and token id). The library is compiled here, as the executor does at its first start."""
 
 from __future__ import annotations
 
@@ -11,15 +11,15 @@ import pytest
 import torch
 
 from executor_svc.sampler import Sampling, _mix, _signed, _srl, row_key, sample
-from paged_kernels import cpu_attention
+from paged_kernels import cpu_attention, cpu_race
 
 GOLDEN = 0x9E3779B97F4A7C15
 
 
 @pytest.fixture(scope="module")
-def race(tmp_path_factory: pytest.TempPathFactory) -> cpu_attention.Race:
+def race(tmp_path_factory: pytest.TempPathFactory) -> cpu_race.Race:
     try:
-        return cpu_attention.build_race(Path(tmp_path_factory.mktemp("kernels")))
+        return cpu_race.build(Path(tmp_path_factory.mktemp("kernels")))
     except cpu_attention.KernelUnavailable as e:  # pragma: no cover - the suite's machines have g++
         pytest.fail(f"the CPU library must build here: {e}")
 
@@ -32,7 +32,7 @@ def reference(scaled: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     return (scaled.double() - torch.log(-torch.log(u))).argmax(dim=-1)
 
 
-def test_the_draw_follows_the_distribution(race: cpu_attention.Race) -> None:
+def test_the_draw_follows_the_distribution(race: cpu_race.Race) -> None:
     probs = torch.tensor([0.6, 0.3, 0.1, 0.0])
     logits = torch.log(probs).expand(20_000, 4).contiguous()
     keys = torch.tensor([row_key(7, n) for n in range(20_000)], dtype=torch.int64)
@@ -41,7 +41,7 @@ def test_the_draw_follows_the_distribution(race: cpu_attention.Race) -> None:
     assert counts[3] == 0, "a token of probability 0 (-inf) is never drawn"
 
 
-def test_a_rows_draw_depends_on_its_key_and_logits_only(race: cpu_attention.Race) -> None:
+def test_a_rows_draw_depends_on_its_key_and_logits_only(race: cpu_race.Race) -> None:
     gen = torch.Generator().manual_seed(3)
     logits = torch.randn(8, 49_152, generator=gen)
     keys = torch.tensor([row_key(s, 4) for s in range(8)], dtype=torch.int64)
@@ -55,7 +55,7 @@ def test_a_rows_draw_depends_on_its_key_and_logits_only(race: cpu_attention.Race
     assert len(set(others.tolist())) > 10, "other keys draw other tokens"
 
 
-def test_it_agrees_with_the_torch_definition(race: cpu_attention.Race) -> None:
+def test_it_agrees_with_the_torch_definition(race: cpu_race.Race) -> None:
     """Float logs against double: the two pick the same token except where two tokens' scores are within the
     float log's error (~1e-7 relative), which 512 rows of 49,152 tokens almost never meet."""
     gen = torch.Generator().manual_seed(11)
@@ -65,7 +65,7 @@ def test_it_agrees_with_the_torch_definition(race: cpu_attention.Race) -> None:
     assert agree >= 0.99, agree
 
 
-def test_sample_uses_it_for_whole_vocabulary_rows_only(race: cpu_attention.Race) -> None:
+def test_sample_uses_it_for_whole_vocabulary_rows_only(race: cpu_race.Race) -> None:
     gen = torch.Generator().manual_seed(5)
     logits = torch.randn(3, 1000, generator=gen)
     whole, topk, greedy = Sampling(temperature=0.8, seed=3), Sampling(temperature=0.8, top_k=5, seed=3), Sampling()
