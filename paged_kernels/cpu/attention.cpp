@@ -180,20 +180,19 @@ struct Short {
 // ``item``'s, so a token's bits do not depend on which path it took: the same ``dot`` for each score and
 // ``softmax`` for each pair; each block's share of the output the same fmaf chain over its positions; the shares
 // added in block order.
-void sweep(const std::vector<Short>& rows, const std::vector<Use>& uses, const float* k_cache, const float* v_cache,
-           const Shape& s, int32_t threads) {
+// ``n_scores`` / ``n_parts``: the floats the rows' scores and the uses' shares take (their offsets' ends).
+void sweep(const std::vector<Short>& rows, const std::vector<Use>& uses, int64_t n_scores, int64_t n_parts,
+           const float* k_cache, const float* v_cache, const Shape& s, int32_t threads) {
   const int64_t H = s.H, G = s.H / s.KVH, D = s.D, BS = s.BS, stride = s.KVH * s.D;
   static thread_local std::vector<float> scores, inv, parts;
   static thread_local std::vector<int64_t> at;  // rows[r].uses + j: the use of the row's block j
   static thread_local std::vector<int64_t> pair_row;  // first pair of each row, then the total
-  int64_t n_scores = 0, n_parts = 0, n_pairs = 0;
+  int64_t n_pairs = 0;
   pair_row.assign(1, 0);
   for (const Short& r : rows) {
-    n_scores += r.n * H * r.span;
     n_pairs += r.n * H;
     pair_row.push_back(n_pairs);
   }
-  for (const Use& u : uses) n_parts = std::max(n_parts, u.part + rows[u.row].n * H * D);
   if (int64_t(scores.size()) < n_scores) scores.resize(n_scores);
   if (int64_t(parts.size()) < n_parts) parts.resize(n_parts);
   inv.resize(n_pairs);
@@ -309,7 +308,7 @@ extern "C" void paged_attention_f32(
     std::sort(uses.begin(), uses.end(), [](const Use& a, const Use& b) {
       return a.block != b.block ? a.block < b.block : a.row != b.row ? a.row < b.row : a.j < b.j;
     });
-    sweep(shorts, uses, k_cache, v_cache, shape, threads);
+    sweep(shorts, uses, n_scores, n_parts, k_cache, v_cache, shape, threads);
   }
   if (longs.empty()) return;
   // Items, row-major: (row, tile of its tokens), then the KV head. Fewer rows than threads (one long row): tiles of
