@@ -98,7 +98,6 @@ class Frontend:
         self.attachments = attachments or Attachments(store, policy)
         self.metrics = metrics
         self.tracer = tracer
-        self.draining = False
         self.caps = caps
         self.max_pending = max_pending  # --max-pending-requests; 0: no limit
         self.tool_call_parser = tool_call_parser  # --tool-call-parser with --enable-auto-tool-choice; "": auto refused
@@ -455,7 +454,11 @@ class Frontend:
         ]
         return any(found)
 
+    @property
+    def draining(self) -> bool:
+        """Whether this replica drains (its bus knows: it ends every stream, open or opened since)."""
+        return self.bus.draining
+
     def drain(self) -> None:
         """Stop taking streams and end the open ones (their requests go on)."""
-        self.draining = True
         self.bus.drain()
