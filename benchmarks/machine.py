@@ -57,9 +57,10 @@ class MachineConfig:
 class RunnerPoint:
     batch: int
     context: int
-    executor_ms: float  # median Engine.step
+    executor_ms: float  # median Engine.step, in the pairs
     transformers_ms: float  # median model forward + argmax
     ratio: float  # executor / transformers, median of the per-pair ratios
+    executor_alone_ms: float  # median Engine.step, steps back to back (as vLLM's step is timed: runner_vs_vllm)
 
 
 @dataclass(slots=True)
@@ -153,16 +154,20 @@ class HFRunner:
 
 
 def time_pairs(engine: EngineRunner, hf: HFRunner, batch: int, reps: int, context: int) -> RunnerPoint:
-    """One warm-up each, then ``reps`` pairs: executor step, transformers step."""
+    """One warm-up each, then ``reps`` pairs: executor step, transformers step; then ``reps`` executor steps back to
+    back. A pair's transformers forward leaves the caches and the OpenMP threads as its own run left them, which cost
+    the executor's next step 5-10% here (2026-12-06); vLLM's step (``benchmarks/vllm_steps.py``) is timed back to
+    back, so the comparison with it takes the second series."""
     engine.decode_ms(batch)
     hf.decode_ms(batch)
     ex, tr = [], []
     for _ in range(reps):
         ex.append(engine.decode_ms(batch))
         tr.append(hf.decode_ms(batch))
-    return RunnerPoint(
-        batch, context, statistics.median(ex), statistics.median(tr), statistics.median(e / t for e, t in zip(ex, tr))
-    )
+    engine.decode_ms(batch)
+    alone = statistics.median(engine.decode_ms(batch) for _ in range(reps))
+    ratio = statistics.median(e / t for e, t in zip(ex, tr))
+    return RunnerPoint(batch, context, statistics.median(ex), statistics.median(tr), ratio, alone)
 
 
 # -- 2. roofline ---------------------------------------------------------------------------------------

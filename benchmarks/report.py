@@ -696,7 +696,8 @@ def _machine_lines(summary: dict) -> list[str]:
         "**Against vLLM's engine step** on the same shapes (`benchmarks/vllm_steps.py`: vLLM's offline `LLM` in its "
         "own venv, threads bound as its server's; a decode step = (time of 1 + 16 tokens - time of 1 token) / 16, "
         "median of 3: its scheduler, model runner and output processing; ours is the executor's `Engine.step` "
-        f"above, forward and sampling). vLLM's start: {_f(vs.get('vllm_startup_s'))} s."
+        "above, forward and sampling, timed back to back after the pairs, as vLLM's is: no transformers forward "
+        f"between two steps). vLLM's start: {_f(vs.get('vllm_startup_s'))} s."
         + (f" Not measured: {vs['skipped']}." if vs.get("skipped") else ""),
         "",
         *_per_batch(vs.get("points") or [], "vllm_step_ms", "vLLM"),

@@ -382,7 +382,7 @@ def runner_vs_vllm(args: argparse.Namespace, cfg: Config, result: MachineResult 
 
     if result is None or "vllm" not in cfg.arms:
         return vllm_peer.runner_keys({}, None, "the machine or the vllm arm did not run")
-    ours = {p.batch: p.executor_ms for p in result.runner}
+    ours = {p.batch: p.executor_alone_ms for p in result.runner}
     skipped = arm_vllm.unavailable(args.vllm_venv)
     if skipped:
         return vllm_peer.runner_keys(ours, None, skipped)

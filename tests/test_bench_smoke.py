@@ -288,7 +288,7 @@ def test_harness_writes_report(tiny_model: Path, tmp_path: Path, capsys: pytest.
     assert [r["plain_tokens"] for r in so["rounds"]] == [8 * 34]
     assert [p["batch"] for p in summary["model_runner"]] == [1, 32]
     for point in summary["model_runner"]:
-        figures = [point[k] for k in ("executor_ms", "transformers_ms", "ratio")]
+        figures = [point[k] for k in ("executor_ms", "transformers_ms", "ratio", "executor_alone_ms")]
         assert all(isinstance(v, int | float) and math.isfinite(v) for v in figures)
     flops = summary["model_flops_per_token"]
     assert flops["flops"] > 2 * flops["matmul_params"] > 0 and flops["context"] > 0
