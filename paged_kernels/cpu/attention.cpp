@@ -32,7 +32,7 @@
 namespace {
 
 constexpr int64_t KT = 16;  // lanes of the softmax's sum
-constexpr int64_t QT = 8;   // query tokens per work item
+constexpr int64_t QT = 16;   // query tokens per work item
 constexpr int64_t SWEEP = 16;  // rows of up to this many new tokens go through ``sweep``
 
 // exp(x) for x <= 0 (scores minus their max), vectorisable: x = n ln2 + r (Cody-Waite), exp(r) by Cephes' expf
@@ -59,6 +59,7 @@ struct Shape {
 };
 
 struct Scratch {
+  std::vector<float> kt;      // [groups][D][16]: 16 positions' K rows, transposed (``dot16``)
   std::vector<float> scores;  // [QT * G][P]: the item's scores, then weights
   std::vector<float> acc;     // [QT * G][D]
   std::vector<float> inv;     // [QT * G]: 1 / each pair's sum
@@ -87,6 +88,55 @@ inline float dot(const float* q, const float* k, int64_t D) {
     for (int64_t l = 0; l < half; ++l) lane[l] = lane[l] + lane[l + half];
   }
   return lane[0];
+}
+
+// ``dot`` of one query row against 16 keys at once, the same arithmetic for each: ``kt`` [D][16] holds the keys' rows
+// transposed, so lane l of key j is the same fmaf chain over d = l, l + 16, ..., kept in vector j of 16, and the lanes
+// are added pairwise in ``dot``'s order with vector adds (no horizontal sums). D a multiple of 16.
+inline void dot16(const float* q, const float* kt, int64_t D, float scale, float* out) {
+  float lane[16][16] = {};
+  for (int64_t d0 = 0; d0 < D; d0 += 16) {
+    for (int64_t l = 0; l < 16; ++l) {
+      const float qv = q[d0 + l];
+      const float* kr = kt + (d0 + l) * 16;
+#pragma omp simd
+      for (int64_t j = 0; j < 16; ++j) lane[l][j] = std::fmaf(qv, kr[j], lane[l][j]);
+    }
+  }
+  for (int64_t half = 8; half >= 1; half /= 2) {
+    for (int64_t l = 0; l < half; ++l) {
+#pragma omp simd
+      for (int64_t j = 0; j < 16; ++j) lane[l][j] = lane[l][j] + lane[l + half][j];
+    }
+  }
+#pragma omp simd
+  for (int64_t j = 0; j < 16; ++j) out[j] = lane[0][j] * scale;
+}
+
+// A block's share of a pair's output: per element, the fmaf chain over the block's first ``n`` positions in order, from
+// 0 (``v`` the first position's V row for the pair's KV head, rows ``stride`` apart). The sweep's shares are the
+// same chains. Sizes of D known here keep the chain in registers.
+template <int64_t DD>
+inline void share_fixed(const float* wt, const float* v, int64_t n, int64_t stride, float* part) {
+  float a[DD] = {};
+  for (int64_t p = 0; p < n; ++p) {
+    const float x = wt[p];
+    const float* vr = v + p * stride;
+#pragma omp simd
+    for (int64_t d = 0; d < DD; ++d) a[d] = std::fmaf(x, vr[d], a[d]);
+  }
+#pragma omp simd
+  for (int64_t d = 0; d < DD; ++d) part[d] = a[d];
+}
+
+inline void block_share(const float* wt, const float* v, int64_t n, int64_t stride, int64_t D, float* part) {
+  if (D == 64) return share_fixed<64>(wt, v, n, stride, part);
+  if (D == 128) return share_fixed<128>(wt, v, n, stride, part);
+  std::fill(part, part + D, 0.0f);
+  for (int64_t p = 0; p < n; ++p) {
+#pragma omp simd
+    for (int64_t d = 0; d < D; ++d) part[d] = std::fmaf(wt[p], v[p * stride + d], part[d]);
+  }
 }
 
 inline const float* row_at(const float* cache, const int32_t* table, int64_t p, int64_t g, const Shape& s) {
@@ -123,8 +173,29 @@ void item(const float* q, const float* k_cache, const float* v_cache, const int3
   w.acc.assign(pairs * D, 0.0f);
   w.inv.resize(pairs);
   // Scores: each position's K row (this KV head's) read once, for every token of the tile that sees it and every
-  // query head of the group.
-  for (int64_t p = 0; p < P; ++p) {
+  // query head of the group. 16 positions at a time through ``dot16`` (a pair also gets the scores of the chunk's
+  // positions past its own token: ``softmax`` overwrites those), the rest one by one through ``dot``.
+  int64_t p = 0;
+  if (D % 16 == 0) {
+    const int64_t g0 = h0 / G, ng = nh / G;
+    w.kt.resize(ng * D * 16);
+    for (; p + 16 <= P; p += 16) {
+      for (int64_t j = 0; j < 16; ++j) {
+        const float* k = row_at(k_cache, table, p + j, 0, s);
+        for (int64_t gi = 0; gi < ng; ++gi) {
+          const float* kg = k + (g0 + gi) * D;
+          float* t = w.kt.data() + gi * D * 16 + j;
+          for (int64_t d = 0; d < D; ++d) t[d * 16] = kg[d];
+        }
+      }
+      for (int64_t r = (p > first + i0 ? p - first - i0 : 0) * nh; r < pairs; ++r) {
+        const int64_t h = h0 + r % nh;
+        const float* qr = q + ((i0 + r / nh) * s.H + h) * D;
+        dot16(qr, w.kt.data() + (h / G - g0) * D * 16, D, s.scale, w.scores.data() + r * span + p);
+      }
+    }
+  }
+  for (; p < P; ++p) {
     const float* k = row_at(k_cache, table, p, 0, s);  // every KV head's, contiguous
     for (int64_t r = (p > first + i0 ? p - first - i0 : 0) * nh; r < pairs; ++r) {
       const int64_t h = h0 + r % nh;
@@ -135,22 +206,18 @@ void item(const float* q, const float* k_cache, const float* v_cache, const int3
   for (int64_t r = 0; r < pairs; ++r) w.inv[r] = softmax(w.scores.data() + r * span, first + i0 + r / nh + 1, span);
   // Weighted sum of V, block by block: each block's own fmaf chain over its positions (``block_sum``), added to the
   // pair's sum in block order.
-  w.part.resize(pairs * D);
+  // Pair after pair, so that a pair's sums stay in registers over the block (the block's V rows stay in L1).
+  w.part.resize(D);
   for (int64_t b0 = 0; b0 < P; b0 += s.BS) {
     const int64_t r0 = (b0 > first + i0 ? b0 - first - i0 : 0) * nh;  // the pairs whose token sees the block
-    std::fill(w.part.begin() + r0 * D, w.part.end(), 0.0f);
+    const int64_t pe = std::min(P, b0 + s.BS);
     const float* vb = v_cache + int64_t(table[b0 / s.BS]) * s.BS * s.KVH * D;
-    for (int64_t p = b0; p < std::min(P, b0 + s.BS); ++p) {
-      const float* v = vb + (p - b0) * s.KVH * D;
-      for (int64_t r = (p > first + i0 ? p - first - i0 : 0) * nh; r < pairs; ++r) {
-        const float wt = w.scores[r * span + p];
-        const float* vh = v + ((h0 + r % nh) / G) * D;
-        float* a = w.part.data() + r * D;
-#pragma omp simd
-        for (int64_t d = 0; d < D; ++d) a[d] = std::fmaf(wt, vh[d], a[d]);
-      }
+    for (int64_t r = r0; r < pairs; ++r) {
+      const int64_t seen = std::min(pe, first + i0 + r / nh + 1);  // past the block's positions this token sees
+      const float* vh = vb + ((h0 + r % nh) / G) * D;
+      block_share(w.scores.data() + r * span + b0, vh, seen - b0, s.KVH * D, D, w.part.data());
+      add(w.acc.data() + r * D, w.part.data(), D);
     }
-    for (int64_t r = r0; r < pairs; ++r) add(w.acc.data() + r * D, w.part.data() + r * D, D);
   }
   for (int64_t r = 0; r < pairs; ++r) {
     float* o = out + ((i0 + r / nh) * s.H + h0 + r % nh) * D;
