@@ -32,7 +32,7 @@
 namespace {
 
 constexpr int64_t KT = 16;  // lanes of the softmax's sum
-constexpr int64_t QT = 16;   // query tokens per work item
+constexpr int64_t QT = 16;  // query tokens per work item
 constexpr int64_t SWEEP = 16;  // rows of up to this many new tokens go through ``sweep``
 
 // exp(x) for x <= 0 (scores minus their max), vectorisable: x = n ln2 + r (Cody-Waite), exp(r) by Cephes' expf
@@ -204,9 +204,9 @@ void item(const float* q, const float* k_cache, const float* v_cache, const int3
     }
   }
   for (int64_t r = 0; r < pairs; ++r) w.inv[r] = softmax(w.scores.data() + r * span, first + i0 + r / nh + 1, span);
-  // Weighted sum of V, block by block: each block's own fmaf chain over its positions (``block_sum``), added to the
-  // pair's sum in block order.
-  // Pair after pair, so that a pair's sums stay in registers over the block (the block's V rows stay in L1).
+  // Weighted sum of V, block by block: each block's own fmaf chain over its positions (``block_share``), added to the
+  // pair's sum in block order; pair after pair, so that a pair's sums stay in registers over the block (the block's V
+  // rows stay in L1).
   w.part.resize(D);
   for (int64_t b0 = 0; b0 < P; b0 += s.BS) {
     const int64_t r0 = (b0 > first + i0 ? b0 - first - i0 : 0) * nh;  // the pairs whose token sees the block
