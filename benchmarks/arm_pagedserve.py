@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -112,9 +111,7 @@ def stack_config(cfg: ServeConfig, step_log: Path) -> stack.StackConfig:
 
 
 def read_steps(path: Path | None, since: float) -> list[dict[str, float]]:
-    if path is None or not path.exists():
-        return []
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows = [] if path is None else stack.read_log(path)
     return [r for r in rows if r["t"] >= since]
 
 

@@ -57,7 +57,7 @@ import redis.asyncio as aioredis
 
 from benchmarks.config import kv_bytes_per_token
 from benchmarks.metrics import percentiles
-from benchmarks.stack import StackConfig
+from benchmarks.stack import StackConfig, read_log
 from benchmarks.stack import start as start_stack
 from benchmarks.workload import Vocab
 from pagedserve.dev.procs import RedisServer, Service, free_port, start_all, stop_all
@@ -582,7 +582,7 @@ async def _roles(url: str, ns: str) -> dict[str, str]:
 def step_summary(path: Path, lo: float, hi: float, roles: dict[str, str]) -> dict[str, dict[str, float]]:
     """Per executor (by role, then id), from the scheduler's step log over the window: steps, the mean running
     requests and tokens a step, and the mean and p99 of the executor's own step time."""
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    rows = read_log(path)
     out: dict[str, dict[str, float]] = {}
     for e in sorted({r["executor"] for r in rows}):
         mine = [r for r in rows if r["executor"] == e and lo <= r["t"] <= hi]

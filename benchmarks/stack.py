@@ -9,6 +9,7 @@ A stack that is not running a request is idle (its loop blocks on the doorbell),
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -57,6 +58,15 @@ class Stack:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def read_log(path: Path) -> list[dict]:
+    """A JSON-lines log's rows, read while its writer may still be appending (a live deployment's step log): a last
+    line without its newline is one being written, and is left out."""
+    if not path.exists():
+        return []
+    *lines, _partial = path.read_text().split("\n")
+    return [json.loads(line) for line in lines if line.strip()]
 
 
 def start(model_dir: Path, cfg: StackConfig, log_dir: Path) -> Stack:
