@@ -34,7 +34,7 @@ import grpc
 import jsonschema
 import torch
 
-from benchmarks.stack import Stack
+from benchmarks.stack import Stack, read_log
 from pagedserve.rpc import CHANNEL_OPTIONS
 from pagedserve.v1 import generation_pb2 as pb
 from pagedserve.v1 import generation_pb2_grpc as pb_grpc
@@ -206,7 +206,7 @@ def run(model_dir: Path, deployment: Stack, cfg: StructuredConfig) -> Structured
     fill, fill99, apply, compile_ms = mask_times(model_dir, spec, outputs[: cfg.requests], cfg.requests)
     ptps = sum(r["plain_tokens"] for r in rounds) / sum(r["plain_s"] for r in rounds)
     jtps = sum(r["json_tokens"] for r in rounds) / sum(r["json_s"] for r in rounds)
-    steps = [json.loads(line) for line in step_log.read_text().splitlines() if line.strip()]
+    steps = read_log(step_log)  # the deployment is live: its loop may be appending a line
     pstep = statistics.median(step_interval_ms(steps, p, cfg.requests) for p, _ in windows)
     jstep = statistics.median(step_interval_ms(steps, j, cfg.requests) for _, j in windows)
     result = StructuredResult(
