@@ -23,12 +23,13 @@ without it from a ``torch.Generator`` seeded with ``(seed, num_generated)``.
 from __future__ import annotations
 
 from array import array
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from executor_svc import token_masks
+from paged_kernels.cpu_race import Draw
 
 PROBE = 1024  # tokens a top-p-only cut is first looked for in
 PROBE_MARGIN = 1e-4
@@ -263,19 +264,16 @@ def process(
     return out
 
 
-Race = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (scaled logits [R, V], keys [R]) -> tokens [R]
-
-
 def sample(
     logits: torch.Tensor,
     params: Sequence[Sampling],
     num_generated: Sequence[int],
     histories: Sequence[Sequence[int] | None] | None = None,
-    race: Race | None = None,
+    race: Draw | None = None,
 ) -> list[int]:
     """One token per row of ``logits`` ``[S, vocab]``. ``histories``: each row's tokens so
     far (prompt + outputs), needed by rows with penalties. ``race``: the CPU backend's compiled draw for
-    rows that keep the whole vocabulary (``paged_kernels.cpu_race.Race``); without it, torch's."""
+    rows that keep the whole vocabulary (a ``paged_kernels.cpu_race.Draw``: ``Race``); without it, torch's."""
     raw = logits.float()
     logits = process(raw, params, num_generated, histories)
     if logits is not raw:
@@ -352,7 +350,7 @@ def _draw_whole(
     rows: list[int],
     params: Sequence[Sampling],
     num_generated: Sequence[int],
-    race: Race | None = None,
+    race: Draw | None = None,
 ) -> torch.Tensor:
     """Rows that keep the whole vocabulary. With the CPU backend's ``race``: its compiled Gumbel-max over
     counter-based noise of (key, token id), one pass over each row (32 rows of 49,152 tokens: ~1.7 against ~32 ms).

@@ -22,7 +22,8 @@ from collections.abc import Sequence
 
 import torch
 
-from executor_svc.sampler import Race, Sampling, sample
+from executor_svc.sampler import Sampling, sample
+from paged_kernels.cpu_race import Draw
 
 
 def accept(sampled: Sequence[int], drafts: Sequence[int]) -> list[int]:
@@ -64,7 +65,7 @@ def sample_rows(
     num_generated: Sequence[int],
     histories: Sequence[Sequence[int] | None] | None,
     drafts: Sequence[Sequence[int]],
-    race: Race | None = None,
+    race: Draw | None = None,
 ) -> list[list[int]]:
     """Each row's sampled tokens at its ``1 + len(drafts[i])`` positions (``logits``: those positions'
     rows, grammar masks applied), in one batched ``sample`` (``race``: as ``sample``'s)."""

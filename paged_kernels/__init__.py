@@ -32,7 +32,7 @@ class Backend:
     # q and k rotated, k and v cached, in one call (the lean forward's): -> rotated q
     rope_and_cache: Callable[..., torch.Tensor]
     # whole-vocabulary sampled rows in one compiled pass (scaled logits, keys) -> tokens; None: the sampler's torch draw
-    race: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+    race: cpu_race.Draw | None = None
 
     @classmethod
     def of(
@@ -42,7 +42,7 @@ class Backend:
         reshape_and_cache: Callable[..., None],
         copy_blocks: Callable[..., None],
         rope_and_cache: Callable[..., torch.Tensor] | None = None,
-        race: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+        race: cpu_race.Draw | None = None,
     ) -> Backend:
         """A backend; without a fused ``rope_and_cache`` of its own, the reference rotary, then its own writes."""
         fused = rope_and_cache or reference.rope_then(reshape_and_cache)

@@ -39,7 +39,7 @@ from paged_kernels import reference
 from paged_kernels.reference import PagedMetadata
 
 # One library: the attention kernels, and the sampler's draw (``cpu_race.py``).
-SOURCES = (Path(__file__).with_name("cpu") / "attention.cpp", Path(__file__).with_name("cpu") / "race.cpp")
+SOURCES = tuple(Path(__file__).with_name("cpu") / name for name in ("attention.cpp", "race.cpp"))
 # -ffp-contract=off: a multiply-add is fused only where the source says fmaf, so a loop's vectorised body and its scalar
 # tail compute the same bits; -fno-trapping-math lets the exp loop vectorise (its clamp may be computed
 # unconditionally); no reassociation (no -ffast-math), so the results are what the source says.
