@@ -197,6 +197,17 @@ def lora_preference(c: Candidate, view: PoolView, running: Collection[str] | Non
     return LORA_LOADED if c.adapter in view.loaded else LORA_FREE_SLOT
 
 
+PEEK_DEPTH = 64  # queued requests placement looks at per step, at most
+
+
+def peek_depth(seats: int, pools: int) -> int:
+    """How much of the queue's head a look reads. Placement takes candidates in order until one fits
+    nowhere now, and each one it places takes a seat somewhere: with ``seats`` free here and about as
+    many on each of ``pools`` serving pools, it never reads further (a deeper read is parsed for
+    nothing: with a full pool, every step looked at 64 requests to place none)."""
+    return max(1, min(PEEK_DEPTH, seats * max(1, pools) + 1))
+
+
 def pick(
     candidates: list[Candidate],
     me: str,

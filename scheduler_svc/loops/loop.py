@@ -50,7 +50,6 @@ log = logging.getLogger(__name__)
 
 IDLE_BLOCK_MS = 200
 RETRY_S = 1.0
-PEEK_DEPTH = 64  # queued requests placement looks at per step
 
 
 class ExecutorLost(RuntimeError):
@@ -116,6 +115,7 @@ class Loop:
         self._in_flight: list[str] = []  # requests of the plan whose result failed
         self._published: placement.PoolView | None = None
         self._step_id = 0
+        self._pools = 1  # serving pools as this loop's last look saw them (how deep the next looks)
         self.idle_block_ms: int | None = IDLE_BLOCK_MS  # how long an idle step waits for the doorbell
         self.metrics = metrics
         self.model = info.model
@@ -260,13 +260,17 @@ class Loop:
                 self.metrics.loras(self.model, self.executor, view.max_loras, running, waiting)
         return view
 
-    async def _claim(self, sched: Scheduler, timer: steplog.Timer) -> tuple[list, bool, dict[str, placement.Candidate]]:
+    async def _claim(
+        self, sched: Scheduler, timer: steplog.Timer, queued: int
+    ) -> tuple[list, bool, dict[str, placement.Candidate]]:
         """Claim what placement gives this executor; also whether some were lost to other loops, and the
-        claimed requests' candidates (their prefix hits on each executor)."""
+        claimed requests' candidates (their prefix hits on each executor). ``queued``: the queue's length
+        as this turn read it (none: nothing to look at; one queued since is seen next turn)."""
         seats, tokens = sched.room()
-        if seats <= 0 or tokens <= 0:
+        if seats <= 0 or tokens <= 0 or queued <= 0:
             return [], False, {}
-        candidates, views = await timer.redis_call(self.store.look(PEEK_DEPTH))
+        candidates, views = await timer.redis_call(self.store.look(placement.peek_depth(seats, self._pools)))
+        self._pools = sum(v.serving for v in views.values())
         if not candidates:
             return [], False, {}
         views[self.executor] = self._pool_view(sched, True)
@@ -331,7 +335,7 @@ class Loop:
         if not member.serving:
             hold = self._drain(sched, member, views or {})
         else:
-            claimed, s.retry, candidates = await self._claim(sched, timer)
+            claimed, s.retry, candidates = await self._claim(sched, timer, queued)
             hold = self.mover.serve(sched, member, views, bool(s.pipe))
         intake(sched, claimed, [(rid, r) for rid, r in cancels if rid in sched.requests])
         self.mover.ask(sched, [r for r, cancel in claimed if cancel is None], candidates)

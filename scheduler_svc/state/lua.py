@@ -215,10 +215,16 @@ return missing
 # The head of the queue with what placement needs of each request, and how many of each
 # request's leading prompt blocks (field 'bh', its block hashes) each executor caches:
 # "executor=blocks,..." (nonzero ones; codec.hits_from). The walk stops at an executor's
-# first miss, so it costs about the hits it finds.
+# first miss, so it costs about the hits it finds. Returns {rows, every pool's published view
+# (HGETALL usage)}: one script call, where a pipeline of the script and HGETALL cost redis-py a
+# SCRIPT EXISTS round trip each time.
 PEEK = """
 local p = ARGV[1]
-local execs = redis.call('HKEYS', ${usage})
+local usage = redis.call('HGETALL', ${usage})
+local execs = {}
+for i = 1, #usage, 2 do
+  execs[#execs + 1] = usage[i]
+end
 local out = {}
 for i, qk in ipairs(redis.call('ZRANGE', ${queue}, 0, tonumber(ARGV[2]) - 1)) do
   local rid = ${queue_request_id(qk)}
@@ -241,7 +247,7 @@ for i, qk in ipairs(redis.call('ZRANGE', ${queue}, 0, tonumber(ARGV[2]) - 1)) do
   out[i] = {qk, f[1] or '0', f[2] or '0', f[3] or '0', redis.call('LLEN', ${out(rid)}),
             table.concat(hits, ','), f[5] or '', f[6] or ''}
 end
-return out
+return {out, usage}
 """
 
 # A loop takes queued requests for its executor: each lands on exactly one

@@ -330,11 +330,9 @@ class RedisStore:
 
     async def look(self, depth: int) -> tuple[list[Candidate], dict[str, PoolView]]:
         """The queue's head and every pool's published view, in one round trip."""
-        pipe = self.r.pipeline(transaction=False)
-        await self._peek(keys=[self.keys.queue], args=[self.keys.prefix, depth], client=pipe)  # queues it
-        pipe.hgetall(self.keys.usage)
-        rows, usage = await pipe.execute()
-        return [codec.candidate_from(r) for r in rows], {e: codec.view_from(e, v) for e, v in usage.items()}
+        rows, usage = await self._peek(keys=[self.keys.queue, self.keys.usage], args=[self.keys.prefix, depth])
+        views = {e: codec.view_from(e, v) for e, v in zip(usage[::2], usage[1::2])}
+        return [codec.candidate_from(r) for r in rows], views
 
     async def claim(self, executor: str, epoch: int, seq: int, queue_keys: list[str]) -> list[codec.Claimed]:
         """Take these queued requests for ``executor`` (a write: ``seq`` + 1); returns those it got."""

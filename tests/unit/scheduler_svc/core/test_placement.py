@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from scheduler_svc.core.placement import Candidate, PoolView, pick, preemption_target
+from scheduler_svc.core.placement import Candidate, PoolView, peek_depth, pick, preemption_target
 
 BS = 16
 
@@ -132,3 +132,17 @@ def test_a_cached_prefix_costs_no_blocks_and_no_budget() -> None:
     assert len(got) == 6, "each needs 2 new blocks and 16 tokens of budget"
     cold = [cand(i, tokens=528) for i in range(6)]
     assert len(pick(cold, "a", views, policy="fcfs", seats=256, budget=1024)) == 1
+
+
+def test_a_look_as_deep_as_peek_depth_claims_what_the_whole_queue_would() -> None:
+    """The loop reads ``peek_depth(seats, pools)`` of the queue, not all of it: with every pool offering the
+    same seats, what each loop claims from that head is what it claims from the whole queue."""
+    queue = [cand(i, tokens=16 + 16 * (i % 3)) for i in range(40)]
+    for seats, free in ((1, 64), (3, 64), (5, 6), (8, 64)):
+        views = {e: pool(e, free=free, max_num_seqs=seats) for e in ("a", "b", "c")}
+        depth = peek_depth(seats, len(views))
+        assert depth < len(queue)
+        for e in views:
+            whole = pick(queue, e, views, policy="fcfs", seats=seats, budget=2048)
+            head = pick(queue[:depth], e, views, policy="fcfs", seats=seats, budget=2048)
+            assert [c.request_id for c in head] == [c.request_id for c in whole], (seats, free, e)
