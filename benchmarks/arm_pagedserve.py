@@ -23,7 +23,7 @@ class ServeConfig:
     block_size: int = 16
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
-    preemption_mode: str = "recompute"
+    preemption_mode: str = "auto"
     swap_space_gib: float = 0.25
     max_model_len: int = 2048
     prefix_caching: bool = True  # the scheduler's --enable-prefix-caching

@@ -250,8 +250,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument(
         "--preemption-mode",
-        choices=("swap", "recompute"),
-        default="recompute",
+        choices=("auto", "swap", "recompute"),
+        default="auto",
         help="pagedserve's preemption mode (the scheduler's --preemption-mode)",
     )
     args = p.parse_args(argv)

@@ -130,6 +130,7 @@ def result_to_pb(out: StepOutput) -> pb.StepResult:
         swapped_in=out.swapped_in,
         forward_ms=out.forward_ms,
         step_ms=out.step_ms,
+        copy_ms=out.swap_in_ms + out.swap_out_ms,
     )
 
 

@@ -199,7 +199,14 @@ def _scheduling_arguments(p: argparse.ArgumentParser) -> None:
         help="requests a prefill executor may hold before long prompts run mixed again",
     )
     p.add_argument("--policy", choices=POLICIES, default="fcfs", help="the same on every replica of a namespace")
-    p.add_argument("--preemption-mode", choices=PREEMPTION_MODES, default="recompute")
+    p.add_argument(
+        "--preemption-mode",
+        choices=PREEMPTION_MODES,
+        default="auto",
+        help="what a preempted request's KV becomes: auto (swapped to the executor's CPU tier when it has room "
+        "and copying out and back costs less than recomputing, both measured online), swap (to the CPU tier, "
+        "then the disk tier, whenever they have room) or recompute (freed; computed again on resume)",
+    )
     p.add_argument(
         "--enable-prefix-caching",
         action=argparse.BooleanOptionalAction,

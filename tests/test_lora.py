@@ -83,6 +83,8 @@ def cluster(
         executor_args=[*lora, "--max-cpu-loras", "4"],
         scheduler_args=[
             *lora,
+            "--preemption-mode",
+            "recompute",  # preempted requests come back through the prefix cache (what this module checks)
             "--lora-modules",
             f"a={adapters['a']}",
             f"b={adapters['b']}",

@@ -51,7 +51,12 @@ def smol(smol_dir: Path, redis_url: str, tmp_path_factory: pytest.TempPathFactor
         root / "logs",
         blocks=SMOL_BLOCKS,
         executor_args=lora,
-        scheduler_args=[*lora, "--lora-modules", *(f"{n}={p}" for n, p in paths.items()), "--step-log", str(steps)],
+        scheduler_args=[
+            *lora,
+            *("--preemption-mode", "recompute"),  # preempted requests come back through the prefix cache
+            *("--lora-modules", *(f"{n}={p}" for n, p in paths.items())),
+            *("--step-log", str(steps)),
+        ],
     ) as cluster:
         yield Smol(cluster, steps, paths)
 

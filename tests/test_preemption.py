@@ -40,6 +40,8 @@ def counters(url: str, ns: str) -> dict[str, int]:
 
 # Each mode: the scheduler's flags and the CPU swap tier in blocks (None: the executor's default).
 MODES = {
+    # The default: the first preemption swaps (a copy's cost is unmeasured, so free), later ones as measured.
+    "auto": ([], 64),
     "swap": (["--preemption-mode", "swap"], 64),
     "recompute": (["--preemption-mode", "recompute"], None),
     # Two CPU blocks only: swaps fill the CPU tier, then spill to the disk tier.

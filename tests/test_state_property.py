@@ -204,7 +204,7 @@ class ClusterState(RuleBasedStateMachine):
 
     @initialize(
         policy=st.sampled_from(["fcfs", "priority"]),
-        mode=st.sampled_from(["swap", "recompute"]),
+        mode=st.sampled_from(["auto", "swap", "recompute"]),
         budget=st.integers(4, 24),
         pipelined=st.booleans(),
         spec=st.sampled_from([None, "ngram", "suffix"]),

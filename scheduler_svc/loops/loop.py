@@ -412,7 +412,9 @@ class Loop:
         timer.executor = timer.since(t) - timer.decode
         s.pipe.flights.popleft()
         s.sched.update(flight.out, *outputs(result), pulled=pulls_of(result))
-        s.sched.moves.costs.stepped(flight.out.num_tokens, result.forward_ms)
+        costs = s.sched.moves.costs
+        costs.stepped(flight.out.num_tokens, result.forward_ms)
+        costs.copied(len(flight.out.swap_in) + len(flight.out.swap_out) + len(flight.out.copies), result.copy_ms)
         s.sched.observe_step(flight.out, result.step_ms, result.idle_ms)
         self.placements.stepped(flight.out)
         if self.metrics is not None:

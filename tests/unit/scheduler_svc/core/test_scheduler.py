@@ -114,6 +114,51 @@ def test_swap_moves_blocks_out_and_back_and_spills_to_disk() -> None:
     assert [s.blocks.num_free(t) for t in (DEVICE, CPU, DISK)] == [6, 1, 8]
 
 
+def preempt_once(s: Scheduler) -> tuple[int, int]:
+    """Run two requests that outgrow six blocks until the first preemption; its (swaps, recomputes)."""
+    s.add(req("a", 8, max_tokens=12, arrival=0))
+    s.add(req("b", 8, max_tokens=12, arrival=1))
+    while s.counters.preemptions_swap + s.counters.preemptions_recompute == 0:
+        run_step(s)
+    return s.counters.preemptions_swap, s.counters.preemptions_recompute
+
+
+def test_auto_swaps_when_copies_cost_less_than_recomputing() -> None:
+    s = make(blocks=6, cpu=8, preemption_mode="auto")
+    s.moves.costs.stepped(8, 8.0)  # 1 ms a token computed
+    s.moves.costs.copied(4, 0.4)  # 0.1 ms a block copied
+    assert preempt_once(s) == (1, 0)
+
+
+def test_auto_recomputes_when_copies_cost_more() -> None:
+    s = make(blocks=6, cpu=8, preemption_mode="auto")
+    s.moves.costs.stepped(8, 0.8)  # 0.1 ms a token: 1.2 ms for the victim's 12 tokens
+    s.moves.costs.copied(1, 1.0)  # 1 ms a block: 2 x 3 blocks out and back
+    assert preempt_once(s) == (0, 1)
+
+
+def test_auto_swaps_before_anything_is_measured_then_learns() -> None:
+    """Unmeasured, a swap counts as free (tried, then measured), as a pull does."""
+    assert preempt_once(make(blocks=6, cpu=8, preemption_mode="auto")) == (1, 0)
+
+
+def test_auto_recomputes_when_the_cpu_tier_lacks_room_and_never_spills_to_disk() -> None:
+    s = make(blocks=6, cpu=1, disk=8, preemption_mode="auto")
+    assert preempt_once(s) == (0, 1)
+    while s.has_work:
+        out = run_step(s)
+        assert not any(m.dst_tier == DISK for m in out.swap_out)
+
+
+def test_copy_costs_are_learnt_per_block() -> None:
+    s = make(blocks=6, cpu=8, preemption_mode="auto")
+    s.moves.costs.copied(0, 5.0)  # a step without copies teaches nothing
+    assert s.moves.costs.copy_ms_per_block.value is None
+    s.moves.costs.copied(4, 2.0)
+    assert s.moves.costs.copy_ms_per_block.value == 0.5
+    assert s.moves.costs.as_dict()["copy_ms_per_block"] == 0.5
+
+
 def test_swapped_source_blocks_are_not_reused_in_the_same_step() -> None:
     s = make(blocks=6, cpu=8, preemption_mode="swap")
     s.add(req("a", 8, max_tokens=12, arrival=0))
