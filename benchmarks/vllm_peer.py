@@ -140,7 +140,13 @@ def run(cfg: PeerConfig, short: Workload, long: Workload, log_dir: Path) -> Peer
         (*base.scheduler_args, "--http-port", str(http_port)),
         step_log=base.step_log,
     )
-    res.pagedserve = {"block_size": sc.block_size, "kv_cache_memory_bytes": sc.kv_cache_bytes, "cores": "unbound"}
+    res.pagedserve = {
+        "block_size": sc.block_size,
+        "kv_cache_memory_bytes": sc.kv_cache_bytes,
+        "cores": "unbound",
+        "preemption_mode": scfg.preemption_mode,
+        "swap_space_gib": scfg.swap_space_gib,  # its CPU tier, where ``auto`` preemption copies victims' KV
+    }
     with stack.start(cfg.model_dir, sc, log_dir / "pagedserve") as deployment:
         url = f"http://127.0.0.1:{http_port}"
         model = _model_id(url)
@@ -204,7 +210,9 @@ def section(summary: dict) -> list[str]:
         f"`VLLM_CPU_OMP_THREADS_BIND={cfg['VLLM_CPU_OMP_THREADS_BIND']}` (its model runner on those cores), "
         f"{'eager' if cfg['enforce_eager'] else 'compiled'}, started in {cfg.get('startup_s')} s. pagedserve: block "
         f"size {ours['block_size']} (vLLM's), the same budget ({ours['kv_cache_memory_bytes']:,} bytes), every process "
-        "(Redis, scheduler, loop, HTTP door, executor) unbound on the same cores. Ratios are pagedserve / vLLM.",
+        "(Redis, scheduler, loop, HTTP door, executor) unbound on the same cores; preemption "
+        f"`{ours.get('preemption_mode', 'recompute')}` with a {ours.get('swap_space_gib', 0)} GiB CPU tier for swapped "
+        "KV (vLLM v1 has none: its victims recompute). Ratios are pagedserve / vLLM.",
         "",
         "| workload | server (door) | output tok/s | TTFT p50 ms | ITL p50 ms | TPOT p50 ms |",
         "|---|---|---|---|---|---|",

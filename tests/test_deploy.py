@@ -173,7 +173,7 @@ FILE_FLAGS = ("--tls-cert", "--tls-key", "--tls-ca", "--api-key-file", "--intern
 DEFAULT_NAMESPACE = "pagedserve"
 CHOICES = {
     "--policy": {"fcfs", "priority"},
-    "--preemption-mode": {"swap", "recompute"},
+    "--preemption-mode": {"auto", "swap", "recompute"},
     "--attention-backend": {"auto", "triton", "torch"},
     "--role": {"mixed", "prefill", "decode"},
 }
