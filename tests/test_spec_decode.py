@@ -49,7 +49,9 @@ SUFFIX = {"method": "suffix", "num_speculative_tokens": 4, "suffix_decoding_max_
 # preemptions in two runs beside two busy processes). With 20 blocks, a clean-clone run whose requests finished as
 # fast as the others grew preempted none.
 BLOCKS = 12
-SCHED = ["--max-num-batched-tokens", "96"]  # the pipelined loop (the default)
+# The pipelined loop (the default); preempted requests recompute unless a test asks for swap (the default, auto,
+# swaps first and recomputes as the costs say: a test of drafts under recompute must not depend on that).
+SCHED = ["--max-num-batched-tokens", "96", "--preemption-mode", "recompute"]
 
 
 class Stack:
@@ -218,7 +220,7 @@ def test_the_sampled_distribution_matches_the_model(stack: Stack, tiny_llama: Pa
 
 
 def test_greedy_with_suffix_drafts_matches_transformers(stack: Stack, tiny_llama: Path) -> None:
-    stack.use(SUFFIX, "--preemption-mode", "recompute")  # drafts resumed by recompute (the default swaps first)
+    stack.use(SUFFIX)
     delta = check_greedy(stack, tiny_llama, 2)
     assert delta.get("spec_accepted_tokens", 0) > 0, sorted(delta.items())
     assert delta.get("preemptions_recompute", 0) > 0
