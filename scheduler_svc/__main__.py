@@ -151,6 +151,46 @@ def _scheduling_arguments(p: argparse.ArgumentParser) -> None:
         help="plan each step while the executor runs the previous one (a Steps stream); "
         "--no-async-scheduling: the serial loop, one unary Step at a time",
     )
+    _moves_arguments(p)
+    p.add_argument("--policy", choices=POLICIES, default="fcfs", help="the same on every replica of a namespace")
+    p.add_argument(
+        "--preemption-mode",
+        choices=PREEMPTION_MODES,
+        default="auto",
+        help="what a preempted request's KV becomes: auto (swapped to the executor's CPU tier when it has room "
+        "and copying out and back costs less than recomputing, both measured online), swap (to the CPU tier, "
+        "then the disk tier, whenever they have room) or recompute (freed; computed again on resume)",
+    )
+    p.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="reuse the KV of cached prompt prefixes across requests (hash-chained, reference-counted "
+        "blocks; evicted LRU when their memory is needed); --no-enable-prefix-caching turns it off",
+    )
+    p.add_argument("--max-num-seqs", type=int, default=256, help="running sequences per executor at most")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens per executor step at most")
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        default=0,
+        help="context limit (default: each executor's); what a request may take is also capped by the largest "
+        "executor pool (/v1/models' max_model_len)",
+    )
+    p.add_argument("--watermark", type=float, default=0.01, help="fraction of KV blocks kept free when admitting")
+    _lora_arguments(p)
+    p.add_argument(
+        "--speculative-config",
+        default="",
+        metavar="JSON",
+        help='speculative decoding, vLLM\'s JSON: {"method": "ngram" | "suffix", "num_speculative_tokens": k, '
+        '"prompt_lookup_min": ..., "prompt_lookup_max": ...} (docs/architecture.md, "Speculative decoding"); '
+        "default: off",
+    )
+
+
+def _moves_arguments(p: argparse.ArgumentParser) -> None:
+    """KV that moves between executors: drains, peer prefix hits, rebalancing, prefill and decode roles."""
     p.add_argument(
         "--migration",
         choices=("kv", "recompute", "off"),
@@ -197,41 +237,6 @@ def _scheduling_arguments(p: argparse.ArgumentParser) -> None:
         type=int,
         default=4,
         help="requests a prefill executor may hold before long prompts run mixed again",
-    )
-    p.add_argument("--policy", choices=POLICIES, default="fcfs", help="the same on every replica of a namespace")
-    p.add_argument(
-        "--preemption-mode",
-        choices=PREEMPTION_MODES,
-        default="auto",
-        help="what a preempted request's KV becomes: auto (swapped to the executor's CPU tier when it has room "
-        "and copying out and back costs less than recomputing, both measured online), swap (to the CPU tier, "
-        "then the disk tier, whenever they have room) or recompute (freed; computed again on resume)",
-    )
-    p.add_argument(
-        "--enable-prefix-caching",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="reuse the KV of cached prompt prefixes across requests (hash-chained, reference-counted "
-        "blocks; evicted LRU when their memory is needed); --no-enable-prefix-caching turns it off",
-    )
-    p.add_argument("--max-num-seqs", type=int, default=256, help="running sequences per executor at most")
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens per executor step at most")
-    p.add_argument(
-        "--max-model-len",
-        type=int,
-        default=0,
-        help="context limit (default: each executor's); what a request may take is also capped by the largest "
-        "executor pool (/v1/models' max_model_len)",
-    )
-    p.add_argument("--watermark", type=float, default=0.01, help="fraction of KV blocks kept free when admitting")
-    _lora_arguments(p)
-    p.add_argument(
-        "--speculative-config",
-        default="",
-        metavar="JSON",
-        help='speculative decoding, vLLM\'s JSON: {"method": "ngram" | "suffix", "num_speculative_tokens": k, '
-        '"prompt_lookup_min": ..., "prompt_lookup_max": ...} (docs/architecture.md, "Speculative decoding"); '
-        "default: off",
     )
 
 

@@ -1,5 +1,5 @@
-"""Continuous batching under a token budget, with preemption by swap or recompute (``auto``: whichever the
-executor's measured costs say is cheaper, ``_swaps``).
+"""Continuous batching under a token budget, with preemption by swap or recompute (which one:
+``core/preemption.py``).
 
 One ``schedule()`` call decides a step; ``update()`` applies what the executor
 returned. Like vLLM v1 there are no prefill/decode phases: every request gets
@@ -41,9 +41,8 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-from scheduler_svc.core import group, lora
+from scheduler_svc.core import group, lora, preemption
 from scheduler_svc.core.blocks import (
-    CPU,
     DEVICE,
     DISK,
     TIERS,
@@ -64,7 +63,7 @@ from scheduler_svc.core.request import Finish, Request, Status
 from scheduler_svc.core.spec import SpecConfig, Speculator
 from scheduler_svc.core.transfers import ASK_TIMEOUT_MS, Source, Transfers  # noqa: F401 (re-exported)
 
-PREEMPTION_MODES = ("auto", "swap", "recompute")
+PREEMPTION_MODES = preemption.MODES
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,7 +73,7 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     policy: str = "fcfs"
-    preemption_mode: str = "auto"  # --preemption-mode (``Scheduler._swaps``)
+    preemption_mode: str = "auto"  # --preemption-mode (core/preemption.py)
     watermark: float = 0.01  # fraction of device blocks kept free when admitting
     enable_prefix_caching: bool = True  # --enable-prefix-caching (the BlockManager's ``caching``)
     max_loras: int = 0  # --max-loras: distinct LoRA adapters running at once (core/lora.py); 0: no limit
@@ -265,7 +264,8 @@ class Scheduler:
         victim.num_preemptions += 1
         victim.source = None
         victim.pulling = False  # a pull in flight for it no longer counts (``Transfers.pulled``)
-        if not recompute and victim.num_computed > 0 and self._swaps(victim):
+        mode = self.config.preemption_mode
+        if not recompute and victim.num_computed > 0 and preemption.swaps(mode, victim, self.blocks, self.moves.costs):
             moves = self.blocks.swap_out(victim)
             out.swap_out.extend(moves)
             self.count("preemptions_swap")
@@ -281,19 +281,6 @@ class Scheduler:
             self.waiting.prepend(victim)
         out.preempted.append(victim)
         self.record.touch(victim)
-
-    def _swaps(self, victim: Request) -> bool:
-        """Whether preempting ``victim`` swaps its KV out rather than freeing it to recompute later.
-        ``swap``: whenever the CPU and disk tiers have room. ``auto``: when the CPU tier alone has room
-        and copying the blocks out and back costs less than recomputing their tokens, as this executor
-        measured both (``Costs.swap_pays``)."""
-        mode = self.config.preemption_mode
-        if mode == "swap":
-            return self.blocks.can_swap_out(victim)
-        if mode == "auto":
-            n = blocks_for(victim.num_computed, self.blocks.block_size)
-            return n <= self.blocks.num_free(CPU) and self.moves.costs.swap_pays(n, victim.num_computed)
-        return False
 
     def _unschedule(self, victim: Request, out: SchedulerOutput) -> int:
         """Drop ``victim`` from this step's plan if it was already in it (with the copy of its fork,
