@@ -83,6 +83,13 @@ class ExecutorKeys:
         held until the destination has read them (scheduler_svc/core/migration.py)."""
         return self.prefix + "lent"
 
+    @property
+    def moving(self) -> str:
+        """String: the seq of a plan whose swaps or copies the state records before its result came back
+        (absent when none): a new leader whose executor has not applied that seq resets the pool, since
+        those moves may never have run (scheduler_svc/loops/flights.py, core/restore.py)."""
+        return self.prefix + "moving"
+
     def free(self, tier: Tier | int) -> str:
         """The tier's free set, as a bitmap: bit ``b`` is 1 while block ``b`` is free. A pool of
         hundreds of thousands of blocks is a few tens of KiB, set whole in one command."""
@@ -102,6 +109,7 @@ class ExecutorKeys:
             self.lru,
             self.hashes,
             self.lent,
+            self.moving,
             *(self.free(t) for t in Tier),
         ]
 

@@ -57,7 +57,9 @@ def restore(
     if block ownership is inconsistent, or if the executor has executed plans
     built on writes Redis no longer has (``applied_seq`` past ``snap.seq``: a
     restart lost them, and the KV may hold what those writes recorded, e.g.
-    blocks that moved to other requests).
+    blocks that moved to other requests), or if Redis records the swaps or
+    copies of a plan the executor never started (``applied_seq`` below
+    ``snap.moving``: the KV is not where the state says).
     """
     caching = config.enable_prefix_caching
     # Lends end with their leader: its executor forgets them at this leader's first plan (a reset), so
@@ -72,7 +74,10 @@ def restore(
         bm.changed[tier].update(back)
     held = [r for r, _ in snap.requests if r.status in (Status.RUNNING, Status.SWAPPED)]
     reset = (
-        snap.pool != pool_fields(totals, block_size) or not consistent(bm, held, snap.cache) or applied_seq > snap.seq
+        snap.pool != pool_fields(totals, block_size)
+        or not consistent(bm, held, snap.cache)
+        or applied_seq > snap.seq
+        or applied_seq < snap.moving  # the plan whose swaps or copies Redis records never started
     )
     if reset:  # the cache goes too (reset_ops deletes it from Redis)
         bm = BlockManager(block_size, *(Pool.fresh(t) for t in totals), caching=caching)

@@ -20,3 +20,4 @@ class Snapshot:
     cache: dict[int, bytes] = field(default_factory=dict)  # device block -> hash, every cached block
     ranks: dict[int, int] = field(default_factory=dict)  # evictable cached block -> LRU rank
     lent: list[tuple[int, int]] = field(default_factory=list)  # (tier, block) of every lend (core/migration.py)
+    moving: int = 0  # the seq of a plan whose swaps or copies this state records before its result (0: none)

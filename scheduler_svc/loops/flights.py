@@ -15,11 +15,18 @@ A pipelined turn: take step N's result (the executor already runs N+1) while
 reading the doorbell from Redis, plan and send N+2, commit N. So at most two
 plans are at the executor, and the loop has a whole step to plan the next one.
 A plan that moves KV (swaps between tiers, or the copy of a forked group mate's
-partial block) is never followed by another before its result is in, and no
-commit is made while it is in flight: a commit may include later plans'
-allocations (blocks owned but not yet written, harmless to reload) and, for
-their requests, only what reported steps computed (``Flight.starts``), but
-never a swap that might not have happened.
+partial block) is never followed by another before its result is in. A commit
+may include later plans' allocations (blocks owned but not yet written,
+harmless to reload) and, for their requests, only what reported steps computed
+(``Flight.starts``). It records a swap or copy that might not have happened
+only while that plan is the one in flight and its seq is above every earlier
+plan's: the commit then names the plan's seq (``ExecutorKeys.moving``), and a
+new leader whose executor has not applied that seq knows the moves never ran
+and resets the pool (``core/restore.py``). Otherwise (another plan still in
+flight, or a lend, whose registration must come before the commit that makes
+its request claimable, or a fork's copy) the commit waits for the result: the streams would get
+that step's tokens a step late. A turn that may move KV also commits before it
+schedules (``Loop.iterate``), so that the turn's news does not wait either.
 A plan that runs speculative drafts is not followed by another before its
 result is in either: how many tokens each of its rows yields (and so where the
 next plan's positions start) is known only then. And drafting needs each
@@ -59,10 +66,12 @@ class Flight:
     step_id: int
     sent: float  # perf_counter() when it was handed to the channel
     starts: dict[str, int] = field(default_factory=dict)  # request -> first position it runs (computed for sure)
+    seq: int = 0  # the Redis writes the plan was built on (``StepPlan.seq``)
+    fresh: bool = False  # its seq is above every earlier plan's, this leader's and its predecessors' (``Pipeline.add``)
 
     @classmethod
-    def of(cls, out: SchedulerOutput, step_id: int) -> Flight:
-        return cls(out, step_id, time.perf_counter(), {s.req.request_id: s.start for s in out.scheduled})
+    def of(cls, out: SchedulerOutput, step_id: int, seq: int = 0) -> Flight:
+        return cls(out, step_id, time.perf_counter(), {s.req.request_id: s.start for s in out.scheduled}, seq)
 
     @property
     def drafts(self) -> bool:
@@ -75,13 +84,21 @@ class Flight:
         follow the lend's registration): a commit must not record that before the result says it happened."""
         return bool(self.out.swap_out or self.out.swap_in or self.out.copies or self.out.lends)
 
+    @property
+    def swaps_only(self) -> bool:
+        """Its moves are swaps between tiers: no fork's copy, no lend."""
+        return not (self.out.copies or self.out.lends)
+
 
 class Pipeline:
     """The plans in flight, oldest first; the pure rules of when to launch, wait and commit."""
 
-    def __init__(self, depth: int) -> None:
+    def __init__(self, depth: int, seq: int = 0) -> None:
         self.depth = depth  # 1: serial, 2: one step ahead
         self.flights: deque[Flight] = deque()
+        # The highest seq a plan the executor may have run carries: at first the leader's restored seq (no
+        # predecessor's plan carries more), then the seq of this leader's latest plan (they go out in order).
+        self._last_seq = seq
 
     def __len__(self) -> int:
         return len(self.flights)
@@ -113,8 +130,17 @@ class Pipeline:
         return self.depth > 1 and not launched
 
     def can_commit(self) -> bool:
-        """A commit may not record a swap the executor might not have done."""
-        return not any(f.moves for f in self.flights)
+        """Whether a commit may record what the scheduler holds now. A plan in flight that moves KV may have
+        its moves recorded before its result only where a new leader can tell whether they ran: it is the one
+        plan in flight, its seq is above every earlier plan's (``moving``), and it only swaps (a fork's copy
+        and a lend wait for their result)."""
+        moving = [f for f in self.flights if f.moves]
+        return not moving or (len(self.flights) == 1 and moving[0].fresh and moving[0].swaps_only)
+
+    def moving(self) -> int:
+        """The seq a commit made now names as the plan whose moves it records before their result, 0 if none:
+        the executor reaches that seq only by starting that plan (it refuses a seq below one it ran)."""
+        return next((f.seq for f in self.flights if f.moves), 0)
 
     def add(self, flight: Flight) -> None:
         """A plan went out. The requests it preempted start over (and may be admitted again in this
@@ -124,6 +150,8 @@ class Pipeline:
         for f in self.flights:
             for rid in gone & f.starts.keys():
                 del f.starts[rid]
+        flight.fresh = flight.seq > self._last_seq
+        self._last_seq = max(self._last_seq, flight.seq)
         self.flights.append(flight)
 
     def starts(self, live: Mapping[str, Request] | None = None) -> dict[str, int]:

@@ -73,6 +73,8 @@ class Session:
     # The executor may hold lends of an earlier session (they were freed at restore): the first plan, which
     # resets its tables and lends, goes out even with nothing to run, or a drained executor would wait for them.
     hello: bool = False
+    moving: int = 0  # the seq Redis names as a plan whose moves it records before their result (flights.py)
+    synced: bool = True  # Redis holds what the scheduler holds: the turn's last change was committed
 
 
 class Loop:
@@ -198,6 +200,8 @@ class Loop:
         ops = writer.reset_ops(totals, info.block_size, max(applied, snap.seq)) if restored.reset else []
         if snap.lent and not restored.reset:  # freed by the restore: this leader lends nothing yet
             ops.append(["DEL", self.store.keys.executor(self.executor).lent])
+        if snap.moving:  # the moves it named ran (else the pool was reset)
+            ops.append(writer.moving(0))
         if restored.reset and snap.requests:
             self.log.warning(
                 "executor %s: pool state unusable (the executor ran plans up to write %d, Redis has %d); "
@@ -224,7 +228,7 @@ class Loop:
             PlanBuilder(self.epoch, self.executor),
             cursor,
             seq,
-            pipe=Pipeline(2 if self.pipelined else 1),
+            pipe=Pipeline(2 if self.pipelined else 1, seq),
             channel=self._open(),
             hello=bool(snap.lent) or restored.reset,
         )
@@ -340,6 +344,11 @@ class Loop:
         intake(sched, claimed, [(rid, r) for rid, r in cancels if rid in sched.requests])
         self.mover.ask(sched, [r for r, cancel in claimed if cancel is None], candidates)
         sched.expire(now_ms())  # queue deadlines: nothing past its own starts now
+        # A plan that swaps defers the commits made while it is in flight with another (flights.py): where this
+        # turn's may swap, the result's tokens go out before it is planned (the commit after it stays: a plan's
+        # allocations are in Redis before it starts, as in every turn).
+        if done is not None and s.pipe and sched.may_move() and s.pipe.can_commit():
+            await self._commit(sched)
         launched = None
         if not hold and s.pipe.can_launch(bool(s.pipe) and sched.wants_drafts()) and (sched.has_work or s.hello):
             launched = self._launch(sched.schedule())
@@ -349,7 +358,8 @@ class Loop:
                 launched = self._launch(sched.schedule())  # before the commit: the executor waits only for this
         sched.expire(now_ms())  # what would go back to the queue (or stays swapped) past its deadline ends here
         sched.requeue_waiting(now_ms())
-        if s.pipe.can_commit():
+        s.synced = s.pipe.can_commit()
+        if s.synced:
             await self._commit(sched)
         timer.stop()
         if self.step_log is not None and done is not None:
@@ -382,7 +392,7 @@ class Loop:
         s.sched.launch(out)
         timer.plan = timer.since(t)
         s.ended = []
-        flight = Flight.of(out, self._step_id)
+        flight = Flight.of(out, self._step_id, s.seq)
         assert s.channel is not None
         timer.encode = s.channel.send(plan)
         s.pipe.add(flight)
@@ -430,6 +440,9 @@ class Loop:
         t = time.perf_counter()
         starts = s.pipe.starts(sched.requests) if s.pipe else None
         ops = s.writer.ops(rec, sched.blocks.is_free, self._view(sched), starts)
+        if s.pipe.moving() != s.moving:
+            s.moving = s.pipe.moving()
+            ops.append(s.writer.moving(s.moving))
         timer.commit = timer.since(t)
         left_ns = time.time_ns()
         if ops:

@@ -61,11 +61,16 @@ class CommitWriter:
         """Bind the state to a fresh pool: every block free, nothing computed; the write
         sequence goes to ``seq`` (at least what the executor has executed)."""
         ops: list[list[str]] = [
-            ["DEL", self.x.pool, self.x.computed, self.x.cache, self.x.lru, self.x.hashes, self.x.lent],
+            ["DEL", self.x.pool, self.x.computed, self.x.cache, self.x.lru, self.x.hashes, self.x.lent, self.x.moving],
             ["HSET", self.x.pool, "blocks", ",".join(map(str, totals)), "block_size", str(block_size)],
             ["SET", self.x.seq, str(seq)],
         ]
         return ops + [[FILL, self.x.free(tier), str(total)] for tier, total in zip(TIERS, totals)]
+
+    def moving(self, seq: int) -> list[str]:
+        """Record that the state holds the swaps or copies of the plan with ``seq``, whose result is not in
+        (``ExecutorKeys.moving``); 0: none."""
+        return ["SET", self.x.moving, str(seq)] if seq else ["DEL", self.x.moving]
 
     def _blocks(self, rec: StepRecord, is_free: object) -> list[list[str]]:
         ops: list[list[str]] = []

@@ -305,7 +305,8 @@ class RedisStore:
         # Lends change only in this executor's fenced commits, and this loop holds its lease: read apart.
         texts = cast(list[str], await self.r.hvals(x.lent))
         lent = [ref for text in texts for ref in codec.lent_blocks(text)]
-        return Snapshot(pool, free, requests, int(raw[3]), cache, ranks, lent)
+        moving = int(cast(str | None, await self.r.get(x.moving)) or 0)
+        return Snapshot(pool, free, requests, int(raw[3]), cache, ranks, lent, moving)
 
     async def views(self) -> dict[str, PoolView]:
         """Every pool's published view (placement's, and migration's choice of peers)."""

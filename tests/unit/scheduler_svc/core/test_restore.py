@@ -74,6 +74,34 @@ def test_an_executor_ahead_of_redis_means_lost_writes_and_a_reset() -> None:
     assert all(x.num_computed == 0 and not x.blocks and not x.swap_blocks for x in requeued)
 
 
+def test_swaps_recorded_before_their_plan_ran_reset_the_pool_unless_the_executor_started_it() -> None:
+    """A commit made while the plan that swaps "s" out was in flight names that plan's seq (``moving``); the plan
+    ran if and only if the executor applied that seq (it refuses a seq below one it ran)."""
+    swapped = Request(
+        "s",
+        list(range(10, 18)),
+        Params(),
+        arrival=2,
+        status=Status.SWAPPED,
+        num_computed=8,
+        swap_blocks=[(Tier.CPU, 0), (Tier.CPU, 1)],
+    )
+    snap = Snapshot(
+        pool_fields(TOTALS, 4),
+        ([2, 3, 4, 5, 6, 7], [2, 3], []),
+        [(running("a", [0, 1], 1), None), (swapped, None)],
+        seq=7,
+        moving=6,
+    )
+    kept = restore(snap, TOTALS, CONFIG, 4, applied_seq=6)
+    assert not kept.reset and kept.sched.requests["s"].swap_blocks == [(Tier.CPU, 0), (Tier.CPU, 1)]
+    r = restore(snap, TOTALS, CONFIG, 4, applied_seq=5)
+    assert r.reset, "the swap never ran: the CPU blocks do not hold s's KV"
+    requeued = r.sched.take_record().requeued
+    assert sorted(x.request_id for x in requeued) == ["a", "s"]
+    assert all(x.num_computed == 0 and not x.blocks and not x.swap_blocks for x in requeued)
+
+
 def test_the_prefix_cache_survives_a_new_leader_unless_a_step_was_lost() -> None:
     """Evictable cached blocks come back with their hashes and LRU order; after a plan that ran but
     never committed (applied_seq == seq) their KV may have been overwritten, so the cache is dropped."""

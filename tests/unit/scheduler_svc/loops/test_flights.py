@@ -212,6 +212,33 @@ def test_a_plan_that_swaps_is_followed_only_after_its_result() -> None:
     assert not serial.wait_first() and serial.wait_after(True) and not serial.can_launch()
 
 
+def test_a_swap_alone_in_flight_is_committed_under_its_seq() -> None:
+    """A commit may record a plan's swaps before their result only while it is the one plan in flight, its seq
+    above every earlier plan's (so the executor's applied seq says whether it started), and only swaps."""
+    swap = SchedulerOutput(swap_out=[BlockMove(DEVICE, 1, CPU, 0)])
+    pipe = Pipeline(2, seq=5)
+    pipe.add(Flight(SchedulerOutput(), 0, 0.0, {"a": 4}, seq=6))
+    pipe.add(Flight(swap, 1, 0.0, {"a": 5}, seq=7))
+    assert not pipe.can_commit(), "an older plan is in flight: what the swap takes may change"
+    pipe.flights.popleft()
+    assert pipe.can_commit() and pipe.moving() == 7
+    pipe.flights.popleft()
+    assert pipe.can_commit() and pipe.moving() == 0
+
+    pipe.add(Flight(SchedulerOutput(), 2, 0.0, {"a": 6}, seq=8))
+    pipe.add(Flight(swap, 3, 0.0, {"a": 7}, seq=8))  # no write since the plan before: its seq says nothing
+    pipe.flights.popleft()
+    assert not pipe.can_commit()
+    pipe.flights.popleft()
+
+    fork = SchedulerOutput(copies=[BlockMove(DEVICE, 1, DEVICE, 2)])
+    pipe.add(Flight(fork, 4, 0.0, {"a": 8}, seq=9))
+    assert not pipe.can_commit(), "a fork's copy waits for its result"
+    first = Pipeline(2, seq=9)  # a new leader: its predecessor's plans carry at most the restored seq
+    first.add(Flight(swap, 0, 0.0, {}, seq=9))
+    assert not first.can_commit()
+
+
 def test_swap_sources_stay_pending_until_their_own_step_reports() -> None:
     s = make(blocks=4, cpu=4)
     bm = s.blocks
