@@ -81,6 +81,9 @@ def summarize(records: list[RequestRecord], duration: float) -> dict[str, object
         "ttft_ms": percentiles([r.ttft for r in records], 1e3),
         "tpot_ms": percentiles([t for r in records if (t := r.tpot) is not None], 1e3),
         "itl_ms": percentiles(itl, 1e3),
+        # Streamed messages per token: below 1 where a server sent several steps' tokens in one message (ITL is
+        # measured between messages, so those gaps span several steps).
+        "messages_per_token": sum(len(r.token_times) for r in records) / out_tokens if out_tokens else 0.0,
         "e2e_ms": percentiles([r.e2e for r in records], 1e3),
         "peak_concurrent_seqs": peak,
         "mean_concurrent_seqs": mean,

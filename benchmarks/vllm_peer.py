@@ -214,14 +214,15 @@ def section(summary: dict) -> list[str]:
         f"`{ours.get('preemption_mode', 'recompute')}` with a {ours.get('swap_space_gib', 0)} GiB CPU tier for swapped "
         "KV (vLLM v1 has none: its victims recompute). Ratios are pagedserve / vLLM.",
         "",
-        "| workload | server (door) | output tok/s | TTFT p50 ms | ITL p50 ms | TPOT p50 ms |",
-        "|---|---|---|---|---|---|",
+        "| workload | server (door) | output tok/s | TTFT p50 ms | ITL p50 / p90 ms | TPOT p50 ms | messages / token |",
+        "|---|---|---|---|---|---|---|",
     ]
     for w, arms in v["arms"].items():
         for a, s in arms.items():
             lines.append(
                 f"| {w} | {a} | {s['output_tokens_per_s']:.1f} | {s['ttft_ms']['p50']:.0f} | "
-                f"{s['itl_ms']['p50']:.0f} | {s['tpot_ms']['p50']:.0f} |"
+                f"{s['itl_ms']['p50']:.0f} / {s['itl_ms']['p90']:.0f} | {s['tpot_ms']['p50']:.0f} | "
+                f"{s.get('messages_per_token', float('nan')):.2f} |"
             )
     lines += [
         "",
