@@ -217,14 +217,6 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.running or len(self.waiting) or len(self.swapped) or self.moves.pending)
 
-    def may_move(self) -> bool:
-        """Whether the next ``schedule`` may swap KV: a request waits swapped out, or the free device blocks
-        may not give each running request a new one (a preemption that copies). A guess either way costs
-        no more than a step's wait for its tokens (``Loop.iterate``)."""
-        if len(self.swapped):
-            return True
-        return self.config.preemption_mode != "recompute" and self.blocks.num_free(DEVICE) < len(self.running)
-
     @staticmethod
     def handing_off(req: Request) -> bool:
         """A prefill executor's request whose first token is sampled (or in flight): it runs nothing more

@@ -18,15 +18,16 @@ A plan that moves KV (swaps between tiers, or the copy of a forked group mate's
 partial block) is never followed by another before its result is in. A commit
 may include later plans' allocations (blocks owned but not yet written,
 harmless to reload) and, for their requests, only what reported steps computed
-(``Flight.starts``). It records a swap or copy that might not have happened
-only while that plan is the one in flight and its seq is above every earlier
-plan's: the commit then names the plan's seq (``ExecutorKeys.moving``), and a
-new leader whose executor has not applied that seq knows the moves never ran
-and resets the pool (``core/restore.py``). Otherwise (another plan still in
-flight, or a lend, whose registration must come before the commit that makes
-its request claimable, or a fork's copy) the commit waits for the result: the streams would get
-that step's tokens a step late. A turn that may move KV also commits before it
-schedules (``Loop.iterate``), so that the turn's news does not wait either.
+(``Flight.starts``). It records a swap that might not have happened only while
+that plan is the one in flight and its seq is above every earlier plan's: the
+commit then names the plan's seq (``ExecutorKeys.moving``), and a new leader
+whose executor has not applied that seq knows the swaps never ran and resets
+the pool (``core/restore.py``). Otherwise (another plan still in flight, a
+fork's copy, or a lend, whose registration must come before the commit that
+makes its request claimable) the commit waits for the result. So that a swap
+does not hold back the tokens of the step before it, a turn takes what its
+result changed before it plans, and commits that part alone where the new plan
+swaps (``Loop.iterate``).
 A plan that runs speculative drafts is not followed by another before its
 result is in either: how many tokens each of its rows yields (and so where the
 next plan's positions start) is known only then. And drafting needs each

@@ -34,6 +34,7 @@ from scheduler_svc.core import placement
 from scheduler_svc.core.blocks import DEVICE
 from scheduler_svc.core.migration import MoveConfig
 from scheduler_svc.core.output import SchedulerOutput
+from scheduler_svc.core.record import StepRecord
 from scheduler_svc.core.request import Finish, Request
 from scheduler_svc.core.restore import intake, restore
 from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig
@@ -54,6 +55,9 @@ RETRY_S = 1.0
 
 class ExecutorLost(RuntimeError):
     """Step failed or timed out and the executor did not answer as the same instance."""
+
+
+Written = tuple[StepRecord, list[list[str]]]  # what a commit writes: the record taken, its Redis commands
 
 
 @dataclass(slots=True)
@@ -344,11 +348,9 @@ class Loop:
         intake(sched, claimed, [(rid, r) for rid, r in cancels if rid in sched.requests])
         self.mover.ask(sched, [r for r, cancel in claimed if cancel is None], candidates)
         sched.expire(now_ms())  # queue deadlines: nothing past its own starts now
-        # A plan that swaps defers the commits made while it is in flight with another (flights.py): where this
-        # turn's may swap, the result's tokens go out before it is planned (the commit after it stays: a plan's
-        # allocations are in Redis before it starts, as in every turn).
-        if done is not None and s.pipe and sched.may_move() and s.pipe.can_commit():
-            await self._commit(sched)
+        # Pipelined, what the result changed is taken before planning: a plan that swaps holds back the commits
+        # made while it is in flight with another (flights.py), and the result's tokens then go out alone.
+        news = [self._written(sched, view=False)] if done is not None and s.pipe and s.pipe.can_commit() else []
         launched = None
         if not hold and s.pipe.can_launch(bool(s.pipe) and sched.wants_drafts()) and (sched.has_work or s.hello):
             launched = self._launch(sched.schedule())
@@ -360,7 +362,9 @@ class Loop:
         sched.requeue_waiting(now_ms())
         s.synced = s.pipe.can_commit()
         if s.synced:
-            await self._commit(sched)
+            await self._commit(*news, self._written(sched))
+        elif news:
+            await self._commit(*news)
         timer.stop()
         if self.step_log is not None and done is not None:
             self._log_step(sched, done, queued, timer)
@@ -431,25 +435,32 @@ class Loop:
             self.metrics.step(self.model, self.executor, flight.out.num_tokens)
         return flight, result
 
-    async def _commit(self, sched: Scheduler) -> None:
-        """Everything recorded since the last commit, in one fenced call; for the requests of a plan
-        still in flight only what the reported steps computed."""
-        s, timer = self.s, self.s.timer
+    def _written(self, sched: Scheduler, view: bool = True) -> Written:
+        """Everything recorded since the last commit, taken, as the commands of a commit; for the requests of
+        a plan still in flight only what the reported steps computed. ``view``: with this pool's usage."""
+        s = self.s
         rec = sched.take_record()
         s.ended += [r.request_id for r in rec.finished] + [r.request_id for r in rec.requeued]
         t = time.perf_counter()
         starts = s.pipe.starts(sched.requests) if s.pipe else None
-        ops = s.writer.ops(rec, sched.blocks.is_free, self._view(sched), starts)
+        ops = s.writer.ops(rec, sched.blocks.is_free, self._view(sched) if view else None, starts)
         if s.pipe.moving() != s.moving:
             s.moving = s.pipe.moving()
             ops.append(s.writer.moving(s.moving))
-        timer.commit = timer.since(t)
+        s.timer.commit += s.timer.since(t)
+        return rec, ops
+
+    async def _commit(self, *parts: Written) -> None:
+        """One fenced call for ``parts``, in order."""
+        s, timer = self.s, self.s.timer
+        ops = [op for _, part in parts for op in part]
         left_ns = time.time_ns()
         if ops:
             s.seq = await timer.redis_call(self.store.apply(self.executor, self.epoch, s.seq, ops))
-        self.placements.left(rec, left_ns)
-        if self.metrics is not None:
-            self.metrics.committed(self.model, self.executor, rec)
+        for rec, _ in parts:
+            self.placements.left(rec, left_ns)
+            if self.metrics is not None:
+                self.metrics.committed(self.model, self.executor, rec)
 
     async def _result(self) -> pb.StepResult:
         assert self.s.channel is not None

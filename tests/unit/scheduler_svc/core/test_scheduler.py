@@ -123,23 +123,6 @@ def preempt_once(s: Scheduler) -> tuple[int, int]:
     return s.counters.preemptions_swap, s.counters.preemptions_recompute
 
 
-def test_may_move_foresees_every_step_that_swaps() -> None:
-    """``may_move`` (the loop commits a step's tokens before planning such a step) is true before every step
-    that swaps, in or out, and false while there is room and nothing waits swapped out."""
-    for mode, moved in (("swap", True), ("recompute", False)):
-        s = make(blocks=6, cpu=8, preemption_mode=mode)
-        s.add(req("a", 8, max_tokens=12, arrival=0))
-        s.add(req("b", 8, max_tokens=12, arrival=1))
-        said, swapped = [], False
-        while s.has_work:
-            said.append(s.may_move())
-            out = run_step(s)
-            swapped |= bool(out.swap_out or out.swap_in)
-            assert said[-1] or not (out.swap_out or out.swap_in)
-        assert swapped == moved and said[0] is False, "two 8-token prompts fit six 4-token blocks"
-        assert any(said) == moved
-
-
 def test_auto_swaps_when_copies_cost_less_than_recomputing() -> None:
     s = make(blocks=6, cpu=8, preemption_mode="auto")
     s.moves.costs.stepped(8, 8.0)  # 1 ms a token computed
