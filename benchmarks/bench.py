@@ -566,6 +566,7 @@ def run_all(args: argparse.Namespace, cfg: Config, out: Path, started: float) ->
                 max_num_batched_tokens=args.max_num_batched_tokens,
                 max_model_len=lens.get(run.budget_tokens, cfg.long_max_total_len + 16),
                 venv=args.vllm_venv,
+                rounds=args.vllm_rounds,
             ),
             short.workload,
             run.workload,

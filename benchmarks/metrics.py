@@ -6,7 +6,7 @@ follows ``vllm bench serve``: (E2E - TTFT) / (output_len - 1).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -66,6 +66,26 @@ def concurrency(records: list[RequestRecord]) -> tuple[int, float]:
         level += d
         peak = max(peak, level)
     return peak, area / (stop - start) if stop > start else float(level)
+
+
+def pooled(runs: list[tuple[list[RequestRecord], float]]) -> tuple[list[RequestRecord], float]:
+    """Several runs of one workload as one: each run's times shifted past the runs before it (so that concurrency
+    does not count two runs at once), durations added. ``summarize`` of the result weighs every run alike."""
+    out: list[RequestRecord] = []
+    offset = 0.0
+    for records, duration in runs:
+        out += [
+            replace(
+                r,
+                arrival=r.arrival + offset,
+                first_token=r.first_token + offset,
+                end=r.end + offset,
+                token_times=[t + offset for t in r.token_times],
+            )
+            for r in records
+        ]
+        offset += duration
+    return out, offset
 
 
 def summarize(records: list[RequestRecord], duration: float) -> dict[str, object]:

