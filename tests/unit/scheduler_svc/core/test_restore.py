@@ -49,8 +49,8 @@ def test_inconsistent_ownership_resets_the_pool() -> None:
     assert r.sched.blocks.num_free() == 8
 
 
-def test_an_executor_ahead_of_redis_means_lost_writes_and_a_reset() -> None:
-    """Redis came back from an older AOF: the executor ran plans built on writes it no longer has."""
+def with_swapped(moving: int = 0) -> Snapshot:
+    """ "a" running on device blocks 0-1, "s" swapped out to CPU blocks 0-1, after 7 writes."""
     swapped = Request(
         "s",
         list(range(10, 18)),
@@ -60,12 +60,18 @@ def test_an_executor_ahead_of_redis_means_lost_writes_and_a_reset() -> None:
         num_computed=8,
         swap_blocks=[(Tier.CPU, 0), (Tier.CPU, 1)],
     )
-    snap = Snapshot(
+    return Snapshot(
         pool_fields(TOTALS, 4),
         ([2, 3, 4, 5, 6, 7], [2, 3], []),
         [(running("a", [0, 1], 1), None), (swapped, None)],
         seq=7,
+        moving=moving,
     )
+
+
+def test_an_executor_ahead_of_redis_means_lost_writes_and_a_reset() -> None:
+    """Redis came back from an older AOF: the executor ran plans built on writes it no longer has."""
+    snap = with_swapped()
     assert not restore(snap, TOTALS, CONFIG, 4, applied_seq=7).reset, "the same writes: the KV can be trusted"
     r = restore(snap, TOTALS, CONFIG, 4, applied_seq=9)
     assert r.reset
@@ -77,22 +83,7 @@ def test_an_executor_ahead_of_redis_means_lost_writes_and_a_reset() -> None:
 def test_swaps_recorded_before_their_plan_ran_reset_the_pool_unless_the_executor_started_it() -> None:
     """A commit made while the plan that swaps "s" out was in flight names that plan's seq (``moving``); the plan
     ran if and only if the executor applied that seq (it refuses a seq below one it ran)."""
-    swapped = Request(
-        "s",
-        list(range(10, 18)),
-        Params(),
-        arrival=2,
-        status=Status.SWAPPED,
-        num_computed=8,
-        swap_blocks=[(Tier.CPU, 0), (Tier.CPU, 1)],
-    )
-    snap = Snapshot(
-        pool_fields(TOTALS, 4),
-        ([2, 3, 4, 5, 6, 7], [2, 3], []),
-        [(running("a", [0, 1], 1), None), (swapped, None)],
-        seq=7,
-        moving=6,
-    )
+    snap = with_swapped(moving=6)
     kept = restore(snap, TOTALS, CONFIG, 4, applied_seq=6)
     assert not kept.reset and kept.sched.requests["s"].swap_blocks == [(Tier.CPU, 0), (Tier.CPU, 1)]
     r = restore(snap, TOTALS, CONFIG, 4, applied_seq=5)
