@@ -75,12 +75,11 @@ class BlockManager:
         self.pending: list[tuple[Tier, int]] = []
         self._pending_dev: set[int] = set()
 
-    def load_cache(self, hashes: dict[int, bytes], ranks: dict[int, int], trusted: bool = True) -> None:
+    def load_cache(self, hashes: dict[int, bytes], ranks: dict[int, int]) -> None:
         """Take over the cache a previous leader left in Redis: block -> hash for every cached
-        block, LRU ranks of the evictable ones. Call before ``adopt``ing the live requests.
-        ``trusted`` False: the KV may no longer match (see ``restore``): forget it."""
+        block, LRU ranks of the evictable ones. Call before ``adopt``ing the live requests."""
         pool = self.pools[DEVICE]
-        if not self.caching or not trusted:  # turned off since, or stale: forget it, and purge it from Redis
+        if not self.caching:  # turned off since: forget it, and purge it from Redis
             self._track = bool(hashes) or self.caching
             self.changed[DEVICE].update(hashes)
             self._rehashed.update(hashes.values())

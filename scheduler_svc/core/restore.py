@@ -59,7 +59,9 @@ def restore(
     restart lost them, and the KV may hold what those writes recorded, e.g.
     blocks that moved to other requests), or if Redis records the swaps or
     copies of a plan the executor never started (``applied_seq`` below
-    ``snap.moving``: the KV is not where the state says).
+    ``snap.moving``: the KV is not where the state says), or if it ran a plan
+    built on the very writes Redis has whose own commit never landed
+    (``applied_seq`` equal to ``snap.seq``).
     """
     caching = config.enable_prefix_caching
     # Lends end with their leader: its executor forgets them at this leader's first plan (a reset), so
@@ -77,15 +79,16 @@ def restore(
         snap.pool != pool_fields(totals, block_size)
         or not consistent(bm, held, snap.cache)
         or applied_seq > snap.seq
-        or applied_seq < snap.moving  # the plan whose swaps or copies Redis records never started
+        # The executor ran a plan built on this very state whose commit never landed (a plan that swaps holds
+        # the commit after it back while another is in flight): it may have written other requests' KV into
+        # blocks Redis says a request still holds (a victim preempted for recompute, an evicted cached block).
+        or 0 < applied_seq == snap.seq
+        or applied_seq < snap.moving  # the plan whose swaps Redis records never started
     )
     if reset:  # the cache goes too (reset_ops deletes it from Redis)
         bm = BlockManager(block_size, *(Pool.fresh(t) for t in totals), caching=caching)
     else:
-        # The executor ran a plan on top of this very state whose commit never landed: that step may
-        # have evicted cached blocks and written other KV into them, so the cache is not trusted.
-        lost_step = applied_seq > 0 and applied_seq == snap.seq
-        bm.load_cache(snap.cache, snap.ranks, trusted=not lost_step)
+        bm.load_cache(snap.cache, snap.ranks)
     sched = Scheduler(config, bm)
     for req, _ in sorted(snap.requests, key=lambda rc: rc[0].arrival):
         if reset or req.status not in (Status.RUNNING, Status.SWAPPED):

@@ -32,7 +32,7 @@ def test_a_consistent_snapshot_is_kept_claims_go_back_and_cancels_finish() -> No
     snap = snapshot(
         [(running("a", [0, 1], 1), None), (running("b", [2, 3], 2), Finish.STOP), (claimed, None)], free=[4, 5, 6, 7]
     )
-    r = restore(snap, TOTALS, CONFIG, 4, applied_seq=7)
+    r = restore(snap, TOTALS, CONFIG, 4, applied_seq=6)
     assert not r.reset
     assert list(r.sched.requests) == ["a"] and r.sched.requests["a"].blocks == [0, 1]
     rec = r.sched.take_record()
@@ -72,7 +72,7 @@ def with_swapped(moving: int = 0) -> Snapshot:
 def test_an_executor_ahead_of_redis_means_lost_writes_and_a_reset() -> None:
     """Redis came back from an older AOF: the executor ran plans built on writes it no longer has."""
     snap = with_swapped()
-    assert not restore(snap, TOTALS, CONFIG, 4, applied_seq=7).reset, "the same writes: the KV can be trusted"
+    assert not restore(snap, TOTALS, CONFIG, 4, applied_seq=6).reset, "the plan before the last commit: trusted"
     r = restore(snap, TOTALS, CONFIG, 4, applied_seq=9)
     assert r.reset
     requeued = r.sched.take_record().requeued
@@ -93,9 +93,11 @@ def test_swaps_recorded_before_their_plan_ran_reset_the_pool_unless_the_executor
     assert all(x.num_computed == 0 and not x.blocks and not x.swap_blocks for x in requeued)
 
 
-def test_the_prefix_cache_survives_a_new_leader_unless_a_step_was_lost() -> None:
-    """Evictable cached blocks come back with their hashes and LRU order; after a plan that ran but
-    never committed (applied_seq == seq) their KV may have been overwritten, so the cache is dropped."""
+def test_the_prefix_cache_survives_a_new_leader_and_a_lost_step_resets_the_pool() -> None:
+    """Evictable cached blocks come back with their hashes and LRU order. After a plan that ran on this very state
+    but never committed (applied_seq == seq), the KV of blocks Redis says are held or cached may have been
+    overwritten (a victim it preempted for recompute gave its blocks to another request in that plan): every
+    request recomputes from an empty pool, and the cache goes."""
     from scheduler_svc.core import prefix
 
     a = running("a", [0, 1], 1)
@@ -108,7 +110,5 @@ def test_the_prefix_cache_survives_a_new_leader_unless_a_step_was_lost() -> None
     b = Request("b", list(range(10, 18)) + [1], Params())
     assert bm.lookup(b) == [0, 1], "a new request hits the reloaded cache"
     r = restore(snap, TOTALS, CONFIG, 4, applied_seq=7)
-    bm = r.sched.blocks
-    assert not r.reset and not bm.hash_of and not bm.lru and bm.num_free() == 6
-    delta = bm.cache_delta(bm.take_changes()[0])
-    assert sorted(delta.unhashed) == [0, 1, 5, 6] and len(delta.dropped) == 4, "and purged from Redis"
+    assert r.reset and not r.sched.requests and not r.sched.blocks.hash_of and r.sched.blocks.num_free() == 8
+    assert [x.request_id for x in r.sched.take_record().requeued] == ["a"]
