@@ -82,7 +82,8 @@ class Flight:
     @property
     def moves(self) -> bool:
         """It swaps or copies KV, or lends blocks (the commit that makes their request claimable must
-        follow the lend's registration): a commit must not record that before the result says it happened."""
+        follow the lend's registration): no plan follows it before its result, and a commit records it
+        before the result only as ``Pipeline.can_commit`` allows."""
         return bool(self.out.swap_out or self.out.swap_in or self.out.copies or self.out.lends)
 
     @property
