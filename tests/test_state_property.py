@@ -298,7 +298,7 @@ class ClusterState(RuleBasedStateMachine):
         its predecessor had not read yet)."""
         eid = data.draw(st.sampled_from(sorted(self.loops)))
         pipe, held = self.loops[eid].s.pipe, self.loops[eid].s.sched.requests
-        in_flight, synced, moving = bool(pipe), self.loops[eid].s.synced, self.loops[eid].s.moving
+        in_flight, synced, moving = bool(pipe), pipe.can_commit(), self.loops[eid].s.moving
         before = _state(self.loops[eid])
         cancelled = {rid for rid in before if self.run(self.client.hget(self.keys.req(rid), "cancel"))}
         # A cancelled completion hands its prompt blocks to a mate still waiting to fork from it.
@@ -388,10 +388,10 @@ class ClusterState(RuleBasedStateMachine):
         placed: dict[str, str] = {}
         for eid, loop in self.loops.items():
             snap = self.run(self.store.load(eid))
-            # Pipelined, a plan that moves KV (swaps, a fork's copy) in flight with another defers the commit,
-            # and a turn that committed before planning holds its plan back to the next: Redis holds the last
-            # commit (and claims since), the loop is ahead of it.
-            synced = loop.s.synced
+            # Pipelined, a plan that moves KV (swaps, a fork's copy) in flight with another defers the commit of
+            # its own turn (the result's part went alone): Redis holds the last commit (and claims since), the
+            # loop is ahead of it.
+            synced = loop.s.pipe.can_commit()
             # Placed but not running: waiting for a peer's offer, or for room with its fetched prefix.
             held = {*loop.s.sched.moves.asking, *(r.request_id for r in loop.s.sched.waiting)}
             _check_pool(snap, self.totals[eid], self.pipelined, synced, held)

@@ -78,7 +78,6 @@ class Session:
     # resets its tables and lends, goes out even with nothing to run, or a drained executor would wait for them.
     hello: bool = False
     moving: int = 0  # the seq Redis names as a plan whose moves it records before their result (flights.py)
-    synced: bool = True  # Redis holds what the scheduler holds: the turn's last change was committed
 
 
 class Loop:
@@ -360,8 +359,7 @@ class Loop:
                 launched = self._launch(sched.schedule())  # before the commit: the executor waits only for this
         sched.expire(now_ms())  # what would go back to the queue (or stays swapped) past its deadline ends here
         sched.requeue_waiting(now_ms())
-        s.synced = s.pipe.can_commit()
-        if s.synced:
+        if s.pipe.can_commit():
             await self._commit(*news, self._written(sched))
         elif news:
             await self._commit(*news)
@@ -444,9 +442,9 @@ class Loop:
         t = time.perf_counter()
         starts = s.pipe.starts(sched.requests) if s.pipe else None
         ops = s.writer.ops(rec, sched.blocks.is_free, self._view(sched) if view else None, starts)
-        if s.pipe.moving() != s.moving:
-            s.moving = s.pipe.moving()
-            ops.append(s.writer.moving(s.moving))
+        if (moving := s.pipe.moving()) != s.moving:
+            s.moving = moving
+            ops.append(s.writer.moving(moving))
         s.timer.commit += s.timer.since(t)
         return rec, ops
 
