@@ -97,8 +97,9 @@ def _engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--cpu-linear",
         choices=linear.CHOICES,
-        default="onednn",
-        help="the linear layers on CPU: onednn (weights prepacked once, as vLLM's CPU backend) or torch (F.linear)",
+        default="auto",
+        help="the linear layers on CPU, weights prepacked once: dnnl (oneDNN's own library, called directly, as "
+        "vLLM's CPU backend), onednn (through torch's), torch (F.linear); auto: dnnl where it builds, else onednn",
     )
     p.add_argument(
         "--model-impl",

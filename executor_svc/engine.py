@@ -54,8 +54,8 @@ class EngineConfig:
     swap_dir: Path | None = None
     disk_swap_space: float = 4.0  # GiB on disk, used only with swap_dir
     attention_backend: str = "auto"
-    kernel_cache: Path | None = None  # where the cpu attention kernel is built (None: model_store.cache_dir())
-    cpu_linear: str = "onednn"  # executor_svc/linear.py: prepacked oneDNN GEMMs on CPU, or torch's F.linear
+    kernel_cache: Path | None = None  # where the CPU kernels are built (None: model_store.cache_dir())
+    cpu_linear: str = "auto"  # executor_svc/linear.py: prepacked oneDNN GEMMs on CPU (its own or torch's), or F.linear
     device: str | None = None
     dtype: str = "float32"
     lora: LoraConfig | None = None  # --enable-lora: adapters' slots and caches (executor_svc/lora.py)
@@ -71,8 +71,9 @@ class Engine:
         hf = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=dtype)
         self.model = hf.to(self.device).eval()  # type: ignore[arg-type]
         self.model.set_attn_implementation(attention.IMPLEMENTATION)
-        self.linear = linear.apply(self.model, cfg.cpu_linear, self.device)
-        self.backend = get_backend(cfg.attention_backend, self.device, cfg.kernel_cache or model_store.cache_dir())
+        kernels = cfg.kernel_cache or model_store.cache_dir()  # where the compiled CPU kernels are built
+        self.linear = linear.apply(self.model, cfg.cpu_linear, self.device, kernels)
+        self.backend = get_backend(cfg.attention_backend, self.device, kernels)
         self.adapters = Adapters(self.model, cfg.lora, self.device, dtype) if cfg.lora is not None else None
         self.lean = lean.choose(self.model, cfg.model_impl)  # after linear.apply and the adapters: it keeps theirs
         text_config = config.get_text_config()

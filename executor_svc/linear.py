@@ -1,4 +1,4 @@
-"""The model's linear layers on CPU as prepacked oneDNN GEMMs (``--cpu-linear onednn``, the default on CPU).
+"""The model's linear layers on CPU as prepacked oneDNN GEMMs (``--cpu-linear auto``, the default on CPU).
 
 torch's ``F.linear`` in fp32 on CPU calls MKL's sgemm on the weight as stored, ``[out, in]``, transposed on the fly.
 A decode step multiplies a handful of rows by every weight of the model once, and for such short, wide products a
@@ -17,38 +17,60 @@ gate/up) into one GEMM each, as vLLM's ``QKVParallelLinear``/``MergedColumnParal
 instead of 7. Each output column is still the dot product of the same row with the same weight row, and oneDNN's
 reduction over the input features does not depend on how many columns a call has: the fused slices equal the separate
 products bit for bit (``tests/unit/executor_svc/test_linear.py`` checks it, at AVX2 and at the machine's widest ISA).
+
+Two ways to reach oneDNN (``--cpu-linear``): ``dnnl`` calls oneDNN's own release through a small shim
+(``paged_kernels/cpu_linear.py``: no dispatcher, primitives cached by row count, as vLLM's ``onednn_mm``; a decode
+step's products 13-22% faster than ``onednn`` on a 2-core AVX2 VM); ``onednn`` goes through torch
+(``torch.ops.mkldnn``, ideep); ``auto`` takes ``dnnl`` where it builds, else ``onednn``; ``torch`` keeps ``F.linear``.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from pathlib import Path
 
 import torch
 from torch import nn
 
+from paged_kernels import cpu_linear
+from paged_kernels.cpu_attention import KernelUnavailable
+
 log = logging.getLogger(__name__)
-CHOICES = ("onednn", "torch")
+CHOICES = ("auto", "dnnl", "onednn", "torch")
+
+Gemm = Callable[[torch.Tensor], torch.Tensor]  # y = x W^T + b for one packed weight
+Packer = Callable[[torch.Tensor, torch.Tensor | None], Gemm]  # (weight [out, in], bias) -> its Gemm
 
 
 def available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
+class TorchOneDNN:
+    """``W`` reordered once by torch's oneDNN (ideep), multiplied through ``torch.ops.mkldnn``."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+        self.bias = None if bias is None else bias.detach()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+
 class PackedLinear(nn.Module):
     """``y = x W^T + b`` with ``W`` reordered once for oneDNN (any leading dimensions of ``x``)."""
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, linear: nn.Linear, pack: Packer = TorchOneDNN) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        weight = linear.weight.detach()
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
-        self.bias = None if linear.bias is None else linear.bias.detach()
+        self.gemm = pack(linear.weight.detach(), None if linear.bias is None else linear.bias.detach())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return self.gemm(x)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, onednn"
+        return f"in_features={self.in_features}, out_features={self.out_features}, {type(self.gemm).__name__}"
 
 
 class Fused:
@@ -60,18 +82,18 @@ class Fused:
     A part called on another input (a model that calls them otherwise) computes the product again: still right.
     """
 
-    def __init__(self, linears: list[nn.Linear]) -> None:
+    def __init__(self, linears: list[nn.Linear], pack: Packer = TorchOneDNN) -> None:
         weight = torch.cat([lin.weight.detach() for lin in linears])
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
         biases = [lin.bias for lin in linears]
-        self.bias = None if biases[0] is None else torch.cat([b.detach() for b in biases if b is not None])
+        bias = None if biases[0] is None else torch.cat([b.detach() for b in biases if b is not None])
+        self.gemm = pack(weight, bias)
         self.sizes = [lin.out_features for lin in linears]
         self.input: torch.Tensor | None = None
         self.outputs: list[torch.Tensor | None] = []
 
     def product(self, x: torch.Tensor) -> torch.Tensor:
         """The whole product: every part's output, side by side in ``sizes`` columns."""
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return self.gemm(x)
 
     def take(self, x: torch.Tensor, i: int) -> torch.Tensor:
         if x is not self.input or self.outputs[i] is None:
@@ -103,7 +125,7 @@ class Part(PackedLinear):
 GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # called in this order on one input
 
 
-def fuse(model: nn.Module) -> int:
+def fuse(model: nn.Module, pack: Packer = TorchOneDNN) -> int:
     """Swap each group of ``GROUPS`` (fp32 CPU ``nn.Linear``s of one module, same input size, all with or all
     without bias) for ``Part``s of one ``Fused`` GEMM; how many groups were fused."""
     fused = 0
@@ -116,32 +138,55 @@ def fuse(model: nn.Module) -> int:
             fits = all(lin.weight.dtype == torch.float32 and lin.weight.is_cpu for lin in lins)
             if not fits or len({lin.in_features for lin in lins}) != 1 or len({lin.bias is None for lin in lins}) != 1:
                 continue
-            group = Fused(lins)
+            group = Fused(lins, pack)
             for i, (name, lin) in enumerate(zip(names, lins, strict=True)):
                 setattr(parent, name, Part(lin, group, i))
             fused += 1
     return fused
 
 
-def prepack(model: nn.Module) -> int:
+def prepack(model: nn.Module, pack: Packer = TorchOneDNN) -> int:
     """Swap ``model``'s fp32 linear layers for ``PackedLinear`` in place; how many were swapped."""
     swapped = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear) and child.weight.dtype == torch.float32 and child.weight.is_cpu:
-                setattr(parent, name, PackedLinear(child))
+                setattr(parent, name, PackedLinear(child, pack))
                 swapped += 1
     return swapped
 
 
-def apply(model: nn.Module, choice: str, device: torch.device) -> str:
-    """The linear path ``choice`` asks for on ``device``; what runs (``torch`` where oneDNN can't)."""
-    if choice != "onednn" or device.type != "cpu":
-        return "torch"
-    if not available():
+def packer(choice: str, cache_dir: Path) -> tuple[str, Packer | None]:
+    """What ``choice`` runs here, and how it packs a weight (None: ``F.linear``). ``dnnl`` asked for by name raises
+    ``KernelUnavailable`` where its shim cannot be built or loaded; ``auto`` then takes ``onednn`` (the reason
+    logged)."""
+    if choice not in CHOICES:
+        raise ValueError(f"cpu_linear must be one of {CHOICES}, got {choice!r}")
+    if choice in ("auto", "dnnl"):
+        try:
+            lib = cpu_linear.load(cache_dir)
+            return "dnnl", lambda weight, bias: cpu_linear.Gemm(lib, weight, bias)
+        except KernelUnavailable as exc:
+            if choice == "dnnl":
+                raise
+            log.warning("--cpu-linear auto: oneDNN's own library is unavailable (%s); using torch's", exc)
+        choice = "onednn"
+    if choice == "onednn" and available():
+        return "onednn", TorchOneDNN
+    if choice == "onednn":
         log.warning("--cpu-linear onednn: this torch build has no oneDNN linear; using torch's")
+    return "torch", None
+
+
+def apply(model: nn.Module, choice: str, device: torch.device, cache_dir: Path | None = None) -> str:
+    """The linear path ``choice`` asks for on ``device`` (``dnnl``'s shim built into ``cache_dir``, by default
+    ``~/.cache/pagedserve``); what runs (``torch`` off the CPU, or where oneDNN can't)."""
+    if device.type != "cpu":
         return "torch"
-    groups = fuse(model)
-    swapped = prepack(model)
-    log.info("linear layers: %d groups fused, %d more prepacked for oneDNN", groups, swapped)
-    return "onednn" if swapped or groups else "torch"
+    name, pack = packer(choice, cache_dir or Path.home() / ".cache" / "pagedserve")
+    if pack is None:
+        return "torch"
+    groups = fuse(model, pack)
+    swapped = prepack(model, pack)
+    log.info("linear layers (%s): %d groups fused, %d more prepacked for oneDNN", name, groups, swapped)
+    return name if swapped or groups else "torch"

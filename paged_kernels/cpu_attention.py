@@ -68,7 +68,8 @@ def library_path(cache_dir: Path) -> Path:
     return cache_dir / "kernels" / f"paged_attention-{digest}.so"
 
 
-def _compile(target: Path) -> None:
+def compile_library(target: Path, args: list[str]) -> None:
+    """``g++ args -o target``, atomically: the library appears whole or not at all."""
     cxx = shutil.which("g++")
     if cxx is None:
         raise KernelUnavailable("no C++ compiler (g++) on PATH")
@@ -76,7 +77,7 @@ def _compile(target: Path) -> None:
     fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so.tmp")
     os.close(fd)
     try:
-        done = subprocess.run([cxx, *FLAGS, *map(str, SOURCES), "-o", tmp], capture_output=True, text=True, timeout=120)
+        done = subprocess.run([cxx, *args, "-o", tmp], capture_output=True, text=True, timeout=120)
         if done.returncode != 0:
             raise KernelUnavailable(f"g++ failed: {done.stderr.strip()[-500:]}")
         os.replace(tmp, target)  # atomic: a concurrent build (another worker, another executor) loads either copy
@@ -189,7 +190,7 @@ def symbol(cache_dir: Path, name: str) -> ctypes._CFuncPtr:  # type: ignore[name
     and this CPU is there already."""
     lib = library_path(cache_dir)
     if not lib.exists():
-        _compile(lib)
+        compile_library(lib, [*FLAGS, *map(str, SOURCES)])
     try:
         fn = getattr(ctypes.CDLL(str(lib)), name)
     except (OSError, AttributeError) as e:
