@@ -28,13 +28,17 @@ constexpr size_t kMaxPrimitives = 4096;  // rows x shapes kept; past it the cach
 
 struct State {
   dnnl::engine engine{dnnl::engine::kind::cpu, 0};
-  dnnl::stream stream{engine};
   std::mutex lock;
   std::map<Key, dnnl::inner_product_forward> prims;
 };
 
 State& state() {
   static State s;
+  return s;
+}
+
+dnnl::stream& stream() {  // one per calling thread (the executor calls from its torch thread only)
+  thread_local dnnl::stream s(state().engine);
   return s;
 }
 
@@ -87,8 +91,8 @@ int dnnl_linear_pack(void* handle, const float* weight, float* packed) {
     auto& s = state();
     memory src(rows(w->out, w->in), s.engine, const_cast<float*>(weight));
     memory dst(w->layout, s.engine, packed);
-    dnnl::reorder(src, dst).execute(s.stream, src, dst);
-    s.stream.wait();
+    dnnl::reorder(src, dst).execute(stream(), src, dst);
+    stream().wait();
   });
 }
 
@@ -100,7 +104,7 @@ int dnnl_linear_run(void* handle, const float* x, const float* packed, const flo
     const Key key{m, w->out, w->in, bias != nullptr};
     memory::desc src = rows(m, w->in), dst = rows(m, w->out);
     memory::desc bmd({w->out}, memory::data_type::f32, memory::format_tag::a);
-    dnnl::inner_product_forward* prim;
+    dnnl::inner_product_forward prim;  // a handle (shared): still valid if another thread clears the cache
     {
       std::lock_guard<std::mutex> g(s.lock);
       auto it = s.prims.find(key);
@@ -111,7 +115,7 @@ int dnnl_linear_run(void* handle, const float* x, const float* packed, const flo
                        : dnnl::inner_product_forward::primitive_desc(s.engine, kind, src, w->layout, dst);
         it = s.prims.emplace(key, dnnl::inner_product_forward(pd)).first;
       }
-      prim = &it->second;
+      prim = it->second;
     }
     std::unordered_map<int, memory> args{
         {DNNL_ARG_SRC, memory(src, s.engine, const_cast<float*>(x))},
@@ -119,7 +123,7 @@ int dnnl_linear_run(void* handle, const float* x, const float* packed, const flo
         {DNNL_ARG_DST, memory(dst, s.engine, y)},
     };
     if (bias) args.emplace(DNNL_ARG_BIAS, memory(bmd, s.engine, const_cast<float*>(bias)));
-    prim->execute(s.stream, args);
+    prim.execute(stream(), args);
   });
 }
 
