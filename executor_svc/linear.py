@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from executor_svc import model_store
 from paged_kernels import cpu_linear
 from paged_kernels.cpu_attention import KernelUnavailable
 
@@ -180,10 +181,10 @@ def packer(choice: str, cache_dir: Path) -> tuple[str, Packer | None]:
 
 def apply(model: nn.Module, choice: str, device: torch.device, cache_dir: Path | None = None) -> str:
     """The linear path ``choice`` asks for on ``device`` (``dnnl``'s shim built into ``cache_dir``, by default
-    ``~/.cache/pagedserve``); what runs (``torch`` off the CPU, or where oneDNN can't)."""
+    ``model_store.cache_dir()``); what runs (``torch`` off the CPU, or where oneDNN can't)."""
     if device.type != "cpu":
         return "torch"
-    name, pack = packer(choice, cache_dir or Path.home() / ".cache" / "pagedserve")
+    name, pack = packer(choice, cache_dir or model_store.cache_dir())
     if pack is None:
         return "torch"
     groups = fuse(model, pack)

@@ -23,7 +23,7 @@ namespace {
 using dnnl::memory;
 using Key = std::tuple<int64_t, int64_t, int64_t, bool>;  // rows, out features, in features, with bias
 
-constexpr int64_t kLayoutRows = 16;  // the row count the weights' layout is chosen for (the same for any on x86)
+constexpr int64_t kLayoutRows = 16;  // the row count the weights' layout is chosen for; calls of any count use it
 constexpr size_t kMaxPrimitives = 4096;  // rows x shapes kept; past it the cache starts over
 
 struct State {

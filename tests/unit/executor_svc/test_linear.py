@@ -26,9 +26,15 @@ pytestmark = pytest.mark.skipif(not linear.available(), reason="this torch build
 
 
 @pytest.fixture(scope="module")
-def dnnl(tmp_path_factory: pytest.TempPathFactory) -> linear.Packer:
-    """The ``dnnl`` path's packer, its shim built into a fresh cache directory (the build is part of the test)."""
-    name, pack = linear.packer("dnnl", tmp_path_factory.mktemp("kernels"))
+def kernels(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A fresh cache directory: the ``dnnl`` shim is built there once for this module (the build is under test)."""
+    return tmp_path_factory.mktemp("kernels")
+
+
+@pytest.fixture(scope="module")
+def dnnl(kernels: Path) -> linear.Packer:
+    """The ``dnnl`` path's packer."""
+    name, pack = linear.packer("dnnl", kernels)
     assert name == "dnnl" and pack is not None
     return pack
 
@@ -79,8 +85,8 @@ def test_the_dnnl_path_takes_leading_dimensions_strided_inputs_and_no_rows(dnnl:
     assert gemm(torch.empty(0, 64)).shape == (0, 64)
 
 
-def test_a_refused_dnnl_call_raises_with_onednns_reason(tmp_path: Path) -> None:
-    lib = cpu_linear.load(tmp_path)
+def test_a_refused_dnnl_call_raises_with_onednns_reason(kernels: Path) -> None:
+    lib = cpu_linear.load(kernels)
     handle, size = ctypes.c_void_p(), ctypes.c_int64()
     with pytest.raises(RuntimeError, match="oneDNN"):  # a C++ exception in the shim, not a crash
         lib.new(-1, 4, ctypes.byref(handle), ctypes.byref(size))
@@ -123,12 +129,12 @@ def _tiny(kind: str) -> nn.Module:
 
 @pytest.mark.parametrize("choice", ["onednn", "dnnl"])
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
-def test_a_model_fused_and_packed_keeps_its_logits(kind: str, choice: str, tmp_path: Path) -> None:
+def test_a_model_fused_and_packed_keeps_its_logits(kind: str, choice: str, kernels: Path) -> None:
     model = _tiny(kind)
     ids = torch.randint(0, 128, (1, 12))
     with torch.no_grad():
         want = model(ids).logits
-        assert linear.apply(model, choice, torch.device("cpu"), tmp_path) == choice
+        assert linear.apply(model, choice, torch.device("cpu"), kernels) == choice
         got = model(ids).logits
     parts = [m for m in model.modules() if isinstance(m, linear.Part)]
     assert len(parts) == 2 * (3 + 2)  # per layer: q/k/v, gate/up
