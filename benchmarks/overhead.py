@@ -217,7 +217,8 @@ def sweep(
 ) -> list[OverheadPoint]:
     """Overhead points per loop and (running, waiting) point of ``grid``; a point not filled within ``reach_s`` is
     skipped with the rest of its chain. Chains run by running level, both loops side by side (their deployments
-    started at once, each idle while the other is measured); points come back sorted by running, waiting and loop."""
+    started at once; each stopped once measured, the other idle meanwhile); points come back sorted by running,
+    waiting and loop."""
     log_dir.mkdir(parents=True, exist_ok=True)
     prompt = list(range(100, 100 + prompt_len))
     order = list(LOOPS)
@@ -253,6 +254,9 @@ def sweep(
             try:
                 for (chain, loop), dep in zip(group, deployments):
                     points += asyncio.run(_sweep_chain(dep, chain, window_s, prompt, reach_s, loop, step_ms))
+                    # Its requests outlive their cancelled streams (resumable, until --detach-timeout) and would
+                    # keep its loop, frontend and stub stepping through the next chain's window: stopped now.
+                    dep.stop()
             finally:
                 stop_all(deployments)
     finally:
