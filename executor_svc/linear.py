@@ -40,8 +40,8 @@ from paged_kernels.cpu_attention import KernelUnavailable
 log = logging.getLogger(__name__)
 CHOICES = ("auto", "dnnl", "onednn", "torch")
 
-Gemm = Callable[[torch.Tensor], torch.Tensor]  # y = x W^T + b for one packed weight
-Packer = Callable[[torch.Tensor, torch.Tensor | None], Gemm]  # (weight [out, in], bias) -> its Gemm
+# (weight [out, in], bias) -> x -> x W^T + b, the weight packed once: TorchOneDNN or paged_kernels.cpu_linear.Gemm
+Packer = Callable[[torch.Tensor, torch.Tensor | None], Callable[[torch.Tensor], torch.Tensor]]
 
 
 def available() -> bool:

@@ -76,7 +76,6 @@ class Library:
         self.new = self._checked(lib.dnnl_linear_new, [_I, _I, ctypes.POINTER(_P), ctypes.POINTER(_I)])
         self.pack = self._checked(lib.dnnl_linear_pack, [_P, _P, _P])
         self.run = self._checked(lib.dnnl_linear_run, [_P, _P, _P, _P, _P, _I])
-        self.impl = self._checked(lib.dnnl_linear_impl, [_P, _I, ctypes.c_char_p, _I])
         self.free = lib.dnnl_linear_free
         self.free.restype, self.free.argtypes = None, [_P]
 
@@ -130,12 +129,6 @@ class Gemm:
         if m := rows.shape[0]:
             self.lib.run(self.handle, rows.data_ptr(), self.packed.data_ptr(), self._bias_ptr, y.data_ptr(), m)
         return y.view(*lead, self.out_features)
-
-    def impl(self, rows: int) -> str:
-        """The implementation oneDNN runs for ``rows`` rows (e.g. ``brgemm:avx2``)."""
-        buf = ctypes.create_string_buffer(128)
-        self.lib.impl(self.handle, rows, buf, len(buf))
-        return buf.value.decode()
 
     def __del__(self) -> None:
         handle = getattr(self, "handle", None)

@@ -7,7 +7,6 @@
 #include <oneapi/dnnl/dnnl.hpp>
 
 #include <cstdint>
-#include <cstring>
 #include <map>
 #include <mutex>
 #include <string>
@@ -124,17 +123,6 @@ int dnnl_linear_run(void* handle, const float* x, const float* packed, const flo
     };
     if (bias) args.emplace(DNNL_ARG_BIAS, memory(bmd, s.engine, const_cast<float*>(bias)));
     prim.execute(stream(), args);
-  });
-}
-
-// The implementation a call of ``m`` rows runs (e.g. brgemm:avx2), into ``out`` (``size`` bytes).
-int dnnl_linear_impl(void* handle, int64_t m, char* out, int64_t size) {
-  return guarded([&] {
-    auto* w = static_cast<Weight*>(handle);
-    dnnl::inner_product_forward::primitive_desc pd(state().engine, dnnl::prop_kind::forward_inference, rows(m, w->in),
-                                                   w->layout, rows(m, w->out));
-    std::strncpy(out, pd.impl_info_str(), static_cast<size_t>(size - 1));
-    out[size - 1] = '\0';
   });
 }
 

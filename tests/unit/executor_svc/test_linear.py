@@ -96,6 +96,7 @@ def test_a_refused_dnnl_call_raises_with_onednns_reason(kernels: Path) -> None:
 def test_auto_falls_back_to_torchs_onednn_and_dnnl_by_name_says_why(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # Isolates the choice: the shim's loader stands in for a machine without oneDNN (the real build is tested above).
     def missing(cache_dir: Path) -> cpu_linear.Library:
         raise KernelUnavailable("oneDNN's headers and library are not here")
 
