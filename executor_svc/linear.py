@@ -35,7 +35,7 @@ from torch import nn
 
 from executor_svc import model_store
 from paged_kernels import cpu_linear
-from paged_kernels.cpu_attention import KernelUnavailable
+from paged_kernels.cpu_build import KernelUnavailable
 
 log = logging.getLogger(__name__)
 CHOICES = ("auto", "dnnl", "onednn", "torch")

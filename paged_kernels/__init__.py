@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from paged_kernels import cpu_attention, cpu_race, reference
+from paged_kernels import cpu_attention, cpu_build, cpu_race, reference
 from paged_kernels.reference import PagedMetadata, make_metadata, slot_mapping_for
 
 __all__ = ["Backend", "PagedMetadata", "get_backend", "make_metadata", "slot_mapping_for"]
@@ -52,7 +52,7 @@ class Backend:
 def get_backend(name: str, device: torch.device, cache_dir: Path | None = None) -> Backend:
     """``auto`` means Triton on CUDA and the compiled kernel on CPU (built into ``cache_dir``), or the torch
     reference where it cannot be built (the reason logged); ``cpu`` asked for by name raises
-    ``cpu_attention.KernelUnavailable`` with the reason instead."""
+    ``cpu_build.KernelUnavailable`` with the reason instead."""
     if name not in BACKENDS:
         raise ValueError(f"attention backend must be one of {BACKENDS}, got {name!r}")
     if name == "auto" and device.type == "cuda":
@@ -68,7 +68,7 @@ def get_backend(name: str, device: torch.device, cache_dir: Path | None = None) 
             kernel = cpu_attention.build(cache_dir)
             rope_and_cache = cpu_attention.build_rope_and_cache(cache_dir)
             race = cpu_race.build(cache_dir)
-        except cpu_attention.KernelUnavailable as e:
+        except cpu_build.KernelUnavailable as e:
             if name == "cpu":
                 raise
             log.warning("attention: the cpu kernel is unavailable (%s); using the torch reference", e)

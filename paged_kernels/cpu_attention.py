@@ -25,17 +25,14 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
-import os
 import platform
-import shutil
-import subprocess
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from paged_kernels import reference
+from paged_kernels.cpu_build import KernelUnavailable, compile_library
 from paged_kernels.reference import PagedMetadata
 
 # One library: the attention kernels, and the sampler's draw (``cpu_race.py``).
@@ -46,10 +43,6 @@ SOURCES = tuple(Path(__file__).with_name("cpu") / name for name in ("attention.c
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC")
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 ONE_THREAD_TOKENS = 1  # a step of one row of this many tokens (a decode) runs on one thread (``Kernel.__call__``)
-
-
-class KernelUnavailable(RuntimeError):
-    """The kernel could not be built or loaded here (the message says why)."""
 
 
 def _cpu_signature() -> bytes:
@@ -66,23 +59,6 @@ def library_path(cache_dir: Path) -> Path:
     sources = b"".join(src.read_bytes() for src in SOURCES)
     digest = hashlib.sha256(sources + " ".join(FLAGS).encode() + _cpu_signature()).hexdigest()[:16]
     return cache_dir / "kernels" / f"paged_attention-{digest}.so"
-
-
-def compile_library(target: Path, args: list[str]) -> None:
-    """``g++ args -o target``, atomically: the library appears whole or not at all."""
-    cxx = shutil.which("g++")
-    if cxx is None:
-        raise KernelUnavailable("no C++ compiler (g++) on PATH")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so.tmp")
-    os.close(fd)
-    try:
-        done = subprocess.run([cxx, *args, "-o", tmp], capture_output=True, text=True, timeout=120)
-        if done.returncode != 0:
-            raise KernelUnavailable(f"g++ failed: {done.stderr.strip()[-500:]}")
-        os.replace(tmp, target)  # atomic: a concurrent build (another worker, another executor) loads either copy
-    finally:
-        Path(tmp).unlink(missing_ok=True)
 
 
 def _i32(t: torch.Tensor) -> torch.Tensor:

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from paged_kernels.cpu_attention import KernelUnavailable, compile_library
+from paged_kernels.cpu_build import KernelUnavailable, compile_library
 
 SOURCE = Path(__file__).with_name("cpu") / "dnnl_linear.cpp"
 FLAGS = ("-O2", "-std=c++17", "-shared", "-fPIC")

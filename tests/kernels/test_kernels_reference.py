@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from paged_kernels import cpu_attention, get_backend, reference
+from paged_kernels import cpu_attention, cpu_build, get_backend, reference
 
 
 @pytest.fixture(scope="module")
@@ -126,8 +126,8 @@ def test_the_cpu_backend_builds_its_kernel_once_per_cpu_and_source(
 def test_without_a_compiler_the_cpu_backend_says_why(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Isolates the build's failure: no g++ on PATH (``shutil.which`` patched), an empty cache directory. Asked for
     by name, the backend raises the reason; ``auto`` keeps the torch reference."""
-    monkeypatch.setattr(cpu_attention.shutil, "which", lambda _: None)
-    with pytest.raises(cpu_attention.KernelUnavailable, match="no C\\+\\+ compiler"):
+    monkeypatch.setattr(cpu_build.shutil, "which", lambda _: None)
+    with pytest.raises(cpu_build.KernelUnavailable, match="no C\\+\\+ compiler"):
         get_backend("cpu", torch.device("cpu"), tmp_path)
     assert get_backend("auto", torch.device("cpu"), tmp_path).name == "torch"
 

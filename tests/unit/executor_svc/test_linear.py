@@ -20,7 +20,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 
 from executor_svc import linear
 from paged_kernels import cpu_linear
-from paged_kernels.cpu_attention import KernelUnavailable
+from paged_kernels.cpu_build import KernelUnavailable
 
 pytestmark = pytest.mark.skipif(not linear.available(), reason="this torch build has no oneDNN linear")
 

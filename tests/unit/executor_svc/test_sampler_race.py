@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from executor_svc.sampler import Sampling, _mix, _signed, _srl, row_key, sample
-from paged_kernels import cpu_attention, cpu_race
+from paged_kernels import cpu_build, cpu_race
 
 GOLDEN = 0x9E3779B97F4A7C15
 
@@ -20,7 +20,7 @@ GOLDEN = 0x9E3779B97F4A7C15
 def race(tmp_path_factory: pytest.TempPathFactory) -> cpu_race.Race:
     try:
         return cpu_race.build(Path(tmp_path_factory.mktemp("kernels")))
-    except cpu_attention.KernelUnavailable as e:  # pragma: no cover - the suite's machines have g++
+    except cpu_build.KernelUnavailable as e:  # pragma: no cover - the suite's machines have g++
         pytest.fail(f"the CPU library must build here: {e}")
 
 
